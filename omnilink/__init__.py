@@ -1,0 +1,56 @@
+"""omnilink: the data plane between the stages of multi-stage inference pipelines.
+
+Importing omnilink is cheap: it never initialises CUDA, and torch is imported only when
+a payload needs it. See README.md for the tensor_blob format and the connectors.
+"""
+
+from __future__ import annotations
+
+from omnilink._errors import (
+    BlobDecodeError,
+    BlobEncodeError,
+    BlobVersionError,
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    CudaError,
+    OmnilinkError,
+    PeerLostError,
+    TransferTimeout,
+    TransportError,
+    WouldBlock,
+)
+from omnilink.blob import decode, encode, encode_into, encoded_size
+from omnilink.connectors import (
+    Connector,
+    ConnectorStats,
+    available_backends,
+    connect,
+    register_backend,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "BlobDecodeError",
+    "BlobEncodeError",
+    "BlobVersionError",
+    "CapacityError",
+    "ClosedError",
+    "ConfigurationError",
+    "Connector",
+    "ConnectorStats",
+    "CudaError",
+    "OmnilinkError",
+    "PeerLostError",
+    "TransferTimeout",
+    "TransportError",
+    "WouldBlock",
+    "available_backends",
+    "connect",
+    "decode",
+    "encode",
+    "encode_into",
+    "encoded_size",
+    "register_backend",
+]

@@ -1,0 +1,93 @@
+"""Small internal helpers shared by the backends: deadlines and name validation."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+from omnilink._errors import ConfigurationError
+
+__all__ = ["Deadline", "validate_channel", "validate_key", "MAX_KEY_BYTES", "MAX_CHANNEL_CHARS"]
+
+#: Keys are never truncated; a longer one is refused instead (REFERENCE.md: truncated
+#: keys collided in production).
+MAX_KEY_BYTES = 512
+MAX_CHANNEL_CHARS = 128
+_CHANNEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*")
+
+
+class Deadline:
+    """A point in monotonic time; ``Deadline(None)`` never expires.
+
+    Parameters
+    ----------
+    timeout : float or None
+        Seconds from now; ``None`` waits forever. Negative or NaN is a
+        ``ConfigurationError``.
+    """
+
+    __slots__ = ("timeout", "_end")
+
+    def __init__(self, timeout: float | None) -> None:
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise ConfigurationError(f"timeout must be a number of seconds or None, got {timeout!r}")
+            if math.isnan(timeout) or timeout < 0:
+                raise ConfigurationError(f"timeout must be >= 0, got {timeout!r}")
+        self.timeout = timeout
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left (never negative), or ``None`` for no deadline."""
+        if self._end is None:
+            return None
+        return max(0.0, self._end - time.monotonic())
+
+    def expired(self) -> bool:
+        return self._end is not None and time.monotonic() >= self._end
+
+    def slice(self, at_most: float) -> float:
+        """Seconds to wait in one step: the remaining time capped at ``at_most``."""
+        left = self.remaining()
+        return at_most if left is None else min(left, at_most)
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it is a usable payload key, else raise ``ConfigurationError``.
+
+    A key is a non-empty ``str`` of at most ``MAX_KEY_BYTES`` UTF-8 bytes without NUL.
+    Any other character, ``/`` included, is allowed: keys never become file names.
+    """
+    if not isinstance(key, str):
+        raise ConfigurationError(f"key must be a str, got {type(key).__name__}: {key!r}")
+    if not key:
+        raise ConfigurationError("key must not be empty")
+    if "\x00" in key:
+        raise ConfigurationError(f"key must not contain NUL: {key!r}")
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(f"key is not encodable as UTF-8: {key!r}") from exc
+    if n > MAX_KEY_BYTES:
+        raise ConfigurationError(
+            f"key is {n} bytes, longer than the {MAX_KEY_BYTES}-byte limit "
+            "(keys are never truncated)"
+        )
+    return key
+
+
+def validate_channel(channel: object) -> str:
+    """Return ``channel`` if it is a valid channel name, else raise ``ConfigurationError``.
+
+    A channel is 1 to ``MAX_CHANNEL_CHARS`` characters of ``[A-Za-z0-9._-]`` in
+    ``/``-separated parts, each starting with a letter or digit (``job1/thinker-talker``).
+    """
+    if not isinstance(channel, str):
+        raise ConfigurationError(f"channel must be a str, got {type(channel).__name__}: {channel!r}")
+    if not channel or len(channel) > MAX_CHANNEL_CHARS or not _CHANNEL_RE.fullmatch(channel):
+        raise ConfigurationError(
+            f"invalid channel name {channel!r}: use 1-{MAX_CHANNEL_CHARS} characters of "
+            "[A-Za-z0-9._-] in '/'-separated parts, each starting with a letter or digit"
+        )
+    return channel

@@ -1,0 +1,326 @@
+"""The ``Connector`` protocol every backend implements, and ``BaseConnector``, the
+shared skeleton the built-in backends subclass.
+
+State machine of a connector (the same for every backend)::
+
+              connect(...)            close() (idempotent)
+    (new) --------------> OPEN ---------------------------> CLOSED
+                           |  put / put_async / get /          |  every call but close()
+                           |  get_nowait / discard / stats     |  raises ClosedError
+                           +-----------------------------------+
+
+Contract (DESIGN.md section 2):
+
+- ``put(key, payload, /, *, timeout=None)`` returns once the payload is in the transport
+  and the caller may reuse every tensor it passed; it returns the encoded size in bytes.
+- ``put_async`` returns a ``concurrent.futures.Future`` resolving to the same size.
+- ``get(key, /, *, timeout=None, device=None)`` blocks until ``key`` arrives (woken by the
+  transport, never by sleep-polling) or raises ``TransferTimeout``; ``get_nowait``
+  raises ``WouldBlock`` instead of waiting. Each key is consumed exactly once.
+- ``timeout=None`` means the connector's ``timeout`` option (itself ``None``: no limit;
+  a dead peer is still reported as ``PeerLostError``).
+- ``discard(key)`` drops a payload nobody will read and returns whether one was there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from omnilink._errors import ClosedError, ConfigurationError, TransferTimeout
+from omnilink._util import Deadline, validate_channel, validate_key
+
+__all__ = ["BaseConnector", "Connector", "ConnectorStats", "Role"]
+
+Role = Literal["sender", "receiver", "dual"]
+_ROLES = ("sender", "receiver", "dual")
+
+
+class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters of one connector since it was opened."""
+
+    backend: str
+    channel: str
+    role: str
+    puts: int = 0
+    gets: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    discards: int = 0
+    timeouts: int = 0
+    #: payloads that took a slower path (an overflow segment, a copy instead of a view)
+    fallbacks: int = 0
+    #: transport blocks (arena blocks, frames) currently held by this process
+    blocks_in_use: int = 0
+    bytes_in_use: int = 0
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """What every omnilink backend provides; third-party backends implement this."""
+
+    backend: str
+    channel: str
+    role: str
+
+    def put(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int: ...
+
+    def put_async(
+        self, key: str, payload: Any, /, *, timeout: float | None = None
+    ) -> concurrent.futures.Future[int]: ...
+
+    def get(
+        self, key: str, /, *, timeout: float | None = None, device: Any = None
+    ) -> Any: ...
+
+    def get_nowait(self, key: str, /, *, device: Any = None) -> Any: ...
+
+    def discard(self, key: str, /) -> bool: ...
+
+    def stats(self) -> ConnectorStats: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Connector: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+class BaseConnector:
+    """Skeleton shared by the built-in backends.
+
+    Subclasses set ``backend`` and implement ``_put``, ``_get``, ``_discard`` and
+    ``_close``; this class validates arguments, keeps the counters, turns ``timeout``
+    into a ``Deadline``, moves results to ``device`` and enforces the closed state.
+
+    Subclass hooks
+    --------------
+    ``_put(key, payload, deadline) -> int``
+        Transport the payload, return the bytes it took. Raise ``TransferTimeout`` via
+        ``self._timeout(...)`` when ``deadline`` passes.
+    ``_get(key, deadline, block) -> Any``
+        Return the payload for ``key`` (consuming it). With ``block=False`` raise
+        ``WouldBlock`` at once when it is not there.
+    ``_discard(key) -> bool``, ``_close() -> None``.
+    """
+
+    backend: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+    ) -> None:
+        self.channel = validate_channel(channel)
+        if role not in _ROLES:
+            raise ConfigurationError(f"role must be one of {_ROLES}, got {role!r}")
+        self.role = role
+        Deadline(timeout)  # validates
+        self.timeout = timeout
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._counter_lock = threading.Lock()
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("puts", "gets", "bytes_put", "bytes_got", "discards", "timeouts", "fallbacks"), 0
+        )
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ----------------------------------------------------------------- hooks
+    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        raise NotImplementedError
+
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        raise NotImplementedError
+
+    def _discard(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def _in_use(self) -> tuple[int, int]:
+        """(blocks, bytes) this process holds in the transport; backends override."""
+        return (0, 0)
+
+    # ---------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.backend} connector on channel {self.channel!r} is closed")
+
+    def _count(self, **deltas: int) -> None:
+        with self._counter_lock:
+            for name, delta in deltas.items():
+                self._counters[name] += delta
+
+    def _timeout(self, op: str, key: str | None, peer: str | None, waited: float | None) -> TransferTimeout:
+        """Build (and count) the ``TransferTimeout`` for an operation that waited too long."""
+        self._count(timeouts=1)
+        what = f"{op} of key {key!r}" if key is not None else op
+        return TransferTimeout(
+            f"{self.backend}: {what} on channel {self.channel!r} timed out after "
+            f"{waited if waited is not None else '?'} s waiting for {peer or 'the peer'}",
+            channel=self.channel,
+            key=key,
+            peer=peer,
+        )
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.timeout if timeout is None else timeout)
+
+    # ------------------------------------------------------------- public API
+    def put(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int:
+        """Send ``payload`` under ``key``.
+
+        Parameters
+        ----------
+        key : str
+            Non-empty, at most 512 UTF-8 bytes; consumed exactly once by a receiver.
+        payload : Any
+            A tree tensor_blob can carry (see ``omnilink.encode``).
+        timeout : float, optional
+            Seconds to wait for room in the transport; defaults to the connector's.
+
+        Returns
+        -------
+        int
+            Encoded size of the payload in bytes.
+
+        Raises
+        ------
+        ConfigurationError
+            Bad key or timeout.
+        BlobEncodeError
+            The payload holds something the format cannot carry.
+        TransferTimeout
+            No room appeared in time (backpressure).
+        CapacityError
+            The payload can never fit the transport as configured.
+        PeerLostError, ClosedError
+            The peer died; the connector was closed.
+        """
+        self._check_open()
+        validate_key(key)
+        n = self._put(key, payload, self._deadline(timeout))
+        self._count(puts=1, bytes_put=n)
+        return n
+
+    def put_async(
+        self, key: str, payload: Any, /, *, timeout: float | None = None
+    ) -> concurrent.futures.Future[int]:
+        """Like ``put`` but returns at once with a future of the encoded size.
+
+        The caller must not modify the payload's tensors until the future is done. Errors
+        are raised by ``future.result()``; argument errors are raised here.
+        """
+        self._check_open()
+        validate_key(key)
+        self._deadline(timeout)
+        with self._close_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"omnilink-{self.backend}-put"
+                )
+            return self._executor.submit(self.put, key, payload, timeout=timeout)
+
+    def get(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any:
+        """Receive the payload stored under ``key``, waiting up to ``timeout`` seconds.
+
+        Parameters
+        ----------
+        key : str
+            The key the sender used.
+        timeout : float, optional
+            Seconds to wait; defaults to the connector's ``timeout`` (None: no limit).
+        device : str or torch.device, optional
+            Move every tensor of the payload there (e.g. ``"cuda:0"``).
+
+        Returns
+        -------
+        Any
+            The payload; tensors are zero-copy views of the transport buffer where the
+            backend allows it, released when the last view dies.
+
+        Raises
+        ------
+        TransferTimeout
+            ``key`` did not arrive in time (names channel, key and peer).
+        PeerLostError
+            The sender died before ``key`` arrived.
+        BlobDecodeError
+            The bytes received are not a valid frame.
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        validate_key(key)
+        obj = self._get(key, self._deadline(timeout), True)
+        return self._finish_get(obj, device)
+
+    def get_nowait(self, key: str, /, *, device: Any = None) -> Any:
+        """Like ``get`` but raise ``WouldBlock`` at once if ``key`` is not there yet."""
+        self._check_open()
+        validate_key(key)
+        obj = self._get(key, Deadline(0.0), False)
+        return self._finish_get(obj, device)
+
+    def _finish_get(self, obj: Any, device: Any) -> Any:
+        self._count(gets=1)
+        if device is not None:
+            from omnilink._device import payload_to_device
+
+            obj = payload_to_device(obj, device)
+        return obj
+
+    def discard(self, key: str, /) -> bool:
+        """Drop the payload under ``key`` if present; return whether one was dropped."""
+        self._check_open()
+        validate_key(key)
+        dropped = self._discard(key)
+        if dropped:
+            self._count(discards=1)
+        return dropped
+
+    def stats(self) -> ConnectorStats:
+        """Counters since this connector was opened (see ``ConnectorStats``)."""
+        blocks, nbytes = (0, 0) if self._closed else self._in_use()
+        with self._counter_lock:
+            counters = dict(self._counters)
+        return ConnectorStats(
+            backend=self.backend,
+            channel=self.channel,
+            role=self.role,
+            blocks_in_use=blocks,
+            bytes_in_use=nbytes,
+            **counters,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release everything this connector created; idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._close()
+
+    def __enter__(self) -> BaseConnector:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {self.backend} channel={self.channel!r} role={self.role} {state}>"

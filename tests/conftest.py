@@ -1,0 +1,72 @@
+"""Suite-wide fixtures.
+
+Every shared-memory object omnilink creates is named with the prefix in
+``OMNILINK_SHM_PREFIX`` (default ``omnilink``). This suite sets a prefix of its own, so
+that the leak check below sees only what this test run made, even when other runs share
+``/dev/shm``, and fails any test that leaves such an entry behind (torch's leak checker
+does the same for its tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMNILINK_SHM_PREFIX", f"omnilink-t{os.getpid()}")
+SHM_PREFIX = os.environ["OMNILINK_SHM_PREFIX"]
+SHM_DIR = "/dev/shm"
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm (segments and ``sem.`` semaphores) made by this test run."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return set()
+    return {n for n in names if n.startswith(SHM_PREFIX) or n.startswith("sem." + SHM_PREFIX)}
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leak():
+    before = shm_entries()
+    yield
+    leaked = shm_entries() - before
+    if leaked:
+        # Clean up so one leak does not cascade into every later test, then fail.
+        for name in leaked:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+        pytest.fail(f"test left shared-memory entries in {SHM_DIR}: {sorted(leaked)}")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        two = False
+        try:
+            import torch
+
+            two = torch.cuda.device_count() >= 2
+        except Exception:  # pragma: no cover - defensive
+            two = False
+        if two:
+            return
+        skip2 = pytest.mark.skip(reason="needs two CUDA devices; this machine has fewer")
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(skip2)
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present on this machine")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip)
