@@ -1,0 +1,747 @@
+"""tensor_blob v1: the one wire format of every omnilink backend.
+
+A frame is a fixed prefix, a msgpack header and a data region holding every tensor's
+bytes at a 64-byte aligned offset. Nothing is pickled; decoding makes zero-copy views::
+
+    offset  size  field
+    0       4     magic b"OLB1"
+    4       2     version (u16, little-endian) = 1
+    6       2     flags (u16) = 0 (a frame with unknown flags is rejected)
+    8       4     header_len (u32)
+    12      4     crc32 of the header bytes (zlib.crc32)
+    16      8     data_len (u64)
+    24      H     header: msgpack of BlobHeader = [tensors, tree]
+    24+H    ...   zero padding up to D = align64(24 + H)
+    D       ...   data region, data_len bytes: tensor i at D + offset_i (offset_i % 64 == 0)
+
+    BlobHeader.tensors[i] = [kind, dtype_code, shape, offset, nbytes]
+        kind   0 torch.Tensor, 1 numpy.ndarray, 2 numpy scalar (np.generic)
+        dtype  stable code from DTYPE_CODES (independent of torch/numpy versions)
+        shape  list of dims >= 0; nbytes == prod(shape) * itemsize
+        data is C-contiguous, little-endian, in host memory order
+    BlobHeader.tree = the payload in msgpack, where a tensor or array is
+        Ext(1, u32 index into tensors) and a tuple is Ext(2, msgpack list of items).
+
+The data region is not checksummed (a CRC would cost a pass over every byte); the
+header is. Whatever a buffer holds, ``decode`` validates the prefix, the header's CRC,
+every descriptor (known dtype, non-negative dims, ``nbytes == numel * itemsize``,
+alignment, region inside ``data_len``, regions in order and disjoint) and the tree's
+tensor references before it makes a single view, and reports anything wrong as
+``BlobDecodeError``. Sizes are bounded (``MAX_HEADER_BYTES``, ``MAX_NDIM``), so a
+hostile header cannot make the decoder allocate without limit.
+
+Lifetime: decoded tensors are views made with ``torch.frombuffer`` / ``np.frombuffer``
+on the very object passed to ``decode``; each view keeps that object alive, and it is
+released when the last view dies. Transports hand ``decode`` a per-message exporter
+and attach ``weakref.finalize`` to it to learn when a block is free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+import sys
+import threading
+import warnings
+import zlib
+from typing import Any
+
+import msgspec
+
+from omnilink._errors import BlobDecodeError, BlobEncodeError, BlobVersionError
+
+__all__ = [
+    "DTYPE_CODES",
+    "FRAME_ALIGN",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "MAX_NDIM",
+    "PREFIX_SIZE",
+    "VERSION",
+    "BlobHeader",
+    "PreparedBlob",
+    "TensorDesc",
+    "decode",
+    "decode_parts",
+    "encode",
+    "encode_into",
+    "encode_parts",
+    "encoded_size",
+    "peek_header",
+    "prepare",
+]
+
+MAGIC = b"OLB1"
+VERSION = 1
+FRAME_ALIGN = 64
+PREFIX_SIZE = 24
+#: Largest header a decoder accepts: bounds what a hostile frame can make us parse.
+MAX_HEADER_BYTES = 64 << 20
+MAX_NDIM = 64
+
+_PREFIX = struct.Struct("<4sHHIIQ")
+_ZEROS = bytes(FRAME_ALIGN)
+#: Below this size a contiguous CPU tensor is written with one ctypes.memmove; above
+#: it torch's copy (multi-threaded) is faster.
+_MEMMOVE_MAX = 1 << 20
+_U32 = struct.Struct("<I")
+
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+
+KIND_TORCH = 0
+KIND_NUMPY = 1
+KIND_NUMPY_SCALAR = 2
+
+#: Stable dtype codes: name -> (code, itemsize). Names are torch's; numpy uses the same
+#: code for the same bit layout. Codes are never reused.
+DTYPE_CODES: dict[str, tuple[int, int]] = {
+    "bool": (1, 1),
+    "uint8": (2, 1),
+    "int8": (3, 1),
+    "int16": (4, 2),
+    "int32": (5, 4),
+    "int64": (6, 8),
+    "float16": (7, 2),
+    "bfloat16": (8, 2),
+    "float32": (9, 4),
+    "float64": (10, 8),
+    "complex32": (11, 4),
+    "complex64": (12, 8),
+    "complex128": (13, 16),
+    "float8_e4m3fn": (14, 1),
+    "float8_e5m2": (15, 1),
+    "float8_e4m3fnuz": (16, 1),
+    "float8_e5m2fnuz": (17, 1),
+    "float8_e8m0fnu": (18, 1),
+    "uint16": (19, 2),
+    "uint32": (20, 4),
+    "uint64": (21, 8),
+    "float4_e2m1fn_x2": (22, 1),
+}
+_ITEMSIZE_BY_CODE = {code: size for code, size in DTYPE_CODES.values()}
+_NAME_BY_CODE = {code: name for name, (code, _) in DTYPE_CODES.items()}
+_NUMPY_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
+    "complex64", "complex128", "uint16", "uint32", "uint64",
+)
+
+
+class TensorDesc(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor region: ``[kind, dtype, shape, offset, nbytes]`` on the wire."""
+
+    kind: int
+    dtype: int
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class BlobHeader(msgspec.Struct, array_like=True, frozen=True):
+    """The msgpack header of a frame: tensor descriptors and the payload tree."""
+
+    tensors: list[TensorDesc]
+    tree: msgspec.Raw
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_HEADER_DECODER = msgspec.msgpack.Decoder(BlobHeader)
+_tls = threading.local()
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _EXT_TENSOR:
+        if len(data) != 4:
+            raise BlobDecodeError(f"tensor reference of {len(data)} bytes, expected 4")
+        (index,) = _U32.unpack(data)
+        views = _tls.views
+        if index >= len(views):
+            raise BlobDecodeError(
+                f"payload references tensor {index} but the header describes {len(views)}"
+            )
+        return views[index]
+    if code == _EXT_TUPLE:
+        return tuple(_TREE_DECODER.decode(data))
+    raise BlobDecodeError(f"unknown extension type {code} in payload tree")
+
+
+_TREE_DECODER = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+# --------------------------------------------------------------------------- dtypes
+_torch_tables: tuple[dict[Any, tuple[int, int]], dict[int, Any]] | None = None
+_numpy_tables: tuple[dict[Any, tuple[int, int]], dict[int, Any]] | None = None
+
+
+def _torch_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
+    global _torch_tables
+    if _torch_tables is None:
+        import torch
+
+        to_code: dict[Any, tuple[int, int]] = {}
+        from_code: dict[int, Any] = {}
+        for name, (code, size) in DTYPE_CODES.items():
+            dt = getattr(torch, name, None)
+            if isinstance(dt, torch.dtype):
+                to_code[dt] = (code, size)
+                from_code[code] = dt
+        _torch_tables = (to_code, from_code)
+    return _torch_tables
+
+
+def _numpy_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
+    global _numpy_tables
+    if _numpy_tables is None:
+        import numpy as np
+
+        to_code: dict[Any, tuple[int, int]] = {}
+        from_code: dict[int, Any] = {}
+        for name in _NUMPY_NAMES:
+            dt = np.dtype(name)
+            to_code[dt] = DTYPE_CODES[name]
+            from_code[DTYPE_CODES[name][0]] = dt
+        _numpy_tables = (to_code, from_code)
+    return _numpy_tables
+
+
+def _align(n: int) -> int:
+    return (n + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+
+
+def _byte_view(buffer: Any, what: str, exc_type: type[Exception]) -> memoryview:
+    """A 1-D unsigned-byte memoryview of any C-contiguous buffer-protocol object."""
+    try:
+        mv = memoryview(buffer)
+    except TypeError as exc:
+        raise exc_type(f"{what} needs a bytes-like buffer, got {type(buffer).__name__}") from exc
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    if not mv.c_contiguous:
+        raise exc_type(f"{what} needs a C-contiguous buffer")
+    try:
+        return mv.cast("B")
+    except TypeError:
+        import numpy as np
+
+        return memoryview(np.frombuffer(buffer, dtype=np.uint8))
+
+
+def _path_str(path: list[Any]) -> str:
+    return "payload" + "".join(f"[{p!r}]" for p in path)
+
+
+# ------------------------------------------------------------------------- encoding
+class _Walker:
+    """Turns a payload into a msgpack-ready tree plus the list of tensors it holds."""
+
+    __slots__ = ("torch", "np", "sources", "descs", "seen", "offset", "path")
+
+    def __init__(self) -> None:
+        # A payload can only hold torch tensors if torch is already imported.
+        self.torch = sys.modules.get("torch")
+        self.np = sys.modules.get("numpy")
+        self.sources: list[tuple[int, Any]] = []
+        self.descs: list[TensorDesc] = []
+        self.seen: dict[int, int] = {}
+        self.offset = 0
+        self.path: list[Any] = []
+
+    def fail(self, what: str) -> BlobEncodeError:
+        return BlobEncodeError(f"{_path_str(self.path)}: {what}")
+
+    def walk(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is str or t is int or t is float or t is bool or obj is None or t is bytes:
+            if t is int and not (-(1 << 63) <= obj < (1 << 64)):
+                raise self.fail(f"int {obj} does not fit in 64 bits")
+            return obj
+        if t is dict:
+            out = {}
+            path = self.path
+            for k, v in obj.items():
+                if type(k) is not str:
+                    path.append(k)
+                    raise self.fail(f"dict key of type {type(k).__name__} (keys must be str)")
+                path.append(k)
+                out[k] = self.walk(v)
+                path.pop()
+            return out
+        if t is list or t is tuple:
+            path = self.path
+            items = []
+            for i, v in enumerate(obj):
+                path.append(i)
+                items.append(self.walk(v))
+                path.pop()
+            if t is tuple:
+                return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
+            return items
+        torch = self.torch
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self.tensor_ref(obj, KIND_TORCH)
+        np = self.np
+        if np is not None:
+            if isinstance(obj, np.ndarray):
+                return self.tensor_ref(obj, KIND_NUMPY)
+            if isinstance(obj, np.generic):
+                return self.tensor_ref(np.asarray(obj), KIND_NUMPY_SCALAR)
+        # Subclasses of the plain types (IntEnum, str subclasses, OrderedDict...) are
+        # refused rather than silently decoded as their base type.
+        raise self.fail(f"type {t.__module__}.{t.__qualname__} is not supported by tensor_blob")
+
+    def tensor_ref(self, obj: Any, kind: int) -> msgspec.msgpack.Ext:
+        key = id(obj)
+        index = self.seen.get(key)
+        if index is None:
+            if kind == KIND_TORCH:
+                code, size, shape, src = self.torch_source(obj)
+            else:
+                code, size, shape, src = self.numpy_source(obj)
+            numel = math.prod(shape)
+            nbytes = numel * size
+            index = len(self.descs)
+            self.descs.append(TensorDesc(kind, code, shape, self.offset, nbytes))
+            self.sources.append((kind, src))
+            self.offset = _align(self.offset + nbytes)
+            self.seen[key] = index
+        return msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
+
+    def torch_source(self, t: Any) -> tuple[int, int, list[int], Any]:
+        to_code, _ = _torch_dtypes()
+        entry = to_code.get(t.dtype)
+        if entry is None:
+            raise self.fail(f"torch dtype {t.dtype} is not supported by tensor_blob")
+        if t.layout is not self.torch.strided:
+            raise self.fail(f"torch layout {t.layout} is not supported (only dense tensors)")
+        if t.is_quantized or t.device.type == "meta":
+            raise self.fail(f"{t.device.type if t.device.type == 'meta' else 'quantized'} tensors are not supported")
+        t = t.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return entry[0], entry[1], list(t.shape), t
+
+    def numpy_source(self, a: Any) -> tuple[int, int, list[int], Any]:
+        to_code, _ = _numpy_dtypes()
+        dt = a.dtype
+        entry = to_code.get(dt)
+        if entry is None:
+            if dt.kind in "biufc" and dt.byteorder not in "=|" and dt.newbyteorder("=") in to_code:
+                raise self.fail(f"numpy array of non-native byte order {dt.str} (use .astype(native))")
+            raise self.fail(f"numpy dtype {dt} is not supported by tensor_blob")
+        return entry[0], entry[1], list(a.shape), a
+
+
+class PreparedBlob:
+    """A payload walked and its header encoded, ready to be written.
+
+    ``prepare(payload)`` does the work ``encoded_size`` and ``encode_into`` share, so a
+    transport that must size a block before writing into it walks the payload once.
+
+    Attributes
+    ----------
+    nbytes : int
+        Exact size of the frame.
+    header_len, data_len : int
+        Lengths of the header and of the data region.
+    """
+
+    __slots__ = ("_prefix", "_header", "_descs", "_sources", "data_offset", "data_len", "header_len", "nbytes")
+
+    def __init__(self, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]]) -> None:
+        self._header = header
+        self._descs = descs
+        self._sources = sources
+        self.header_len = len(header)
+        self.data_len = descs[-1].offset + descs[-1].nbytes if descs else 0
+        self.data_offset = _align(PREFIX_SIZE + self.header_len)
+        self.nbytes = self.data_offset + self.data_len
+        self._prefix = _PREFIX.pack(MAGIC, VERSION, 0, self.header_len, zlib.crc32(header), self.data_len)
+
+    @property
+    def meta(self) -> bytes:
+        """Prefix + header: the first part of a multi-frame message (``encode_parts``)."""
+        return self._prefix + self._header
+
+    def write_into(self, buffer: Any, /) -> int:
+        """Write the whole frame at the start of ``buffer``; return ``nbytes``.
+
+        Each tensor's bytes are copied exactly once, straight from the source tensor
+        (strided, on any device) into the buffer.
+
+        Raises
+        ------
+        BlobEncodeError
+            ``buffer`` is read-only, not contiguous, or smaller than ``nbytes``.
+        """
+        raw = _byte_view(buffer, "encode_into", BlobEncodeError)
+        if raw.readonly:
+            raise BlobEncodeError("encode_into needs a writable buffer, got a read-only one")
+        if raw.nbytes < self.nbytes:
+            raise BlobEncodeError(f"buffer of {raw.nbytes} bytes is too small for a {self.nbytes}-byte frame")
+        h_end = PREFIX_SIZE + self.header_len
+        raw[:PREFIX_SIZE] = self._prefix
+        raw[PREFIX_SIZE:h_end] = self._header
+        raw[h_end : self.data_offset] = _ZEROS[: self.data_offset - h_end]
+        if self._descs:
+            self._write_data(raw)
+        return self.nbytes
+
+    def _write_data(self, raw: memoryview) -> None:
+        base = self.data_offset
+        addr = None
+        torch_dst = None
+        data_end = base + self.data_len
+        for desc, (kind, src) in zip(self._descs, self._sources):
+            start = base + desc.offset
+            n = desc.nbytes
+            end = start + n
+            if n:
+                if kind == KIND_TORCH:
+                    if n <= _MEMMOVE_MAX and src.device.type == "cpu" and src.is_contiguous():
+                        # Small CPU tensors: one memmove beats three torch dispatches.
+                        if addr is None:
+                            addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+                        ctypes.memmove(addr + start, src.data_ptr(), n)
+                    else:
+                        if torch_dst is None:
+                            import torch
+
+                            torch_dst = torch.frombuffer(raw, dtype=torch.uint8)
+                        # One strided copy straight from the source (D2H for CUDA).
+                        torch_dst[start:end].view(src.dtype).view(src.shape).copy_(src)
+                else:
+                    if src.flags.c_contiguous:
+                        if addr is None:
+                            addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+                        ctypes.memmove(addr + start, src.ctypes.data, n)
+                    else:
+                        import numpy as np
+
+                        np.frombuffer(raw, dtype=src.dtype, count=src.size, offset=start).reshape(
+                            src.shape
+                        )[...] = src
+            # Padding is zeroed so frames are deterministic (no stale bytes leak out).
+            pad_end = min(_align(end), data_end)
+            if pad_end > end:
+                raw[end:pad_end] = _ZEROS[: pad_end - end]
+
+    def to_bytes(self) -> bytes:
+        buf = bytearray(self.nbytes)
+        self.write_into(buf)
+        return bytes(buf)
+
+    def regions(self) -> list[memoryview]:
+        """Each tensor's bytes as a C-contiguous host memoryview (copy only if needed)."""
+        out = []
+        for kind, src in self._sources:
+            if kind == KIND_TORCH:
+                import torch
+
+                t = src
+                if t.device.type != "cpu":
+                    t = t.to("cpu")
+                t = t.contiguous()
+                # as_strided: a contiguous tensor may still report odd strides on size-1 dims.
+                n = t.numel()
+                flat = t.as_strided((n,), (1,)).view(torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+                out.append(memoryview(flat.numpy()))
+            else:
+                import numpy as np
+
+                a = np.ascontiguousarray(src)
+                out.append(memoryview(a.reshape(-1).view(np.uint8)))
+        return out
+
+
+def prepare(payload: Any, /) -> PreparedBlob:
+    """Walk ``payload`` and encode its header; see ``PreparedBlob``.
+
+    Raises
+    ------
+    BlobEncodeError
+        The payload holds an object the format cannot carry; the message names its
+        path, e.g. ``payload['meta']['x']: type foo.Bar is not supported``.
+    """
+    walker = _Walker()
+    try:
+        tree = walker.walk(payload)
+    except RecursionError as exc:
+        raise BlobEncodeError("payload is nested too deeply") from exc
+    try:
+        tree_bytes = _ENCODER.encode(tree)
+        header = _ENCODER.encode(BlobHeader(walker.descs, msgspec.Raw(tree_bytes)))
+    except (msgspec.EncodeError, OverflowError, RecursionError) as exc:
+        raise BlobEncodeError(f"payload could not be encoded: {exc}") from exc
+    if len(header) > MAX_HEADER_BYTES:
+        raise BlobEncodeError(
+            f"header of {len(header)} bytes exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}); "
+            "send large data as tensors or arrays, not as Python lists"
+        )
+    return PreparedBlob(header, walker.descs, walker.sources)
+
+
+def encoded_size(payload: Any, /) -> int:
+    """Exact number of bytes ``encode_into`` needs for ``payload``.
+
+    Raises
+    ------
+    BlobEncodeError
+        The payload holds an object the format cannot carry.
+    """
+    return prepare(payload).nbytes
+
+
+def encode_into(payload: Any, buffer: Any, /) -> int:
+    """Encode ``payload`` in place at the start of ``buffer``; return the bytes written.
+
+    Parameters
+    ----------
+    payload : Any
+        Dicts with str keys, lists, tuples, str, bytes, int, float, bool, None, torch
+        tensors (any supported dtype, any device; CUDA tensors are copied to host) and
+        numpy arrays.
+    buffer : writable buffer
+        A bytearray, mmap, memoryview or numpy array of at least
+        ``encoded_size(payload)`` bytes.
+
+    Raises
+    ------
+    BlobEncodeError
+        Unsupported content, or a buffer that is read-only or too small.
+    """
+    return prepare(payload).write_into(buffer)
+
+
+def encode(payload: Any, /) -> bytes:
+    """Encode ``payload`` to a new ``bytes`` frame (see ``encode_into``)."""
+    return prepare(payload).to_bytes()
+
+
+def encode_parts(payload: Any, /) -> tuple[bytes, list[memoryview]]:
+    """Encode for multi-frame transports: ``(meta, regions)``.
+
+    ``meta`` is the prefix plus header; ``regions[i]`` holds tensor i's bytes (a view of
+    the tensor's own memory when it is a contiguous CPU tensor, else one copy). Send
+    them as separate frames and rebuild with ``decode_parts``.
+    """
+    p = prepare(payload)
+    return p.meta, p.regions()
+
+
+# ------------------------------------------------------------------------- decoding
+def peek_header(buffer: Any, /) -> tuple[int, int, int]:
+    """Validate a frame's 24-byte prefix; return ``(header_len, data_len, total_len)``.
+
+    Raises
+    ------
+    BlobDecodeError
+        Too short, bad magic, unknown flags, or a header larger than ``MAX_HEADER_BYTES``.
+    BlobVersionError
+        A version other than 1.
+    """
+    return _peek(_byte_view(buffer, "decode", BlobDecodeError))
+
+
+def _peek(raw: memoryview) -> tuple[int, int, int]:
+    if raw.nbytes < PREFIX_SIZE:
+        raise BlobDecodeError(f"frame is {raw.nbytes} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
+    magic, version, flags, header_len, _crc, data_len = _PREFIX.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise BlobDecodeError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r} (not a tensor_blob frame)")
+    if version != VERSION:
+        raise BlobVersionError(f"tensor_blob version {version} is not supported (this omnilink reads {VERSION})")
+    if flags != 0:
+        raise BlobDecodeError(f"unknown flags 0x{flags:04x} in frame prefix")
+    if header_len > MAX_HEADER_BYTES:
+        raise BlobDecodeError(f"header_len {header_len} exceeds the limit of {MAX_HEADER_BYTES} bytes")
+    return header_len, data_len, _align(PREFIX_SIZE + header_len) + data_len
+
+
+def _parse_header(raw: memoryview, header_len: int, data_len: int) -> BlobHeader:
+    """Check the CRC, decode and validate the header held in ``raw[24:24+header_len]``."""
+    (crc,) = _U32.unpack_from(raw, 12)
+    header_bytes = raw[PREFIX_SIZE : PREFIX_SIZE + header_len]
+    if zlib.crc32(header_bytes) != crc:
+        raise BlobDecodeError("header checksum mismatch (corrupted or truncated frame)")
+    try:
+        header = _HEADER_DECODER.decode(header_bytes)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise BlobDecodeError(f"malformed header: {exc}") from exc
+    end = 0
+    for i, d in enumerate(header.tensors):
+        if d.kind not in (KIND_TORCH, KIND_NUMPY, KIND_NUMPY_SCALAR):
+            raise BlobDecodeError(f"tensor {i}: unknown kind {d.kind}")
+        size = _ITEMSIZE_BY_CODE.get(d.dtype)
+        if size is None:
+            raise BlobDecodeError(f"tensor {i}: unknown dtype code {d.dtype}")
+        if len(d.shape) > MAX_NDIM:
+            raise BlobDecodeError(f"tensor {i}: {len(d.shape)} dims exceeds the limit of {MAX_NDIM}")
+        if d.kind == KIND_NUMPY_SCALAR and d.shape:
+            raise BlobDecodeError(f"tensor {i}: a numpy scalar must have shape [], got {d.shape}")
+        numel = 1
+        for dim in d.shape:
+            if dim < 0:
+                raise BlobDecodeError(f"tensor {i}: negative dimension in shape {d.shape}")
+            numel *= dim
+        if d.nbytes != numel * size:
+            raise BlobDecodeError(
+                f"tensor {i}: nbytes {d.nbytes} != numel {numel} * itemsize {size} for shape {d.shape}"
+            )
+        if d.offset % FRAME_ALIGN:
+            raise BlobDecodeError(f"tensor {i}: offset {d.offset} is not a multiple of {FRAME_ALIGN}")
+        if d.offset < end:
+            raise BlobDecodeError(f"tensor {i}: region at {d.offset} overlaps or precedes the previous one")
+        end = d.offset + d.nbytes
+        if end > data_len:
+            raise BlobDecodeError(f"tensor {i}: region [{d.offset}, {end}) lies outside data_len {data_len}")
+    return header
+
+
+def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
+    """One tensor/array per descriptor, viewing ``region_of(i, desc) -> (buffer, offset)``.
+
+    Views are made on the buffer object itself (``torch.frombuffer`` / ``np.frombuffer``),
+    so each keeps it alive. A region whose address does not suit its dtype's alignment is
+    copied (one copy beats undefined behaviour).
+    """
+    views: list[Any] = []
+    torch_from = np_from = None
+    bool_code = DTYPE_CODES["bool"][0]
+    for i, d in enumerate(header.tensors):
+        buf, off = region_of(i, d)
+        size = _ITEMSIZE_BY_CODE[d.dtype]
+        numel = d.nbytes // size if size else 0
+        if d.dtype == bool_code and d.nbytes:
+            import numpy as np
+
+            # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream.
+            if np.frombuffer(buf, dtype=np.uint8, count=d.nbytes, offset=off).max() > 1:
+                raise BlobDecodeError(f"tensor {i}: bool data holds bytes other than 0 and 1")
+        if d.kind == KIND_TORCH:
+            import torch
+
+            if torch_from is None:
+                torch_from = _torch_dtypes()[1]
+            dt = torch_from.get(d.dtype)
+            if dt is None:
+                raise BlobDecodeError(
+                    f"tensor {i}: dtype {_NAME_BY_CODE[d.dtype]} is not available in this torch build"
+                )
+            if numel == 0:
+                views.append(torch.empty(d.shape, dtype=dt))
+                continue
+            t = torch.frombuffer(buf, dtype=dt, count=numel, offset=off)
+            if copy or t.data_ptr() % size:
+                t = t.clone()
+            if len(d.shape) != 1:
+                t = t.view(d.shape)
+            views.append(t)
+        else:
+            import numpy as np
+
+            if np_from is None:
+                np_from = _numpy_dtypes()[1]
+            dt = np_from.get(d.dtype)
+            if dt is None:
+                raise BlobDecodeError(f"tensor {i}: dtype {_NAME_BY_CODE[d.dtype]} is not a numpy dtype")
+            a = np.frombuffer(buf, dtype=dt, count=numel, offset=off).reshape(d.shape)
+            if copy or a.ctypes.data % size:
+                a = a.copy()
+            views.append(a[()] if d.kind == KIND_NUMPY_SCALAR else a)
+    return views
+
+
+def _decode_tree(header: BlobHeader, views: list[Any]) -> Any:
+    _tls.views = views
+    try:
+        return _TREE_DECODER.decode(header.tree)
+    except BlobDecodeError:
+        raise
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
+        raise BlobDecodeError(f"malformed payload tree: {exc}") from exc
+    finally:
+        _tls.views = ()
+
+
+def decode(buffer: Any, /, *, copy: bool = False) -> Any:
+    """Decode a tensor_blob frame held at the start of ``buffer``.
+
+    Parameters
+    ----------
+    buffer : bytes-like
+        bytes, bytearray, memoryview, mmap, numpy array, ctypes array... Bytes after the
+        frame's end are ignored.
+    copy : bool
+        ``False`` (default): tensors and arrays are zero-copy views of ``buffer``, which
+        each view keeps alive. ``True``: they own their memory (one copy each).
+
+    Returns
+    -------
+    Any
+        The payload: torch tensors come back as torch tensors (on CPU), numpy arrays as
+        numpy arrays, tuples as tuples. Views of a read-only buffer (bytes) must not be
+        written to.
+
+    Raises
+    ------
+    BlobDecodeError
+        Anything malformed: the message says what.
+    BlobVersionError
+        A frame of another format version.
+    """
+    raw = _byte_view(buffer, "decode", BlobDecodeError)
+    header_len, data_len, total = _peek(raw)
+    if raw.nbytes < total:
+        raise BlobDecodeError(f"frame is truncated: {raw.nbytes} bytes, the prefix says {total}")
+    header = _parse_header(raw, header_len, data_len)
+    if not header.tensors:
+        return _decode_tree(header, [])
+    data_start = total - data_len
+    # ``raw`` references ``buffer``: every view keeps the caller's object alive.
+    if raw.readonly:
+        with warnings.catch_warnings():
+            # torch warns that views of read-only memory are writable; documented above.
+            warnings.simplefilter("ignore", UserWarning)
+            views = _make_views(header, lambda i, d: (raw, data_start + d.offset), copy)
+    else:
+        views = _make_views(header, lambda i, d: (raw, data_start + d.offset), copy)
+    return _decode_tree(header, views)
+
+
+def decode_parts(meta: Any, regions: list[Any], /, *, copy: bool = False) -> Any:
+    """Decode a payload sent as ``encode_parts`` produced it: meta frame + regions.
+
+    Each tensor is a zero-copy view of its region object (kept alive by the view) when
+    the region's address suits the dtype's alignment, else a copy.
+
+    Raises
+    ------
+    BlobDecodeError
+        Malformed meta, a region count or length that disagrees with the header.
+    """
+    raw = _byte_view(meta, "decode_parts", BlobDecodeError)
+    header_len, data_len, _total = _peek(raw)
+    if raw.nbytes != PREFIX_SIZE + header_len:
+        raise BlobDecodeError(
+            f"meta frame is {raw.nbytes} bytes, the prefix says {PREFIX_SIZE + header_len}"
+        )
+    header = _parse_header(raw, header_len, data_len)
+    if len(regions) != len(header.tensors):
+        raise BlobDecodeError(f"{len(regions)} region frames, the header describes {len(header.tensors)}")
+    if not header.tensors:
+        return _decode_tree(header, [])
+
+    def region_of(i: int, d: TensorDesc) -> tuple[Any, int]:
+        rmv = _byte_view(regions[i], f"region {i}", BlobDecodeError)
+        if rmv.nbytes != d.nbytes:
+            raise BlobDecodeError(f"region {i} is {rmv.nbytes} bytes, the header says {d.nbytes}")
+        return rmv, 0
+
+    with warnings.catch_warnings():
+        # Received frames are often read-only; torch warns its views are writable.
+        warnings.simplefilter("ignore", UserWarning)
+        views = _make_views(header, region_of, copy)
+    return _decode_tree(header, views)

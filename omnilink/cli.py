@@ -1,0 +1,313 @@
+"""The ``omnilink`` command line (also ``python -m omnilink``).
+
+Subcommands
+-----------
+``omnilink bench [SCENARIO]``
+    Measure omnilink's transfers against what engines do today, on this machine.
+``omnilink info``
+    Versions, backends, ``/dev/shm`` and CUDA devices.
+``omnilink gc``
+    Remove shared-memory segments and semaphores that dead processes left behind.
+
+Exit status: 0 success, 1 the command could not do its work (a scenario that cannot run
+here, a backend that fails to load), 2 bad usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence, TextIO
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _UsageError(Exception):
+    """A bad option found after argparse (sizes, backends); exit status 2."""
+
+
+# -------------------------------------------------------------------------- parsing
+def _build_parser() -> argparse.ArgumentParser:
+    from omnilink._bench._runner import SCENARIOS
+
+    parser = argparse.ArgumentParser(
+        prog="omnilink",
+        description="omnilink: zero-copy tensor transfer between pipeline stages.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark omnilink against pickle and the other baselines",
+        description=(
+            "Measure same-host transfers of a vLLM-Omni-like payload between two processes: "
+            "omnilink shm and zmq against pickle over a fresh SharedMemory segment, msgpack "
+            "with copies, a torch.multiprocessing queue and a plain memcpy (the ceiling)."
+        ),
+        epilog="scenarios: " + "; ".join(f"{s.name}: {s.description}" for s in SCENARIOS.values()),
+    )
+    bench.add_argument("scenario_pos", nargs="?", metavar="SCENARIO", choices=list(SCENARIOS),
+                       help=f"one of {', '.join(SCENARIOS)} (default shm-vs-pickle)")
+    bench.add_argument("--scenario", dest="scenario_opt", choices=list(SCENARIOS),
+                       help="same as the positional SCENARIO")
+    bench.add_argument("--sizes", default=None,
+                       help="comma list of tensor sizes, e.g. 4KiB,64KiB,16MiB "
+                            "(KiB/MiB/GiB binary, KB/MB/GB decimal; default 4KiB,64KiB,1MiB,16MiB,256MiB)")
+    bench.add_argument("--mode", choices=("throughput", "latency", "both"), default="both",
+                       help="what to measure (default both)")
+    bench.add_argument("--backends", default=None,
+                       help="comma list of backends to run (default: all of the scenario)")
+    bench.add_argument("--repeat", type=int, default=5,
+                       help="measured runs per cell after one warm-up run (default 5)")
+    bench.add_argument("--max-seconds", type=float, default=3.0,
+                       help="time budget per cell: stop repeating once exceeded, after at "
+                            "least one measured run (default 3)")
+    bench.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds any single message may take before the cell fails (default 60)")
+    bench.add_argument("--json", metavar="FILE", help="write one JSON object per cell to FILE")
+    bench.add_argument("--plot", metavar="FILE.png", help="write a throughput-vs-size plot (needs matplotlib)")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress indicator")
+
+    info = sub.add_parser("info", help="versions, backends, /dev/shm and CUDA devices")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+
+    gc = sub.add_parser("gc", help="remove shared memory left behind by dead processes")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    gc.add_argument("--prefix", default=None,
+                    help="name prefix to look at (default: $OMNILINK_SHM_PREFIX or 'omnilink')")
+    return parser
+
+
+def _bench_options(args: argparse.Namespace) -> Any:
+    from omnilink._bench._runner import DEFAULT_SIZES, MODES, SCENARIOS, BenchOptions
+    from omnilink._bench._units import parse_sizes
+    from omnilink._errors import ConfigurationError
+
+    if args.scenario_pos and args.scenario_opt and args.scenario_pos != args.scenario_opt:
+        raise _UsageError(f"scenario given twice: {args.scenario_pos!r} and --scenario {args.scenario_opt!r}")
+    scenario = SCENARIOS[args.scenario_opt or args.scenario_pos or "shm-vs-pickle"]
+    try:
+        sizes = parse_sizes(args.sizes) if args.sizes is not None else list(DEFAULT_SIZES)
+    except ConfigurationError as exc:
+        raise _UsageError(f"--sizes: {exc}") from exc
+    backends = None
+    if args.backends is not None:
+        backends = list(dict.fromkeys(b.strip() for b in args.backends.split(",") if b.strip()))
+        unknown = [b for b in backends if b not in scenario.backends]
+        if not backends or unknown:
+            raise _UsageError(
+                f"--backends: unknown backend(s) {', '.join(unknown) or '(none given)'} for scenario "
+                f"{scenario.name}; choose from {','.join(scenario.backends)}"
+            )
+    if args.repeat < 1:
+        raise _UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    if not args.max_seconds > 0:
+        raise _UsageError(f"--max-seconds must be > 0, got {args.max_seconds}")
+    if not args.timeout > 0:
+        raise _UsageError(f"--timeout must be > 0, got {args.timeout}")
+    modes = MODES if args.mode == "both" else (args.mode,)
+    return BenchOptions(scenario=scenario.name, sizes=sizes, modes=modes, backends=backends,
+                        repeat=args.repeat, max_seconds=args.max_seconds, timeout=args.timeout)
+
+
+# --------------------------------------------------------------------------- bench
+def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from omnilink._bench._machine import machine_record
+    from omnilink._bench._progress import Progress
+    from omnilink._bench._report import (
+        PlotUnavailable,
+        add_ratios,
+        caveats,
+        require_matplotlib,
+        text_table,
+        write_jsonl,
+        write_plot,
+    )
+    from omnilink._bench._runner import SCENARIOS, run_bench
+
+    opts = _bench_options(args)
+    scenario = SCENARIOS[opts.scenario]
+    if scenario.needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"omnilink bench {scenario.name}: CUDA is not available on this machine "
+                  "(torch.cuda.is_available() is False); this scenario needs a CUDA device. "
+                  "`omnilink bench` runs the CPU scenario.", file=err)
+            return EXIT_FAIL
+    if args.plot:
+        try:
+            require_matplotlib()
+        except PlotUnavailable as exc:
+            print(f"omnilink bench: {exc}", file=err)
+            return EXIT_USAGE
+    # Open the output now so a bad path fails before minutes of measuring.
+    json_fh = None
+    if args.json:
+        try:
+            json_fh = open(args.json, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+        except OSError as exc:
+            raise _UsageError(f"--json: cannot write {args.json}: {exc}") from exc
+
+    machine = machine_record(include_cuda=scenario.needs_cuda)
+    records: list[dict[str, Any]] = []
+    progress = Progress.for_terminal(quiet=args.quiet)
+    interrupted = False
+    try:
+        run_bench(opts, emit=records.append, progress=progress)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+    add_ratios(records, reference=scenario.reference, ceiling=scenario.ceiling)
+
+    if json_fh is not None:
+        with json_fh:
+            write_jsonl(json_fh, records, machine=machine)
+    if records:
+        print(f"omnilink bench: {scenario.name}", file=out)
+        print(file=out)
+        print(text_table(records, reference=scenario.reference, ceiling=scenario.ceiling), file=out)
+        print(file=out)
+        ceiling_text = ("memcpy: one single-threaded copy of the same bytes inside one process "
+                        "(the ceiling)." if scenario.ceiling == "memcpy" else
+                        f"{scenario.ceiling}: one copy of the same bytes (the ceiling).")
+        print(caveats(scenario, machine, ceiling_text=ceiling_text), file=out)
+    if args.plot and records:
+        from omnilink._bench._report import machine_line
+
+        write_plot(args.plot, records,
+                   title=f"omnilink bench {scenario.name}: {machine_line(machine)[:160]}")
+    if args.json:
+        print(f"wrote {len(records)} records to {args.json}", file=err)
+    if args.plot and records:
+        print(f"wrote plot to {args.plot}", file=err)
+    if interrupted:
+        print("omnilink bench: interrupted; results above are partial", file=err)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- info
+def _backend_status() -> dict[str, str | None]:
+    """Each registered backend and ``None`` if it loads, else the reason it does not."""
+    from omnilink._errors import OmnilinkError
+    from omnilink.connectors import _resolve, available_backends
+
+    status: dict[str, str | None] = {}
+    for name in available_backends():
+        try:
+            _resolve(name)
+            status[name] = None
+        except OmnilinkError as exc:
+            status[name] = str(exc)
+    return status
+
+
+def _info_record() -> dict[str, Any]:
+    from omnilink._bench._machine import cpu_model, cuda_devices, shm_usage, versions
+
+    import os
+
+    backends = _backend_status()
+    return {
+        "versions": versions(),
+        "backends": {name: ("ok" if reason is None else f"unavailable: {reason}")
+                     for name, reason in backends.items()},
+        "shm": shm_usage(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "cuda_devices": cuda_devices(),
+    }
+
+
+def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import msgspec
+
+    rec = _info_record()
+    if args.json:
+        out.write(msgspec.json.encode(rec).decode() + "\n")
+        return EXIT_OK
+    for name, ver in rec["versions"].items():
+        print(f"{name:<10} {ver or 'not installed'}", file=out)
+    print(file=out)
+    print("backends:", file=out)
+    for name, state in rec["backends"].items():
+        print(f"  {name:<8} {state}", file=out)
+    print(file=out)
+    shm = rec["shm"]
+    if shm is None:
+        print("/dev/shm:  not present (the shm backend needs it)", file=out)
+    else:
+        print(f"/dev/shm:  {shm['size_bytes'] / (1 << 30):.1f} GiB, "
+              f"{shm['free_bytes'] / (1 << 30):.1f} GiB free", file=out)
+    print(f"cpu:       {rec['cpu']}, {rec['cores']} cores", file=out)
+    if rec["cuda_devices"]:
+        for d in rec["cuda_devices"]:
+            print(f"cuda:{d['index']}:    {d['name']}, {d['memory_bytes'] / (1 << 30):.1f} GiB, "
+                  f"compute capability {d['capability']}", file=out)
+    else:
+        print("cuda:      not available", file=out)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ gc
+def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        from omnilink.connectors.shm import collect_garbage
+    except ImportError as exc:
+        print(f"omnilink gc: the shm backend could not be loaded ({exc})", file=err)
+        return EXIT_FAIL
+    from omnilink._errors import OmnilinkError
+
+    kwargs: dict[str, Any] = {"dry_run": args.dry_run}
+    if args.prefix is not None:
+        kwargs["prefix"] = args.prefix
+    try:
+        removed = collect_garbage(**kwargs)
+    except OmnilinkError as exc:
+        print(f"omnilink gc: {exc}", file=err)
+        return EXIT_FAIL
+    verb = "would remove" if args.dry_run else "removed"
+    for name in removed:
+        print(f"{verb} {name}", file=out)
+    print(f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'} "
+          f"{'would be removed' if args.dry_run else 'removed'}", file=out)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``omnilink`` command line and return its exit status.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments without the program name; ``sys.argv[1:]`` when omitted.
+
+    Returns
+    -------
+    int
+        0 on success, 1 when the command could not do its work, 2 for bad usage, 130
+        when interrupted.
+    """
+    out, err = sys.stdout, sys.stderr
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the message (or --help)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(err)
+        return EXIT_USAGE
+    handler = {"bench": _cmd_bench, "info": _cmd_info, "gc": _cmd_gc}[args.command]
+    try:
+        return handler(args, out, err)
+    except _UsageError as exc:
+        print(f"omnilink {args.command}: error: {exc}", file=err)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"omnilink {args.command}: interrupted", file=err)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,814 @@
+"""Shared-memory layouts of the ``shm`` backend: the channel control segment (with its
+mutex and wake-up semaphores) and a sender's arena (descriptors, publication log,
+released ring, data area).
+
+Synchronisation
+---------------
+Python has no atomic compare-and-swap on shared memory, so every cross-process state
+change (publish, claim, release, reclaim, join, leave) happens while holding the
+channel's mutex, a named POSIX semaphore used as a binary lock. ``sem_wait``/``sem_post``
+are full barriers, so a reader that takes the mutex after a writer released it sees all
+of the writer's stores, block bytes included: publication order is made safe by the
+semaphore, never by the CPU's memory model. The critical sections are a few struct
+reads and writes; block bytes are encoded and decoded outside the mutex.
+
+Waiting uses the condition-variable pattern on semaphores: a waiter registers itself
+(``waiters += 1``, remembering ``wake_gen``) under the mutex, releases it and sleeps on
+the wake semaphore; whoever publishes posts the wake semaphore once per registered
+waiter and bumps ``wake_gen``, so every receiver waiting for any key wakes, rescans and
+sleeps again if its key is not there. A waiter whose wait timed out withdraws its
+registration unless a broadcast already counted it (then one token is left over and
+costs one spurious rescan later, never a lost wake-up). A sender waiting for space uses
+the same idea with a flag in its arena header and its own semaphore.
+
+A mutex holder that dies would wedge the channel, so the holder writes its pid into the
+control segment; a waiter that cannot get the mutex for a while and finds that pid dead
+takes the lock over (under the host lock, so only one waiter does).
+
+Control segment ``<prefix>-c<hash>`` (4096 bytes, little-endian)::
+
+    offset size field
+    0      8    magic b"OLCTRL01"
+    8      4    layout version (1)
+    12     4    pid of the mutex holder (0 = free or unknown)
+    16     4    waiters registered on the wake semaphore
+    20     4    wake generation (bumped by every broadcast)
+    24     8    senders generation (bumped when a sender joins, leaves or is reaped)
+    32     4    senders found dead so far (receivers turn this into PeerLostError)
+    36     4    length of the channel name
+    40     4    1 if the last sender to leave died, 0 if it closed
+    64     128  channel name (UTF-8), to detect hash collisions
+    256    64 x 32  participants:
+                 0  4  pid (0 = free entry)
+                 4  1  role bits (1 = sends, 2 = receives)
+                 5  3  reserved
+                 8  16 token (hex) naming the sender's arena <prefix>-a<pid>-<token>
+                 24 8  reserved
+
+Arena ``<prefix>-a<pid>-<token>`` (one per sender and channel, pre-faulted)::
+
+    0                 header (page 0)
+                        0  8 magic b"OLARENA1"     32 8 data_bytes
+                        8  4 layout version (1)    40 4 n_desc
+                        12 4 owner pid             44 4 log_len
+                        16 8 total size            48 8 pub_seq (last published)
+                        24 8 data_offset           56 8 rel_head (receivers push)
+                                                   64 8 rel_tail (sender pops)
+                                                   72 4 sender_waiting
+                                                   76 4 closed
+    4096              descriptors, n_desc x 576 bytes:
+                        0  4 state               32 8 reserved bytes of the block
+                        4  4 claimer pid         40 2 key length
+                        8  8 seq                 42 2 flags (1 = overflow segment)
+                        16 8 block offset        48 16 overflow token (hex)
+                        24 8 frame length        64 512 key (UTF-8)
+    log_offset        publication log: log_len x u32, entry seq % log_len = descriptor
+    rel_offset        released ring:   n_desc x u32 descriptor indices
+    data_offset       data area (page aligned): blocks, each 64-byte aligned, holding
+                      one tensor_blob frame encoded in place
+
+Descriptor state machine (every arrow taken under the channel mutex)::
+
+               publish (sender)                 claim (one receiver wins)
+      FREE -----------------------> WRITTEN -----------------------------> CLAIMED
+       ^ ^                             |                                      |
+       | |   discard by the sender     |              last view died,         |
+       | +-----------------------------+              release(key), discard   |
+       |                                                                      v
+       +------------- reclaimed by the sender (drains the ring) ---------- RELEASED
+       +------------- or CLAIMED by a pid that is dead (abandoned) ----------+
+
+A receiver learns of new payloads by reading the publication log from its cursor up to
+``pub_seq`` (falling back to a full descriptor scan if it fell more than ``log_len``
+behind); a log entry is valid only while the descriptor's ``seq`` still equals it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+import posix_ipc
+
+from omnilink._errors import CapacityError, ConfigurationError, TransportError
+from omnilink.connectors._shm_alloc import ALIGN, Allocator
+from omnilink.connectors._shm_names import (
+    HostLock,
+    arena_name,
+    channel_names,
+    free_shm_bytes,
+    overflow_name,
+    pid_alive,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ArenaReader",
+    "ArenaWriter",
+    "Channel",
+    "create_segment",
+    "FREE",
+    "WRITTEN",
+    "CLAIMED",
+    "RELEASED",
+    "ROLE_SEND",
+    "ROLE_RECV",
+]
+
+PAGE = mmap.PAGESIZE
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
+MODE = 0o600
+
+FREE, WRITTEN, CLAIMED, RELEASED = 0, 1, 2, 3
+ROLE_SEND, ROLE_RECV = 1, 2
+FLAG_OVERFLOW = 1
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_II = struct.Struct("<II")
+
+# ---------------------------------------------------------------- control segment
+CTRL_MAGIC = b"OLCTRL01"
+CTRL_VERSION = 1
+CTRL_SIZE = 4096
+_C_OWNER, _C_WAITERS, _C_WAKE_GEN, _C_SENDERS_GEN, _C_LOST, _C_CHANLEN, _C_EXIT = 12, 16, 20, 24, 32, 36, 40
+_C_CHANNEL, _C_PART = 64, 256
+MAX_PARTICIPANTS = 64
+_PART = struct.Struct("<IB3x16s8x")  # pid, role, token
+
+# ----------------------------------------------------------------------- arena
+ARENA_MAGIC = b"OLARENA1"
+ARENA_VERSION = 1
+_A_HDR = struct.Struct("<8sIIQQQII")  # magic, version, pid, total, data_off, data_bytes, n_desc, log_len
+_A_PUB, _A_REL_HEAD, _A_REL_TAIL, _A_WAITING, _A_CLOSED = 48, 56, 64, 72, 76
+DESC_SIZE = 576
+MAX_KEY = 512
+_DESC = struct.Struct("<IIQQQQHH4x16s")  # state, claimer, seq, off, len, reserved, klen, flags, token
+_D_STATE_CLAIMER = _II
+_DESC_OFFSET = PAGE
+
+#: a mutex holder that shows pid 0 this long is assumed to have died in the few
+#: instructions between taking the semaphore and writing its pid
+_STUCK_UNKNOWN_S = 5.0
+_LOCK_SLICE_S = 0.2
+
+
+def _shm_error(what: str, exc: BaseException) -> TransportError:
+    return TransportError(f"shm: {what} failed: {exc}")
+
+
+def preflight(nbytes: int, what: str) -> None:
+    """Fail with an actionable error when ``/dev/shm`` cannot hold ``nbytes`` more."""
+    free = free_shm_bytes()
+    if free < nbytes:
+        raise CapacityError(
+            f"shm: {what} needs {nbytes / 2**20:.1f} MiB but /dev/shm has only "
+            f"{free / 2**20:.1f} MiB free. Give /dev/shm more room (docker run "
+            "--shm-size=2g; Kubernetes: an emptyDir with medium: Memory; on a host: "
+            "mount -o remount,size=4G /dev/shm), or pass a smaller arena_bytes= to "
+            "omnilink.connect('shm', ...)"
+        )
+
+
+def create_segment(name: str, size: int, what: str) -> mmap.mmap:
+    """Create segment ``name`` (mode 0600), reserve and pre-fault its pages, map it.
+
+    ``posix_fallocate`` makes tmpfs allocate every page now: a full ``/dev/shm`` is a
+    clean ``CapacityError`` here instead of a SIGBUS on some later write, and the first
+    ``put`` does not pay page faults. ``MAP_POPULATE`` also fills the page tables.
+    """
+    preflight(size, what)
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, MODE, size)
+    except posix_ipc.Error as exc:
+        raise _shm_error(f"creating {name}", exc) from exc
+    try:
+        try:
+            os.posix_fallocate(shm.fd, 0, size)
+        except OSError as exc:
+            raise CapacityError(
+                f"shm: reserving {size / 2**20:.1f} MiB for {what} in /dev/shm failed "
+                f"({exc}); give /dev/shm more room (docker run --shm-size=2g) or pass a "
+                "smaller arena_bytes="
+            ) from exc
+        return mmap.mmap(shm.fd, size, flags=_MAP_FLAGS, prot=_PROT)
+    except BaseException:
+        _unlink_quiet(name)
+        raise
+    finally:
+        shm.close_fd()
+
+
+def open_segment(name: str) -> mmap.mmap:
+    """Map an existing segment (raises ``posix_ipc.ExistentialError`` if it is gone)."""
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        return mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS, prot=_PROT)
+    finally:
+        shm.close_fd()
+
+
+def _unlink_quiet(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def _unlink_sem_quiet(name: str) -> bool:
+    try:
+        posix_ipc.unlink_semaphore(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def unlink_sender_objects(prefix: str, pid: int, token: str) -> None:
+    """Remove a (dead or closed) sender's arena, semaphore and overflow segments."""
+    name = arena_name(prefix, pid, token)
+    _unlink_quiet(name)
+    _unlink_sem_quiet(name + "-s")
+    start = f"{prefix}-o{pid}-"
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for entry in entries:
+        if entry.startswith(start):
+            _unlink_quiet("/" + entry)
+
+
+# ============================================================== the channel
+class Channel:
+    """The control segment, mutex and wake semaphore of one channel, as one process sees
+    them. Opened (and created by the first comer) by ``join``; removed by the last
+    participant's ``leave``, both under the host lock so the two cannot interleave."""
+
+    def __init__(self, prefix: str, channel: str) -> None:
+        self.prefix = prefix
+        self.channel = channel
+        self.pid = os.getpid()
+        self.ctrl_name, self.mutex_name, self.wake_name = channel_names(prefix, channel)
+        self._mutex: Any = None
+        self._wake: Any = None
+        self._mm: mmap.mmap | None = None
+        self._tls = threading.local()
+        self._deferred: list[Callable[[], None]] = []
+        self.slot = -1
+
+    # ------------------------------------------------------------ join / leave
+    def join(self, role: int, token: str) -> None:
+        """Open or create the channel's objects and register this process."""
+        with HostLock():
+            self._open_objects()
+            with self.locked():
+                reaped = self._reap_locked()
+                for i in range(MAX_PARTICIPANTS):
+                    off = _C_PART + i * _PART.size
+                    if _PART.unpack_from(self._mm, off)[0] == 0:
+                        _PART.pack_into(self._mm, off, self.pid, role, token.encode("ascii"))
+                        self.slot = i
+                        break
+                else:
+                    raise CapacityError(
+                        f"shm: channel {self.channel!r} already has {MAX_PARTICIPANTS} "
+                        "participants; close some or use another channel"
+                    )
+                if role & ROLE_SEND:
+                    self._bump_senders_locked()
+                self.lost_baseline = self.lost_senders()
+            self._remove_reaped(reaped)
+
+    def _open_objects(self) -> None:
+        try:
+            self._mutex = posix_ipc.Semaphore(self.mutex_name, posix_ipc.O_CREAT, MODE, 1)
+            self._wake = posix_ipc.Semaphore(self.wake_name, posix_ipc.O_CREAT, MODE, 0)
+            try:
+                shm = posix_ipc.SharedMemory(self.ctrl_name, posix_ipc.O_CREX, MODE, CTRL_SIZE)
+            except posix_ipc.ExistentialError:
+                shm = posix_ipc.SharedMemory(self.ctrl_name)
+                if shm.size < CTRL_SIZE:
+                    os.ftruncate(shm.fd, CTRL_SIZE)
+            try:
+                self._mm = mmap.mmap(shm.fd, CTRL_SIZE, flags=mmap.MAP_SHARED, prot=_PROT)
+            finally:
+                shm.close_fd()
+        except posix_ipc.Error as exc:
+            raise _shm_error(f"opening channel {self.channel!r}", exc) from exc
+        mm = self._mm
+        magic = bytes(mm[0:8])
+        name = self.channel.encode("utf-8")
+        if magic == b"\0" * 8:
+            mm[_C_CHANNEL : _C_CHANNEL + len(name)] = name
+            _U32.pack_into(mm, _C_CHANLEN, len(name))
+            _U32.pack_into(mm, 8, CTRL_VERSION)
+            mm[0:8] = CTRL_MAGIC
+        elif magic != CTRL_MAGIC or _U32.unpack_from(mm, 8)[0] != CTRL_VERSION:
+            raise ConfigurationError(
+                f"shm: {self.ctrl_name} is not an omnilink v{CTRL_VERSION} control segment "
+                "(another omnilink version uses this channel); run `omnilink gc` or pick "
+                "another channel or OMNILINK_SHM_PREFIX"
+            )
+        else:
+            n = _U32.unpack_from(mm, _C_CHANLEN)[0]
+            if bytes(mm[_C_CHANNEL : _C_CHANNEL + n]) != name:
+                raise ConfigurationError(
+                    f"shm: channel {self.channel!r} collides with channel "
+                    f"{bytes(mm[_C_CHANNEL:_C_CHANNEL + n]).decode('utf-8', 'replace')!r} "
+                    "in its hashed name; rename one of them"
+                )
+
+    def leave(self) -> None:
+        """Unregister; the last live participant removes the channel's objects."""
+        if self._mm is None or self.slot < 0:
+            return
+        with HostLock():
+            with self.locked():
+                off = _C_PART + self.slot * _PART.size
+                role = _PART.unpack_from(self._mm, off)[1]
+                _PART.pack_into(self._mm, off, 0, 0, b"")
+                self.slot = -1
+                if role & ROLE_SEND:
+                    _U32.pack_into(self._mm, _C_EXIT, 0)
+                    self._bump_senders_locked()
+                reaped = self._reap_locked()
+                last = not self._participants_locked()
+                if last:
+                    _unlink_quiet(self.ctrl_name)
+                    _unlink_sem_quiet(self.mutex_name)
+                    _unlink_sem_quiet(self.wake_name)
+            self._remove_reaped(reaped)
+        # The handles stay open until this object is garbage: finalizers of views still
+        # alive after close() lock the mutex to hand their blocks back.
+
+    # ------------------------------------------------------------------ mutex
+    def lock(self, deadline: Any = None) -> bool:
+        """Take the channel mutex; ``False`` if ``deadline`` passed first."""
+        sem = self._mutex
+        try:
+            sem.acquire(0)
+        except posix_ipc.BusyError:
+            if not self._lock_slow(deadline):
+                return False
+        _U32.pack_into(self._mm, _C_OWNER, self.pid)
+        self._tls.held = True
+        return True
+
+    def _lock_slow(self, deadline: Any) -> bool:
+        sem = self._mutex
+        unknown_since: float | None = None
+        while True:
+            step = _LOCK_SLICE_S if deadline is None else deadline.slice(_LOCK_SLICE_S)
+            try:
+                sem.acquire(step)
+                return True
+            except posix_ipc.BusyError:
+                pass
+            if deadline is not None and deadline.expired():
+                return False
+            owner = _U32.unpack_from(self._mm, _C_OWNER)[0]
+            if owner == self.pid:
+                unknown_since = None  # another thread of ours; it will let go
+                continue
+            if owner:
+                unknown_since = None
+                if pid_alive(owner):
+                    continue
+            else:
+                now = time.monotonic()
+                if unknown_since is None:
+                    unknown_since = now
+                if now - unknown_since < _STUCK_UNKNOWN_S:
+                    continue
+            with HostLock():
+                if _U32.unpack_from(self._mm, _C_OWNER)[0] != owner:
+                    continue
+                # Take over the token the dead holder never gave back.
+                _U32.pack_into(self._mm, _C_OWNER, self.pid)
+            logger.warning(
+                "shm channel %r: mutex holder pid %s is gone; taking the lock over",
+                self.channel,
+                owner or "(unknown)",
+            )
+            return True
+
+    def unlock(self) -> None:
+        while self._deferred:
+            fn = self._deferred.pop()
+            try:
+                fn()
+            except Exception:  # a deferred release must not break the caller's unlock
+                logger.exception("shm: deferred block release failed")
+        self._tls.held = False
+        _U32.pack_into(self._mm, _C_OWNER, 0)
+        self._mutex.release()
+
+    def held_by_me(self) -> bool:
+        return getattr(self._tls, "held", False)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (under the mutex) just before this thread's ``unlock``."""
+        self._deferred.append(fn)
+
+    def locked(self, deadline: Any = None) -> _Locked:
+        return _Locked(self, deadline)
+
+    # --------------------------------------------------------- wake semaphore
+    def register_waiter(self) -> int:
+        mm = self._mm
+        _U32.pack_into(mm, _C_WAITERS, _U32.unpack_from(mm, _C_WAITERS)[0] + 1)
+        return _U32.unpack_from(mm, _C_WAKE_GEN)[0]
+
+    def withdraw_waiter(self, gen: int) -> None:
+        mm = self._mm
+        if _U32.unpack_from(mm, _C_WAKE_GEN)[0] == gen:
+            n = _U32.unpack_from(mm, _C_WAITERS)[0]
+            if n:
+                _U32.pack_into(mm, _C_WAITERS, n - 1)
+
+    def notify_all(self) -> None:
+        mm = self._mm
+        n = _U32.unpack_from(mm, _C_WAITERS)[0]
+        if n:
+            _U32.pack_into(mm, _C_WAITERS, 0)
+            _U32.pack_into(mm, _C_WAKE_GEN, (_U32.unpack_from(mm, _C_WAKE_GEN)[0] + 1) & 0xFFFFFFFF)
+            release = self._wake.release
+            for _ in range(n):
+                release()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep on the wake semaphore (mutex not held); ``False`` on timeout."""
+        try:
+            self._wake.acquire(timeout)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    # ----------------------------------------------------------- participants
+    def senders_gen(self) -> int:
+        return _U64.unpack_from(self._mm, _C_SENDERS_GEN)[0]
+
+    def lost_senders(self) -> int:
+        return _U32.unpack_from(self._mm, _C_LOST)[0]
+
+    def last_sender_exit_dead(self) -> bool:
+        return bool(_U32.unpack_from(self._mm, _C_EXIT)[0])
+
+    def _bump_senders_locked(self) -> None:
+        _U64.pack_into(self._mm, _C_SENDERS_GEN, self.senders_gen() + 1)
+        self.notify_all()
+
+    def _participants_locked(self) -> list[tuple[int, int, str]]:
+        out = []
+        for i in range(MAX_PARTICIPANTS):
+            pid, role, token = _PART.unpack_from(self._mm, _C_PART + i * _PART.size)
+            if pid:
+                out.append((pid, role, token.rstrip(b"\0").decode("ascii", "replace")))
+        return out
+
+    def participants(self) -> list[tuple[int, int, str]]:
+        """(pid, role bits, token) of every registered participant (mutex held)."""
+        return self._participants_locked()
+
+    def _reap_locked(self) -> list[tuple[int, int, str]]:
+        """Drop participants whose process died; count dead senders. Mutex held."""
+        reaped = []
+        for i in range(MAX_PARTICIPANTS):
+            off = _C_PART + i * _PART.size
+            pid, role, token = _PART.unpack_from(self._mm, off)
+            if pid and pid != self.pid and not pid_alive(pid):
+                _PART.pack_into(self._mm, off, 0, 0, b"")
+                reaped.append((pid, role, token.rstrip(b"\0").decode("ascii", "replace")))
+                if role & ROLE_SEND:
+                    _U32.pack_into(self._mm, _C_LOST, self.lost_senders() + 1)
+                    _U32.pack_into(self._mm, _C_EXIT, 1)
+                    self._bump_senders_locked()
+                logger.info("shm channel %r: reaped dead participant pid %d", self.channel, pid)
+        return reaped
+
+    def reap(self) -> list[tuple[int, int, str]]:
+        """Reap dead participants (mutex held by the caller); see ``remove_reaped``."""
+        return self._reap_locked()
+
+    def _remove_reaped(self, reaped: list[tuple[int, int, str]]) -> None:
+        for pid, role, token in reaped:
+            if role & ROLE_SEND:
+                unlink_sender_objects(self.prefix, pid, token)
+
+    remove_reaped = _remove_reaped
+
+
+class _Locked:
+    __slots__ = ("_chan", "_deadline")
+
+    def __init__(self, chan: Channel, deadline: Any) -> None:
+        self._chan = chan
+        self._deadline = deadline
+
+    def __enter__(self) -> Channel:
+        if not self._chan.lock(self._deadline):
+            raise _LockTimeout()
+        return self._chan
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._chan.unlock()
+
+
+class _LockTimeout(Exception):
+    """Internal: the channel mutex was not free before the deadline."""
+
+
+# ================================================================== arenas
+class _Layout:
+    __slots__ = ("total", "n_desc", "log_len", "log_offset", "rel_offset", "data_offset", "data_bytes")
+
+    def __init__(self, total: int, n_desc: int, log_len: int) -> None:
+        self.total = total
+        self.n_desc = n_desc
+        self.log_len = log_len
+        self.log_offset = _DESC_OFFSET + n_desc * DESC_SIZE
+        self.rel_offset = self.log_offset + 4 * log_len
+        meta = self.rel_offset + 4 * n_desc
+        self.data_offset = (meta + PAGE - 1) // PAGE * PAGE
+        self.data_bytes = (total - self.data_offset) // ALIGN * ALIGN
+
+
+def arena_layout(arena_bytes: int, n_desc: int) -> _Layout:
+    total = (arena_bytes + PAGE - 1) // PAGE * PAGE
+    return _Layout(total, n_desc, 4 * n_desc)
+
+
+class _OutRec:
+    """A sender's record of one descriptor it owns (process-local)."""
+
+    __slots__ = ("seq", "key", "offset", "reserved", "overflow")
+
+    def __init__(self, seq: int, key: str, offset: int, reserved: int, overflow: str | None) -> None:
+        self.seq = seq
+        self.key = key
+        self.offset = offset
+        self.reserved = reserved
+        self.overflow = overflow
+
+
+class ArenaWriter:
+    """A sender's own arena: it alone allocates, publishes and reclaims in it."""
+
+    def __init__(self, prefix: str, pid: int, token: str, arena_bytes: int, n_desc: int) -> None:
+        lay = arena_layout(arena_bytes, n_desc)
+        self.layout = lay
+        self.prefix = prefix
+        self.pid = pid
+        self.token = token
+        self.name = arena_name(prefix, pid, token)
+        self.sem_name = self.name + "-s"
+        self.mm = create_segment(self.name, lay.total, f"the arena of channel sender pid {pid}")
+        try:
+            _A_HDR.pack_into(
+                self.mm, 0, ARENA_MAGIC, ARENA_VERSION, pid, lay.total, lay.data_offset,
+                lay.data_bytes, n_desc, lay.log_len,
+            )
+            self.sem = posix_ipc.Semaphore(self.sem_name, posix_ipc.O_CREX, MODE, 0)
+        except BaseException:
+            self.mm.close()
+            _unlink_quiet(self.name)
+            raise
+        self.view = memoryview(self.mm)
+        self.alloc = Allocator(lay.data_bytes)
+        self.free_desc = list(range(n_desc - 1, -1, -1))
+        self.out: dict[int, _OutRec] = {}
+        self.pub_seq = 0
+        self.overflow_bytes = 0
+        self.closed = False
+
+    @property
+    def data_bytes(self) -> int:
+        return self.layout.data_bytes
+
+    # ------------------------------------------------------------ under mutex
+    def publish(self, idx: int, key_bytes: bytes, rec: _OutRec, length: int, flags: int, otoken: bytes) -> None:
+        mm, lay = self.mm, self.layout
+        seq = self.pub_seq + 1
+        self.pub_seq = seq
+        rec.seq = seq
+        d = _DESC_OFFSET + idx * DESC_SIZE
+        _DESC.pack_into(mm, d, WRITTEN, 0, seq, rec.offset, length, rec.reserved, len(key_bytes), flags, otoken)
+        mm[d + 64 : d + 64 + len(key_bytes)] = key_bytes
+        _U32.pack_into(mm, lay.log_offset + 4 * (seq % lay.log_len), idx)
+        _U64.pack_into(mm, _A_PUB, seq)
+        self.out[idx] = rec
+
+    def drain(self) -> int:
+        """Reclaim every descriptor receivers pushed on the released ring."""
+        mm, lay = self.mm, self.layout
+        head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
+        tail = _U64.unpack_from(mm, _A_REL_TAIL)[0]
+        if head == tail:
+            return 0
+        n = 0
+        while tail < head:
+            idx = _U32.unpack_from(mm, lay.rel_offset + 4 * (tail % lay.n_desc))[0]
+            tail += 1
+            if self._reclaim(idx):
+                n += 1
+        _U64.pack_into(mm, _A_REL_TAIL, tail)
+        return n
+
+    def _reclaim(self, idx: int) -> bool:
+        rec = self.out.pop(idx, None)
+        if rec is None:  # pragma: no cover - a receiver bug; never double free
+            logger.error("shm arena %s: released descriptor %d is not outstanding", self.name, idx)
+            return False
+        _U32.pack_into(self.mm, _DESC_OFFSET + idx * DESC_SIZE, FREE)
+        if rec.overflow is not None:
+            _unlink_quiet(rec.overflow)
+            self.overflow_bytes -= rec.reserved
+        else:
+            self.alloc.free(rec.offset)
+        self.free_desc.append(idx)
+        return True
+
+    def reclaim_abandoned(self) -> int:
+        """Reclaim blocks CLAIMED by processes that died holding them."""
+        mm = self.mm
+        alive: dict[int, bool] = {}
+        n = 0
+        for idx in list(self.out):
+            state, claimer = _II.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
+            if state == CLAIMED:
+                ok = alive.get(claimer)
+                if ok is None:
+                    ok = alive[claimer] = pid_alive(claimer)
+                if not ok:
+                    logger.info("shm arena %s: reclaiming block held by dead pid %d", self.name, claimer)
+                    self._reclaim(idx)
+                    n += 1
+        return n
+
+    def discard(self, key: str) -> bool:
+        """Drop an unclaimed (WRITTEN) payload of ours under ``key``."""
+        mm = self.mm
+        for idx, rec in self.out.items():
+            if rec.key == key:
+                state, _claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
+                if state == WRITTEN and seq == rec.seq:
+                    self._reclaim(idx)
+                    return True
+        return False
+
+    def unclaimed(self) -> int:
+        mm = self.mm
+        return sum(
+            1 for idx in self.out if _U32.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)[0] == WRITTEN
+        )
+
+    def set_waiting(self) -> None:
+        _U32.pack_into(self.mm, _A_WAITING, 1)
+
+    def mark_closed(self) -> None:
+        _U32.pack_into(self.mm, _A_CLOSED, 1)
+        for rec in self.out.values():
+            if rec.overflow is not None:
+                _unlink_quiet(rec.overflow)
+
+    # -------------------------------------------------------------- no mutex
+    def wait_space(self, timeout: float) -> bool:
+        try:
+            self.sem.acquire(timeout)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def close(self) -> None:
+        """Unlink everything this arena created; the mapping goes too."""
+        for rec in self.out.values():
+            if rec.overflow is not None:
+                _unlink_quiet(rec.overflow)
+        _unlink_quiet(self.name)
+        _unlink_sem_quiet(self.sem_name)
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:  # pragma: no cover - an encode still running in another thread
+            logger.warning("shm arena %s: mapping still exported at close; left to the GC", self.name)
+
+
+class ArenaReader:
+    """A receiver's mapping of one sender's arena (mapped once, scanned incrementally)."""
+
+    def __init__(self, prefix: str, pid: int, token: str) -> None:
+        self.prefix = prefix
+        self.pid = pid
+        self.token = token
+        self.name = arena_name(prefix, pid, token)
+        self.mm = open_segment(self.name)  # ExistentialError propagates: sender is gone
+        magic, version, owner, total, data_off, data_bytes, n_desc, log_len = _A_HDR.unpack_from(self.mm, 0)
+        if magic != ARENA_MAGIC or version != ARENA_VERSION or total > len(self.mm):
+            self.mm.close()
+            raise ConfigurationError(f"shm: {self.name} is not an omnilink v{ARENA_VERSION} arena")
+        lay = _Layout(total, n_desc, log_len)
+        if lay.data_offset != data_off:
+            self.mm.close()
+            raise ConfigurationError(f"shm: {self.name} has an inconsistent layout")
+        self.layout = lay
+        self.data_offset = data_off
+        self.cursor = 0
+        try:
+            self.sem = posix_ipc.Semaphore(self.name + "-s")
+        except posix_ipc.ExistentialError:
+            self.sem = None
+
+    def address(self) -> tuple[int, int]:
+        """(start address, length) of this mapping in this process (for tests)."""
+        import ctypes
+
+        probe = (ctypes.c_char * 1).from_buffer(self.mm)
+        try:
+            return ctypes.addressof(probe), len(self.mm)
+        finally:
+            del probe
+
+    # ------------------------------------------------------------ under mutex
+    def scan(self, index: dict[str, list[Any]]) -> None:
+        """Add payloads published since the last scan to ``index`` (key -> refs)."""
+        mm, lay = self.mm, self.layout
+        pub = _U64.unpack_from(mm, _A_PUB)[0]
+        cur = self.cursor
+        if pub == cur:
+            return
+        if pub - cur > lay.log_len:
+            seqs: Any = None  # fell behind the log: read every descriptor once
+            candidates = range(lay.n_desc)
+        else:
+            log_off, log_len = lay.log_offset, lay.log_len
+            candidates = [
+                _U32.unpack_from(mm, log_off + 4 * (s % log_len))[0] for s in range(cur + 1, pub + 1)
+            ]
+            seqs = range(cur + 1, pub + 1)
+        for j, idx in enumerate(candidates):
+            d = _DESC_OFFSET + idx * DESC_SIZE
+            state, _claimer, seq = _DESC_HEAD.unpack_from(mm, d)
+            if state != WRITTEN or (seqs is not None and seq != seqs[j]) or seq > pub:
+                continue
+            klen = _U16.unpack_from(mm, d + 40)[0]
+            key = bytes(mm[d + 64 : d + 64 + klen]).decode("utf-8")
+            refs = index.get(key)
+            if refs is None:
+                index[key] = [(self, idx, seq)]
+            else:
+                refs.append((self, idx, seq))
+        self.cursor = pub
+
+    def claim(self, idx: int, seq: int, pid: int) -> tuple[int, int, int, bytes] | None:
+        """WRITTEN -> CLAIMED if the descriptor still holds publication ``seq``."""
+        mm = self.mm
+        d = _DESC_OFFSET + idx * DESC_SIZE
+        state, _claimer, dseq, off, length, _res, _klen, flags, otoken = _DESC.unpack_from(mm, d)
+        if state != WRITTEN or dseq != seq:
+            return None
+        _II.pack_into(mm, d, CLAIMED, pid)
+        self._notify_sender()
+        return off, length, flags, otoken
+
+    def still_written(self, idx: int, seq: int) -> bool:
+        state, _c, dseq = _DESC_HEAD.unpack_from(self.mm, _DESC_OFFSET + idx * DESC_SIZE)
+        return state == WRITTEN and dseq == seq
+
+    def mark_released(self, idx: int, seq: int, pid: int) -> None:
+        """CLAIMED (by ``pid``) -> RELEASED, pushed on the released ring."""
+        mm, lay = self.mm, self.layout
+        d = _DESC_OFFSET + idx * DESC_SIZE
+        state, claimer, dseq = _DESC_HEAD.unpack_from(mm, d)
+        if state != CLAIMED or claimer != pid or dseq != seq:
+            return  # already reclaimed (e.g. the sender saw us as dead); nothing to do
+        _U32.pack_into(mm, d, RELEASED)
+        head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
+        _U32.pack_into(mm, lay.rel_offset + 4 * (head % lay.n_desc), idx)
+        _U64.pack_into(mm, _A_REL_HEAD, head + 1)
+        self._notify_sender()
+
+    def _notify_sender(self) -> None:
+        if _U32.unpack_from(self.mm, _A_WAITING)[0]:
+            _U32.pack_into(self.mm, _A_WAITING, 0)
+            if self.sem is not None:
+                self.sem.release()
+
+    def open_overflow(self, otoken: bytes) -> mmap.mmap:
+        """Map the overflow segment of a claimed descriptor and unlink its name (the
+        mapping keeps the memory; nothing is left in /dev/shm once the views die)."""
+        name = overflow_name(self.prefix, self.pid, otoken.rstrip(b"\0").decode("ascii"))
+        mm = open_segment(name)
+        _unlink_quiet(name)
+        return mm
+
+
+_DESC_HEAD = struct.Struct("<IIQ")
+_U16 = struct.Struct("<H")

@@ -1,0 +1,286 @@
+"""The in-process reference backend ``"memory"`` (httpcore's ``MockBackend`` in spirit).
+
+Every connector opened on the same channel name in one process shares one
+``_Channel``: a dict of pending frames guarded by a ``threading.Condition``. Nothing
+crosses a process boundary, but payloads still travel as real tensor_blob frames, so
+the memory backend fails exactly where the real ones do (``BlobEncodeError`` for an
+object the format cannot carry) and hands out the same zero-copy views. Tests and the
+documentation use it; ``omnilink.testing`` checks it like any other backend.
+
+Life of one key on a channel::
+
+                put(key) encodes            get(key) / get_nowait(key)
+     (absent) ------------------> PENDING ----------------------------> (absent)
+        ^                            |        frame handed to decode:
+        |         discard(key)       |        exactly one caller wins
+        +----------------------------+
+                                     |  last connector on the channel closes:
+                                     +----> dropped with the channel
+
+A frame is stored as a ``bytearray`` written in place by the blob encoder (the
+``omnilink.encode_into`` path). ``get``
+removes it from the channel and decodes it in place, so every tensor and array of the
+result is a writable view of that ``bytearray``; it is freed when the last view dies.
+
+Backpressure: with ``capacity_bytes`` set, the pending frames of a channel never hold
+more than that many bytes in total. ``put`` waits (up to its timeout) for a ``get`` or
+``discard`` to make room, and a frame larger than the whole capacity is refused at once
+with ``CapacityError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from omnilink._errors import (
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    WouldBlock,
+)
+from omnilink._util import Deadline
+from omnilink.blob import decode, prepare
+from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
+
+__all__ = ["MemoryConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Channel:
+    """Shared state of one channel name: pending frames and their byte count."""
+
+    __slots__ = ("name", "capacity", "cond", "frames", "nbytes", "users")
+
+    def __init__(self, name: str, capacity: int | None) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.cond = threading.Condition(threading.Lock())
+        self.frames: dict[str, bytearray] = {}
+        self.nbytes = 0
+        self.users = 0
+
+
+# Channel name -> shared state. A channel exists while at least one connector on it is
+# open; ``_registry_lock`` orders opening and closing against each other.
+_channels: dict[str, _Channel] = {}
+_registry_lock = threading.Lock()
+
+
+def _attach(name: str, capacity: int | None) -> _Channel:
+    with _registry_lock:
+        chan = _channels.get(name)
+        if chan is None:
+            chan = _channels[name] = _Channel(name, capacity)
+        elif chan.capacity is None and capacity is not None:
+            # Nobody on the channel named a capacity yet: the first one named applies,
+            # whichever end opened first (usually the sender configures it).
+            with chan.cond:
+                chan.capacity = capacity
+        elif capacity is not None and chan.capacity != capacity:
+            raise ConfigurationError(
+                f"memory channel {name!r} is already open with capacity_bytes="
+                f"{chan.capacity!r}; a connector cannot open it with capacity_bytes={capacity!r}"
+            )
+        chan.users += 1
+        return chan
+
+
+def _detach(chan: _Channel) -> None:
+    with _registry_lock:
+        chan.users -= 1
+        if chan.users > 0:
+            return
+        if _channels.get(chan.name) is chan:
+            del _channels[chan.name]
+    with chan.cond:
+        dropped = len(chan.frames)
+        chan.frames.clear()
+        chan.nbytes = 0
+    if dropped:
+        logger.debug(
+            "memory channel %r closed by its last connector; dropped %d unread payload(s)",
+            chan.name,
+            dropped,
+        )
+
+
+class MemoryConnector(BaseConnector):
+    """A connector whose channel lives in this process's memory.
+
+    Connectors opened with the same ``channel`` in one process talk to each other; any
+    number of senders and receivers may share a channel, and each key is consumed by
+    exactly one ``get``. Closing the last connector on a channel drops the channel and
+    any payload nobody read.
+
+    Parameters
+    ----------
+    channel : str
+        Channel name (see ``omnilink._util.validate_channel``).
+    role : {"sender", "receiver", "dual"}
+        A ``"sender"`` may not ``get`` and a ``"receiver"`` may not ``put`` (both are a
+        ``ConfigurationError``); ``"dual"`` does both. Either role may ``discard``.
+    timeout : float, optional
+        Default seconds for blocking calls; ``None`` waits without limit.
+    capacity_bytes : int, optional
+        Most bytes the channel's pending frames may hold together. ``None`` (default)
+        names none: the channel is unbounded until a connector on it names one. Every
+        connector that names a capacity for an open channel must name the same one.
+
+    Raises
+    ------
+    ConfigurationError
+        Invalid channel, role, timeout or ``capacity_bytes``, or a ``capacity_bytes``
+        that differs from the one the channel was opened with.
+
+    Notes
+    -----
+    Reusing a key that is still pending on the channel (put, not yet consumed or
+    discarded) is a ``ConfigurationError``: the second payload would otherwise replace
+    or shadow the first, and one of them would be lost. Once the key has been consumed
+    or discarded it may be used again.
+    """
+
+    backend = "memory"
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        super().__init__(channel=channel, role=role, timeout=timeout)
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
+        ):
+            raise ConfigurationError(
+                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
+            )
+        self.capacity_bytes = capacity_bytes
+        # Set (under the channel's condition) before BaseConnector.close waits for the
+        # put_async executor, so a put blocked on backpressure wakes and gives up instead
+        # of holding close() until its own timeout.
+        self._closing = False
+        self._chan = _attach(self.channel, capacity_bytes)
+
+    # ----------------------------------------------------------------- hooks
+    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        if self.role == "receiver":
+            raise ConfigurationError(
+                f"memory connector on channel {self.channel!r} was opened with role='receiver' "
+                "and cannot put; open it with role='sender' or 'dual'"
+            )
+        chan = self._chan
+        with chan.cond:
+            # Cheap early refusal; the authoritative check is repeated under the lock below.
+            self._check_key_free(key)
+        # One walk of the payload sizes and writes the frame (prepare == encoded_size +
+        # encode_into without walking twice).
+        prepared = prepare(payload)
+        n = prepared.nbytes
+        capacity = chan.capacity
+        if capacity is not None and n > capacity:
+            raise CapacityError(
+                f"memory: payload for key {key!r} is {n} bytes, larger than the "
+                f"capacity_bytes={capacity} of channel {self.channel!r}"
+            )
+        frame = bytearray(n)
+        prepared.write_into(frame)
+        with chan.cond:
+            while True:
+                self._raise_if_closing()
+                self._check_key_free(key)
+                if capacity is None or chan.nbytes + n <= capacity:
+                    break
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    raise self._timeout("put", key, "a receiver to make room", deadline.timeout)
+                chan.cond.wait(remaining)
+            chan.frames[key] = frame
+            chan.nbytes += n
+            chan.cond.notify_all()
+        return n
+
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        if self.role == "sender":
+            raise ConfigurationError(
+                f"memory connector on channel {self.channel!r} was opened with role='sender' "
+                "and cannot get; open it with role='receiver' or 'dual'"
+            )
+        chan = self._chan
+        with chan.cond:
+            while True:
+                self._raise_if_closing()
+                frame = chan.frames.pop(key, None)
+                if frame is not None:
+                    chan.nbytes -= len(frame)
+                    # Room appeared: wake puts blocked on backpressure.
+                    chan.cond.notify_all()
+                    break
+                if not block:
+                    raise WouldBlock(f"memory: key {key!r} is not on channel {self.channel!r} yet")
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    raise self._timeout("get", key, "a sender", deadline.timeout)
+                chan.cond.wait(remaining)
+        self._count(bytes_got=len(frame))
+        # Decoded outside the lock: views of ``frame``, which only they now reference.
+        return decode(frame)
+
+    def _discard(self, key: str) -> bool:
+        chan = self._chan
+        with chan.cond:
+            frame = chan.frames.pop(key, None)
+            if frame is None:
+                return False
+            chan.nbytes -= len(frame)
+            chan.cond.notify_all()
+            return True
+
+    def _close(self) -> None:
+        _detach(self._chan)
+
+    def _in_use(self) -> tuple[int, int]:
+        """Pending frames and bytes of the whole channel (it all lives in this process)."""
+        chan = self._chan
+        with chan.cond:
+            return (len(chan.frames), chan.nbytes)
+
+    # ---------------------------------------------------------------- helpers
+    def _check_key_free(self, key: str) -> None:
+        if key in self._chan.frames:
+            raise ConfigurationError(
+                f"memory: key {key!r} is still pending on channel {self.channel!r}; "
+                "a key can be reused only after it was consumed or discarded"
+            )
+
+    def _raise_if_closing(self) -> None:
+        if self._closing or self._closed:
+            raise ClosedError(f"memory connector on channel {self.channel!r} is closed")
+
+    def stats(self) -> ConnectorStats:
+        """Counters since this connector was opened (see ``ConnectorStats``).
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed (the state machine in ``_base`` covers ``stats``).
+        """
+        self._check_open()
+        return super().stats()
+
+    def close(self) -> None:
+        """Release this connector; the last one on a channel drops it. Idempotent.
+
+        Calls blocked in ``get`` or ``put`` on this connector (from other threads, or a
+        pending ``put_async``) wake up and raise ``ClosedError``.
+        """
+        chan = self._chan
+        with chan.cond:
+            self._closing = True
+            chan.cond.notify_all()
+        super().close()

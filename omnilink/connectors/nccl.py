@@ -1,0 +1,1042 @@
+"""The ``nccl`` backend: payloads between two processes through ``torch.distributed``.
+
+Tensor bytes travel by point-to-point ``send``/``recv`` of a process group (NCCL between
+GPUs, gloo between CPUs, so CI runs the same code), received straight into fresh tensors
+on the receiver's device. The header of each payload (its tensor_blob meta, see
+``omnilink.connectors._nccl_wire``) travels on a side channel: the torch.distributed
+store (a ``TCPStore``) both ends share, keyed by sequence number. Nothing is pickled.
+
+One channel links exactly two ranks. Each connector builds its own process groups over
+the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
+group), so it never disturbs the application's own torch.distributed setup::
+
+    rank 0 (e.g. sender, cuda:0)                      rank 1 (e.g. receiver, cuda:1)
+    ----------------------------                      ------------------------------
+    put(key, payload)                                 poster thread
+      window: wait ack/<seq-W> (store)                  store.get(h/<seq>)  (blocks)
+      store.set(h/<seq>, envelope) ---- TCPStore ---->  allocate tensors on cuda:1
+      pg.send(t0), pg.send(t1) ... ===== NCCL ======>   pg.recv(t0), pg.recv(t1) ...
+      (coalesced into one NCCL group)                   (coalesced), event on a side stream
+      caller's stream waits for the sends             completer thread
+                                                        event.synchronize() / work.wait()
+                                                        inbox[key] = payload; notify
+      ack/<seq> <------------------ TCPStore -------   store.set(ack/<seq>)
+                                                      get(key): Condition wait, no polling
+
+Life of one payload (``seq`` counts the sender's puts on this link)::
+
+     put: envelope written      poster: recv posted        completer: data arrived
+    ----------------------> ANNOUNCED -------------> IN FLIGHT ----------------> READY
+                                                                        get / discard |
+                                                                     (consumed) <-----+
+
+Semantics, chosen and tested:
+
+- ``put`` returns once the caller may reuse its tensors. CUDA tensors on the link's
+  device are sent from the caller's own memory with no copy: the sends are ordered after
+  the caller's current stream, the caller's stream is made to wait for them, and the
+  process group keeps the tensors alive until they are sent (the CUDA stream contract,
+  as for ``tensor.to(..., non_blocking=True)``). Host data on a gloo link is snapshotted
+  (one memcpy) because gloo reads it whenever the receiver is ready. Host tensors on an
+  NCCL link ride inside the envelope when small (``inline_bytes``) and are otherwise
+  staged through the device (copied up, sent, copied back to host on the receiver).
+- The receiver posts receives eagerly from its own thread, so a ``put`` followed by a
+  ``get`` in one thread never deadlocks and out-of-order ``get`` works.
+- Flow control: at most ``send_window`` payloads (and ``max_inflight_bytes``) are
+  announced and not yet fully received; ``put`` waits for an acknowledgement (a store
+  key, woken by the store) up to its timeout, then raises ``TransferTimeout`` having
+  sent nothing. The receiver stops taking new payloads while the ones it holds unread
+  exceed ``max_pending_bytes`` (backpressure, as a full shm arena); one payload larger
+  than that is still taken when nothing else is held.
+- Peer death: a third, gloo process group carries only a "goodbye" message; its one
+  outstanding receive fails at once when the peer's process dies (the TCP connection
+  drops), so waiters get ``PeerLostError`` instead of hanging. A clean ``close`` of the
+  peer is told apart: payloads already received stay readable, later ``get`` of keys
+  that can no longer come raise ``PeerLostError`` at once. A peer that hangs without
+  dying is reported by the timeouts (``TransferTimeout``).
+- Reusing a key that is still unread on the receiver queues the second payload behind
+  the first (both are delivered, in order): a distributed sender cannot know what the
+  receiver has consumed without a round trip per put.
+- A peer restart needs both ends to reopen the channel (the process groups are built
+  once); the zmq backend is the one that reconnects.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+from typing import Any
+
+from omnilink import blob
+from omnilink._errors import (
+    BlobDecodeError,
+    ClosedError,
+    ConfigurationError,
+    CudaError,
+    OmnilinkError,
+    PeerLostError,
+    TransportError,
+    WouldBlock,
+)
+from omnilink._util import Deadline
+from omnilink.connectors import _nccl_wire as wire
+from omnilink.connectors._base import BaseConnector, Role
+
+__all__ = ["NcclConnector"]
+
+logger = logging.getLogger(__name__)
+
+_FOREVER = datetime.timedelta(days=3650)
+_CTL_BYE = 1
+_CTL_BYE_REPLY = 2
+
+
+def _td(seconds: float | None) -> datetime.timedelta:
+    return _FOREVER if seconds is None else datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host is alive (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower()
+
+
+class _Arrived:
+    """A payload the receiver holds: ready (``payload`` set) or still in flight."""
+
+    __slots__ = ("seq", "key", "nbytes", "frame_bytes", "payload", "device_tensors", "error")
+
+    def __init__(self, seq: int, key: str, nbytes: int, frame_bytes: int) -> None:
+        self.seq = seq
+        self.key = key
+        self.nbytes = nbytes
+        self.frame_bytes = frame_bytes
+        self.payload: Any = None
+        self.device_tensors: list[Any] = []
+        self.error: BaseException | None = None
+
+
+class NcclConnector(BaseConnector):
+    """A point-to-point connector over ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
+
+    Two connectors, one per process (or two in one process, e.g. for tests), open the
+    same ``channel`` with complementary ranks and a shared store; the connector returns
+    at once and builds the link in the background; the first ``put``/``get`` waits for it
+    (bounded by that call's timeout). ``wait_connected`` waits explicitly.
+
+    Parameters
+    ----------
+    channel : str
+        Channel name; namespaces every key this connector writes in the store.
+    role : {"sender", "receiver", "dual"}
+        ``"sender"`` only puts, ``"receiver"`` only gets (``ConfigurationError``
+        otherwise), ``"dual"`` does both (one process group per direction, so traffic
+        both ways never deadlocks on NCCL's ordered streams).
+    timeout : float, optional
+        Default seconds for blocking calls; ``None`` waits without limit.
+    backend : {"auto", "nccl", "gloo"}
+        Data path. ``"auto"``: NCCL when ``device`` is (or defaults to) a CUDA device,
+        else gloo.
+    rank : int, optional
+        This end's rank, 0 or 1. Defaults: sender 0, receiver 1; required for ``"dual"``.
+    world_size : int
+        Must be 2: a channel links exactly two ranks (open one channel per pair of
+        stages). Both ends must say the same.
+    device : str or torch.device, optional
+        Where received tensors are allocated and sent tensors must live: a CUDA device
+        for NCCL (default: the current CUDA device), ``"cpu"`` for gloo.
+    store : torch.distributed.Store, optional
+        A store both ends share (the application's rendezvous store, a ``TCPStore``...).
+        If omitted, rank 0 hosts a ``TCPStore`` at ``master_addr:master_port`` and rank 1
+        connects to it.
+    master_addr : str
+        Host of the ``TCPStore`` when ``store`` is omitted (default ``"127.0.0.1"``).
+    master_port : int, optional
+        Its port; required when ``store`` is omitted (rank 0 may pass 0 to let the OS
+        pick one, then read ``connector.master_port``).
+    connect_timeout : float
+        Seconds the link setup waits for the peer (default 60).
+    send_window : int
+        Most payloads announced and not yet fully received (default 64).
+    max_inflight_bytes : int
+        Most bytes announced and not yet fully received (default 4 GiB); one payload
+        larger than this still goes when nothing else is in flight.
+    max_pending_bytes : int
+        Most bytes the receiver holds unread before it stops taking new payloads
+        (default 8 GiB).
+    inline_bytes : int, optional
+        Host tensors and arrays up to this size travel inside the header. Default 64 KiB
+        on NCCL links (saves a staged round trip for tiny metadata tensors), 0 on gloo.
+    max_inline_bytes : int
+        Bound on the inline bytes of one payload (default 1 MiB).
+    coalesce : bool
+        Post the sends/receives of one payload as one NCCL group (default True).
+
+    Raises
+    ------
+    ConfigurationError
+        Invalid options; the rank already claimed on this channel by a live process.
+    CudaError
+        NCCL requested where CUDA or NCCL is unavailable.
+
+    Notes
+    -----
+    Errors that need the peer (its world size, backend or role disagree with ours) are
+    raised by ``wait_connected`` and by the first ``put``/``get``.
+    """
+
+    backend = "nccl"
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+        backend: str = "auto",
+        rank: int | None = None,
+        world_size: int = 2,
+        device: Any = None,
+        store: Any = None,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        connect_timeout: float = 60.0,
+        send_window: int = 64,
+        max_inflight_bytes: int = 4 << 30,
+        max_pending_bytes: int = 8 << 30,
+        inline_bytes: int | None = None,
+        max_inline_bytes: int = 1 << 20,
+        coalesce: bool = True,
+    ) -> None:
+        super().__init__(channel=channel, role=role, timeout=timeout)
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise ConfigurationError("torch.distributed is not available in this torch build")
+        self._torch = torch
+        self._dist = dist
+        if world_size != 2 or isinstance(world_size, bool):
+            raise ConfigurationError(
+                f"nccl: world_size must be 2 (a channel links exactly two ranks), got {world_size!r}; "
+                "open one channel per pair of stages"
+            )
+        if rank is None:
+            if role == "dual":
+                raise ConfigurationError("nccl: role='dual' needs an explicit rank (0 or 1)")
+            rank = 0 if role == "sender" else 1
+        if isinstance(rank, bool) or rank not in (0, 1):
+            raise ConfigurationError(f"nccl: rank must be 0 or 1, got {rank!r}")
+        self.rank = rank
+        self.peer_rank = 1 - rank
+        for name, value, low in (
+            ("send_window", send_window, 1),
+            ("max_inflight_bytes", max_inflight_bytes, 1),
+            ("max_pending_bytes", max_pending_bytes, 1),
+            ("max_inline_bytes", max_inline_bytes, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
+        Deadline(connect_timeout)
+        if connect_timeout is None:
+            raise ConfigurationError("nccl: connect_timeout must be a number of seconds")
+        self.connect_timeout = float(connect_timeout)
+        self.send_window = send_window
+        self.max_inflight_bytes = max_inflight_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.max_inline_bytes = max_inline_bytes
+        self.coalesce = bool(coalesce)
+
+        # ---------------------------------------------------------- backend / device
+        if backend not in ("auto", "nccl", "gloo"):
+            raise ConfigurationError(f"nccl: backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+        if device is not None:
+            try:
+                dev = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigurationError(f"nccl: invalid device {device!r}: {exc}") from exc
+        else:
+            dev = None
+        if backend == "auto":
+            if dev is not None:
+                backend = "nccl" if dev.type == "cuda" else "gloo"
+            else:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise CudaError("nccl: backend 'nccl' needs CUDA, which is not available in this process")
+            if not dist.is_nccl_available():
+                raise CudaError("nccl: this torch build has no NCCL; use backend='gloo'")
+            if dev is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            if dev.type != "cuda":
+                raise ConfigurationError(f"nccl: backend 'nccl' needs a CUDA device, got {dev}")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            if dev.index >= torch.cuda.device_count():
+                raise ConfigurationError(
+                    f"nccl: device {dev} does not exist (this process sees {torch.cuda.device_count()} GPUs)"
+                )
+        else:
+            if not dist.is_gloo_available():
+                raise ConfigurationError("nccl: this torch build has no gloo backend")
+            if dev is None:
+                dev = torch.device("cpu")
+            if dev.type != "cpu":
+                raise ConfigurationError(f"nccl: backend 'gloo' moves host tensors only; device must be 'cpu', got {dev}")
+        self.transport = backend
+        self.device = dev
+        self._is_nccl = backend == "nccl"
+        if inline_bytes is None:
+            inline_bytes = (64 << 10) if self._is_nccl else 0
+        if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
+            raise ConfigurationError(f"nccl: inline_bytes must be an int >= 0, got {inline_bytes!r}")
+        self.inline_bytes = min(inline_bytes, max_inline_bytes)
+
+        # ----------------------------------------------------------------- store
+        self._owned_store = None
+        self.master_port = master_port
+        if store is None:
+            if master_port is None or isinstance(master_port, bool) or not isinstance(master_port, int):
+                raise ConfigurationError(
+                    "nccl: give either store= (a torch.distributed Store both ends share) or "
+                    "master_port= (rank 0 hosts a TCPStore there)"
+                )
+            if not 0 <= master_port < 65536 or (master_port == 0 and rank != 0):
+                raise ConfigurationError(f"nccl: invalid master_port {master_port!r}")
+            try:
+                store = dist.TCPStore(
+                    master_addr, master_port, None, rank == 0, _td(self.connect_timeout),
+                    wait_for_workers=False,
+                )
+            except (RuntimeError, ValueError) as exc:
+                if rank == 0:
+                    raise ConfigurationError(
+                        f"nccl: cannot host a TCPStore on {master_addr}:{master_port}: {exc}"
+                    ) from exc
+                raise PeerLostError(
+                    f"nccl: no TCPStore answered on {master_addr}:{master_port} within "
+                    f"{self.connect_timeout} s (is rank 0 of channel {self.channel!r} running?): {exc}"
+                ) from exc
+            self._owned_store = store
+            self.master_port = store.port
+        elif not isinstance(store, dist.Store):
+            raise ConfigurationError(f"nccl: store must be a torch.distributed.Store, got {type(store).__name__}")
+        self._base_store = store
+        self._prefix = f"omnilink/nccl/{self.channel}/"
+        self._token = secrets.token_hex(8)
+        self._host = socket.gethostname()
+        self._st_main = self._store()
+
+        # ------------------------------------------------------------ shared state
+        self._cond = threading.Condition()  # inbox, link state, budget
+        self._ready = threading.Event()
+        self._link_error: BaseException | None = None
+        self._peer_state: str | None = None  # None, "closed", "lost"
+        self._peer_reason = ""
+        self._closing = False
+        self._inbox: dict[str, collections.deque[_Arrived]] = {}
+        self._pending_bytes = 0  # held by the receiver: in flight or unread
+        self._ready_count = 0
+        self._recv_total: int | None = None  # payloads the peer said it sent (goodbye)
+        self._recv_done = 0  # payloads fully received
+        self._send_lock = threading.Lock()
+        self._send_seq = 0
+        self._inflight: collections.deque[tuple[int, int]] = collections.deque()
+        self._inflight_bytes = 0
+        self._acked_upto = -1
+        self._post_seq = 0
+        self._bye_lock = threading.Lock()
+        self._bye_sent = False
+        self._threads: list[threading.Thread] = []
+        self._pgs: dict[str, Any] = {}
+        self._ctl_pg: Any = None
+        self._sid = ""
+        self._out = f"{rank}to{1 - rank}"
+        self._in = f"{1 - rank}to{rank}"
+        self._reap_q: queue.Queue[Any] = queue.Queue()
+        self._done_q: queue.Queue[Any] = queue.Queue()
+        self._side_stream: Any = None
+
+        self._claim()
+        hello = wire.Hello(
+            protocol=wire.PROTOCOL, rank=rank, world_size=world_size, role=role, backend=backend,
+            device_type=dev.type, host=self._host, pid=os.getpid(), token=self._token,
+            send_window=send_window,
+        )
+        try:
+            self._st_main.set(f"hello/{rank}", wire.encode_hello(hello))
+        except RuntimeError as exc:
+            self._release_claim()
+            raise PeerLostError(f"nccl: the store of channel {self.channel!r} failed: {exc}") from exc
+        self._hello = hello
+        self._spawn(self._setup, "setup")
+
+    # ============================================================== store helpers
+    def _store(self) -> Any:
+        """A store client of our own (TCPStore serialises calls per client), prefixed."""
+        base = self._base_store
+        try:
+            base = base.clone()
+        except (AttributeError, RuntimeError):
+            pass  # HashStore and friends are thread-safe without a clone
+        return self._dist.PrefixStore(self._prefix, base)
+
+    def _claim(self) -> None:
+        st = self._st_main
+        me = f"{self._host}:{os.getpid()}:{self._token}"
+        key = f"claim/{self.rank}"
+        try:
+            got = st.compare_set(key, "", me).decode()
+            if got != me:
+                host, _, rest = got.partition(":")
+                pid_s = rest.partition(":")[0]
+                if host == self._host and pid_s.isdigit() and not _pid_alive(int(pid_s)):
+                    got = st.compare_set(key, got, me).decode()
+                if got != me:
+                    raise ConfigurationError(
+                        f"nccl: rank {self.rank} of channel {self.channel!r} is already claimed by "
+                        f"process {pid_s} on {host}; both ends claim the same rank (give the other "
+                        "end the other rank, or close the first connector)"
+                    )
+        except RuntimeError as exc:
+            raise PeerLostError(f"nccl: the store of channel {self.channel!r} failed: {exc}") from exc
+
+    def _release_claim(self) -> None:
+        me = f"{self._host}:{os.getpid()}:{self._token}"
+        try:
+            self._st_main.compare_set(f"claim/{self.rank}", me, "")
+            self._st_main.delete_key(f"hello/{self.rank}")
+        except RuntimeError:
+            pass  # the store went away with the peer that hosted it
+
+    def _spawn(self, fn: Any, what: str) -> None:
+        t = threading.Thread(
+            target=self._guard, args=(fn, what), daemon=True,
+            name=f"omnilink-nccl-{what}-{self.channel}",
+        )
+        self._threads.append(t)
+        t.start()
+
+    def _guard(self, fn: Any, what: str) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # recorded for the callers, never lost
+            if not self._closing:
+                logger.debug("nccl %s thread of %r ended: %r", what, self.channel, exc)
+                self._fail_link(exc, what)
+
+    def _fail_link(self, exc: BaseException, what: str) -> None:
+        if isinstance(exc, OmnilinkError):
+            err: BaseException = exc
+        else:
+            err = PeerLostError(f"nccl: {what} of channel {self.channel!r} failed: {exc}")
+            err.__cause__ = exc
+        with self._cond:
+            if self._link_error is None:
+                self._link_error = err
+            self._cond.notify_all()
+        self._ready.set()
+        self._wake_all()
+
+    # ================================================================ link setup
+    def _setup(self) -> None:
+        dist = self._dist
+        st = self._store()
+        self._st_setup = st
+        deadline = Deadline(self.connect_timeout)
+        peer_key = f"hello/{self.peer_rank}"
+        while True:
+            try:
+                st.wait([peer_key], _td(deadline.remaining()))
+            except RuntimeError as exc:
+                if self._closing:
+                    return
+                if _is_timeout(exc):
+                    raise PeerLostError(
+                        f"nccl: rank {self.peer_rank} of channel {self.channel!r} did not show up "
+                        f"within connect_timeout={self.connect_timeout} s"
+                    ) from exc
+                raise
+            if self._closing:
+                return
+            try:
+                peer = wire.decode_hello(st.get(peer_key))
+            except BlobDecodeError as exc:
+                raise ConfigurationError(
+                    f"nccl: the peer's hello on channel {self.channel!r} is not readable: {exc}"
+                ) from exc
+            if peer.host == self._host and not _pid_alive(peer.pid):
+                # A hello left behind by a process that died: wait for a fresh one.
+                st.delete_key(peer_key)
+                continue
+            break
+        self._check_peer(peer)
+        self._peer = peer
+        tokens = sorted((self._hello.token, peer.token))
+        self._sid = f"s/{tokens[0]}-{tokens[1]}/"
+        same_host = peer.host == self._host
+        # Directions: a -> b exists when a may send and b may receive.
+        roles = {self.rank: self.role, self.peer_rank: peer.role}
+        dirs = [
+            f"{src}to{1 - src}"
+            for src in (0, 1)
+            if roles[src] in ("sender", "dual") and roles[1 - src] in ("receiver", "dual")
+        ]
+        if not dirs:
+            raise ConfigurationError(
+                f"nccl: channel {self.channel!r} has no direction: this end is a {self.role}, the peer a {peer.role}"
+            )
+        self._dirs = dirs
+        self._ctl_pg = self._make_gloo(f"{self._sid}ctl/", same_host)
+        for d in dirs:
+            if self._is_nccl:
+                self._pgs[d] = self._make_nccl(f"{self._sid}pg/{d}/")
+            else:
+                self._pgs[d] = self._make_gloo(f"{self._sid}pg/{d}/", same_host)
+        torch = self._torch
+        if self._is_nccl:
+            # Create the NCCL communicators now (a tiny exchange per direction) rather
+            # than inside the first put, whose wait could not then be bounded.
+            with torch.cuda.device(self.device):
+                self._side_stream = torch.cuda.Stream(self.device)
+                for d in dirs:
+                    t = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                    pg = self._pgs[d]
+                    w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
+                    w.wait()
+                torch.cuda.current_stream(self.device).synchronize()
+        self._spawn(self._watch, "watcher")
+        if self._in in self._pgs:
+            self._st_post = self._store()
+            self._st_done = self._store()
+            self._spawn(self._post_loop, "poster")
+            self._spawn(self._done_loop, "completer")
+        if self._out in self._pgs:
+            self._st_send = self._store()
+            if not self._is_nccl:
+                self._spawn(self._reap_loop, "reaper")
+        self._st_wake = self._store()
+        self._ready.set()
+
+    def _check_peer(self, peer: wire.Hello) -> None:
+        me = self._hello
+        problems = []
+        if peer.protocol != me.protocol:
+            problems.append(f"side-channel protocol {peer.protocol} vs ours {me.protocol}")
+        if peer.world_size != me.world_size:
+            problems.append(f"world sizes disagree: the peer says {peer.world_size}, we say {me.world_size}")
+        if peer.rank != self.peer_rank:
+            problems.append(f"both ends claim rank {peer.rank}")
+        if peer.backend != me.backend:
+            problems.append(f"the peer uses backend {peer.backend!r}, we use {me.backend!r}")
+        if peer.role == me.role and me.role != "dual":
+            problems.append(f"both ends are {me.role}s")
+        if problems:
+            raise ConfigurationError(
+                f"nccl: the two ends of channel {self.channel!r} do not match: " + "; ".join(problems)
+            )
+
+    def _make_gloo(self, prefix: str, same_host: bool) -> Any:
+        dist = self._dist
+        opts = dist.ProcessGroupGloo._Options()
+        if same_host:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts._timeout = _td(self.connect_timeout)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store()), self.rank, 2, opts)
+        # Operations wait only for data that is known to be coming, and a gloo wait that
+        # times out breaks the connection: no op timeout (peer death still fails fast).
+        pg.set_timeout(_FOREVER)
+        return pg
+
+    def _make_nccl(self, prefix: str) -> Any:
+        dist = self._dist
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _FOREVER
+        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, self._store()), self.rank, 2, opts)
+
+    def wait_connected(self, timeout: float | None = None) -> None:
+        """Wait until the link to the peer is built.
+
+        Raises
+        ------
+        TransferTimeout
+            The peer did not connect in time.
+        ConfigurationError
+            The two ends disagree (ranks, world size, backend, roles).
+        PeerLostError, ClosedError
+            The peer went away; this connector was closed.
+        """
+        self._check_open()
+        self._wait_ready(self._deadline(timeout), None)
+
+    def _wait_ready(self, deadline: Deadline, key: str | None) -> None:
+        if not self._ready.is_set():
+            if not self._ready.wait(deadline.remaining()):
+                raise self._timeout("connect", key, f"rank {self.peer_rank} to connect", deadline.timeout)
+        if self._closing:
+            raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+        if self._link_error is not None:
+            raise self._link_error
+
+    # =================================================================== watcher
+    def _watch(self) -> None:
+        """Waits for the peer's goodbye on the control group; fails fast on death."""
+        torch = self._torch
+        buf = torch.zeros(2, dtype=torch.int64)
+        work = self._ctl_pg.recv([buf], self.peer_rank, 0)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if self._closing:
+                return
+            self._peer_gone("lost", f"the process of rank {self.peer_rank} died or dropped the connection ({exc})")
+            return
+        kind, count = int(buf[0]), int(buf[1])
+        with self._cond:
+            self._recv_total = count
+        if kind == _CTL_BYE:
+            self._send_bye(_CTL_BYE_REPLY)
+        self._peer_gone("closed", f"rank {self.peer_rank} closed channel {self.channel!r}")
+
+    def _send_bye(self, kind: int, wait: float | None = None) -> None:
+        with self._bye_lock:
+            if self._bye_sent or self._ctl_pg is None:
+                return
+            self._bye_sent = True
+        torch = self._torch
+        msg = torch.tensor([kind, self._send_seq], dtype=torch.int64)
+        try:
+            w = self._ctl_pg.send([msg], self.peer_rank, 0)
+            if wait is not None:
+                w.wait(_td(wait))
+        except RuntimeError as exc:
+            logger.debug("nccl: goodbye on %r not delivered: %r", self.channel, exc)
+
+    def _peer_gone(self, state: str, reason: str) -> None:
+        with self._cond:
+            if self._peer_state != "lost":
+                self._peer_state = state
+                self._peer_reason = reason
+            self._cond.notify_all()
+        if state == "lost" and self._is_nccl:
+            for pg in self._pgs.values():
+                try:
+                    pg.abort()  # NCCL kernels waiting for a dead peer would never end
+                except RuntimeError:
+                    pass
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """Wake threads blocked in store waits (poster, window) by setting their keys."""
+        st = getattr(self, "_st_wake", None)
+        if st is None:
+            return
+        try:
+            if self._in in self._pgs and (self._closing or self._peer_state == "lost"):
+                st.set(f"{self._sid}{self._in}/h/{self._post_seq}", b"")
+            if self._out in self._pgs:
+                with self._cond:
+                    oldest = self._inflight[0][0] if self._inflight else None
+                if oldest is not None and (self._closing or self._peer_state is not None):
+                    st.set(f"{self._sid}{self._out}/ack/{oldest}", b"")
+        except RuntimeError:
+            pass  # the store died with the peer: the waiters got that error already
+
+    def _peer_error(self, key: str | None) -> PeerLostError:
+        what = f" (key {key!r} can no longer arrive)" if key is not None else ""
+        return PeerLostError(f"nccl: {self._peer_reason}{what}")
+
+    # ==================================================================== sending
+    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        if self.role == "receiver":
+            raise ConfigurationError(
+                f"nccl connector on channel {self.channel!r} was opened with role='receiver' and cannot put"
+            )
+        sp = wire.plan_send(
+            payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
+            max_inline_total=self.max_inline_bytes, key=key,
+        )
+        self._wait_ready(deadline, key)
+        d = self._out
+        pg = self._pgs[d]
+        with self._send_lock:
+            self._check_send_state(key)
+            self._wait_window(sp.p2p_bytes, deadline, key)
+            seq = self._send_seq
+            env = wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline)
+            try:
+                self._st_send.set(f"{self._sid}{d}/h/{seq}", wire.encode_envelope(env))
+            except RuntimeError as exc:
+                raise self._translate(exc, key) from exc
+            self._send_seq = seq + 1
+            with self._cond:
+                self._inflight.append((seq, sp.p2p_bytes))
+                self._inflight_bytes += sp.p2p_bytes
+            if sp.p2p:
+                works = self._post(pg, sp.p2p, send=True)
+                if self._is_nccl:
+                    torch = self._torch
+                    with torch.cuda.device(self.device):
+                        for w in works:
+                            w.wait()  # the caller's stream waits for the sends: reuse is safe
+                else:
+                    self._reap_q.put((works, sp.p2p))
+        return sp.nbytes
+
+    def _check_send_state(self, key: str) -> None:
+        if self._closing:
+            raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+        if self._link_error is not None:
+            raise self._link_error
+        if self._peer_state is not None:
+            raise self._peer_error(None)
+
+    def _wait_window(self, nbytes: int, deadline: Deadline, key: str) -> None:
+        """Block until the payload fits the send window (acks come through the store)."""
+        while True:
+            with self._cond:
+                while self._inflight and self._inflight[0][0] <= self._acked_upto:
+                    _, b = self._inflight.popleft()
+                    self._inflight_bytes -= b
+                if not self._inflight or (
+                    len(self._inflight) < self.send_window
+                    and self._inflight_bytes + nbytes <= self.max_inflight_bytes
+                ):
+                    return
+                oldest = self._inflight[0][0]
+            remaining = deadline.remaining()
+            if remaining == 0.0:
+                raise self._timeout("put", key, f"rank {self.peer_rank} to receive earlier payloads", deadline.timeout)
+            try:
+                self._st_send.wait([f"{self._sid}{self._out}/ack/{oldest}"], _td(remaining))
+            except RuntimeError as exc:
+                if _is_timeout(exc):
+                    raise self._timeout(
+                        "put", key, f"rank {self.peer_rank} to receive earlier payloads", deadline.timeout
+                    ) from exc
+                raise self._translate(exc, key) from exc
+            self._check_send_state(key)
+            with self._cond:
+                self._acked_upto = max(self._acked_upto, oldest)
+
+    def _post(self, pg: Any, tensors: list[Any], *, send: bool) -> list[Any]:
+        """Post one send/recv per tensor, as one NCCL group where the backend can."""
+        op = pg.send if send else pg.recv
+        peer = self.peer_rank
+        try:
+            if self._is_nccl:
+                torch = self._torch
+                with torch.cuda.device(self.device):
+                    if self.coalesce and len(tensors) > 1:
+                        pg._start_coalescing()
+                        try:
+                            for t in tensors:
+                                op([t], peer, 0)
+                        finally:
+                            work = pg._end_coalescing()
+                        return [work]
+                    return [op([t], peer, 0) for t in tensors]
+            return [op([t], peer, 0) for t in tensors]
+        except RuntimeError as exc:
+            raise self._translate(exc, None) from exc
+
+    def _reap_loop(self) -> None:
+        """Gloo sends complete when the receiver takes them; keep snapshots alive till then."""
+        while True:
+            item = self._reap_q.get()
+            if item is None:
+                return
+            works, _keep = item
+            for w in works:
+                try:
+                    w.wait()
+                except RuntimeError as exc:
+                    if self._closing:
+                        return
+                    self._peer_gone("lost", f"sending to rank {self.peer_rank} failed ({exc})")
+                    return
+
+    def _translate(self, exc: BaseException, key: str | None) -> TransportError:
+        if self._closing:
+            return ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+        if self._peer_state is not None:
+            return self._peer_error(key)
+        return PeerLostError(f"nccl: channel {self.channel!r}: {exc}")
+
+    # ================================================================== receiving
+    def _post_loop(self) -> None:
+        """Read envelopes in sequence order and post their receives (eagerly)."""
+        torch = self._torch
+        st = self._st_post
+        d = self._in
+        pg = self._pgs[d]
+        seq = 0
+        while True:
+            self._post_seq = seq
+            with self._cond:
+                total = self._recv_total
+            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
+                return
+            try:
+                raw = st.get(f"{self._sid}{d}/h/{seq}")
+            except RuntimeError as exc:
+                if self._closing:
+                    return
+                if _is_timeout(exc):
+                    continue
+                self._peer_gone("lost", f"the store of channel {self.channel!r} went away ({exc})")
+                return
+            if not raw:
+                continue  # a wake-up: re-check the state
+            env = wire.decode_envelope(raw)
+            if env.seq != seq:
+                raise BlobDecodeError(f"nccl: envelope {seq} of channel {self.channel!r} says seq {env.seq}")
+            header = wire.parse_meta(env)
+            sizes = wire.check_sizes(header, env.plan)
+            nbytes = sum(sizes)
+            frame = blob.peek_header(env.meta)[2]
+            item = _Arrived(seq, env.key, nbytes, frame)
+            with self._cond:
+                # Backpressure: hold off while unread payloads fill the budget.
+                while (
+                    self._pending_bytes
+                    and self._pending_bytes + nbytes > self.max_pending_bytes
+                    and not self._closing
+                ):
+                    self._cond.wait()
+                if self._closing:
+                    return
+                self._pending_bytes += nbytes
+                self._inbox.setdefault(env.key, collections.deque()).append(item)
+            staged = [code == wire.STAGED for code in env.plan if code in (wire.P2P, wire.STAGED)]
+            event = None
+            if self._is_nccl:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream):
+                    bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+                    works = self._post(pg, bufs, send=False) if bufs else []
+                    for w in works:
+                        w.wait()  # the side stream waits for the receives
+                    host_bufs = []
+                    for buf, is_staged in zip(bufs, staged):
+                        if is_staged:
+                            h = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+                            h.copy_(buf, non_blocking=True)
+                            host_bufs.append(h)
+                        else:
+                            host_bufs.append(buf)
+                    event = torch.cuda.Event()
+                    event.record(self._side_stream)
+                bufs = host_bufs
+            else:
+                bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+                works = self._post(pg, bufs, send=False) if bufs else []
+            self._done_q.put((item, env, header, bufs, works, event))
+            seq += 1
+
+    def _done_loop(self) -> None:
+        """Wait for each payload's data in order, build it, acknowledge it."""
+        st = self._st_done
+        d = self._in
+        window = self._peer.send_window
+        while True:
+            entry = self._done_q.get()
+            if entry is None:
+                return
+            item, env, header, bufs, works, event = entry
+            try:
+                if event is not None:
+                    event.synchronize()
+                    for w in works:
+                        if not w.is_success():
+                            raise RuntimeError(f"receive of key {env.key!r} failed")
+                else:
+                    for w in works:
+                        w.wait()
+                views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
+                payload = wire.decode_tree(header, views)
+                dev_tensors = [v for v in views if getattr(v, "is_cuda", False)]
+            except BaseException as exc:
+                if self._closing:
+                    return
+                with self._cond:
+                    item.error = exc if isinstance(exc, OmnilinkError) else PeerLostError(
+                        f"nccl: receiving key {env.key!r} on channel {self.channel!r} failed: {exc}"
+                    )
+                    self._cond.notify_all()
+                if not isinstance(exc, OmnilinkError):
+                    self._peer_gone("lost", f"receiving from rank {self.peer_rank} failed ({exc})")
+                    return
+                raise
+            with self._cond:
+                item.payload = payload
+                item.device_tensors = dev_tensors
+                self._ready_count += 1
+                self._recv_done = item.seq + 1
+                self._cond.notify_all()
+            try:
+                st.set(f"{self._sid}{d}/ack/{item.seq}", b"1")
+                st.delete_key(f"{self._sid}{d}/h/{item.seq}")
+                if item.seq >= window:
+                    st.delete_key(f"{self._sid}{d}/ack/{item.seq - window}")
+            except RuntimeError:
+                if not self._closing and self._peer_state is None:
+                    self._peer_gone("lost", f"the store of channel {self.channel!r} went away")
+
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        if self.role == "sender":
+            raise ConfigurationError(
+                f"nccl connector on channel {self.channel!r} was opened with role='sender' and cannot get"
+            )
+        if block:
+            self._wait_ready(deadline, key)
+        elif not self._ready.is_set():
+            raise WouldBlock(f"nccl: channel {self.channel!r} is not connected yet")
+        else:
+            self._wait_ready(deadline, key)
+        with self._cond:
+            while True:
+                if self._closing:
+                    raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+                q = self._inbox.get(key)
+                item = q[0] if q else None
+                if item is not None and (item.payload is not None or item.error is not None):
+                    q.popleft()
+                    if not q:
+                        del self._inbox[key]
+                    self._pending_bytes -= item.nbytes
+                    if item.payload is not None:
+                        self._ready_count -= 1
+                    self._cond.notify_all()
+                    break
+                if item is None and self._peer_state is not None and not self._more_may_come():
+                    raise self._peer_error(key)
+                if self._link_error is not None:
+                    raise self._link_error
+                if not block:
+                    raise WouldBlock(f"nccl: key {key!r} has not arrived on channel {self.channel!r}")
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    raise self._timeout("get", key, f"rank {self.peer_rank}", deadline.timeout)
+                self._cond.wait(remaining)
+        if item.error is not None:
+            raise item.error
+        self._count(bytes_got=item.frame_bytes)
+        if item.device_tensors:
+            torch = self._torch
+            stream = torch.cuda.current_stream(self.device)
+            for t in item.device_tensors:
+                # Allocated on our side stream: keep the allocator from reusing the
+                # memory while the caller's stream may still use it.
+                t.record_stream(stream)
+        return item.payload
+
+    def _more_may_come(self) -> bool:
+        """After the peer closed: whether payloads it sent are still being received."""
+        if self._peer_state == "lost":
+            return False
+        total = self._recv_total
+        return total is not None and self._recv_done < total
+
+    def _discard(self, key: str) -> bool:
+        with self._cond:
+            q = self._inbox.get(key)
+            if not q or q[0].payload is None:
+                return False
+            item = q.popleft()
+            if not q:
+                del self._inbox[key]
+            self._pending_bytes -= item.nbytes
+            self._ready_count -= 1
+            self._cond.notify_all()
+        return True
+
+    def _in_use(self) -> tuple[int, int]:
+        with self._cond:
+            return (self._ready_count, self._pending_bytes)
+
+    # ==================================================================== closing
+    def close(self) -> None:
+        """Close the link; idempotent.
+
+        A sender first waits (up to ``connect_timeout``) for the payloads it announced to
+        be received, then says goodbye so the peer can tell a clean close from a crash.
+        Calls blocked in this connector raise ``ClosedError``.
+        """
+        if self._closed:
+            return
+        if self._ready.is_set() and self._link_error is None and self._out in self._pgs:
+            self._linger(Deadline(self.connect_timeout))
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        super().close()
+
+    def _linger(self, deadline: Deadline) -> None:
+        with self._send_lock:
+            last = self._send_seq - 1
+        while last > self._acked_upto and self._peer_state is None:
+            remaining = deadline.remaining()
+            if remaining == 0.0:
+                logger.warning("nccl: closing channel %r with payloads not yet received", self.channel)
+                return
+            try:
+                self._st_send.wait([f"{self._sid}{self._out}/ack/{last}"], _td(remaining))
+            except RuntimeError:
+                return
+            self._acked_upto = max(self._acked_upto, last)
+
+    def _close(self) -> None:
+        self._wake_all()
+        if self._ctl_pg is not None and self._peer_state is None:
+            self._send_bye(_CTL_BYE, wait=min(self.connect_timeout, 10.0))
+        self._reap_q.put(None)
+        self._done_q.put(None)
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(2.0)
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            logger.debug("nccl: threads still blocked at close of %r: %s", self.channel, stuck)
+        for pg in list(self._pgs.values()) + ([self._ctl_pg] if self._ctl_pg is not None else []):
+            try:
+                if self._is_nccl and pg is not self._ctl_pg:
+                    if stuck or self._peer_state == "lost":
+                        pg.abort()
+                    else:
+                        pg.shutdown()
+            except RuntimeError as exc:
+                logger.debug("nccl: shutting a process group of %r down: %r", self.channel, exc)
+        with self._cond:
+            self._inbox.clear()
+            self._pending_bytes = 0
+            self._ready_count = 0
+        self._release_claim()
+        if not stuck:
+            self._pgs.clear()
+            self._ctl_pg = None

@@ -1,0 +1,780 @@
+"""The ``shm`` backend: same-host transfer through a pre-faulted shared-memory arena.
+
+How a payload travels::
+
+    sender process                                        receiver process(es)
+    --------------                                        --------------------
+    prepare(payload) -> n bytes
+    allocate a 64-byte aligned block in OUR arena
+    (full? wait on our "space" semaphore: backpressure)
+    encode_into(block)            -- the one copy --
+    mutex: descriptor WRITTEN, log += (seq -> desc),
+           post the wake semaphore once per waiter  ---->  woken; mutex: read the log,
+                                                           claim the key (WRITTEN -> CLAIMED)
+                                                           decode(lease): zero-copy views
+                                                           ... last view dies (or release(key))
+    next put: mutex: drain the released ring     <-----   mutex: CLAIMED -> RELEASED,
+              blocks back to the allocator                  push on the released ring
+
+See ``omnilink.connectors._shm_segments`` for the byte layouts of the arena and the
+control segment and the descriptor state machine, and ``_shm_names`` for the names.
+
+Guarantees
+----------
+- Each key is delivered to exactly one receiver, whichever process it runs in; keys are
+  consumed in any order and a missing key never stalls the others.
+- A payload published before its sender died stays readable by a receiver that had
+  already mapped that sender's arena; a key that was never published becomes
+  ``PeerLostError`` once no live sender remains on the channel (checked every
+  ``HEARTBEAT_S`` while waiting), never a hang.
+- Blocks claimed by a receiver that died are reclaimed by the sender once the
+  claimer's pid is gone. ``close()`` removes every segment and semaphore the process
+  created; ``collect_garbage`` (``omnilink gc``, and every connector's start-up) removes
+  what dead processes left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from omnilink._errors import (
+    CapacityError,
+    ConfigurationError,
+    PeerLostError,
+    TransportError,
+    WouldBlock,
+)
+from omnilink._util import Deadline, MAX_KEY_BYTES
+from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
+from omnilink.connectors._shm_alloc import round_up
+from omnilink.connectors._shm_names import (
+    SHM_DIR,
+    HostLock,
+    new_token,
+    overflow_name,
+    parse_channel_name,
+    parse_owned_name,
+    pid_alive,
+    read_prefix,
+)
+from omnilink.connectors._shm_segments import (
+    CTRL_MAGIC,
+    CTRL_SIZE,
+    FLAG_OVERFLOW,
+    MAX_PARTICIPANTS,
+    ROLE_RECV,
+    ROLE_SEND,
+    ArenaReader,
+    ArenaWriter,
+    Channel,
+    _LockTimeout,
+    _OutRec,
+    _PART,
+    _C_PART,
+    create_segment,
+)
+
+__all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector", "collect_garbage"]
+
+logger = logging.getLogger(__name__)
+
+#: Default size of a sender's arena. Big enough to keep several 16-32 MiB hidden-state
+#: chunks in flight; Docker's default /dev/shm (64 MB) is too small for it, and the
+#: connector then says how to raise it.
+DEFAULT_ARENA_BYTES = 128 << 20
+DEFAULT_MAX_INFLIGHT = 1024
+DEFAULT_LINGER_S = 5.0
+#: Seconds between liveness checks of the peers while waiting (a heartbeat, not polling:
+#: the data path is always woken by a semaphore).
+HEARTBEAT_S = 0.25
+_MIN_ARENA_BYTES = 1 << 20
+
+try:  # numpy arrays support weak references and make a cheap per-message exporter
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is a dependency
+    _np = None
+
+
+def _make_lease(mm: Any, offset: int, length: int) -> Any:
+    """A fresh exporter object over ``mm[offset:offset+length]``: decode's views keep it
+    alive, so a ``weakref.finalize`` on it fires when the last view of the payload dies."""
+    return _np.frombuffer(mm, dtype=_np.uint8, count=length, offset=offset)
+
+
+def _release_lease(chan: Channel, reader: ArenaReader, idx: int, seq: int, pid: int,
+                   held: dict[str, list[Any]], key: str, counters: list[int], nbytes: int) -> None:
+    """Finalizer of a lease: hand the block back (CLAIMED -> RELEASED) under the mutex."""
+    counters[0] -= 1
+    counters[1] -= nbytes
+    fins = held.get(key)
+    if fins is not None:
+        fins[:] = [f for f in fins if f.alive]
+        if not fins:
+            held.pop(key, None)
+    if chan.held_by_me():
+        # The garbage collector ran this inside our own critical section: the mutex is
+        # not reentrant, so finish the release just before this thread unlocks.
+        chan.defer(lambda: reader.mark_released(idx, seq, pid))
+        return
+    try:
+        with chan.locked():
+            reader.mark_released(idx, seq, pid)
+    except Exception:  # a finalizer must not raise; the sender still reclaims at our exit
+        logger.exception("shm: releasing block %d of %s failed", idx, reader.name)
+
+
+def _cleanup(writer: ArenaWriter | None, chan: Channel) -> None:
+    """Remove what this connector created (also run if it is garbage-collected unclosed)."""
+    try:
+        if writer is not None:
+            try:
+                with chan.locked():
+                    writer.mark_closed()
+            except Exception:  # pragma: no cover - best effort on a broken channel
+                logger.exception("shm: marking arena %s closed failed", writer.name)
+        chan.leave()
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+class ShmConnector(BaseConnector):
+    """Same-host connector over POSIX shared memory (backend ``"shm"``).
+
+    Parameters
+    ----------
+    channel : str
+        Channel name (``job1/thinker-talker``); senders and receivers of one channel
+        find each other through it, in any start order.
+    role : {"sender", "receiver", "dual"}
+        A sender owns an arena; a receiver maps the arenas of every sender of the
+        channel; ``"dual"`` does both (and receives its own puts too).
+    timeout : float, optional
+        Default timeout of blocking calls (``None``: no limit).
+    arena_bytes : int
+        Size of this sender's arena in ``/dev/shm`` (default 128 MiB), reserved and
+        pre-faulted at creation. ``/dev/shm`` free space is checked first.
+    max_inflight : int
+        Descriptors in the arena (default 1024): payloads published and not yet
+        released; a sender with none left waits like one with a full arena.
+    overflow : {"segment", "error"}
+        What ``put`` does with a payload larger than the arena: send it through a
+        dedicated segment created for it (counted in ``stats().fallbacks``), or raise
+        ``CapacityError``.
+    linger : float
+        Seconds ``close()`` of a sender waits for live receivers to claim what it
+        published (default 5.0). Payloads still unclaimed then are dropped, except for
+        receivers that already mapped this sender's arena.
+
+    Raises
+    ------
+    ConfigurationError
+        Invalid channel, role, timeout or option, or a bad ``OMNILINK_SHM_PREFIX``.
+    CapacityError
+        ``/dev/shm`` has too little free space for the arena (the message says how to
+        give it more), or the channel already has 64 participants.
+
+    Notes
+    -----
+    Payloads received are zero-copy views of the sender's arena. The block is handed
+    back when the last view dies, or at once by ``release(key)``.
+    """
+
+    backend = "shm"
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        overflow: str = "segment",
+        linger: float = DEFAULT_LINGER_S,
+    ) -> None:
+        super().__init__(channel=channel, role=role, timeout=timeout)
+        if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
+            raise ConfigurationError(f"arena_bytes must be an int >= {_MIN_ARENA_BYTES}, got {arena_bytes!r}")
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or not 1 <= max_inflight <= 65536:
+            raise ConfigurationError(f"max_inflight must be an int in [1, 65536], got {max_inflight!r}")
+        if overflow not in ("segment", "error"):
+            raise ConfigurationError(f"overflow must be 'segment' or 'error', got {overflow!r}")
+        Deadline(linger)  # validates: a number >= 0
+        if linger is None:
+            raise ConfigurationError("linger must be a number of seconds >= 0, got None")
+        self.arena_bytes = arena_bytes
+        self.overflow = overflow
+        self.linger = linger
+        self._prefix = read_prefix()
+        self._pid = os.getpid()
+        self._token = new_token()
+        self._sends = role in ("sender", "dual")
+        self._recvs = role in ("receiver", "dual")
+        # Start-up garbage collection: leftovers of dead processes under our prefix.
+        try:
+            collect_garbage(prefix=self._prefix)
+        except OSError as exc:  # pragma: no cover - /dev/shm unreadable: not fatal here
+            logger.warning("shm: start-up garbage collection failed: %s", exc)
+        self._writer = (
+            ArenaWriter(self._prefix, self._pid, self._token, arena_bytes, max_inflight) if self._sends else None
+        )
+        self._chan = Channel(self._prefix, self.channel)
+        try:
+            self._chan.join((ROLE_SEND if self._sends else 0) | (ROLE_RECV if self._recvs else 0), self._token)
+        except BaseException:
+            if self._writer is not None:
+                self._writer.close()
+            raise
+        self._finalizer = weakref.finalize(self, _cleanup, self._writer, self._chan)
+        self._slock = threading.Lock()  # sender-local state: allocator, descriptors
+        self._rlock = threading.Lock()  # receiver-local state: readers, index
+        self._index: dict[str, list[Any]] = {}
+        self._readers: dict[tuple[int, str], ArenaReader] = {}
+        self._departed: list[ArenaReader] = []
+        self._known_gen = -1
+        self._index_limit = 4096
+        self._held: dict[str, list[Any]] = {}
+        self._held_counters = [0, 0]  # blocks, bytes of payloads this process still views
+        self._last_beat = time.monotonic()
+        self._peer_lost: str | None = None
+
+    # ================================================================= sending
+    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        w = self._writer
+        if w is None:
+            raise ConfigurationError(
+                f"shm connector on channel {self.channel!r} was opened with role='receiver' "
+                "and cannot put; open it with role='sender' or 'dual'"
+            )
+        from omnilink.blob import prepare
+
+        blob = prepare(payload)
+        n = blob.nbytes
+        key_bytes = key.encode("utf-8")
+        if n > w.data_bytes:
+            return self._put_overflow(key, key_bytes, blob, deadline)
+        chan = self._chan
+        with self._slock:
+            self._check_open()
+            off, idx = self._reserve(key, n, deadline, block=True)
+            try:
+                start = w.layout.data_offset + off
+                written = blob.write_into(w.view[start : start + n])
+            except BaseException:
+                w.alloc.free(off)
+                w.free_desc.append(idx)
+                raise
+            rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
+            try:
+                with chan.locked(deadline):
+                    w.publish(idx, key_bytes, rec, written, 0, b"")
+                    chan.notify_all()
+                    w.drain()
+            except _LockTimeout:
+                w.alloc.free(off)
+                w.free_desc.append(idx)
+                raise self._timeout("put", key, "the channel mutex", deadline.timeout) from None
+        return written
+
+    def _put_overflow(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
+        w = self._writer
+        n = blob.nbytes
+        if self.overflow == "error":
+            raise CapacityError(
+                f"shm: payload of {n} bytes is larger than the {w.data_bytes}-byte data area of "
+                f"the arena on channel {self.channel!r}; pass a larger arena_bytes= or "
+                "overflow='segment'"
+            )
+        chan = self._chan
+        with self._slock:
+            self._check_open()
+            _, idx = self._reserve(key, 0, deadline, block=False)
+            token = new_token()
+            name = overflow_name(self._prefix, self._pid, token)
+            try:
+                mm = create_segment(name, round_up(n, 4096), f"an overflow segment for key {key!r}")
+                try:
+                    with memoryview(mm) as mv:
+                        written = blob.write_into(mv)
+                finally:
+                    mm.close()
+                rec = _OutRec(0, key, 0, round_up(n, 4096), name)
+                with chan.locked(deadline):
+                    w.publish(idx, key_bytes, rec, written, FLAG_OVERFLOW, token.encode("ascii"))
+                    w.overflow_bytes += rec.reserved
+                    chan.notify_all()
+                    w.drain()
+            except BaseException as exc:
+                if idx not in w.out:
+                    w.free_desc.append(idx)
+                    from omnilink.connectors._shm_segments import _unlink_quiet
+
+                    _unlink_quiet(name)
+                if isinstance(exc, _LockTimeout):
+                    raise self._timeout("put", key, "the channel mutex", deadline.timeout) from None
+                raise
+        self._count(fallbacks=1)
+        return written
+
+    def _reserve(self, key: str, n: int, deadline: Deadline, *, block: bool) -> tuple[int, int]:
+        """A block of ``n`` bytes (if ``block``) and a descriptor; waits while the arena is
+        full (backpressure), woken by receivers releasing blocks. Holds ``_slock``."""
+        w = self._writer
+        chan = self._chan
+        tried_abandoned = False
+        while True:
+            if w.free_desc:
+                if not block:
+                    return 0, w.free_desc.pop()
+                off = w.alloc.alloc(n)
+                if off is not None:
+                    return off, w.free_desc.pop()
+            try:
+                with chan.locked(deadline):
+                    freed = w.drain()
+                    if not freed and not tried_abandoned:
+                        freed = w.reclaim_abandoned()
+                        tried_abandoned = True
+                    if freed:
+                        continue
+                    left = deadline.remaining()
+                    if left == 0:
+                        raise self._full_timeout(key, n, deadline)
+                    w.set_waiting()
+            except _LockTimeout:
+                raise self._full_timeout(key, n, deadline) from None
+            woke = w.wait_space(deadline.slice(HEARTBEAT_S))
+            if not woke:
+                tried_abandoned = False  # heartbeat: look for dead claimers again
+                self._heartbeat()
+
+    def _full_timeout(self, key: str, n: int, deadline: Deadline) -> TransportError:
+        w = self._writer
+        receivers = self._live_receivers()
+        return self._timeout(
+            "put",
+            key,
+            f"receivers to release arena space ({n} bytes needed, {w.alloc.largest_free()} free in "
+            f"one piece, {len(w.free_desc)} descriptors free; {receivers} live receiver(s))",
+            deadline.timeout,
+        )
+
+    def _live_receivers(self) -> int:
+        try:
+            with self._chan.locked(Deadline(1.0)):
+                parts = self._chan.participants()
+        except _LockTimeout:
+            return -1
+        return sum(1 for pid, role, _ in parts if role & ROLE_RECV and pid != self._pid and pid_alive(pid))
+
+    # =============================================================== receiving
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        if not self._recvs:
+            raise ConfigurationError(
+                f"shm connector on channel {self.channel!r} was opened with role='sender' "
+                "and cannot get; open it with role='receiver' or 'dual'"
+            )
+        chan = self._chan
+        while True:
+            with self._rlock:
+                self._check_open()
+                if chan.senders_gen() != self._known_gen:
+                    self._refresh()
+                if not chan.lock(deadline):
+                    raise self._timeout("get", key, "the channel mutex", deadline.timeout)
+                try:
+                    if chan.senders_gen() != self._known_gen:
+                        continue  # a sender came or went meanwhile: map it first
+                    self._scan_locked()
+                    got = self._claim_locked(key)
+                    if got is None:
+                        if self._peer_lost is not None:
+                            raise PeerLostError(
+                                f"shm: key {key!r} on channel {self.channel!r} can no longer "
+                                f"arrive: {self._peer_lost} and no live sender is left"
+                            )
+                        if not block:
+                            raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
+                        if deadline.remaining() == 0:
+                            raise self._timeout("get", key, self._sender_names(), deadline.timeout)
+                        gen = chan.register_waiter()
+                finally:
+                    chan.unlock()
+            if got is not None:
+                return self._open_payload(key, got)
+            woke = chan.wait(deadline.slice(HEARTBEAT_S))
+            if not woke:
+                try:
+                    with chan.locked(deadline):
+                        chan.withdraw_waiter(gen)
+                except _LockTimeout:
+                    pass
+            if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+                self._heartbeat()
+
+    def _sender_names(self) -> str:
+        pids = sorted({r.pid for r in self._readers.values()})
+        return f"sender pid(s) {pids}" if pids else "a sender to join the channel"
+
+    def _refresh(self) -> None:
+        """Map new senders' arenas, retire departed ones. Holds ``_rlock``."""
+        chan = self._chan
+        with chan.locked():
+            gen = chan.senders_gen()
+            parts = chan.participants()
+        live = {(pid, token) for pid, role, token in parts if role & ROLE_SEND}
+        for ident in list(self._readers):
+            if ident not in live:
+                # Its published payloads stay claimable: one last scan indexes them, and the
+                # index entries keep the mapping alive until they are claimed.
+                self._departed.append(self._readers.pop(ident))
+        for ident in live:
+            if ident not in self._readers:
+                try:
+                    self._readers[ident] = ArenaReader(self._prefix, *ident)
+                except Exception as exc:  # gone already (closed or died): nothing to map
+                    logger.debug("shm: cannot map arena of sender %s: %s", ident, exc)
+        self._known_gen = gen
+        self._index_limit = 4096 + 2 * sum(r.layout.n_desc for r in self._readers.values())
+
+    def _scan_locked(self) -> None:
+        index = self._index
+        for r in self._readers.values():
+            r.scan(index)
+        if self._departed:
+            for r in self._departed:
+                r.scan(index)
+            self._departed.clear()
+        if len(index) > self._index_limit:
+            # Entries for keys another receiver consumed: drop them.
+            for k in list(index):
+                refs = [ref for ref in index[k] if ref[0].still_written(ref[1], ref[2])]
+                if refs:
+                    index[k] = refs
+                else:
+                    del index[k]
+
+    def _claim_locked(self, key: str) -> tuple[Any, ...] | None:
+        refs = self._index.get(key)
+        if refs is None:
+            return None
+        while refs:
+            reader, idx, seq = refs.pop(0)
+            res = reader.claim(idx, seq, self._pid)
+            if res is not None:
+                if not refs:
+                    del self._index[key]
+                off, length, flags, otoken = res
+                mm = None
+                if flags & FLAG_OVERFLOW:
+                    try:
+                        mm = reader.open_overflow(otoken)
+                    except Exception as exc:
+                        reader.mark_released(idx, seq, self._pid)
+                        raise PeerLostError(
+                            f"shm: the overflow segment of key {key!r} from sender pid {reader.pid} "
+                            f"is gone ({exc})"
+                        ) from exc
+                return reader, idx, seq, off, length, mm
+        del self._index[key]
+        return None
+
+    def _open_payload(self, key: str, got: tuple[Any, ...]) -> Any:
+        from omnilink.blob import decode
+
+        reader, idx, seq, off, length, overflow_mm = got
+        if overflow_mm is not None:
+            lease = _make_lease(overflow_mm, 0, length)
+            self._count(fallbacks=1)
+        else:
+            lease = _make_lease(reader.mm, reader.data_offset + off, length)
+        counters = self._held_counters
+        counters[0] += 1
+        counters[1] += length
+        fin = weakref.finalize(
+            lease, _release_lease, self._chan, reader, idx, seq, self._pid, self._held, key, counters, length
+        )
+        fin.atexit = False
+        fins = self._held.get(key)
+        if fins is None:
+            self._held[key] = [fin]
+        else:
+            fins.append(fin)
+        try:
+            payload = decode(lease)
+        except BaseException:
+            fin()
+            raise
+        del lease
+        self._count(bytes_got=length)
+        return payload
+
+    def _heartbeat(self) -> None:
+        """Liveness of the peers: reap dead participants, note lost senders."""
+        self._last_beat = time.monotonic()
+        chan = self._chan
+        try:
+            with chan.locked(Deadline(HEARTBEAT_S)):
+                reaped = chan.reap()
+                parts = chan.participants()
+                lost = chan.lost_senders()
+                last_exit_dead = chan.last_sender_exit_dead()
+        except _LockTimeout:
+            return
+        chan.remove_reaped(reaped)
+        live_senders = [pid for pid, role, _ in parts if role & ROLE_SEND]
+        if not live_senders and last_exit_dead and lost > chan.lost_baseline:
+            if self._peer_lost is None:
+                dead = [pid for pid, role, _ in reaped if role & ROLE_SEND]
+                self._peer_lost = f"sender pid(s) {dead} died" if dead else "the channel's last sender died"
+        else:
+            self._peer_lost = None
+
+    # ====================================================== discard / release
+    def _discard(self, key: str) -> bool:
+        chan = self._chan
+        w = self._writer
+        if w is not None:
+            with self._slock:
+                with chan.locked():
+                    if w.discard(key):
+                        return True
+        if self._recvs:
+            with self._rlock:
+                if chan.senders_gen() != self._known_gen:
+                    self._refresh()
+                with chan.locked():
+                    self._scan_locked()
+                    refs = self._index.get(key)
+                    while refs:
+                        reader, idx, seq = refs.pop(0)
+                        if reader.claim(idx, seq, self._pid) is not None:
+                            reader.mark_released(idx, seq, self._pid)
+                            if not refs:
+                                del self._index[key]
+                            return True
+                    self._index.pop(key, None)
+        return False
+
+    def release(self, key: str, /) -> bool:
+        """Hand the blocks of payloads received under ``key`` back to their sender now.
+
+        Normally a block is released when the last view of its payload dies. Call this
+        to release earlier; the payload's tensors and arrays must not be used afterwards
+        (the sender will write new payloads into that memory).
+
+        Parameters
+        ----------
+        key : str
+            A key this connector received with ``get`` or ``get_nowait``.
+
+        Returns
+        -------
+        bool
+            Whether a payload still held under ``key`` was released.
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        fins = self._held.pop(key, None)
+        if not fins:
+            return False
+        released = False
+        for fin in fins:
+            if fin.alive:
+                fin()
+                released = True
+        return released
+
+    # =================================================================== misc
+    def stats(self) -> ConnectorStats:
+        """Counters since this connector was opened (see ``ConnectorStats``).
+
+        ``blocks_in_use``/``bytes_in_use`` count the arena blocks (and overflow segments)
+        this sender has not got back yet, plus the payloads this receiver still views.
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        return super().stats()
+
+    def _in_use(self) -> tuple[int, int]:
+        blocks, nbytes = self._held_counters
+        w = self._writer
+        if w is not None:
+            blocks += len(w.out)
+            nbytes += w.alloc.used_bytes + w.overflow_bytes
+        return blocks, nbytes
+
+    def _close(self) -> None:
+        w = self._writer
+        if w is not None and self.linger > 0:
+            self._linger()
+        with self._rlock:
+            self._readers.clear()
+            self._departed.clear()
+            self._index.clear()
+        self._finalizer()
+
+    def _linger(self) -> None:
+        """Wait up to ``linger`` s for live receivers to claim what this sender published."""
+        w, chan = self._writer, self._chan
+        deadline = Deadline(self.linger)
+        with self._slock:
+            while True:
+                try:
+                    with chan.locked(deadline):
+                        w.drain()
+                        if not w.unclaimed():
+                            return
+                        receivers = [
+                            pid for pid, role, _ in chan.participants()
+                            if role & ROLE_RECV and pid != self._pid and pid_alive(pid)
+                        ]
+                        if not receivers or deadline.expired():
+                            logger.info(
+                                "shm: closing sender on %r with %d unclaimed payload(s)",
+                                self.channel, w.unclaimed(),
+                            )
+                            return
+                        w.set_waiting()
+                except _LockTimeout:
+                    return
+                w.wait_space(deadline.slice(HEARTBEAT_S))
+
+    def mapping_of(self, payload_ptr: int) -> tuple[str, int, int] | None:
+        """Which of this receiver's arena mappings holds address ``payload_ptr``.
+
+        Returns ``(arena name, mapping start, mapping length)`` or ``None``. For tests and
+        diagnostics (proving a received tensor is a view of the sender's arena).
+        """
+        with self._rlock:
+            readers = list(self._readers.values())
+        for r in readers:
+            start, length = r.address()
+            if start <= payload_ptr < start + length:
+                return r.name, start, length
+        return None
+
+
+# ======================================================================= gc
+def collect_garbage(*, prefix: str | None = None, dry_run: bool = False) -> list[str]:
+    """Remove omnilink shared-memory objects whose owners died.
+
+    Looks at every ``/dev/shm`` entry whose name starts with ``prefix``: arenas, their
+    semaphores and overflow segments are removed when the pid in their name is dead;
+    a channel's control segment and semaphores when no live process is registered on
+    the channel.
+
+    Parameters
+    ----------
+    prefix : str, optional
+        Name prefix; default ``OMNILINK_SHM_PREFIX`` or ``omnilink``.
+    dry_run : bool
+        Only report what would be removed.
+
+    Returns
+    -------
+    list of str
+        The ``/dev/shm`` entry names removed (or that would be), sorted.
+
+    Raises
+    ------
+    ConfigurationError
+        ``prefix`` is not a valid name prefix.
+    """
+    if prefix is None:
+        prefix = read_prefix()
+    elif not isinstance(prefix, str) or not prefix or "/" in prefix or "\0" in prefix:
+        raise ConfigurationError(f"prefix must be a non-empty file-name prefix, got {prefix!r}")
+    removed: list[str] = []
+    alive: dict[int, bool] = {}
+
+    def is_alive(pid: int) -> bool:
+        ok = alive.get(pid)
+        if ok is None:
+            ok = alive[pid] = pid_alive(pid)
+        return ok
+
+    def remove(entry: str) -> None:
+        removed.append(entry)
+        if not dry_run:
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+            except FileNotFoundError:
+                pass
+
+    with HostLock():
+        try:
+            entries = os.listdir(SHM_DIR)
+        except FileNotFoundError:
+            return []
+        channels: dict[str, list[str]] = {}
+        for entry in entries:
+            owned = parse_owned_name(entry, prefix)
+            if owned is not None:
+                if not is_alive(owned[1]):
+                    remove(entry)
+                continue
+            ch = parse_channel_name(entry, prefix)
+            if ch is not None:
+                channels.setdefault(ch[0], []).append(entry)
+        for ctrl_name, group in channels.items():
+            if ctrl_name[1:] in group and _channel_has_live(ctrl_name, is_alive):
+                continue
+            for entry in group:
+                remove(entry)
+    if removed:
+        logger.info("shm gc: %s %d entr%s: %s", "would remove" if dry_run else "removed",
+                    len(removed), "y" if len(removed) == 1 else "ies", ", ".join(sorted(removed)))
+    return sorted(removed)
+
+
+def _channel_has_live(ctrl_name: str, is_alive: Any) -> bool:
+    """Whether any live process is registered in control segment ``ctrl_name``.
+
+    Read without the channel mutex (its holder may be the dead one); under the host lock
+    no one joins or leaves meanwhile, and a live participant's own entry never vanishes
+    while it runs.
+    """
+    import mmap
+
+    import posix_ipc
+
+    try:
+        shm = posix_ipc.SharedMemory(ctrl_name)
+    except posix_ipc.Error:
+        return False
+    try:
+        if shm.size < CTRL_SIZE:
+            return False
+        mm = mmap.mmap(shm.fd, CTRL_SIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        shm.close_fd()
+    try:
+        if bytes(mm[0:8]) != CTRL_MAGIC:
+            return False
+        for i in range(MAX_PARTICIPANTS):
+            pid = _PART.unpack_from(mm, _C_PART + i * _PART.size)[0]
+            if pid and is_alive(pid):
+                return True
+        return False
+    finally:
+        mm.close()
+
+
+# Keys longer than this cannot be published (the descriptor's key field).
+if MAX_KEY_BYTES > 512:  # pragma: no cover - guards a layout change in _util
+    raise ImportError("shm descriptors hold keys of at most 512 bytes; update _shm_segments")

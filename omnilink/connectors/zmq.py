@@ -1,0 +1,508 @@
+"""The ``zmq`` backend: payloads over ZeroMQ ``ipc://`` and ``tcp://``, across hosts.
+
+Topology: the receiver binds, senders connect::
+
+    sender A: DEALER --connect--+
+                                 +--> ROUTER (bound by the one receiver of the channel)
+    sender B: DEALER --connect--+        |  receiver loop thread: decode, index by key,
+                ^                        |  ack each message back to its sender
+                +------ acks ------------+
+
+- Endpoint: ``endpoint="tcp://HOST:PORT"`` (the receiver may bind port ``*`` and publish
+  its ``endpoint`` attribute), or ``ipc://PATH``. Without ``endpoint`` both ends derive
+  ``ipc://<ipc_dir>/<prefix>-zmq-<sha256(channel)>.sock``, where ``ipc_dir`` defaults to
+  ``$OMNILINK_ZMQ_DIR``, else ``$XDG_RUNTIME_DIR/omnilink``, else
+  ``/tmp/omnilink-<uid>``, a directory that must be private (0700, ours), and ``prefix``
+  is ``$OMNILINK_SHM_PREFIX`` (default ``omnilink``).
+- Each message is one ZMQ multipart message: a routing frame (key, sender id, sequence
+  number, frame count), the tensor_blob meta (prefix + header) and one frame per tensor
+  region, sent ``copy=False`` when at least ``copy_threshold`` bytes (smaller regions
+  are copied: cheaper than tracking them). See ``_zmq_wire`` for the byte layouts.
+- The receiver decodes every tensor as a zero-copy view of its received ``zmq.Frame``
+  (a frame stays alive while any view of it does), unless the frame's address does not
+  suit the dtype's alignment, in which case that one tensor is copied.
+
+What is guaranteed
+------------------
+*Acknowledged* means: the receiver process has the whole message, validated and
+decoded, in its in-memory index (or has recorded that it is malformed, or that its key
+was already waiting). ``put`` returns only after that ack arrives, so:
+
+1. When ``put`` returns, the payload is on the receiver, and the caller may reuse or
+   free its tensors at once (the ack proves zmq finished reading them).
+2. Each acknowledged payload is delivered to ``get`` at most once and, while the
+   receiver process lives, exactly once (or dropped by ``discard``). Resends after a
+   reconnect carry the same (sender id, sequence number); the receiver drops the
+   duplicate and acks it again (it remembers the last 65536 of them).
+3. A receiver that restarts (same endpoint) is reconnected to automatically; every put
+   not yet acknowledged when the connection broke is resent, so messages whose ``put``
+   returned after the restart are delivered by the new receiver.
+4. A sender that dies mid-message leaves nothing behind: ZMQ delivers multipart messages
+   whole or not at all, and the receiver also checks the frame count against the
+   routing frame and the blob header (``BlobDecodeError`` for the key otherwise).
+5. Every wait is bounded by its timeout: ``TransferTimeout`` names the channel, the key
+   and the peer endpoint.
+
+What is NOT guaranteed
+----------------------
+- Durability: the index lives in the receiver's memory. Payloads acknowledged but not
+  yet consumed are lost if the receiver process dies (its consumers die with it).
+- A ``put`` that raised (``TransferTimeout``, ``PeerLostError``, ``ClosedError``) is *in
+  doubt*: the receiver may or may not get it (at most once). Before raising, ``put``
+  takes its message back from zmq (resetting the socket if zmq still held it) and
+  waits until zmq released the caller's buffers, so the tensors are free either way;
+  resend under a new key or ``discard`` it on the receiving side.
+- One receiver per channel endpoint: a second receiver on the same ipc endpoint gets
+  ``ConfigurationError`` (a lock file guards it), on the same tcp port the bind fails
+  the same way. Keys are not shared across receiver processes: a payload goes to the
+  receiver its sender is connected to. Any number of senders may connect.
+- Peer loss is detected by ZMQ heartbeats (``heartbeat_interval``, timeout 3x) and by
+  connection events: a receiver raises ``PeerLostError`` from ``get`` once *every*
+  sender has been disconnected for ``peer_timeout`` seconds (after at least one
+  connected); a sender raises it from ``put`` once the receiver has been disconnected
+  that long. A peer that never connected is a ``TransferTimeout``, not a loss.
+- Authentication is off by default: anyone who can reach a tcp endpoint can send. Set
+  CURVE keys (below) on any endpoint not on loopback; ipc endpoints are protected by
+  the private directory.
+
+Backpressure: ``sndhwm``/``rcvhwm`` bound ZMQ's queues (in messages), and the receiver
+stops reading its socket while its index holds ``max_buffered_bytes`` or more of
+unconsumed payloads, so a slow consumer makes ``put`` wait (and eventually time out)
+instead of growing memory without bound.
+
+Cost of the ack: each ``put`` waits one round trip for its ack, so one thread sends one
+message per round trip (see ``benchmarks/bench_zmq.py``); use several threads or
+``put_async`` for more in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Iterable
+
+from omnilink._errors import BlobDecodeError, ConfigurationError, OmnilinkError
+from omnilink._util import Deadline
+from omnilink.connectors._base import BaseConnector, Role
+
+try:
+    import zmq
+    import zmq.utils.z85
+except ImportError as _exc:  # pragma: no cover - pyzmq is a hard dependency
+    raise ImportError("the zmq backend needs pyzmq: `pip install pyzmq`") from _exc
+
+from omnilink.connectors import _zmq_wire as wire
+from omnilink.connectors._zmq_io import ReceiverLoop, SenderLoop
+from omnilink.connectors._zmq_support import (
+    EndpointLock,
+    remove_stale_socket,
+    resolve_endpoint,
+    set_options,
+    zmq_error,
+)
+
+__all__ = ["ZmqConnector", "curve_keypair"]
+
+logger = logging.getLogger(__name__)
+
+#: High-water mark of the ack direction: acks are tiny and must never be dropped for room.
+_ACK_HWM = 100_000
+_ZAP_DOMAIN = b"omnilink"
+
+
+def curve_keypair() -> tuple[str, str]:
+    """Return a new CURVE ``(public_key, secret_key)`` pair, Z85-encoded.
+
+    Raises
+    ------
+    ConfigurationError
+        This libzmq was built without CURVE support.
+    """
+    _require_curve()
+    public, secret = zmq.curve_keypair()
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+def _require_curve() -> None:
+    if not zmq.has("curve"):
+        raise ConfigurationError(
+            "zmq: CURVE was requested but this libzmq has no CURVE support; install a pyzmq "
+            "wheel (`pip install --force-reinstall pyzmq`), which bundles libzmq with libsodium"
+        )
+
+
+def _z85_key(value: Any, name: str) -> bytes:
+    if isinstance(value, str):
+        value = value.encode("ascii", "replace")
+    if not isinstance(value, bytes) or len(value) != 40:
+        raise ConfigurationError(f"zmq: {name} must be a 40-character Z85 CURVE key (see curve_keypair())")
+    try:
+        zmq.utils.z85.decode(value)
+    except (ValueError, KeyError) as exc:
+        raise ConfigurationError(f"zmq: {name} is not valid Z85: {exc}") from exc
+    return value
+
+
+class _Allowed:
+    """ZAP credentials provider: admit only the listed CURVE client public keys."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def _positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"zmq: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigurationError(f"zmq: {name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class _Resources:
+    """Everything a connector must release, closable from ``close`` or a finalizer."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context | None = None
+        self.auth: Any = None
+        self.sender: SenderLoop | None = None
+        self.receiver: ReceiverLoop | None = None
+        self.lock: EndpointLock | None = None
+        self.socket_path: str | None = None
+        self.sockets: list[zmq.Socket] = []
+
+    def close(self) -> None:
+        sender, self.sender = self.sender, None
+        receiver, self.receiver = self.receiver, None
+        if sender is not None:
+            sender.close()
+        if receiver is not None:
+            receiver.close()
+        for s in self.sockets:
+            s.close(linger=0)
+        self.sockets = []
+        auth, self.auth = self.auth, None
+        if auth is not None:
+            auth.stop()
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            ctx.term()
+        if self.socket_path is not None:
+            remove_stale_socket(self.socket_path)  # libzmq removes it; make sure
+            self.socket_path = None
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.release()
+
+
+class ZmqConnector(BaseConnector):
+    """A connector over ZeroMQ: ``ipc://`` on one host, ``tcp://`` across hosts.
+
+    See the module docstring for the topology and the exact delivery guarantees.
+
+    Parameters
+    ----------
+    channel : str
+        Channel name; the default ipc endpoint is derived from it.
+    role : {"sender", "receiver", "dual"}
+        ``"receiver"`` binds the endpoint, ``"sender"`` connects to it, ``"dual"`` does
+        both (it receives the channel and can send to it, itself included).
+    timeout : float, optional
+        Default seconds for blocking calls (``None``: no limit).
+    endpoint : str, optional
+        ``"ipc://PATH"`` or ``"tcp://HOST:PORT"``; a receiver may bind ``tcp://HOST:*`` and
+        publish the resolved ``endpoint`` attribute. Default: the channel's ipc path.
+    ipc_dir : str, optional
+        Private directory (0700) for default ipc endpoints.
+    sndhwm, rcvhwm : int
+        ZMQ high-water marks, in messages, of the sender's and the receiver's queue.
+    max_buffered_bytes : int
+        Unconsumed bytes after which the receiver stops reading (backpressure).
+    copy_threshold : int
+        Tensor regions of at least this many bytes are sent zero-copy.
+    heartbeat_interval : float
+        Seconds between ZMQ heartbeats; a peer silent for 3x this is disconnected.
+    peer_timeout : float
+        Seconds a peer may stay disconnected before waits raise ``PeerLostError``; a
+        peer that reconnects within it (a restart) loses nothing acknowledged.
+    reconnect_interval : float
+        Seconds between a sender's reconnection attempts.
+    max_frame_bytes : int, optional
+        Largest frame the receiver accepts (ZMQ_MAXMSGSIZE); a peer sending more is
+        disconnected. Default: no limit.
+    curve_secret_key : str, optional
+        Enables CURVE: this end's Z85 secret key (its public key is derived).
+    curve_server_key : str, optional
+        Sender with CURVE: the receiver's Z85 public key (``curve_public_key`` there).
+    curve_allowed_clients : iterable of str, optional
+        Receiver with CURVE: the Z85 public keys of the senders it admits; every other
+        client is refused during the handshake and its messages are never delivered.
+
+    Raises
+    ------
+    ConfigurationError
+        Bad options, an endpoint in use or held by another receiver, an ipc directory
+        others can enter, CURVE options without CURVE support.
+    """
+
+    backend = "zmq"
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+        endpoint: str | None = None,
+        ipc_dir: str | None = None,
+        sndhwm: int = 16,
+        rcvhwm: int = 16,
+        max_buffered_bytes: int = 1 << 30,
+        copy_threshold: int = 65536,
+        heartbeat_interval: float = 1.0,
+        peer_timeout: float = 5.0,
+        reconnect_interval: float = 0.1,
+        max_frame_bytes: int | None = None,
+        curve_secret_key: str | bytes | None = None,
+        curve_server_key: str | bytes | None = None,
+        curve_allowed_clients: Iterable[str | bytes] | None = None,
+    ) -> None:
+        super().__init__(channel=channel, role=role, timeout=timeout)
+        sndhwm = _positive_int(sndhwm, "sndhwm")
+        rcvhwm = _positive_int(rcvhwm, "rcvhwm")
+        max_buffered_bytes = _positive_int(max_buffered_bytes, "max_buffered_bytes")
+        copy_threshold = _positive_int(copy_threshold, "copy_threshold", minimum=0)
+        heartbeat_interval = _positive_float(heartbeat_interval, "heartbeat_interval")
+        peer_timeout = _positive_float(peer_timeout, "peer_timeout")
+        reconnect_interval = _positive_float(reconnect_interval, "reconnect_interval")
+        if max_frame_bytes is not None:
+            max_frame_bytes = _positive_int(max_frame_bytes, "max_frame_bytes")
+        receives = role in ("receiver", "dual")
+        sends = role in ("sender", "dual")
+        prefix = os.environ.get("OMNILINK_SHM_PREFIX", "omnilink")
+        resolved, lock_path = resolve_endpoint(
+            endpoint, channel=self.channel, binding=receives, ipc_dir=ipc_dir, prefix=prefix
+        )
+
+        secret = public = server_key = None
+        allowed: set[bytes] = set()
+        if curve_secret_key is not None or curve_server_key is not None or curve_allowed_clients is not None:
+            _require_curve()
+            if curve_secret_key is None:
+                raise ConfigurationError("zmq: CURVE needs curve_secret_key (this end's secret key)")
+            secret = _z85_key(curve_secret_key, "curve_secret_key")
+            public = zmq.curve_public(secret)
+            if receives:
+                allowed = {_z85_key(k, "curve_allowed_clients[]") for k in (curve_allowed_clients or ())}
+                if role == "dual":
+                    allowed.add(public)
+                if not allowed:
+                    raise ConfigurationError(
+                        "zmq: a CURVE receiver needs curve_allowed_clients, the public keys of its senders"
+                    )
+            if sends:
+                if curve_server_key is None and role == "dual":
+                    server_key = public
+                elif curve_server_key is None:
+                    raise ConfigurationError("zmq: a CURVE sender needs curve_server_key (the receiver's public key)")
+                else:
+                    server_key = _z85_key(curve_server_key, "curve_server_key")
+        self.curve_public_key: str | None = public.decode("ascii") if public is not None else None
+
+        heartbeat = {
+            zmq.HEARTBEAT_IVL: int(heartbeat_interval * 1000),
+            zmq.HEARTBEAT_TIMEOUT: int(heartbeat_interval * 3000),
+            zmq.HEARTBEAT_TTL: int(heartbeat_interval * 3000),
+        }
+        self._res = res = _Resources()
+        self._finalizer = weakref.finalize(self, res.close)
+        try:
+            res.ctx = zmq.Context(io_threads=1)
+            if receives:
+                resolved = self._bind(
+                    res, resolved, lock_path, rcvhwm, max_frame_bytes, heartbeat, secret, allowed,
+                    max_buffered_bytes, peer_timeout,
+                )
+            self.endpoint: str = resolved
+            if sends:
+                sender_opts: dict[int, Any] = {
+                    zmq.SNDHWM: sndhwm,
+                    zmq.RCVHWM: _ACK_HWM,
+                    zmq.LINGER: 0,
+                    # Queue only to live connections: what zmq has not sent stays ours,
+                    # so a message to a dead receiver is resent, not parked in a pipe.
+                    zmq.IMMEDIATE: 1,
+                    zmq.RECONNECT_IVL: int(reconnect_interval * 1000),
+                    zmq.RECONNECT_IVL_MAX: max(int(reconnect_interval * 1000), 1000),
+                    **heartbeat,
+                }
+                if secret is not None:
+                    sender_opts.update(
+                        {zmq.CURVE_SERVERKEY: server_key, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
+                    )
+                ctx = res.ctx
+                chan = self.channel
+
+                def make_socket() -> zmq.Socket:
+                    sock = ctx.socket(zmq.DEALER)
+                    try:
+                        set_options(sock, sender_opts, channel=chan, endpoint=resolved)
+                        sock.copy_threshold = copy_threshold
+                        sock.connect(resolved)
+                    except zmq.ZMQError as exc:
+                        sock.close(linger=0)
+                        raise zmq_error(exc, "connecting", channel=chan, endpoint=resolved) from exc
+                    except OmnilinkError:
+                        sock.close(linger=0)
+                        raise
+                    return sock
+
+                res.sender = SenderLoop(
+                    ctx=res.ctx,
+                    make_socket=make_socket,
+                    channel=self.channel,
+                    endpoint=resolved,
+                    copy_threshold=copy_threshold,
+                    peer_timeout=peer_timeout,
+                )
+        except BaseException:
+            self._closed = True
+            res.close()
+            raise
+
+    def _bind(
+        self,
+        res: _Resources,
+        endpoint: str,
+        lock_path: str | None,
+        rcvhwm: int,
+        max_frame_bytes: int | None,
+        heartbeat: dict[int, int],
+        secret: bytes | None,
+        allowed: set[bytes],
+        max_buffered_bytes: int,
+        peer_timeout: float,
+    ) -> str:
+        if lock_path is not None:
+            res.lock = EndpointLock(lock_path, channel=self.channel)
+            res.socket_path = endpoint[len("ipc://") :]
+            remove_stale_socket(res.socket_path)  # left by a receiver that died
+        opts: dict[int, Any] = {
+            zmq.RCVHWM: rcvhwm,
+            zmq.SNDHWM: _ACK_HWM,
+            zmq.LINGER: 0,
+            zmq.ROUTER_MANDATORY: 1,
+            **heartbeat,
+        }
+        if max_frame_bytes is not None:
+            opts[zmq.MAXMSGSIZE] = max_frame_bytes
+        if secret is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            res.auth = ThreadAuthenticator(res.ctx, log=logging.getLogger(__name__ + ".auth"))
+            res.auth.start()
+            res.auth.configure_curve_callback(_ZAP_DOMAIN.decode(), credentials_provider=_Allowed(allowed))
+            opts.update({zmq.CURVE_SERVER: 1, zmq.CURVE_SECRETKEY: secret, zmq.ZAP_DOMAIN: _ZAP_DOMAIN})
+        elif endpoint.startswith("tcp://") and not _loopback(endpoint):
+            logger.warning(
+                "zmq: channel %r binds %s without CURVE: anyone who can reach it can send; "
+                "set curve_secret_key and curve_allowed_clients",
+                self.channel,
+                endpoint,
+            )
+        sock = res.ctx.socket(zmq.ROUTER)
+        res.sockets.append(sock)
+        set_options(sock, opts, channel=self.channel, endpoint=endpoint)
+        try:
+            sock.bind(endpoint)
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            raise zmq_error(exc, "binding", channel=self.channel, endpoint=endpoint) from exc
+        res.sockets.remove(sock)
+        res.receiver = ReceiverLoop(
+            ctx=res.ctx,
+            sock=sock,
+            channel=self.channel,
+            endpoint=bound,
+            max_buffered_bytes=max_buffered_bytes,
+            peer_timeout=peer_timeout,
+        )
+        return bound
+
+    # ----------------------------------------------------------------- hooks
+    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        sender = self._res.sender
+        if sender is None:
+            raise ConfigurationError(f"zmq connector on channel {self.channel!r} has role {self.role!r}: it cannot put")
+        from omnilink.blob import prepare
+
+        prepared = prepare(payload)
+        status, text = sender.send(
+            key,
+            prepared.meta,
+            prepared.regions(),
+            deadline,
+            lambda waited, why: self._timeout("put", key, f"the receiver at {self.endpoint} ({why})", waited),
+        )
+        if status == wire.ACK_DUPLICATE_KEY:
+            raise ConfigurationError(f"zmq: {text}")
+        if status == wire.ACK_DECODE_ERROR:
+            raise BlobDecodeError(f"zmq: the receiver of channel {self.channel!r} rejected key {key!r}: {text}")
+        if status != wire.ACK_OK:
+            raise BlobDecodeError(f"zmq: unknown ack status {status} for key {key!r}")
+        return prepared.nbytes
+
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        receiver = self._res.receiver
+        if receiver is None:
+            raise ConfigurationError(f"zmq connector on channel {self.channel!r} has role {self.role!r}: it cannot get")
+        payload, size = receiver.take(
+            key, deadline, block, lambda waited: self._timeout("get", key, f"a sender on {self.endpoint}", waited)
+        )
+        self._count(bytes_got=size)
+        return payload
+
+    def _discard(self, key: str) -> bool:
+        receiver = self._res.receiver
+        if receiver is None:
+            raise ConfigurationError(
+                f"zmq connector on channel {self.channel!r} has role {self.role!r}: it cannot discard"
+            )
+        return receiver.discard(key)
+
+    def _in_use(self) -> tuple[int, int]:
+        receiver = self._res.receiver
+        return (0, 0) if receiver is None else receiver.in_use()
+
+    def _close(self) -> None:
+        self._finalizer()
+
+    def health(self) -> dict[str, Any]:
+        """A snapshot of the links: connected peers, pending puts, refusals (for probes)."""
+        self._check_open()
+        out: dict[str, Any] = {"endpoint": self.endpoint, "role": self.role}
+        sender, receiver = self._res.sender, self._res.receiver
+        if sender is not None:
+            out["sender"] = sender.status()
+        if receiver is not None:
+            with receiver.cond:
+                out["receiver"] = {
+                    "connections": len(receiver.live_fds),
+                    "buffered_bytes": receiver.buffered,
+                    "paused": receiver.paused,
+                    "malformed": receiver.malformed,
+                    "refused": receiver.auth_failures,
+                }
+        return out
+
+
+def _loopback(endpoint: str) -> bool:
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

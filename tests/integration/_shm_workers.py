@@ -1,0 +1,166 @@
+"""Worker processes for the ``shm`` integration tests.
+
+They live in an importable module because the tests start them with the multiprocessing
+``spawn`` context. Each reports to the test through a ``multiprocessing`` queue as
+``(tag, value)`` tuples and bounds every wait it makes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+WAIT = 20.0
+
+
+def make_payload(i: int, n: int = 1024):
+    import torch
+
+    return {"i": i, "x": torch.full((n,), float(i % 251), dtype=torch.float32), "meta": {"tag": f"m{i}"}}
+
+
+def check_payload(got, i: int, n: int = 1024) -> None:
+    if got["i"] != i or got["meta"]["tag"] != f"m{i}":
+        raise AssertionError(f"payload {i}: header fields {got['i']!r} {got['meta']!r}")
+    x = got["x"]
+    if x.numel() != n or float(x.min()) != float(i % 251) or float(x.max()) != float(i % 251):
+        raise AssertionError(f"payload {i}: tensor contents differ")
+
+
+def _connect(channel: str, role: str, **options):
+    import omnilink
+
+    return omnilink.connect("shm", channel=channel, role=role, **options)
+
+
+def _report_errors(q, fn):
+    try:
+        fn()
+    except BaseException as exc:  # report everything; the test decides
+        q.put(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+# ------------------------------------------------------------------ senders
+def sender(channel: str, count: int, q, n: int = 1024, arena_bytes: int = 8 << 20, done=None, start=0) -> None:
+    """Put payloads ``start .. start+count-1``; then wait for ``done`` (if given) and close."""
+
+    def body():
+        with _connect(channel, "sender", arena_bytes=arena_bytes, timeout=WAIT) as tx:
+            q.put(("ready", os.getpid()))
+            for i in range(start, start + count):
+                tx.put(f"k{i}", make_payload(i, n))
+            q.put(("sent", count))
+            if done is not None:
+                done.wait(WAIT)
+
+    _report_errors(q, body)
+
+
+def slow_forever_sender(channel: str, q) -> None:
+    """Put a payload every 10 ms until killed."""
+
+    def body():
+        tx = _connect(channel, "sender", arena_bytes=4 << 20, timeout=WAIT)
+        q.put(("ready", os.getpid()))
+        i = 0
+        while True:
+            tx.put(f"k{i}", make_payload(i))
+            i += 1
+            time.sleep(0.01)
+
+    _report_errors(q, body)
+
+
+# ---------------------------------------------------------------- receivers
+def receiver(channel: str, count: int, q, n: int = 1024, delay: float = 0.0, start: int = 0) -> None:
+    """Get ``k<start>`` .. in order, checking each payload; report ("got", count)."""
+
+    def body():
+        with _connect(channel, "receiver", timeout=WAIT) as rx:
+            q.put(("ready", os.getpid()))
+            for i in range(start, start + count):
+                got = rx.get(f"k{i}")
+                check_payload(got, i, n)
+                del got
+                if delay:
+                    time.sleep(delay)
+            q.put(("got", count))
+
+    _report_errors(q, body)
+
+
+def relay(channel_in: str, channel_out: str, count: int, q) -> None:
+    """A middle stage: get ``k<i>`` from ``channel_in``, put it on ``channel_out`` with
+    ``x`` incremented by one and ``hops`` counted."""
+
+    def body():
+        with _connect(channel_in, "receiver", timeout=WAIT) as rx, \
+                _connect(channel_out, "sender", arena_bytes=8 << 20, timeout=WAIT) as tx:
+            q.put(("ready", os.getpid()))
+            for i in range(count):
+                got = rx.get(f"k{i}")
+                out = {"i": got["i"], "x": got["x"] + 1, "meta": dict(got["meta"], hops=got["meta"].get("hops", 0) + 1)}
+                del got
+                tx.put(f"k{i}", out)
+            q.put(("relayed", count))
+
+    _report_errors(q, body)
+
+
+def racing_receiver(channel: str, count: int, q, go) -> None:
+    """Once ``go`` is set, try every key once with ``get_nowait``; report the ones won."""
+    import omnilink
+
+    def body():
+        with _connect(channel, "receiver", timeout=WAIT) as rx:
+            q.put(("ready", os.getpid()))
+            if not go.wait(WAIT):
+                raise TimeoutError("no go signal")
+            won = []
+            for i in range(count):
+                try:
+                    got = rx.get_nowait(f"k{i}")
+                except omnilink.WouldBlock:
+                    continue
+                check_payload(got, i)
+                won.append(i)
+                del got
+            q.put(("won", won))
+
+    _report_errors(q, body)
+
+
+def receive_until_lost(channel: str, q) -> None:
+    """Get k0, k1, ... reporting progress, until PeerLostError."""
+    import omnilink
+
+    def body():
+        with _connect(channel, "receiver", timeout=WAIT) as rx:
+            q.put(("ready", os.getpid()))
+            i = 0
+            while True:
+                try:
+                    got = rx.get(f"k{i}")
+                except omnilink.PeerLostError as exc:
+                    q.put(("lost", i, str(exc)))
+                    return
+                check_payload(got, i)
+                del got
+                i += 1
+                q.put(("progress", i))
+
+    _report_errors(q, body)
+
+
+def holding_receiver(channel: str, count: int, q, n: int) -> None:
+    """Get ``count`` payloads, keep their views, report, then sleep until killed."""
+
+    def body():
+        rx = _connect(channel, "receiver", timeout=WAIT)
+        held = [rx.get(f"k{i}") for i in range(count)]
+        q.put(("holding", rx.stats().blocks_in_use))
+        time.sleep(3600)
+        del held
+
+    _report_errors(q, body)
