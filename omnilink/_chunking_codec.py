@@ -217,6 +217,8 @@ class CodecChunker:
     """Cut a stream of codec frames into windows with left context (see module diagram).
 
     Every output satisfies DESIGN.md section 6 (checked by ``omnilink.chunking.check_*``).
+    Memory stays ``O(L + C)`` frames however long the stream. Not thread-safe: one
+    producer per chunker.
 
     Parameters
     ----------
@@ -271,6 +273,7 @@ class CodecChunker:
         self._pending_n = 0
         self._skip = 0
         self._finished = False
+        self._device: Any = None
         _positive_int("replay_from", replay_from, minimum=0)
         if resume_from is not None:
             self._resume(resume_from, replay_from)
@@ -315,6 +318,7 @@ class CodecChunker:
 
     @property
     def next_chunk_id(self) -> int:
+        """The id the next window gets."""
         return self._next_id
 
     @property
@@ -333,6 +337,9 @@ class CodecChunker:
 
     def watermark(self) -> CodecWatermark:
         """The state a resumed chunker needs after a preemption (see ``resume_from``).
+
+        Frames pushed but not yet in a window are not part of it: a preempted request
+        replays them (``replay_from <= frames_emitted`` makes sure of that).
 
         Raises
         ------
@@ -414,7 +421,7 @@ class CodecChunker:
         else:
             import torch
 
-            empty = torch.empty((0, self._q or 0), dtype=torch.int64)
+            empty = torch.empty((0, self._q or 0), dtype=torch.int64, device=self._device)
             out.append(
                 CodecWindow(
                     chunk_id=self._next_id,
@@ -440,6 +447,7 @@ class CodecChunker:
     def _append(self, frames: Any) -> None:
         t = _int_frames(frames, self._q)
         self._q = int(t.shape[1])
+        self._device = t.device
         if self._skip:
             drop = min(self._skip, int(t.shape[0]))
             self._skip -= drop
@@ -576,6 +584,7 @@ class PrefillChunker:
 
     @property
     def finished(self) -> bool:
+        """Whether ``finish`` was called (no more rows accepted)."""
         return self._finished
 
     def _size(self, chunk_id: int) -> int:

@@ -92,6 +92,8 @@ def is_finished(payload: Any, /) -> bool:
 class ChunkSender:
     """Send the chunks of one (request, edge) with ids 0, 1, 2, ... and one finish.
 
+    One sender per stream and thread; several streams may share a connector.
+
     Parameters
     ----------
     connector : Connector
@@ -139,6 +141,7 @@ class ChunkSender:
 
     @property
     def finished(self) -> bool:
+        """Whether the finishing chunk was sent."""
         return self._finished
 
     def key(self, chunk_id: int, /) -> str:
@@ -303,13 +306,16 @@ class ChunkReceiver:
 
     @property
     def next_chunk_id(self) -> int:
+        """The id of the next chunk to read."""
         return self._next
 
     @property
     def finished(self) -> bool:
+        """Whether the finishing chunk was received."""
         return self._finished
 
     def key(self, chunk_id: int, /) -> str:
+        """The transport key of chunk ``chunk_id`` of this stream."""
         return chunk_key(self.request_id, self.from_stage, chunk_id)
 
     def _err(self, cls: type, msg: str, cid: int) -> Exception:
@@ -435,6 +441,12 @@ class ChunkReceiver:
         except WouldBlock:
             pass
         self._ahead.clear()
+        if dups or after:
+            logger.warning(
+                "stream %r from stage %r: after the finish (chunk %d) found resent ids %s and "
+                "chunks sent after the finish %s; removed them from the transport",
+                self.request_id, self.from_stage, last, dups, after,
+            )
         if dups:
             return self._err(DuplicateChunkError, f"chunk ids {dups} were sent again (a resend reused ids)", dups[0])
         if after:

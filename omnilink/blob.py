@@ -83,8 +83,34 @@ MAX_NDIM = 64
 _PREFIX = struct.Struct("<4sHHIIQ")
 _ZEROS = bytes(FRAME_ALIGN)
 #: Below this size a contiguous CPU tensor is written with one ctypes.memmove; above
-#: it torch's copy (multi-threaded) is faster.
+#: it torch's copy is used when torch has several intra-op threads to spread it over.
 _MEMMOVE_MAX = 1 << 20
+
+
+_PAGE = 4096
+_ALIAS_WINDOW = 1024
+_CHUNK = 1 << 20
+
+
+def _memcpy(dst: int, src: int, n: int) -> None:
+    """One copy of ``n`` bytes, avoiding glibc's slow case for huge copies.
+
+    Above its non-temporal threshold glibc's memmove runs ~4x slower when ``dst`` sits
+    just past ``src`` modulo a page (4K aliasing; measured 72 ms against 18 ms for
+    256 MiB on the 2-core EPYC). Copies in 1 MiB pieces use ordinary stores and do not
+    suffer it, so such copies are split.
+    """
+    if n > 8 * _CHUNK and 0 < (dst - src) % _PAGE < _ALIAS_WINDOW:
+        for i in range(0, n, _CHUNK):
+            ctypes.memmove(dst + i, src + i, min(_CHUNK, n - i))
+    else:
+        ctypes.memmove(dst, src, n)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 _U32 = struct.Struct("<I")
 
 _EXT_TENSOR = 1
@@ -314,9 +340,11 @@ class _Walker:
             raise self.fail(f"torch dtype {t.dtype} is not supported by tensor_blob")
         if t.layout is not self.torch.strided:
             raise self.fail(f"torch layout {t.layout} is not supported (only dense tensors)")
-        if t.is_quantized or t.device.type == "meta":
-            raise self.fail(f"{t.device.type if t.device.type == 'meta' else 'quantized'} tensors are not supported")
-        t = t.detach()
+        # Quantized dtypes are not in the table, so they were refused above.
+        if t.device.type == "meta":
+            raise self.fail("meta tensors have no data to send")
+        if t.requires_grad:
+            t = t.detach()
         if t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
@@ -400,11 +428,16 @@ class PreparedBlob:
             end = start + n
             if n:
                 if kind == KIND_TORCH:
-                    if n <= _MEMMOVE_MAX and src.device.type == "cpu" and src.is_contiguous():
-                        # Small CPU tensors: one memmove beats three torch dispatches.
+                    if (
+                        src.device.type == "cpu"
+                        and src.is_contiguous()
+                        and (n <= _MEMMOVE_MAX or _torch_threads() == 1)
+                    ):
+                        # One memmove: cheaper than torch's dispatch for small tensors, and
+                        # as fast as its copy for large ones unless it has threads to use.
                         if addr is None:
                             addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-                        ctypes.memmove(addr + start, src.data_ptr(), n)
+                        _memcpy(addr + start, src.data_ptr(), n)
                     else:
                         if torch_dst is None:
                             import torch
@@ -416,7 +449,7 @@ class PreparedBlob:
                     if src.flags.c_contiguous:
                         if addr is None:
                             addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-                        ctypes.memmove(addr + start, src.ctypes.data, n)
+                        _memcpy(addr + start, src.ctypes.data, n)
                     else:
                         import numpy as np
 
@@ -633,9 +666,12 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
             if numel == 0:
                 views.append(torch.empty(d.shape, dtype=dt))
                 continue
-            t = torch.frombuffer(buf, dtype=dt, count=numel, offset=off)
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=d.nbytes, offset=off)
+            # Copy as bytes: a typed view of misaligned memory is undefined behaviour
+            # (a complex128 clone of one crashed).
             if copy or t.data_ptr() % size:
                 t = t.clone()
+            t = t.view(dt)
             if len(d.shape) != 1:
                 t = t.view(d.shape)
             views.append(t)

@@ -120,6 +120,7 @@ def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         PlotUnavailable,
         add_ratios,
         caveats,
+        plot_title,
         require_matplotlib,
         text_table,
         write_jsonl,
@@ -176,10 +177,7 @@ def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                         f"{scenario.ceiling}: one copy of the same bytes (the ceiling).")
         print(caveats(scenario, machine, ceiling_text=ceiling_text), file=out)
     if args.plot and records:
-        from omnilink._bench._report import machine_line
-
-        write_plot(args.plot, records,
-                   title=f"omnilink bench {scenario.name}: {machine_line(machine)[:160]}")
+        write_plot(args.plot, records, title=plot_title(scenario.name, machine))
     if args.json:
         print(f"wrote {len(records)} records to {args.json}", file=err)
     if args.plot and records:
@@ -260,13 +258,15 @@ def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except ImportError as exc:
         print(f"omnilink gc: the shm backend could not be loaded ({exc})", file=err)
         return EXIT_FAIL
-    from omnilink._errors import OmnilinkError
+    from omnilink._errors import ConfigurationError, OmnilinkError
 
     kwargs: dict[str, Any] = {"dry_run": args.dry_run}
     if args.prefix is not None:
         kwargs["prefix"] = args.prefix
     try:
         removed = collect_garbage(**kwargs)
+    except ConfigurationError as exc:  # a bad --prefix or $OMNILINK_SHM_PREFIX
+        raise _UsageError(str(exc)) from exc
     except OmnilinkError as exc:
         print(f"omnilink gc: {exc}", file=err)
         return EXIT_FAIL

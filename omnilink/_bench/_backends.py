@@ -16,7 +16,14 @@ backend            what one message costs
 ``shm``            ``omnilink.connect("shm")``: encode in place into a pre-faulted
                    arena, zero-copy views on the receiver
 ``zmq``            ``omnilink.connect("zmq")`` over ``ipc://``
+``h2d-pinned`` ... one host->device / device->host copy from pinned or pageable memory
+                   (``h2d-pageable``, ``d2h-pinned``, ``d2h-pageable``): the ceilings
+                   of the ``gpu`` scenario, in the parent process
 =================  ==================================================================
+
+In the ``gpu`` scenario the sender's payload lives on ``cuda:0`` and the receiver asks
+for ``cuda:0``: pickle and msgpack copy to host inside serialisation and move the result
+with ``.to(device)``; omnilink takes the CUDA tensors in ``put`` and ``get(device=)``.
 
 PICKLE IS USED HERE ONLY AS A BASELINE BEING MEASURED. It is imported inside the
 baseline's own methods so that nothing else in omnilink can reach it; omnilink's data
@@ -81,10 +88,15 @@ class Backend:
         """``None`` when usable here, else the reason it is not."""
         return None
 
-    def open_sender(self, ctx: PairContext, *, timeout: float) -> None:
+    @classmethod
+    def bench_options(cls, sizes: list[int], modes: tuple[str, ...]) -> dict[str, Any]:
+        """Options the parent computes for both halves (recorded with the results)."""
+        return {}
+
+    def open_sender(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def open_receiver(self, ctx: PairContext, *, timeout: float) -> None:
+    def open_receiver(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def send(self, seq: int, payload: Any) -> None:
@@ -113,10 +125,10 @@ class _SegmentBaseline(Backend):
         self._timeout = 30.0
         self._made = 0
 
-    def open_sender(self, ctx: PairContext, *, timeout: float) -> None:
+    def open_sender(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
         self._ctx, self._timeout = ctx, timeout
 
-    def open_receiver(self, ctx: PairContext, *, timeout: float) -> None:
+    def open_receiver(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
         self._ctx, self._timeout = ctx, timeout
 
     def _serialize(self, payload: Any) -> Any:
@@ -238,12 +250,12 @@ class TorchQueue(Backend):
         self._ctx: PairContext | None = None
         self._timeout = 30.0
 
-    def open_sender(self, ctx: PairContext, *, timeout: float) -> None:
+    def open_sender(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
         import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 
         self._ctx, self._timeout = ctx, timeout
 
-    def open_receiver(self, ctx: PairContext, *, timeout: float) -> None:
+    def open_receiver(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
         import torch.multiprocessing  # noqa: F401
 
         self._ctx, self._timeout = ctx, timeout
@@ -284,20 +296,22 @@ class _OmnilinkBackend(Backend):
             return str(exc)
         return None
 
-    def connect_options(self, ctx: PairContext, role: str) -> dict[str, Any]:
-        return {"channel": f"bench-{ctx.run_id}/{self.backend}", "role": role}
-
-    def open_sender(self, ctx: PairContext, *, timeout: float) -> None:
+    def _connect(self, ctx: PairContext, role: str, timeout: float, options: dict[str, Any]) -> None:
         import omnilink
 
         self._timeout = timeout
-        self._conn = omnilink.connect(self.backend, **self.connect_options(ctx, "sender"))
+        self._conn = omnilink.connect(self.backend, channel=f"bench-{ctx.run_id}/{self.backend}",
+                                      role=role, **self.role_options(role, options))
 
-    def open_receiver(self, ctx: PairContext, *, timeout: float) -> None:
-        import omnilink
+    def role_options(self, role: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The subset of ``bench_options`` that ``connect`` takes for ``role``."""
+        return dict(options)
 
-        self._timeout = timeout
-        self._conn = omnilink.connect(self.backend, **self.connect_options(ctx, "receiver"))
+    def open_sender(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
+        self._connect(ctx, "sender", timeout, options)
+
+    def open_receiver(self, ctx: PairContext, *, timeout: float, options: dict[str, Any]) -> None:
+        self._connect(ctx, "receiver", timeout, options)
 
     def send(self, seq: int, payload: Any) -> None:
         self._conn.put(f"m{seq}", payload, timeout=self._timeout)
@@ -315,6 +329,25 @@ class OmnilinkShm(_OmnilinkBackend):
     name = "shm"
     backend = "shm"
     description = "omnilink shm: encode in place into a pre-faulted arena, zero-copy views"
+
+    @classmethod
+    def bench_options(cls, sizes: list[int], modes: tuple[str, ...]) -> dict[str, Any]:
+        """An arena that holds a full window of the largest size, as a deployment sized
+        for its payloads would have (the default 128 MiB arena would send 256 MiB
+        payloads through the slower per-payload overflow segment)."""
+        from omnilink._bench._plan import plan
+
+        # 1 MiB per message covers the header, alignment padding and allocator rounding.
+        need = max((s + (1 << 20)) * plan(s, "throughput").window for s in sizes)
+        try:
+            from omnilink.connectors.shm import DEFAULT_ARENA_BYTES
+        except ImportError:
+            DEFAULT_ARENA_BYTES = 128 << 20
+        return {"arena_bytes": max(DEFAULT_ARENA_BYTES, need)}
+
+    def role_options(self, role: str, options: dict[str, Any]) -> dict[str, Any]:
+        # Only a sender owns an arena.
+        return dict(options) if role == "sender" else {}
 
 
 class OmnilinkZmq(_OmnilinkBackend):

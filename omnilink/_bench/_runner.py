@@ -33,6 +33,7 @@ from typing import Any, Callable
 import msgspec
 
 from omnilink._bench._backends import BACKENDS, PairContext, get_backend, probe
+from omnilink._bench._plan import Plan, plan
 from omnilink._bench._units import format_size
 
 __all__ = [
@@ -40,13 +41,11 @@ __all__ = [
     "SCENARIOS",
     "BenchOptions",
     "Scenario",
-    "plan",
     "run_bench",
 ]
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
 MODES = ("throughput", "latency")
 
@@ -100,31 +99,8 @@ class BenchOptions:
     modes: tuple[str, ...] = MODES
     backends: list[str] | None = None
     repeat: int = 5
-    max_seconds: float = 3.0
+    max_seconds: float = 2.0
     timeout: float = 60.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    count: int  # messages per run
-    window: int  # messages in flight
-    warmup: int  # messages in the warm-up run
-
-
-def plan(size: int, mode: str) -> Plan:
-    """Messages per run, messages in flight and warm-up length for one cell.
-
-    Bursts carry about 64 MiB (2 to 200 messages); at most 512 MiB is in flight (so a
-    256 MiB run keeps two messages in flight and ``/dev/shm`` is never flooded).
-    Latency runs send up to 100 small messages or 2 large ones, one at a time.
-    """
-    if mode == "throughput":
-        count = max(2, min(200, (64 * MiB) // size))
-        window = max(1, min(8, (512 * MiB) // size))
-    else:
-        count = max(2, min(100, (32 * MiB) // size))
-        window = 1
-    return Plan(count=count, window=window, warmup=max(1, count // 4))
 
 
 # --------------------------------------------------------------------------- records
@@ -326,12 +302,12 @@ class _Runner:
                     base = _base_record(self.scenario.name, name, mode, size)
                     self._cell_done(_failed_record(base, "error", f"{type(exc).__name__}: {exc}"))
                 continue
+            backend.copy_many(plan(size, "throughput").warmup)
             for mode in self.opts.modes:
                 self._tick(f"{name} {format_size(size)} {mode}")
                 p = plan(size, mode)
                 base = _base_record(self.scenario.name, name, mode, size)
                 start = time.monotonic()
-                backend.copy_many(p.warmup)
                 durations: list[float] = []
                 samples: list[int] = []
                 while len(durations) < self.opts.repeat:
@@ -365,9 +341,9 @@ class _Runner:
                 pair.close()
         _sweep_segments(self.prefix, self.run_id)
 
-    def _open(self, name: str) -> None:
+    def _open(self, name: str, options: dict[str, Any]) -> None:
         pair = self._ensure_pair()
-        cmd = {"op": "open", "backend": name, "timeout": self.opts.timeout}
+        cmd = {"op": "open", "backend": name, "timeout": self.opts.timeout, "options": options}
         # The side that creates (shm: the sender's arena; zmq: the receiver's bound
         # socket) opens first, so the other attaches to something that exists.
         order = ("receiver", "sender") if BACKENDS[name].receiver_first else ("sender", "receiver")
@@ -385,22 +361,42 @@ class _Runner:
             self._drop_pair(kill=True)
 
     def _run_pair(self, name: str) -> None:
-        cells = [(size, mode) for size in self.opts.sizes for mode in self.opts.modes]
         opened = False
-        for size, mode in cells:
-            base = _base_record(self.scenario.name, name, mode, size)
-            self._tick(f"{name} {format_size(size)} {mode}")
-            try:
-                if not opened:
-                    self._open(name)
-                    opened = True
-                record = self._measure(base, size, mode)
-            except WorkerError as exc:
-                record = _failed_record(base, "error", str(exc))
-                # A failed run leaves the pair in an unknown state: start afresh.
-                self._drop_pair(kill=True)
-                opened = False
-            self._cell_done(record)
+        open_error: str | None = None
+        options = BACKENDS[name].bench_options(self.opts.sizes, self.opts.modes)
+        for size in self.opts.sizes:
+            warm = False
+            for mode in self.opts.modes:
+                base = _base_record(self.scenario.name, name, mode, size)
+                if open_error is not None:
+                    # Opening failed (e.g. /dev/shm too small for the arena): every cell
+                    # of this backend would fail the same way; say so without retrying.
+                    self._cell_done(_failed_record(base, "error", open_error))
+                    continue
+                self._tick(f"{name} {format_size(size)} {mode}")
+                try:
+                    if not opened:
+                        try:
+                            self._open(name, options)
+                        except WorkerError as exc:
+                            open_error = f"opening the backend failed: {exc}"
+                            raise
+                        opened = True
+                    if not warm:
+                        # One warm-up per backend and size: first touch of pages, lazy
+                        # imports and connection set-up stay out of every measured run.
+                        p = plan(size, "throughput")
+                        self._run_once(size, p.warmup, min(p.window, p.warmup))
+                        warm = True
+                    record = self._measure(base, size, mode)
+                    if options:
+                        record["options"] = options
+                except WorkerError as exc:
+                    record = _failed_record(base, "error", open_error or str(exc))
+                    # A failed run leaves the pair in an unknown state: start afresh.
+                    self._drop_pair(kill=True)
+                    opened = warm = False
+                self._cell_done(record)
         if opened:
             self._close()
 
@@ -418,7 +414,6 @@ class _Runner:
         p = plan(size, mode)
         window = p.window
         start = time.monotonic()
-        self._run_once(size, p.warmup, min(window, p.warmup))
         seconds: list[float] = []
         samples: list[int] = []
         while len(seconds) < self.opts.repeat:

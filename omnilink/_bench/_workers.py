@@ -65,9 +65,9 @@ class _Worker:
         self.device = cmd.get("device")
         backend = get_backend(cmd["backend"])
         if self.role == "sender":
-            backend.open_sender(self.ctx, timeout=self.timeout)
+            backend.open_sender(self.ctx, timeout=self.timeout, options=cmd.get("options") or {})
         else:
-            backend.open_receiver(self.ctx, timeout=self.timeout)
+            backend.open_receiver(self.ctx, timeout=self.timeout, options=cmd.get("options") or {})
         self.backend = backend
         return {}
 

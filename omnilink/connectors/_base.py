@@ -20,6 +20,8 @@ Contract (DESIGN.md section 2):
 - ``timeout=None`` means the connector's ``timeout`` option (itself ``None``: no limit;
   a dead peer is still reported as ``PeerLostError``).
 - ``discard(key)`` drops a payload nobody will read and returns whether one was there.
+- ``stats()`` returns ``ConnectorStats``; like every call but ``close()``, it raises
+  ``ClosedError`` after close.
 """
 
 from __future__ import annotations
@@ -143,6 +145,13 @@ class BaseConnector:
     def _close(self) -> None:
         raise NotImplementedError
 
+    def _wake(self) -> None:
+        """Wake calls blocked in other threads so they see the closed state.
+
+        Runs in ``close()`` before it waits for pending ``put_async`` calls, so a put
+        stuck on backpressure cannot hang ``close()``. Backends override.
+        """
+
     def _in_use(self) -> tuple[int, int]:
         """(blocks, bytes) this process holds in the transport; backends override."""
         return (0, 0)
@@ -221,6 +230,7 @@ class BaseConnector:
         validate_key(key)
         self._deadline(timeout)
         with self._close_lock:
+            self._check_open()
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"omnilink-{self.backend}-put"
@@ -287,7 +297,8 @@ class BaseConnector:
 
     def stats(self) -> ConnectorStats:
         """Counters since this connector was opened (see ``ConnectorStats``)."""
-        blocks, nbytes = (0, 0) if self._closed else self._in_use()
+        self._check_open()
+        blocks, nbytes = self._in_use()
         with self._counter_lock:
             counters = dict(self._counters)
         return ConnectorStats(
@@ -310,6 +321,7 @@ class BaseConnector:
                 return
             self._closed = True
             executor, self._executor = self._executor, None
+        self._wake()
         if executor is not None:
             executor.shutdown(wait=True)
         self._close()

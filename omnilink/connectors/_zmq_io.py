@@ -40,6 +40,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+import msgspec
+import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -54,7 +56,7 @@ from omnilink._errors import (
 )
 from omnilink._util import Deadline
 from omnilink.connectors import _zmq_wire as wire
-from omnilink.connectors._zmq_support import set_options, zmq_error
+from omnilink.connectors._zmq_support import zmq_error
 
 __all__ = ["ReceiverLoop", "SenderLoop"]
 
@@ -84,6 +86,46 @@ _HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
 }
+
+
+_ITEMSIZE = {code: size for code, size in _blob.DTYPE_CODES.values()}
+_HEADER = msgspec.msgpack.Decoder(_blob.BlobHeader)
+
+
+def _aligned(meta: memoryview, buffers: list[memoryview]) -> tuple[list[memoryview], int]:
+    """Copy, into 64-byte aligned memory, each region whose address does not suit its dtype.
+
+    libzmq hands out frames at any address: small ones live inside a shared receive
+    buffer, large ones are 8-byte aligned, so a complex128 view may be misaligned. A
+    typed view of misaligned memory is undefined behaviour (torch crashes cloning some),
+    so such a region is copied here, once, and counted as a fallback. Anything malformed
+    is left for ``decode_parts`` to report.
+    """
+    try:
+        header_len = _blob.peek_header(meta)[0]
+        header = _HEADER.decode(meta[_blob.PREFIX_SIZE : _blob.PREFIX_SIZE + header_len])
+    except (BlobDecodeError, msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return buffers, 0
+    if len(header.tensors) != len(buffers):
+        return buffers, 0
+    out = buffers
+    copied = 0
+    for i, (desc, buf) in enumerate(zip(header.tensors, buffers)):
+        size = _ITEMSIZE.get(desc.dtype, 1)
+        if size <= 1 or not buf.nbytes:
+            continue
+        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        if addr % size == 0:
+            continue
+        raw = np.empty(buf.nbytes + _blob.FRAME_ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % _blob.FRAME_ALIGN
+        dst = raw[start : start + buf.nbytes]
+        dst[:] = np.frombuffer(buf, dtype=np.uint8)
+        if out is buffers:
+            out = list(buffers)
+        out[i] = memoryview(dst)
+        copied += 1
+    return out, copied
 
 
 class _Waker:
@@ -231,6 +273,7 @@ class ReceiverLoop(_Loop):
         self.last_peer = endpoint
         self.malformed = 0
         self.auth_failures = 0
+        self.fallbacks = 0
         # Frames still referenced by payload views (index or user): stats' blocks_in_use.
         self._use_lock = threading.Lock()
         self.frames_live = 0
@@ -271,6 +314,7 @@ class ReceiverLoop(_Loop):
             except zmq.ZMQError as exc:
                 raise zmq_error(exc, "receiving", channel=self.channel, endpoint=self.endpoint) from exc
             self._handle(frames)
+            del frames
             with self.cond:
                 if self.paused or self.stopping:
                     return
@@ -297,32 +341,10 @@ class ReceiverLoop(_Loop):
             self._ack(identity, routing.seq, *prev)
             return
         key = routing.key
-        regions = frames[3:]
-        payload: Any = None
-        error: OmnilinkError | None = None
-        nbytes = size = 0
-        if len(regions) != routing.n_regions:
-            error = BlobDecodeError(
-                f"zmq: message for key {key!r} on channel {self.channel!r} has {len(regions)} tensor "
-                f"frames but its routing frame announces {routing.n_regions}"
-            )
-        else:
-            buffers = [f.buffer for f in regions]
-            try:
-                payload = decode_parts(frames[2].buffer, buffers, copy=False)
-            except BlobDecodeError as exc:
-                error = type(exc)(f"zmq: payload of key {key!r} on channel {self.channel!r} is malformed: {exc}")
-                error.__cause__ = exc
-            except Exception as exc:  # noqa: BLE001 - hostile input must not kill the loop
-                error = BlobDecodeError(
-                    f"zmq: payload of key {key!r} on channel {self.channel!r} could not be decoded: {exc!r}"
-                )
-                error.__cause__ = exc
-            else:
-                nbytes = frames[2].buffer.nbytes + sum(b.nbytes for b in buffers)
-                size = _blob.peek_header(frames[2].buffer)[2]
-                for f, b in zip(regions, buffers):
-                    self._track(f, b.nbytes)
+        payload, error, nbytes, size = self._decode(key, routing.n_regions, frames)
+        # Drop this thread's references to the frames before the payload is published,
+        # so a consumer that drops its views frees the frames at once.
+        frames.clear()
         text = ""
         with self.cond:
             if key in self.index:
@@ -333,6 +355,7 @@ class ReceiverLoop(_Loop):
                 )
             else:
                 self.index[key] = _Entry(payload, error, nbytes, size)
+                payload = None  # the index holds it now (see frames.clear() above)
                 self.buffered += nbytes
                 if self.buffered >= self.max_buffered_bytes:
                     self.paused = True
@@ -347,6 +370,34 @@ class ReceiverLoop(_Loop):
             if len(self.seen) > SEEN_WINDOW:
                 self.seen.popitem(last=False)
         self._ack(identity, routing.seq, status, text)
+
+    def _decode(
+        self, key: str, n_regions: int, frames: list[zmq.Frame]
+    ) -> tuple[Any, OmnilinkError | None, int, int]:
+        """(payload, error, bytes held, encoded size) of one message's frames."""
+        regions = frames[3:]
+        if len(regions) != n_regions:
+            return None, BlobDecodeError(
+                f"zmq: message for key {key!r} on channel {self.channel!r} has {len(regions)} tensor "
+                f"frames but its routing frame announces {n_regions}"
+            ), 0, 0
+        meta = frames[2].buffer
+        buffers = [f.buffer for f in regions]
+        try:
+            buffers, copied = _aligned(meta, buffers)
+            self.fallbacks += copied
+            payload = decode_parts(meta, buffers, copy=False)
+        except Exception as exc:  # noqa: BLE001 - hostile input must not kill the loop
+            # No traceback: it would keep the frames alive through decode's locals.
+            cause = exc.with_traceback(None)
+            kind = type(exc) if isinstance(exc, BlobDecodeError) else BlobDecodeError
+            error = kind(f"zmq: payload of key {key!r} on channel {self.channel!r} is malformed: {exc}")
+            error.__cause__ = cause
+            return None, error, 0, 0
+        for frame, buf in zip(regions, buffers):
+            self._track(frame, buf.nbytes)
+        nbytes = meta.nbytes + sum(buf.nbytes for buf in buffers)
+        return payload, None, nbytes, _blob.peek_header(meta)[2]
 
     def _track(self, frame: zmq.Frame, nbytes: int) -> None:
         with self._use_lock:
@@ -711,10 +762,10 @@ class SenderLoop(_Loop):
                     break
                 remaining = deadline.remaining()
                 if remaining is not None and remaining <= 0:
-                    if not self.ever_connected:
-                        why = "the receiver never connected"
-                    elif self.refused:
+                    if self.refused:
                         why = f"the receiver refused the connection ({self.refused})"
+                    elif not self.ever_connected:
+                        why = "the receiver never connected"
                     elif p.state == QUEUED:
                         why = "the message could not be handed to zmq (receiver absent or high-water mark reached)"
                     else:

@@ -141,6 +141,10 @@ class MemoryConnector(BaseConnector):
     discarded) is a ``ConfigurationError``: the second payload would otherwise replace
     or shadow the first, and one of them would be lost. Once the key has been consumed
     or discarded it may be used again.
+
+    Both ends live in one process, so there is no peer to lose: this backend never
+    raises ``PeerLostError``. A ``get`` waits for a sender on the channel until its
+    timeout, even if every sender has closed.
     """
 
     backend = "memory"
@@ -182,18 +186,15 @@ class MemoryConnector(BaseConnector):
         # encode_into without walking twice).
         prepared = prepare(payload)
         n = prepared.nbytes
-        capacity = chan.capacity
-        if capacity is not None and n > capacity:
-            raise CapacityError(
-                f"memory: payload for key {key!r} is {n} bytes, larger than the "
-                f"capacity_bytes={capacity} of channel {self.channel!r}"
-            )
+        self._check_fits(key, n)  # before allocating a frame that could never be stored
         frame = bytearray(n)
         prepared.write_into(frame)
         with chan.cond:
             while True:
                 self._raise_if_closing()
                 self._check_key_free(key)
+                # Re-read: a connector opened meanwhile may have named the capacity.
+                capacity = self._check_fits(key, n)
                 if capacity is None or chan.nbytes + n <= capacity:
                     break
                 remaining = deadline.remaining()
@@ -257,6 +258,15 @@ class MemoryConnector(BaseConnector):
                 f"memory: key {key!r} is still pending on channel {self.channel!r}; "
                 "a key can be reused only after it was consumed or discarded"
             )
+
+    def _check_fits(self, key: str, n: int) -> int | None:
+        capacity = self._chan.capacity
+        if capacity is not None and n > capacity:
+            raise CapacityError(
+                f"memory: payload for key {key!r} is {n} bytes, larger than the "
+                f"capacity_bytes={capacity} of channel {self.channel!r}"
+            )
+        return capacity
 
     def _raise_if_closing(self) -> None:
         if self._closing or self._closed:

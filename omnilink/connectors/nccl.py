@@ -93,6 +93,8 @@ __all__ = ["NcclConnector"]
 logger = logging.getLogger(__name__)
 
 _FOREVER = datetime.timedelta(days=3650)
+#: Value written to a store key only to wake a thread blocked waiting for it.
+_WAKE = b"-"
 _CTL_BYE = 1
 _CTL_BYE_REPLY = 2
 
@@ -126,13 +128,14 @@ def _is_timeout(exc: BaseException) -> bool:
 class _Arrived:
     """A payload the receiver holds: ready (``payload`` set) or still in flight."""
 
-    __slots__ = ("seq", "key", "nbytes", "frame_bytes", "payload", "device_tensors", "error")
+    __slots__ = ("seq", "key", "nbytes", "frame_bytes", "done", "payload", "device_tensors", "error")
 
     def __init__(self, seq: int, key: str, nbytes: int, frame_bytes: int) -> None:
         self.seq = seq
         self.key = key
         self.nbytes = nbytes
         self.frame_bytes = frame_bytes
+        self.done = False
         self.payload: Any = None
         self.device_tensors: list[Any] = []
         self.error: BaseException | None = None
@@ -345,7 +348,7 @@ class NcclConnector(BaseConnector):
         elif not isinstance(store, dist.Store):
             raise ConfigurationError(f"nccl: store must be a torch.distributed.Store, got {type(store).__name__}")
         self._base_store = store
-        self._prefix = f"omnilink/nccl/{self.channel}/"
+        self._prefix = f"omnilink/nccl/{self.channel}"  # PrefixStore adds the "/"
         self._token = secrets.token_hex(8)
         self._host = socket.gethostname()
         self._st_main = self._store()
@@ -368,6 +371,7 @@ class NcclConnector(BaseConnector):
         self._inflight_bytes = 0
         self._acked_upto = -1
         self._post_seq = 0
+        self._posted = 0  # payloads whose receives were posted
         self._bye_lock = threading.Lock()
         self._bye_sent = False
         self._threads: list[threading.Thread] = []
@@ -464,8 +468,10 @@ class NcclConnector(BaseConnector):
     # ================================================================ link setup
     def _setup(self) -> None:
         dist = self._dist
-        st = self._store()
-        self._st_setup = st
+        # Client of the blocking waits of the receive path (the hello now, envelopes
+        # later): a TCPStore client serialises its calls, so each blocking waiter has
+        # its own and everything that never blocks shares ``_st_main``.
+        st = self._st_post = self._store()
         deadline = Deadline(self.connect_timeout)
         peer_key = f"hello/{self.peer_rank}"
         while True:
@@ -480,10 +486,16 @@ class NcclConnector(BaseConnector):
                         f"within connect_timeout={self.connect_timeout} s"
                     ) from exc
                 raise
-            if self._closing:
-                return
+            raw = st.get(peer_key)
+            if raw == _WAKE:
+                if self._closing:
+                    return
+                # Left by an earlier connector of our rank that closed before its peer
+                # came: not a hello.
+                st.delete_key(peer_key)
+                continue
             try:
-                peer = wire.decode_hello(st.get(peer_key))
+                peer = wire.decode_hello(raw)
             except BlobDecodeError as exc:
                 raise ConfigurationError(
                     f"nccl: the peer's hello on channel {self.channel!r} is not readable: {exc}"
@@ -510,6 +522,9 @@ class NcclConnector(BaseConnector):
                 f"nccl: channel {self.channel!r} has no direction: this end is a {self.role}, the peer a {peer.role}"
             )
         self._dirs = dirs
+        # From here on both ends take the same steps (each waits for the other): they
+        # run to the end even if close() was called meanwhile, so the peer is never left
+        # waiting, and close() then says goodbye on the control group.
         self._ctl_pg = self._make_gloo(f"{self._sid}ctl/", same_host)
         for d in dirs:
             if self._is_nccl:
@@ -530,15 +545,13 @@ class NcclConnector(BaseConnector):
                 torch.cuda.current_stream(self.device).synchronize()
         self._spawn(self._watch, "watcher")
         if self._in in self._pgs:
-            self._st_post = self._store()
-            self._st_done = self._store()
             self._spawn(self._post_loop, "poster")
             self._spawn(self._done_loop, "completer")
         if self._out in self._pgs:
             self._st_send = self._store()
             if not self._is_nccl:
                 self._spawn(self._reap_loop, "reaper")
-        self._st_wake = self._store()
+        self._st_wake = self._st_main
         self._ready.set()
 
     def _check_peer(self, peer: wire.Hello) -> None:
@@ -567,7 +580,7 @@ class NcclConnector(BaseConnector):
         else:
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]
         opts._timeout = _td(self.connect_timeout)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store()), self.rank, 2, opts)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._st_main), self.rank, 2, opts)
         # Operations wait only for data that is known to be coming, and a gloo wait that
         # times out breaks the connection: no op timeout (peer death still fails fast).
         pg.set_timeout(_FOREVER)
@@ -577,7 +590,7 @@ class NcclConnector(BaseConnector):
         dist = self._dist
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _FOREVER
-        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, self._store()), self.rank, 2, opts)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, self._st_main), self.rank, 2, opts)
 
     def wait_connected(self, timeout: float | None = None) -> None:
         """Wait until the link to the peer is built.
@@ -857,10 +870,11 @@ class NcclConnector(BaseConnector):
                 works = self._post(pg, bufs, send=False) if bufs else []
             self._done_q.put((item, env, header, bufs, works, event))
             seq += 1
+            self._posted = seq
 
     def _done_loop(self) -> None:
         """Wait for each payload's data in order, build it, acknowledge it."""
-        st = self._st_done
+        st = self._st_main
         d = self._in
         window = self._peer.send_window
         while True:
@@ -871,9 +885,9 @@ class NcclConnector(BaseConnector):
             try:
                 if event is not None:
                     event.synchronize()
-                    for w in works:
-                        if not w.is_success():
-                            raise RuntimeError(f"receive of key {env.key!r} failed")
+                    with self._torch.cuda.device(self.device):
+                        for w in works:
+                            w.wait()  # already complete: raises if NCCL aborted it
                 else:
                     for w in works:
                         w.wait()
@@ -894,6 +908,7 @@ class NcclConnector(BaseConnector):
                 raise
             with self._cond:
                 item.payload = payload
+                item.done = True
                 item.device_tensors = dev_tensors
                 self._ready_count += 1
                 self._recv_done = item.seq + 1
@@ -924,12 +939,12 @@ class NcclConnector(BaseConnector):
                     raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
                 q = self._inbox.get(key)
                 item = q[0] if q else None
-                if item is not None and (item.payload is not None or item.error is not None):
+                if item is not None and (item.done or item.error is not None):
                     q.popleft()
                     if not q:
                         del self._inbox[key]
                     self._pending_bytes -= item.nbytes
-                    if item.payload is not None:
+                    if item.done:
                         self._ready_count -= 1
                     self._cond.notify_all()
                     break
@@ -965,7 +980,7 @@ class NcclConnector(BaseConnector):
     def _discard(self, key: str) -> bool:
         with self._cond:
             q = self._inbox.get(key)
-            if not q or q[0].payload is None:
+            if not q or not q[0].done:
                 return False
             item = q.popleft()
             if not q:
@@ -1011,6 +1026,16 @@ class NcclConnector(BaseConnector):
             self._acked_upto = max(self._acked_upto, last)
 
     def _close(self) -> None:
+        setup = self._threads[0]
+        if setup.is_alive():
+            # Still looking for the peer: wake its hello wait (an empty hello is created
+            # only where none exists, so a real one is never clobbered), then let it
+            # finish the step it is in.
+            try:
+                self._st_main.compare_set(f"hello/{self.peer_rank}", "", _WAKE)
+            except RuntimeError:
+                pass
+            setup.join(self.connect_timeout)
         self._wake_all()
         if self._ctl_pg is not None and self._peer_state is None:
             self._send_bye(_CTL_BYE, wait=min(self.connect_timeout, 10.0))
@@ -1023,15 +1048,21 @@ class NcclConnector(BaseConnector):
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             logger.debug("nccl: threads still blocked at close of %r: %s", self.channel, stuck)
-        for pg in list(self._pgs.values()) + ([self._ctl_pg] if self._ctl_pg is not None else []):
-            try:
-                if self._is_nccl and pg is not self._ctl_pg:
-                    if stuck or self._peer_state == "lost":
-                        pg.abort()
-                    else:
-                        pg.shutdown()
-            except RuntimeError as exc:
-                logger.debug("nccl: shutting a process group of %r down: %r", self.channel, exc)
+        if self._is_nccl:
+            # An NCCL send whose receive will never be posted (the peer closed first), or
+            # a receive the peer will never feed, keeps a kernel waiting: then abort.
+            # Otherwise shut down gracefully (frees the communicator's resources).
+            unfinished = (
+                bool(stuck)
+                or self._peer_state == "lost"
+                or (self._out in self._pgs and self._send_seq - 1 > self._acked_upto)
+                or (self._in in self._pgs and self._posted > self._recv_done)
+            )
+            for pg in self._pgs.values():
+                try:
+                    pg.abort() if unfinished else pg.shutdown()
+                except RuntimeError as exc:
+                    logger.debug("nccl: closing a process group of %r: %r", self.channel, exc)
         with self._cond:
             self._inbox.clear()
             self._pending_bytes = 0

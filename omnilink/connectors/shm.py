@@ -100,6 +100,19 @@ except ImportError:  # pragma: no cover - numpy is a dependency
     _np = None
 
 
+#: The channel mutex is held for microseconds; waiting for it is bounded by the larger of
+#: the call's remaining time and this, so that ordinary contention never turns a short
+#: timeout (or get_nowait) into an error, while a stuck holder still cannot hang a call.
+_MUTEX_GRACE_S = 1.0
+
+
+def _mutex_deadline(deadline: Deadline) -> Deadline | None:
+    left = deadline.remaining()
+    if left is None:
+        return None
+    return Deadline(max(left, _MUTEX_GRACE_S))
+
+
 def _make_lease(mm: Any, offset: int, length: int) -> Any:
     """A fresh exporter object over ``mm[offset:offset+length]``: decode's views keep it
     alive, so a ``weakref.finalize`` on it fires when the last view of the payload dies."""
@@ -272,7 +285,7 @@ class ShmConnector(BaseConnector):
                 raise
             rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
             try:
-                with chan.locked(deadline):
+                with chan.locked(_mutex_deadline(deadline)):
                     w.publish(idx, key_bytes, rec, written, 0, b"")
                     chan.notify_all()
                     w.drain()
@@ -305,7 +318,7 @@ class ShmConnector(BaseConnector):
                 finally:
                     mm.close()
                 rec = _OutRec(0, key, 0, round_up(n, 4096), name)
-                with chan.locked(deadline):
+                with chan.locked(_mutex_deadline(deadline)):
                     w.publish(idx, key_bytes, rec, written, FLAG_OVERFLOW, token.encode("ascii"))
                     w.overflow_bytes += rec.reserved
                     chan.notify_all()
@@ -336,7 +349,7 @@ class ShmConnector(BaseConnector):
                 if off is not None:
                     return off, w.free_desc.pop()
             try:
-                with chan.locked(deadline):
+                with chan.locked(_mutex_deadline(deadline)):
                     freed = w.drain()
                     if not freed and not tried_abandoned:
                         freed = w.reclaim_abandoned()
@@ -386,7 +399,7 @@ class ShmConnector(BaseConnector):
                 self._check_open()
                 if chan.senders_gen() != self._known_gen:
                     self._refresh()
-                if not chan.lock(deadline):
+                if not chan.lock(_mutex_deadline(deadline)):
                     raise self._timeout("get", key, "the channel mutex", deadline.timeout)
                 try:
                     if chan.senders_gen() != self._known_gen:
@@ -411,7 +424,7 @@ class ShmConnector(BaseConnector):
             woke = chan.wait(deadline.slice(HEARTBEAT_S))
             if not woke:
                 try:
-                    with chan.locked(deadline):
+                    with chan.locked(_mutex_deadline(deadline)):
                         chan.withdraw_waiter(gen)
                 except _LockTimeout:
                     pass

@@ -82,9 +82,11 @@ import os
 import weakref
 from typing import Any, Iterable
 
+import msgspec
+
 from omnilink._errors import BlobDecodeError, ConfigurationError, OmnilinkError
 from omnilink._util import Deadline
-from omnilink.connectors._base import BaseConnector, Role
+from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
 
 try:
     import zmq
@@ -476,6 +478,22 @@ class ZmqConnector(BaseConnector):
                 f"zmq connector on channel {self.channel!r} has role {self.role!r}: it cannot discard"
             )
         return receiver.discard(key)
+
+    def stats(self) -> ConnectorStats:
+        """Counters since this connector was opened; ``fallbacks`` counts received tensors
+        that had to be copied because their frame's address did not suit their dtype.
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        st = super().stats()
+        receiver = self._res.receiver
+        if receiver is None:
+            return st
+        return msgspec.structs.replace(st, fallbacks=st.fallbacks + receiver.fallbacks)
 
     def _in_use(self) -> tuple[int, int]:
         receiver = self._res.receiver

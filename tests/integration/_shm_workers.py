@@ -14,16 +14,17 @@ WAIT = 20.0
 
 
 def make_payload(i: int, n: int = 1024):
-    import torch
+    # numpy, not torch: importing torch would add seconds to every spawned worker.
+    import numpy as np
 
-    return {"i": i, "x": torch.full((n,), float(i % 251), dtype=torch.float32), "meta": {"tag": f"m{i}"}}
+    return {"i": i, "x": np.full((n,), float(i % 251), dtype=np.float32), "meta": {"tag": f"m{i}"}}
 
 
 def check_payload(got, i: int, n: int = 1024) -> None:
     if got["i"] != i or got["meta"]["tag"] != f"m{i}":
         raise AssertionError(f"payload {i}: header fields {got['i']!r} {got['meta']!r}")
     x = got["x"]
-    if x.numel() != n or float(x.min()) != float(i % 251) or float(x.max()) != float(i % 251):
+    if x.size != n or float(x.min()) != float(i % 251) or float(x.max()) != float(i % 251):
         raise AssertionError(f"payload {i}: tensor contents differ")
 
 

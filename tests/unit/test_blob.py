@@ -340,3 +340,14 @@ def test_numpy_only_payload_does_not_import_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.float64, torch.int32, torch.bfloat16])
+def test_misaligned_region_of_every_width(dtype):
+    t = torch.arange(15).to(dtype)
+    meta, regions = blob.encode_parts({"a": t})
+    backing = bytearray(len(regions[0]) + 8)
+    view = memoryview(backing)[8:]  # 8 mod 16: misaligned for complex128
+    view[:] = regions[0]
+    out = blob.decode_parts(meta, [view])["a"]
+    assert out.dtype == dtype and torch.equal(out, t)

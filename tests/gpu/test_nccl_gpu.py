@@ -1,0 +1,139 @@
+"""The nccl backend over real NCCL, on a machine with two GPUs.
+
+Two processes, one per GPU, move payloads of several bf16 tensors; the receiver's copy
+lives on cuda:1 and equals the sender's bit for bit. In one process, two connectors
+(cuda:0 and cuda:1) check the stream contract of ``put``, staging of host data, and the
+device-mismatch errors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+
+import pytest
+
+import omnilink
+from omnilink import ConfigurationError
+from tests.integration import _nccl_workers as workers
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+WAIT = 120.0
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def procs():
+    started: list = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def _next(q):
+    try:
+        msg = q.get(timeout=WAIT)
+    except queue.Empty:
+        pytest.fail(f"no report from the workers within {WAIT} s")
+    if msg[0] == "error":
+        pytest.fail(f"a worker failed: {msg[1]}: {msg[2]}")
+    return msg
+
+
+@pytest.mark.multigpu
+def test_two_processes_nccl_bf16_bit_exact(procs):
+    port = workers.free_port()
+    q = CTX.Queue()
+    count = 5
+    keys = [f"req{i}_0_0" for i in range(count)]
+    for target, args in (
+        (workers.sender, (port, "gpu/nccl", "nccl", "cuda:0", count, 8 << 20, q)),
+        (workers.receiver, (port, "gpu/nccl", "nccl", "cuda:1", keys[::-1], q)),
+    ):
+        p = CTX.Process(target=target, args=args, daemon=True)
+        p.start()
+        procs.append(p)
+    sent, got = {}, {}
+    while len(sent) < count or len(got) < count:
+        msg = _next(q)
+        if msg[0] == "sent":
+            sent[msg[1]] = msg[2]
+        elif msg[0] == "got":
+            got[msg[1]] = msg[2]
+            assert msg[3] == "cuda:1", f"device tensors must arrive on cuda:1, got {msg[3]}"
+            assert msg[4] == "cpu", f"host tensors must stay on the host, got {msg[4]}"
+    assert got == sent
+    for p in procs:
+        p.join(WAIT)
+        assert p.exitcode == 0
+
+
+def _bits(t):
+    """The raw bytes of ``t`` on the host (compares NaNs and -0.0 bit for bit)."""
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.fixture
+def gpu_pair():
+    store = dist.HashStore()
+    tx = omnilink.connect("nccl", channel="gpu/pair", role="sender", device="cuda:0", store=store)
+    rx = omnilink.connect("nccl", channel="gpu/pair", role="receiver", device="cuda:1", store=store)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.multigpu
+def test_in_process_device_payload(gpu_pair):
+    tx, rx = gpu_pair
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+    hidden = torch.randn(512, 4096, device="cuda:0", generator=g).to(torch.bfloat16)
+    strided = torch.randn(64, 96, device="cuda:0", generator=g).to(torch.bfloat16).t()
+    ids = torch.arange(100, device="cuda:0")
+    expected = {
+        "hidden": hidden.cpu(), "strided": strided.cpu(), "ids": ids.cpu(),
+        "host_small": torch.tensor([1.5, 2.5]), "host_big": torch.arange(1 << 20, dtype=torch.int32),
+    }
+    n = tx.put("k", {"hidden": hidden, "strided": strided, "ids": ids, "meta": {"x": 1},
+                     "host_small": expected["host_small"].clone(), "host_big": expected["host_big"].clone()})
+    assert n == omnilink.encoded_size(expected | {"meta": {"x": 1}})
+    # The stream contract: work queued after put on the caller's stream may overwrite.
+    hidden.fill_(0)
+    ids.fill_(-1)
+    got = rx.get("k", timeout=WAIT)
+    for name in ("hidden", "strided", "ids"):
+        assert got[name].device == torch.device("cuda:1")
+        assert got[name].dtype == expected[name].dtype and got[name].shape == expected[name].shape
+        assert torch.equal(_bits(got[name]), _bits(expected[name])), name
+    for name in ("host_small", "host_big"):
+        assert got[name].device.type == "cpu"
+        assert torch.equal(got[name], expected[name])
+    assert got["meta"] == {"x": 1}
+
+
+@pytest.mark.multigpu
+def test_device_mismatch_is_configuration_error(gpu_pair):
+    tx, rx = gpu_pair
+    with pytest.raises(ConfigurationError, match="cuda:1"):
+        tx.put("wrong", {"t": torch.ones(3, device="cuda:1")}, timeout=WAIT)
+    # Nothing was sent: the channel still works.
+    tx.put("right", {"t": torch.ones(3, device="cuda:0")}, timeout=WAIT)
+    assert torch.equal(rx.get("right", timeout=WAIT)["t"].cpu(), torch.ones(3))
+
+
+@pytest.mark.gpu
+def test_gloo_link_refuses_cuda_tensors():
+    store = dist.HashStore()
+    with omnilink.connect("nccl", channel="gpu/gloo", role="sender", backend="gloo", store=store) as tx, \
+         omnilink.connect("nccl", channel="gpu/gloo", role="receiver", backend="gloo", store=store) as rx:
+        with pytest.raises(ConfigurationError, match="host tensors only"):
+            tx.put("k", {"t": torch.ones(2, device="cuda:0")}, timeout=WAIT)
+        tx.put("k", {"t": torch.ones(2)}, timeout=WAIT)
+        assert torch.equal(rx.get("k", timeout=WAIT)["t"], torch.ones(2))

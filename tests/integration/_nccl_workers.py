@@ -1,0 +1,111 @@
+"""Process bodies for the nccl-backend tests (importable, so ``spawn`` can run them).
+
+Used by tests/integration/test_nccl_processes.py (gloo on CPU) and
+tests/gpu/test_nccl_gpu.py (NCCL, one process per GPU). Workers report through a
+``multiprocessing`` queue with plain tuples; payload contents are compared by SHA-256
+of their bytes, so a half or mixed-up payload shows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import Any
+
+WAIT = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_payload(i: int, nbytes: int, device: str = "cpu") -> dict[str, Any]:
+    """Several tensors (bf16 among them) plus plain metadata, deterministic in ``i``."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + i)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    hidden = raw[: nbytes - nbytes % 2].view(torch.bfloat16).reshape(-1, 2) if nbytes >= 4 else raw
+    return {
+        "hidden_states.output": hidden.to(device),
+        "embed.prefill": torch.randn(7, 33, generator=g).to(torch.bfloat16).to(device),
+        "ids.output": torch.arange(i, i + 17, dtype=torch.int64).to(device),
+        "meta.finished": torch.tensor(i % 2 == 0),
+        "meta": {"i": i, "speaker": "s1"},
+    }
+
+
+def digest(payload: dict[str, Any]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for name in ("hidden_states.output", "embed.prefill", "ids.output", "meta.finished"):
+        t = payload[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(repr(sorted(payload["meta"].items())).encode())
+    return h.hexdigest()
+
+
+def sender(port: int, channel: str, backend: str, device: str, count: int, nbytes: int, out: Any) -> None:
+    """Rank 0: host the store, put ``count`` payloads, report each digest, close."""
+    import omnilink
+
+    try:
+        with omnilink.connect(
+            "nccl", channel=channel, role="sender", backend=backend, device=device,
+            master_port=port, timeout=WAIT,
+        ) as tx:
+            for i in range(count):
+                payload = make_payload(i, nbytes, device)
+                tx.put(f"req{i}_0_0", payload)
+                out.put(("sent", f"req{i}_0_0", digest(payload)))
+            out.put(("sender-done", os.getpid(), None))
+    except Exception as exc:  # reported to the test, which fails with it
+        out.put(("error", type(exc).__name__, str(exc)))
+
+
+def receiver(port: int, channel: str, backend: str, device: str, keys: list[str], out: Any) -> None:
+    """Rank 1: get each key (in the order given), report digest and device."""
+    import omnilink
+
+    try:
+        with omnilink.connect(
+            "nccl", channel=channel, role="receiver", backend=backend, device=device,
+            master_port=port, timeout=WAIT,
+        ) as rx:
+            for key in keys:
+                got = rx.get(key)
+                out.put(("got", key, digest(got), str(got["hidden_states.output"].device),
+                         str(got["meta.finished"].device)))
+    except Exception as exc:
+        out.put(("error", type(exc).__name__, str(exc)))
+
+
+def doomed_sender(port: int, channel: str, nbytes: int, out: Any) -> None:
+    """Rank 0 that puts one payload, reports, then waits to be killed (never closes)."""
+    import threading
+
+    import omnilink
+
+    tx = omnilink.connect("nccl", channel=channel, role="sender", backend="gloo", master_port=port, timeout=WAIT)
+    tx.put("first", make_payload(0, nbytes))
+    out.put(("put", "first", None))
+    threading.Event().wait(WAIT)
+
+
+def doomed_receiver(port: int, channel: str, out: Any) -> None:
+    """Rank 1 that connects, reports, then waits to be killed."""
+    import threading
+
+    import omnilink
+
+    rx = omnilink.connect("nccl", channel=channel, role="receiver", backend="gloo", master_port=port, timeout=WAIT)
+    rx.wait_connected()
+    out.put(("connected", os.getpid(), None))
+    threading.Event().wait(WAIT)

@@ -1,0 +1,109 @@
+"""The nccl backend across two processes (spawn), over gloo so it runs on CPU CI.
+
+Every wait is bounded (queue reads, joins, connector timeouts) and every child is killed
+if a test fails, so a bug cannot hang CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+
+import omnilink
+from omnilink import PeerLostError, TransferTimeout
+from tests.integration import _nccl_workers as workers
+
+WAIT = 60.0
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture
+def procs():
+    started: list = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def _start(procs, target, *args):
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    procs.append(p)
+    return p
+
+
+def _next(q, what):
+    try:
+        msg = q.get(timeout=WAIT)
+    except queue.Empty:
+        pytest.fail(f"no {what} within {WAIT} s")
+    if msg[0] == "error":
+        pytest.fail(f"a worker failed while waiting for {what}: {msg[1]}: {msg[2]}")
+    return msg
+
+
+def test_two_processes_over_gloo(procs):
+    port = workers.free_port()
+    q = CTX.Queue()
+    count = 6
+    keys = [f"req{i}_0_0" for i in range(count)]
+    # Read out of order: the receiver's thread takes every payload as it comes.
+    order = [keys[i] for i in (3, 0, 5, 1, 4, 2)]
+    _start(procs, workers.sender, port, "it/gloo", "gloo", "cpu", count, 1 << 20, q)
+    _start(procs, workers.receiver, port, "it/gloo", "gloo", "cpu", order, q)
+    sent, got = {}, {}
+    while len(sent) < count or len(got) < count:
+        msg = _next(q, "payload reports")
+        if msg[0] == "sent":
+            sent[msg[1]] = msg[2]
+        elif msg[0] == "got":
+            got[msg[1]] = msg[2]
+            assert msg[3] == "cpu" and msg[4] == "cpu"
+    assert got == sent
+    for p in procs:
+        p.join(WAIT)
+        assert p.exitcode == 0
+
+
+def test_sender_killed_receiver_gets_peer_lost(procs):
+    """A sender that dies is PeerLostError on the receiver, promptly, never a hang;
+    what it delivered before dying stays readable."""
+    port = workers.free_port()
+    q = CTX.Queue()
+    p = _start(procs, workers.doomed_sender, port, "it/doomed-tx", 4096, q)
+    # The child hosts the store; the TCPStore client retries until it is up.
+    with omnilink.connect("nccl", channel="it/doomed-tx", role="receiver", backend="gloo",
+                          master_port=port, connect_timeout=WAIT) as rx:
+        _next(q, "the first put")
+        first = rx.get("first", timeout=WAIT)
+        assert workers.digest(first) == workers.digest(workers.make_payload(0, 4096))
+        p.kill()
+        p.join(WAIT)
+        start = time.monotonic()
+        with pytest.raises((PeerLostError, TransferTimeout)) as info:
+            rx.get("second", timeout=20.0)
+        assert isinstance(info.value, PeerLostError), f"expected PeerLostError, got {info.value!r}"
+        assert time.monotonic() - start < 15.0
+        assert rx.stats().gets == 1
+
+
+def test_receiver_killed_sender_gets_peer_lost(procs):
+    """A receiver that dies makes the sender's put fail with PeerLostError (or time out)
+    instead of blocking forever."""
+    port = workers.free_port()
+    q = CTX.Queue()
+    with omnilink.connect("nccl", channel="it/doomed-rx", role="sender", backend="gloo",
+                          master_port=port, connect_timeout=WAIT, send_window=2) as tx:
+        p = _start(procs, workers.doomed_receiver, port, "it/doomed-rx", q)
+        _next(q, "the receiver to connect")
+        tx.put("a", workers.make_payload(0, 1024), timeout=WAIT)
+        p.kill()
+        p.join(WAIT)
+        with pytest.raises((PeerLostError, TransferTimeout)):
+            for i in range(10):
+                tx.put(f"b{i}", workers.make_payload(i, 1024), timeout=10.0)

@@ -1,0 +1,291 @@
+"""Unit tests of the nccl backend over gloo (CPU): options, rank and peer mismatches,
+flow control, inline host data, clean peer close, and the side-channel wire format."""
+
+from __future__ import annotations
+
+import threading
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import omnilink
+from omnilink import (
+    BlobDecodeError,
+    ConfigurationError,
+    CudaError,
+    PeerLostError,
+    TransferTimeout,
+)
+from omnilink.connectors import _nccl_wire as wire
+from omnilink.connectors.nccl import NcclConnector
+
+WAIT = 30.0
+
+
+def _open(store, role, **kw):
+    kw.setdefault("backend", "gloo")
+    kw.setdefault("connect_timeout", WAIT)
+    return omnilink.connect("nccl", channel=kw.pop("channel", "u/nccl"), role=role, store=store, **kw)
+
+
+@pytest.fixture
+def store():
+    return dist.HashStore()
+
+
+# ----------------------------------------------------------------------- options
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world_size": 3}, "world_size must be 2"),
+        ({"role": "dual"}, "explicit rank"),
+        ({"rank": 2}, "rank must be 0 or 1"),
+        ({"backend": "mpi"}, "backend must be"),
+        ({"device": "cuda:0", "backend": "gloo"}, "host tensors only"),
+        ({"send_window": 0}, "send_window"),
+        ({"inline_bytes": -1}, "inline_bytes"),
+        ({"device": "not-a-device"}, "invalid device"),
+    ],
+)
+def test_bad_options(store, kwargs, match):
+    kw = {"role": "sender", **kwargs}
+    role = kw.pop("role")
+    with pytest.raises(ConfigurationError, match=match):
+        _open(store, role, **kw)
+
+
+def test_needs_store_or_port():
+    with pytest.raises(ConfigurationError, match="store= .* or master_port="):
+        omnilink.connect("nccl", channel="u/x", role="sender", backend="gloo")
+    with pytest.raises(ConfigurationError, match="Store"):
+        omnilink.connect("nccl", channel="u/x", role="sender", backend="gloo", store=object())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_nccl_without_cuda_is_cuda_error(store):
+    with pytest.raises(CudaError, match="CUDA"):
+        _open(store, "sender", backend="nccl")
+
+
+def test_auto_picks_gloo_on_cpu(store):
+    if torch.cuda.is_available():
+        pytest.skip("auto picks nccl where CUDA is present")
+    with _open(store, "sender", backend="auto") as tx:
+        assert tx.transport == "gloo" and tx.device == torch.device("cpu")
+
+
+# ------------------------------------------------------------- ranks and peers
+def test_same_rank_twice_is_refused(store):
+    with _open(store, "receiver"):
+        with pytest.raises(ConfigurationError, match="already claimed"):
+            _open(store, "dual", rank=1)
+    # Closing released the claim: the rank may be taken again.
+    with _open(store, "receiver"):
+        pass
+
+
+def test_two_senders_do_not_connect(store):
+    with _open(store, "sender", rank=0) as a, _open(store, "sender", rank=1) as b:
+        for conn in (a, b):
+            with pytest.raises(ConfigurationError, match="both ends are senders"):
+                conn.wait_connected(WAIT)
+
+
+def test_peer_that_disagrees_is_configuration_error(store):
+    """A peer announcing another world size and backend: both are named."""
+    peer = wire.Hello(protocol=wire.PROTOCOL, rank=1, world_size=4, role="receiver", backend="nccl",
+                      device_type="cuda", host="elsewhere", pid=1, token="f" * 16, send_window=64)
+    store.set("omnilink/nccl/u/nccl/hello/1", wire.encode_hello(peer))
+    with _open(store, "sender") as tx:
+        with pytest.raises(ConfigurationError) as info:
+            tx.wait_connected(WAIT)
+        text = str(info.value)
+        assert "world sizes disagree" in text and "'nccl'" in text
+        with pytest.raises(ConfigurationError):
+            tx.put("k", {"x": 1}, timeout=WAIT)
+
+
+def test_absent_peer_times_out(store):
+    with _open(store, "receiver", connect_timeout=60) as rx:
+        with pytest.raises(TransferTimeout, match="rank 0"):
+            rx.get("k", timeout=0.2)
+        with pytest.raises(TransferTimeout):
+            rx.wait_connected(0.1)
+
+
+def test_role_rules(store):
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        with pytest.raises(ConfigurationError, match="cannot get"):
+            tx.get("k", timeout=1)
+        with pytest.raises(ConfigurationError, match="cannot put"):
+            rx.put("k", {}, timeout=1)
+
+
+# ------------------------------------------------------------------ data paths
+def test_dual_both_directions(store):
+    with _open(store, "dual", rank=0) as a, _open(store, "dual", rank=1) as b:
+        a.put("a2b", {"t": torch.arange(5)}, timeout=WAIT)
+        b.put("b2a", {"t": torch.arange(7)}, timeout=WAIT)
+        assert torch.equal(b.get("a2b", timeout=WAIT)["t"], torch.arange(5))
+        assert torch.equal(a.get("b2a", timeout=WAIT)["t"], torch.arange(7))
+
+
+def test_inline_and_p2p_mix(store):
+    payload = {
+        "small": torch.arange(10, dtype=torch.int16),
+        "big": torch.randn(4096),
+        "arr": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "scalar": np.float64(2.5),
+        "empty": torch.empty(0, 3),
+    }
+    with _open(store, "sender", inline_bytes=1024) as tx, _open(store, "receiver") as rx:
+        sp = wire.plan_send(payload, device=tx.device, nccl=False, inline_bytes=1024,
+                            max_inline_total=1 << 20, key="k")
+        assert sorted(sp.plan) == sorted([wire.INLINE, wire.P2P, wire.INLINE, wire.INLINE, wire.EMPTY])
+        assert tx.put("k", payload, timeout=WAIT) == omnilink.encoded_size(payload)
+        got = rx.get("k", timeout=WAIT)
+    assert torch.equal(got["small"], payload["small"]) and torch.equal(got["big"], payload["big"])
+    assert isinstance(got["arr"], np.ndarray) and np.array_equal(got["arr"], payload["arr"])
+    assert isinstance(got["scalar"], np.float64) and got["scalar"] == 2.5
+    assert got["empty"].shape == (0, 3)
+
+
+def test_inline_total_is_bounded(store):
+    with _open(store, "sender", inline_bytes=1024, max_inline_bytes=2048) as tx:
+        with pytest.raises(ConfigurationError, match="inline"):
+            tx.put("k", [torch.zeros(256) for _ in range(3)], timeout=WAIT)
+
+
+def test_received_tensors_own_their_memory(store):
+    """Each received tensor is its own allocation, not a view of a shared buffer."""
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.put("k", {"a": torch.ones(1000), "b": torch.zeros(1000)}, timeout=WAIT)
+        got = rx.get("k", timeout=WAIT)
+    a, b = got["a"], got["b"]
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert a.untyped_storage().nbytes() == 4000
+
+
+def test_backpressure_put_times_out_then_recovers(store):
+    """Unread payloads beyond max_pending_bytes stop the receiver; with a send window
+    of 1 the next put times out having sent nothing; reading makes room."""
+    big = {"t": torch.zeros(1 << 16)}  # 256 KiB
+    with _open(store, "sender", send_window=1) as tx, _open(store, "receiver", max_pending_bytes=300_000) as rx:
+        tx.put("p0", big, timeout=WAIT)
+        tx.put("p1", big, timeout=WAIT)  # announced; the receiver holds off
+        with pytest.raises(TransferTimeout, match="put of key 'p2'"):
+            tx.put("p2", big, timeout=0.3)
+        assert tx.stats().puts == 2 and tx.stats().timeouts == 1
+        assert rx.get("p0", timeout=WAIT)["t"].shape == (1 << 16,)
+        tx.put("p2", big, timeout=WAIT)
+        for k in ("p1", "p2"):
+            assert rx.get(k, timeout=WAIT)["t"].shape == (1 << 16,)
+
+
+def test_blocking_put_then_get_one_thread(store):
+    """No concurrent reader: put returns, then get in the same thread succeeds."""
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        for i in range(3):
+            tx.put(f"k{i}", {"t": torch.full((1 << 18,), i)}, timeout=WAIT)
+        for i in range(3):
+            assert int(rx.get(f"k{i}", timeout=WAIT)["t"][0]) == i
+
+
+def test_key_reused_while_unread_is_queued(store):
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.put("dup", {"v": 1}, timeout=WAIT)
+        tx.put("dup", {"v": 2}, timeout=WAIT)
+        assert rx.get("dup", timeout=WAIT) == {"v": 1}
+        assert rx.get("dup", timeout=WAIT) == {"v": 2}
+
+
+def test_peer_closed_cleanly(store):
+    """Payloads sent before the peer closed stay readable; a key that can no longer come
+    is PeerLostError at once instead of a timeout."""
+    rx = _open(store, "receiver")
+    try:
+        with _open(store, "sender") as tx:
+            tx.put("last", {"t": torch.arange(3)}, timeout=WAIT)
+        assert torch.equal(rx.get("last", timeout=WAIT)["t"], torch.arange(3))
+        with pytest.raises(PeerLostError, match="closed"):
+            rx.get("never", timeout=WAIT)
+    finally:
+        rx.close()
+
+
+def test_close_wakes_blocked_get(store):
+    with _open(store, "sender"), _open(store, "receiver") as rx:
+        rx.wait_connected(WAIT)
+        errors = []
+
+        def waiter():
+            try:
+                rx.get("k", timeout=WAIT)
+            except Exception as exc:  # handed to the test
+                errors.append(exc)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        rx.close()
+        t.join(WAIT)
+        assert not t.is_alive()
+        assert errors and isinstance(errors[0], omnilink.ClosedError)
+
+
+def test_registry_and_stats_after_close(store):
+    tx = _open(store, "sender")
+    assert isinstance(tx, NcclConnector) and tx.backend == "nccl"
+    tx.close()
+    with pytest.raises(omnilink.ClosedError):
+        tx.stats()
+
+
+# ------------------------------------------------------------------- wire format
+def _envelope(payload, **changes):
+    sp = wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=64,
+                        max_inline_total=1 << 20, key="k")
+    fields = {"seq": 0, "key": "k", "meta": sp.meta, "plan": sp.plan, "inline": sp.inline, **changes}
+    return wire.Envelope(**fields)
+
+
+def test_envelope_round_trip():
+    env = _envelope({"a": torch.arange(4), "b": torch.randn(100)})
+    back = wire.decode_envelope(wire.encode_envelope(env))
+    assert back == env
+    header = wire.parse_meta(back)
+    assert wire.check_sizes(header, back.plan) == [400]
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"plan": [wire.INLINE]}, "plans 1 tensors"),
+        ({"plan": [wire.INLINE, 9]}, "unknown transport"),
+        ({"plan": [wire.INLINE, wire.EMPTY]}, "EMPTY for 400 bytes"),
+        ({"inline": []}, "more INLINE tensors than inline parts"),
+        ({"inline": [b"\x00" * 31]}, "inline part of 31 bytes"),
+        ({"inline": [b"\x00" * 32, b"x"]}, "2 inline parts"),
+        ({"meta": b"OLB1"}, "shorter than"),
+    ],
+)
+def test_envelope_that_disagrees_with_its_header(changes, match):
+    env = _envelope({"a": torch.arange(4), "b": torch.randn(100)}, **changes)
+    with pytest.raises(BlobDecodeError, match=match):
+        wire.parse_meta(env)
+
+
+def test_garbage_envelope_is_decode_error():
+    with pytest.raises(BlobDecodeError, match="malformed side-channel envelope"):
+        wire.decode_envelope(b"\x93\x01")
+    with pytest.raises(BlobDecodeError, match="malformed hello"):
+        wire.decode_hello(msgspec.msgpack.encode({"protocol": "x"}))
+
+
+def test_bool_bytes_are_checked():
+    env = _envelope({"m": torch.tensor([True, False])})
+    header = wire.parse_meta(env)
+    with pytest.raises(BlobDecodeError, match="bool"):
+        wire.build_views(header, env.plan, [b"\x02\x00"], [], device=torch.device("cpu"))

@@ -1,0 +1,567 @@
+"""The zmq connector in one process: zero-copy by address, malformed frames sent with a
+raw zmq socket, a sender cut off mid-message (raw ZMTP over tcp), backpressure, peer
+loss, CURVE refusal, endpoint locking and options.
+
+Every wait is bounded; every ipc socket lives in a private directory that must be empty
+when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+zmq = pytest.importorskip("zmq")
+
+import omnilink  # noqa: E402
+from omnilink import (  # noqa: E402
+    BlobDecodeError,
+    ClosedError,
+    ConfigurationError,
+    PeerLostError,
+    TransferTimeout,
+    WouldBlock,
+)
+from omnilink.blob import encode_parts  # noqa: E402
+from omnilink.connectors import _zmq_io  # noqa: E402
+from omnilink.connectors import _zmq_wire as wire  # noqa: E402
+from omnilink.connectors.zmq import ZmqConnector, curve_keypair  # noqa: E402
+
+WAIT = 20.0
+
+
+@pytest.fixture
+def ipc_dir():
+    path = tempfile.mkdtemp(prefix="olzu-")
+    try:
+        yield path
+        left = os.listdir(path)
+        assert not left, f"zmq connectors left files behind: {left}"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def opened():
+    """Connectors to close at the end of the test, whatever happens."""
+    conns: list = []
+    yield conns
+    for c in reversed(conns):
+        c.close()
+
+
+def _open(opened, **kw):
+    conn = omnilink.connect("zmq", **kw)
+    opened.append(conn)
+    return conn
+
+
+def _pair(opened, ipc_dir, channel="u/pair", **kw):
+    rx = _open(opened, channel=channel, role="receiver", ipc_dir=ipc_dir, **kw)
+    tx = _open(opened, channel=channel, role="sender", ipc_dir=ipc_dir, **kw)
+    return tx, rx
+
+
+def _addr(buf) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+# ------------------------------------------------------------------------ zero copy
+def test_received_tensors_are_views_of_the_frames(ipc_dir, opened, monkeypatch):
+    seen: list[list[tuple[int, int]]] = []
+    real = _zmq_io.decode_parts
+
+    def spy(meta, regions, **kw):
+        seen.append([(_addr(r), r.nbytes) for r in regions])
+        return real(meta, regions, **kw)
+
+    monkeypatch.setattr(_zmq_io, "decode_parts", spy)
+    tx, rx = _pair(opened, ipc_dir)
+    big = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: a zero-copy frame both ways
+    arr = np.arange(1 << 16, dtype=np.int64)
+    tx.put("zc", {"t": big, "a": arr}, timeout=WAIT)
+    got = rx.get("zc", timeout=WAIT)
+    assert torch.equal(got["t"], big) and np.array_equal(got["a"], arr)
+    (frames,) = seen
+    # The tensor's data is the received frame itself: same address, same length.
+    assert (got["t"].data_ptr(), got["t"].nbytes) in frames
+    assert (got["a"].ctypes.data, got["a"].nbytes) in frames
+    # And not the sender's memory (a different buffer: the bytes crossed a socket).
+    assert got["t"].data_ptr() != big.data_ptr()
+
+
+def test_frames_live_while_views_do(ipc_dir, opened):
+    tx, rx = _pair(opened, ipc_dir)
+    tx.put("a", {"t": torch.ones(1 << 18)}, timeout=WAIT)
+    got = rx.get("a", timeout=WAIT)
+    st = rx.stats()
+    assert st.blocks_in_use == 1 and st.bytes_in_use == 1 << 20
+    view = got["t"][10:20]
+    del got
+    assert rx.stats().blocks_in_use == 1  # the slice still holds the frame
+    assert float(view.sum()) == 10.0
+    del view
+    assert rx.stats().blocks_in_use == 0 and rx.stats().bytes_in_use == 0
+
+
+def test_views_survive_close(ipc_dir):
+    tx = rx = None
+    try:
+        rx = omnilink.connect("zmq", channel="u/survive", role="receiver", ipc_dir=ipc_dir)
+        tx = omnilink.connect("zmq", channel="u/survive", role="sender", ipc_dir=ipc_dir)
+        tx.put("a", {"t": torch.arange(1 << 18, dtype=torch.float32)}, timeout=WAIT)
+        got = rx.get("a", timeout=WAIT)
+    finally:
+        for c in (tx, rx):
+            if c is not None:
+                c.close()
+    assert torch.equal(got["t"], torch.arange(1 << 18, dtype=torch.float32))
+
+
+def test_misaligned_complex_frames_are_copied_not_viewed(ipc_dir, opened):
+    # An odd-length complex128 tensor: libzmq's frames are only 8-byte aligned.
+    tx, rx = _pair(opened, ipc_dir)
+    t = torch.randn(3, 5, dtype=torch.complex128)
+    for i in range(4):
+        tx.put(f"c{i}", {"c": t, "pad": torch.zeros(i * 3, dtype=torch.uint8)}, timeout=WAIT)
+        got = rx.get(f"c{i}", timeout=WAIT)
+        assert torch.equal(got["c"], t)
+        assert got["c"].data_ptr() % 16 == 0
+
+
+# ---------------------------------------------------------------- malformed frames
+def _raw_dealer(ctx, endpoint):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+    s.connect(endpoint)
+    return s
+
+
+def _forge(key, payload, *, seq, n_regions=None, regions=None, meta=None):
+    m, r = encode_parts(payload)
+    r = [bytes(x) for x in r] if regions is None else regions
+    meta = m if meta is None else meta
+    n = len(r) if n_regions is None else n_regions
+    return [wire.pack_routing(key, b"S" * 16, seq, n), meta, *r]
+
+
+@pytest.fixture
+def raw_ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _ack(sock):
+    (frame,) = sock.recv_multipart()
+    return wire.unpack_ack(frame)
+
+
+def test_hand_crafted_malformed_messages(ipc_dir, opened, raw_ctx):
+    rx = _open(opened, channel="u/forge", role="receiver", ipc_dir=ipc_dir)
+    raw = _raw_dealer(raw_ctx, rx.endpoint)
+    payload = {"a": torch.arange(100, dtype=torch.int64), "b": torch.ones(7)}
+
+    # 1. Fewer tensor frames than the routing frame announces.
+    parts = _forge("missing", payload, seq=1)
+    raw.send_multipart(parts[:-1])
+    assert _ack(raw)[:2] == (1, wire.ACK_DECODE_ERROR)
+    with pytest.raises(BlobDecodeError, match="1 tensor frames but its routing frame announces 2"):
+        rx.get("missing", timeout=WAIT)
+
+    # 2. Routing and frame count agree, the header describes a different number.
+    raw.send_multipart(_forge("count", payload, seq=2, regions=[bytes(800)], n_regions=1))
+    assert _ack(raw)[:2] == (2, wire.ACK_DECODE_ERROR)
+    with pytest.raises(BlobDecodeError, match="1 region frames, the header describes 2"):
+        rx.get("count", timeout=WAIT)
+
+    # 3. A tensor frame whose length disagrees with its descriptor.
+    _, good = encode_parts(payload)
+    raw.send_multipart(_forge("short", payload, seq=3, regions=[bytes(good[0])[:-8], bytes(good[1])]))
+    assert _ack(raw)[:2] == (3, wire.ACK_DECODE_ERROR)
+    with pytest.raises(BlobDecodeError, match="region 0 is 792 bytes, the header says 800"):
+        rx.get("short", timeout=WAIT)
+
+    # 4. A meta frame that is not a tensor_blob at all.
+    raw.send_multipart(_forge("garbage", payload, seq=4, meta=b"\x00" * 40))
+    assert _ack(raw)[:2] == (4, wire.ACK_DECODE_ERROR)
+    with pytest.raises(BlobDecodeError, match="bad magic"):
+        rx.get("garbage", timeout=WAIT)
+
+    # 5. A corrupted header (CRC mismatch).
+    meta, _ = encode_parts(payload)
+    bad = bytearray(meta)
+    bad[-1] ^= 0xFF
+    raw.send_multipart(_forge("crc", payload, seq=5, meta=bytes(bad)))
+    assert _ack(raw)[:2] == (5, wire.ACK_DECODE_ERROR)
+    with pytest.raises(BlobDecodeError, match="checksum"):
+        rx.get("crc", timeout=WAIT)
+
+    # 6. Messages with no usable routing frame are dropped (no key to report under) ...
+    raw.send_multipart([b"just one frame"])
+    raw.send_multipart([b"XXXX" + bytes(60), meta])
+    # ... and nothing was half-delivered: every bad key is gone after its one error.
+    for key in ("missing", "count", "short", "garbage", "crc"):
+        with pytest.raises(WouldBlock):
+            rx.get_nowait(key)
+    # 7. The receiver keeps working: a well-formed message from the same raw socket.
+    raw.send_multipart(_forge("fine", payload, seq=6))
+    assert _ack(raw)[:2] == (6, wire.ACK_OK)
+    got = rx.get("fine", timeout=WAIT)
+    assert torch.equal(got["a"], payload["a"]) and torch.equal(got["b"], payload["b"])
+    assert rx.health()["receiver"]["malformed"] == 2
+    raw.close(linger=0)
+
+
+def test_resend_is_delivered_once_and_acked_again(ipc_dir, opened, raw_ctx):
+    rx = _open(opened, channel="u/dup", role="receiver", ipc_dir=ipc_dir)
+    raw = _raw_dealer(raw_ctx, rx.endpoint)
+    parts = _forge("once", {"x": torch.ones(3)}, seq=9)
+    raw.send_multipart(parts)
+    raw.send_multipart(parts)  # the same (sender, seq): a resend after a reconnect
+    assert _ack(raw) == (9, wire.ACK_OK, "")
+    assert _ack(raw) == (9, wire.ACK_OK, "")
+    rx.get("once", timeout=WAIT)
+    with pytest.raises(TransferTimeout):
+        rx.get("once", timeout=0.2)
+
+
+def test_duplicate_pending_key_is_refused(ipc_dir, opened):
+    tx, rx = _pair(opened, ipc_dir)
+    tx.put("k", {"v": 1}, timeout=WAIT)
+    with pytest.raises(ConfigurationError, match="already waiting"):
+        tx.put("k", {"v": 2}, timeout=WAIT)
+    assert rx.get("k", timeout=WAIT) == {"v": 1}
+    tx.put("k", {"v": 3}, timeout=WAIT)  # consumed: the key may be used again
+    assert rx.get("k", timeout=WAIT) == {"v": 3}
+
+
+# ------------------------------------------------------------ sender cut mid-message
+def _zmtp_null_dealer(port: int) -> socket.socket:
+    """A raw TCP peer speaking just enough ZMTP 3.0 (NULL mechanism) to be a DEALER."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+    s.sendall(greeting)
+    got = b""
+    while len(got) < 64:
+        chunk = s.recv(64 - len(got))
+        assert chunk, "receiver closed during the greeting"
+        got += chunk
+    prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    body = b"\x05READY" + prop
+    s.sendall(b"\x04" + bytes([len(body)]) + body)
+    return s
+
+
+def _zmtp_frame(data: bytes, *, more: bool, declared: int | None = None) -> bytes:
+    n = len(data) if declared is None else declared
+    flags = (0x01 if more else 0) | (0x02 if n > 255 else 0)
+    size = struct.pack(">Q", n) if n > 255 else bytes([n])
+    return bytes([flags]) + size + data
+
+
+def test_sender_cut_off_mid_message_delivers_nothing(opened):
+    rx = _open(opened, channel="u/cut", role="receiver", endpoint="tcp://127.0.0.1:*", peer_timeout=0.5)
+    port = int(rx.endpoint.rpartition(":")[2])
+    payload = {"t": torch.arange(1 << 18, dtype=torch.float32)}
+    meta, regions = encode_parts(payload)
+    region = bytes(regions[0])
+    s = _zmtp_null_dealer(port)
+    try:
+        s.sendall(_zmtp_frame(wire.pack_routing("cut", b"C" * 16, 1, 1), more=True))
+        s.sendall(_zmtp_frame(meta, more=True))
+        # The last frame announces 1 MiB; half of it is written, then the peer dies.
+        s.sendall(_zmtp_frame(region[: len(region) // 2], more=False, declared=len(region)))
+    finally:
+        s.close()
+    with pytest.raises(PeerLostError, match="disconnected"):
+        rx.get("cut", timeout=WAIT)
+    with pytest.raises(WouldBlock):
+        rx.get_nowait("cut")
+    assert rx.stats().blocks_in_use == 0
+    # A real sender that comes afterwards is served normally.
+    tx = _open(opened, channel="u/cut", role="sender", endpoint=rx.endpoint)
+    tx.put("after", payload, timeout=WAIT)
+    assert torch.equal(rx.get("after", timeout=WAIT)["t"], payload["t"])
+
+
+# --------------------------------------------------------------- backpressure, loss
+def test_full_receiver_pushes_back_and_put_stays_safe(ipc_dir, opened):
+    rx = _open(opened, channel="u/bp", role="receiver", ipc_dir=ipc_dir, max_buffered_bytes=1 << 20, rcvhwm=1)
+    tx = _open(opened, channel="u/bp", role="sender", ipc_dir=ipc_dir, sndhwm=1)
+    first = torch.zeros(1 << 18)  # 1 MiB: fills the receiver's index
+    tx.put("first", {"t": first}, timeout=WAIT)
+    blocked = torch.full((4 << 20,), 7, dtype=torch.uint8)
+    # Never read: the receiver stopped reading its socket, so this cannot be acked.
+    with pytest.raises(TransferTimeout) as info:
+        tx.put("blocked", {"t": blocked}, timeout=0.5)
+    err = info.value
+    assert err.key == "blocked" and err.channel == "u/bp" and rx.endpoint in err.peer
+    # put raised: the caller may scribble on its tensor now ...
+    blocked.fill_(0)
+    assert rx.health()["receiver"]["paused"]
+    rx.get("first", timeout=WAIT)  # room again: the receiver resumes reading
+    # ... and a timed-out put is in doubt: if its payload arrives after all (zmq had
+    # already moved it to the receiver's side), it is the original, never the scribble.
+    try:
+        late = rx.get("blocked", timeout=1.0)
+    except TransferTimeout:
+        pass
+    else:
+        assert bool((late["t"] == 7).all())
+        del late
+    tx.put("later", {"t": torch.ones(8)}, timeout=WAIT)
+    assert torch.equal(rx.get("later", timeout=WAIT)["t"], torch.ones(8))
+
+
+def test_put_raises_peer_lost_when_receiver_goes_away(ipc_dir, opened):
+    rx = omnilink.connect("zmq", channel="u/lost", role="receiver", ipc_dir=ipc_dir)
+    tx = _open(opened, channel="u/lost", role="sender", ipc_dir=ipc_dir, peer_timeout=0.3)
+    tx.put("a", {"x": 1}, timeout=WAIT)
+    rx.close()
+    with pytest.raises(PeerLostError, match="did not come back"):
+        tx.put("b", {"x": 2}, timeout=WAIT)
+
+
+def test_get_raises_peer_lost_when_every_sender_left(ipc_dir, opened):
+    rx = _open(opened, channel="u/lost2", role="receiver", ipc_dir=ipc_dir, peer_timeout=0.3)
+    tx = omnilink.connect("zmq", channel="u/lost2", role="sender", ipc_dir=ipc_dir)
+    tx.put("a", {"x": 1}, timeout=WAIT)
+    tx.put("b", {"x": 2}, timeout=WAIT)
+    waiter_result: list = []
+    t = threading.Thread(target=lambda: waiter_result.append(_catch(rx.get, "never", timeout=WAIT)))
+    t.start()
+    tx.close()
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert isinstance(waiter_result[0], PeerLostError)
+    # What arrived before the sender left is still delivered.
+    assert rx.get("a", timeout=WAIT) == {"x": 1}
+    assert rx.get_nowait("b") == {"x": 2}
+
+
+def _catch(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:  # handed to the test thread
+        return exc
+
+
+def test_timeouts_name_channel_key_and_peer(ipc_dir, opened):
+    tx = _open(opened, channel="u/none", role="sender", ipc_dir=ipc_dir)
+    with pytest.raises(TransferTimeout, match="never connected") as info:
+        tx.put("k", {"x": 1}, timeout=0.2)
+    assert info.value.channel == "u/none" and info.value.key == "k" and "ipc://" in info.value.peer
+    rx = _open(opened, channel="u/none2", role="receiver", ipc_dir=ipc_dir)
+    with pytest.raises(TransferTimeout) as info:
+        rx.get("k2", timeout=0.1)
+    assert info.value.key == "k2" and rx.endpoint in info.value.peer
+
+
+def test_close_wakes_blocked_get_and_put(ipc_dir):
+    rx = omnilink.connect("zmq", channel="u/close", role="receiver", ipc_dir=ipc_dir)
+    tx = omnilink.connect("zmq", channel="u/close2", role="sender", ipc_dir=ipc_dir)
+    out: list = []
+    threads = [
+        threading.Thread(target=lambda: out.append(_catch(rx.get, "x", timeout=WAIT))),
+        threading.Thread(target=lambda: out.append(_catch(tx.put, "x", {"a": 1}, timeout=WAIT))),
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)  # let both block; the assertions do not depend on it
+    rx.close()
+    tx.close()
+    for t in threads:
+        t.join(WAIT)
+        assert not t.is_alive()
+    assert all(isinstance(e, ClosedError) for e in out), out
+
+
+# ----------------------------------------------------------------------------- CURVE
+needs_curve = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
+
+
+@needs_curve
+def test_curve_admits_listed_clients_and_refuses_others(opened):
+    server_pub, server_sec = curve_keypair()
+    good_pub, good_sec = curve_keypair()
+    _bad_pub, bad_sec = curve_keypair()
+    rx = _open(
+        opened,
+        channel="u/curve",
+        role="receiver",
+        endpoint="tcp://127.0.0.1:*",
+        curve_secret_key=server_sec,
+        curve_allowed_clients=[good_pub],
+    )
+    assert rx.curve_public_key == server_pub
+    good = _open(
+        opened, channel="u/curve", role="sender", endpoint=rx.endpoint,
+        curve_secret_key=good_sec, curve_server_key=server_pub,
+    )
+    good.put("ok", {"t": torch.ones(4)}, timeout=WAIT)
+    assert torch.equal(rx.get("ok", timeout=WAIT)["t"], torch.ones(4))
+
+    stranger = _open(
+        opened, channel="u/curve", role="sender", endpoint=rx.endpoint,
+        curve_secret_key=bad_sec, curve_server_key=server_pub,
+    )
+    with pytest.raises(TransferTimeout, match="refused"):
+        stranger.put("evil", {"t": torch.zeros(4)}, timeout=1.0)
+    plain = _open(opened, channel="u/curve", role="sender", endpoint=rx.endpoint)
+    with pytest.raises(TransferTimeout):
+        plain.put("evil2", {"t": torch.zeros(4)}, timeout=0.5)
+    # Neither refused client's message was ever delivered.
+    for key in ("evil", "evil2"):
+        with pytest.raises(TransferTimeout):
+            rx.get(key, timeout=0.2)
+    assert rx.health()["receiver"]["refused"] >= 1
+    good.put("still-ok", {"v": 1}, timeout=WAIT)
+    assert rx.get("still-ok", timeout=WAIT) == {"v": 1}
+
+
+@needs_curve
+def test_curve_options_are_validated(opened):
+    pub, sec = curve_keypair()
+    with pytest.raises(ConfigurationError, match="curve_allowed_clients"):
+        ZmqConnector(channel="u/c1", role="receiver", endpoint="tcp://127.0.0.1:*", curve_secret_key=sec)
+    with pytest.raises(ConfigurationError, match="curve_server_key"):
+        ZmqConnector(channel="u/c1", role="sender", endpoint="tcp://127.0.0.1:5", curve_secret_key=sec)
+    with pytest.raises(ConfigurationError, match="Z85"):
+        ZmqConnector(
+            channel="u/c1", role="sender", endpoint="tcp://127.0.0.1:5", curve_secret_key="short",
+            curve_server_key=pub,
+        )
+    with pytest.raises(ConfigurationError, match="curve_secret_key"):
+        ZmqConnector(channel="u/c1", role="sender", endpoint="tcp://127.0.0.1:5", curve_server_key=pub)
+    # A dual connector with CURVE admits itself.
+    d = _open(opened, channel="u/c2", role="dual", endpoint="tcp://127.0.0.1:*", curve_secret_key=sec)
+    d.put("self", {"v": 1}, timeout=WAIT)
+    assert d.get("self", timeout=WAIT) == {"v": 1}
+
+
+# ------------------------------------------------------------ endpoints and options
+def test_one_receiver_per_ipc_endpoint(ipc_dir, opened):
+    rx = omnilink.connect("zmq", channel="u/one", role="receiver", ipc_dir=ipc_dir)
+    with pytest.raises(ConfigurationError, match="another receiver"):
+        omnilink.connect("zmq", channel="u/one", role="receiver", ipc_dir=ipc_dir)
+    rx.close()
+    rx2 = _open(opened, channel="u/one", role="receiver", ipc_dir=ipc_dir)
+    tx = _open(opened, channel="u/one", role="sender", ipc_dir=ipc_dir)
+    tx.put("k", {"v": 1}, timeout=WAIT)
+    assert rx2.get("k", timeout=WAIT) == {"v": 1}
+
+
+def test_one_receiver_per_tcp_port(opened):
+    rx = _open(opened, channel="u/tcp1", role="receiver", endpoint="tcp://127.0.0.1:*")
+    with pytest.raises(ConfigurationError, match="in use"):
+        omnilink.connect("zmq", channel="u/tcp1", role="receiver", endpoint=rx.endpoint)
+
+
+def test_stale_socket_of_a_dead_receiver_is_replaced(ipc_dir, opened):
+    rx = _open(opened, channel="u/stale", role="receiver", ipc_dir=ipc_dir)
+    path = rx.endpoint[len("ipc://"):]
+    opened.remove(rx)
+    rx.close()
+    # Simulate a receiver killed before cleanup: a socket file nobody listens on.
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.close()
+    rx2 = _open(opened, channel="u/stale", role="receiver", ipc_dir=ipc_dir)
+    tx = _open(opened, channel="u/stale", role="sender", ipc_dir=ipc_dir)
+    tx.put("k", {"v": 1}, timeout=WAIT)
+    assert rx2.get("k", timeout=WAIT) == {"v": 1}
+
+
+def test_ipc_dir_must_be_private(opened):
+    d = tempfile.mkdtemp(prefix="olzp-")
+    try:
+        os.chmod(d, 0o755)
+        with pytest.raises(ConfigurationError, match="0700"):
+            omnilink.connect("zmq", channel="u/perm", role="receiver", ipc_dir=d)
+        with pytest.raises(ConfigurationError, match="0700"):
+            omnilink.connect("zmq", channel="u/perm", role="receiver", endpoint=f"ipc://{d}/x.sock")
+        assert os.listdir(d) == []
+    finally:
+        shutil.rmtree(d)
+
+
+def test_default_ipc_dir_is_created_private(monkeypatch, opened):
+    base = tempfile.mkdtemp(prefix="olzd-")
+    try:
+        target = os.path.join(base, "run")
+        monkeypatch.setenv("OMNILINK_ZMQ_DIR", target)
+        rx = _open(opened, channel="u/default", role="receiver")
+        assert rx.endpoint.startswith(f"ipc://{target}/")
+        assert os.stat(target).st_mode & 0o777 == 0o700
+        rx.close()
+        assert os.listdir(target) == []
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"endpoint": "udp://1.2.3.4:5"}, "ipc:// or tcp://"),
+        ({"endpoint": "tcp://127.0.0.1"}, "HOST:PORT"),
+        ({"endpoint": "tcp://127.0.0.1:*", "role": "sender"}, "cannot connect"),
+        ({"endpoint": "ipc://@abstract"}, "abstract"),
+        ({"endpoint": "ipc:///" + "x" * 120}, "longer"),
+        ({"sndhwm": 0}, "sndhwm"),
+        ({"rcvhwm": 1.5}, "rcvhwm"),
+        ({"max_buffered_bytes": True}, "max_buffered_bytes"),
+        ({"peer_timeout": 0}, "peer_timeout"),
+        ({"heartbeat_interval": -1}, "heartbeat_interval"),
+        ({"role": "both"}, "role"),
+    ],
+)
+def test_bad_options(options, needle):
+    kw = {"channel": "u/bad", "role": "receiver", "ipc_dir": "/nonexistent-unused", **options}
+    if "endpoint" in options:
+        kw.pop("ipc_dir")
+    with pytest.raises(ConfigurationError, match=needle):
+        omnilink.connect("zmq", **kw)
+
+
+def test_role_restrictions(ipc_dir, opened):
+    tx, rx = _pair(opened, ipc_dir, channel="u/roles")
+    with pytest.raises(ConfigurationError, match="cannot get"):
+        tx.get("k", timeout=0.1)
+    with pytest.raises(ConfigurationError, match="cannot put"):
+        rx.put("k", {"v": 1})
+    with pytest.raises(ConfigurationError, match="cannot discard"):
+        tx.discard("k")
+
+
+def test_many_senders_one_receiver(ipc_dir, opened):
+    rx = _open(opened, channel="u/many", role="receiver", ipc_dir=ipc_dir)
+    senders = [_open(opened, channel="u/many", role="sender", ipc_dir=ipc_dir) for _ in range(3)]
+    errors: list = []
+
+    def run(i, tx):
+        for j in range(20):
+            r = _catch(tx.put, f"s{i}-{j}", {"t": torch.full((100,), i * 100 + j)}, timeout=WAIT)
+            if isinstance(r, Exception):
+                errors.append(r)
+
+    threads = [threading.Thread(target=run, args=(i, tx)) for i, tx in enumerate(senders)]
+    for t in threads:
+        t.start()
+    for i in range(3):
+        for j in reversed(range(20)):
+            got = rx.get(f"s{i}-{j}", timeout=WAIT)
+            assert bool((got["t"] == i * 100 + j).all())
+    for t in threads:
+        t.join(WAIT)
+    assert not errors
