@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test,plot]"
+	# vLLM-Omni's connector modules, for the integration tests (no vLLM: see REFERENCE).
+	$(PY) -m pip install -q --no-deps "vllm-omni==0.30.0"
 	touch $(STAMP)
 
 test: setup

@@ -11,13 +11,21 @@ spawn, ``torch.set_num_threads(1)`` in both):
   thinker -> talker hand-off. The sender puts COUNT payloads back to back (each put
   returns when the transport says the caller may reuse its tensors: for zmq, after the
   receiver's ack); the receiver times COUNT gets after WARMUP ones. GB/s = bytes / time.
-    * ``zmq ipc``   ``omnilink.connect("zmq")`` over its default ``ipc://`` endpoint
-    * ``zmq tcp``   the same over ``tcp://127.0.0.1``
+    * ``zmq ipc``   ``omnilink.connect("zmq")`` over its default ``ipc://`` endpoint:
+                    payloads of >= 1 MiB go by reference (the receiver copies the
+                    tensor bytes out of the sender with ``process_vm_readv``, one copy)
+    * ``zmq ipc frames`` the same with ``by_reference=False``: every byte through
+                    ZMQ frames and the kernel's socket buffers (two copies)
+    * ``zmq tcp``   the same over ``tcp://127.0.0.1`` (always frames)
     * ``shm``       ``omnilink.connect("shm")`` (printed as unavailable if the backend
                     cannot be loaded or opened)
     * ``pyzmq raw`` a bare PUSH/PULL pair sending the tensor bytes ``copy=False``, no
                     header, no ack, no decode: the transport's ceiling; the gap to
-                    ``zmq ipc`` is the price of omnilink's protocol (ack, tracking, views)
+                    ``zmq ipc frames`` is the price of omnilink's protocol (ack,
+                    tracking, views)
+    * ``unix socket raw`` a bare AF_UNIX stream socket, ``sendall`` of the tensor
+                    bytes, ``recv_into`` one preallocated buffer, no ack: the kernel's
+                    two-copy socket ceiling, which no frame-based transport can pass
     * ``pickle + fresh shm`` (the baseline: what engines do today) ``pickle.dumps``,
                     a new ``multiprocessing.shared_memory`` segment per message, its name
                     over a pipe, ``pickle.loads``, unlink; the receiver answers each
@@ -81,6 +89,8 @@ def make_payload(nbytes: int) -> dict[str, Any]:
 def _options(kind: str, size: int, count: int) -> tuple[str, dict[str, Any]]:
     if kind == "zmq-ipc":
         return "zmq", {"ipc_dir": os.environ["BENCH_ZMQ_DIR"]}
+    if kind == "zmq-ipc-frames":
+        return "zmq", {"ipc_dir": os.environ["BENCH_ZMQ_DIR"], "by_reference": False}
     if kind == "zmq-tcp":
         return "zmq", {"endpoint": "tcp://127.0.0.1:*"}
     if kind == "shm":
@@ -240,6 +250,70 @@ def raw_throughput(size: int, count: int, warmup: int) -> float:
     return count * size / elapsed
 
 
+# ------------------------------------------------------- raw unix socket ceiling
+def uds_sender(path: str, size: int, total: int, go: Any) -> None:
+    import socket
+
+    import torch
+
+    torch.set_num_threads(1)
+    data = make_payload(size)["hidden_states.output"].reshape(-1).view(torch.uint8).numpy()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    go.wait(WAIT)
+    view = memoryview(data)
+    for _ in range(total):
+        s.sendall(view)
+    s.close()
+
+
+def uds_throughput(size: int, count: int, warmup: int) -> float:
+    import socket
+
+    import numpy as np
+
+    ctx = mp.get_context("spawn")
+    path = os.path.join(os.environ["BENCH_ZMQ_DIR"], "uds.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(WAIT)
+    go = ctx.Event()
+    n = size // 2 * 2
+    proc = ctx.Process(target=uds_sender, args=(path, n, warmup + count, go), daemon=True)
+    proc.start()
+    conn = None
+    try:
+        conn, _ = listener.accept()
+        conn.settimeout(WAIT)
+        buf = memoryview(np.empty(n, dtype=np.uint8))
+
+        def one() -> None:
+            got = 0
+            while got < n:
+                k = conn.recv_into(buf[got:])
+                if not k:
+                    raise RuntimeError("unix socket sender hung up")
+                got += k
+
+        go.set()
+        for _ in range(warmup):
+            one()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            one()
+        elapsed = time.perf_counter() - t0
+        proc.join(WAIT)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        if conn is not None:
+            conn.close()
+        listener.close()
+    return count * n / elapsed
+
+
 # ------------------------------------------------------ pickle + fresh shm baseline
 def pickle_sender(size: int, total: int, conn: Any, prefix: str) -> None:
     from multiprocessing import resource_tracker, shared_memory
@@ -340,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, fn in (
             ("zmq ipc", lambda: omnilink_throughput("zmq-ipc", size, args.count, args.warmup)),
-            ("zmq tcp", lambda: omnilink_throughput("zmq-tcp", size, args.count, args.warmup)),
             ("shm", lambda: omnilink_throughput("shm", size, args.count, args.warmup)),
-            ("pyzmq raw (ceiling)", lambda: raw_throughput(size, args.count, args.warmup)),
+            ("zmq ipc frames", lambda: omnilink_throughput("zmq-ipc-frames", size, args.count, args.warmup)),
+            ("zmq tcp", lambda: omnilink_throughput("zmq-tcp", size, args.count, args.warmup)),
+            ("pyzmq raw (frames ceiling)", lambda: raw_throughput(size, args.count, args.warmup)),
+            ("unix socket raw (kernel ceiling)", lambda: uds_throughput(size, args.count, args.warmup)),
             ("pickle + fresh shm (baseline)", lambda: pickle_throughput(size, args.count, args.warmup)),
         ):
             value, err = guarded(fn)
@@ -390,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     if zipc:
         verdict["zmq_ipc_vs_pickle"] = zipc / base if base else None
         verdict["shm_over_zmq_ipc"] = shm / zipc if shm else None
+        uds = next((r["gb_s"] for r in rows if r["path"].startswith("unix socket")), None)
+        verdict["unix_socket_over_shm"] = uds / shm if uds and shm else None
+        if uds and shm:
+            print(f"\nFrames cap: a bare unix socket reaches {uds / shm:.2f}x shm in this run "
+                  "(two copies through the kernel); zmq ipc by reference makes one.")
         print("\nDone-when check: zmq ipc within 2x of shm:",
               "n/a (shm unavailable)" if not shm else f"shm/zmq = {shm / zipc:.2f} ({'yes' if shm / zipc <= 2 else 'NO'})",
               "| ahead of pickle + fresh shm:", f"{zipc / base:.1f}x ({'yes' if zipc > base else 'NO'})" if base else "n/a")

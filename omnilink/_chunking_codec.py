@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from omnilink._chunking_errors import StreamFinishedError
+from omnilink._errors import StreamFinishedError
 from omnilink._errors import ConfigurationError
 
 if TYPE_CHECKING:

@@ -147,6 +147,7 @@ DTYPE_CODES: dict[str, tuple[int, int]] = {
     "float4_e2m1fn_x2": (22, 1),
 }
 _ITEMSIZE_BY_CODE = {code: size for code, size in DTYPE_CODES.values()}
+_BOOL_CODE = DTYPE_CODES["bool"][0]
 _NAME_BY_CODE = {code: name for name, (code, _) in DTYPE_CODES.items()}
 _NUMPY_NAMES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
@@ -429,7 +430,7 @@ class PreparedBlob:
             if n:
                 if kind == KIND_TORCH:
                     if (
-                        src.device.type == "cpu"
+                        src.is_cpu
                         and src.is_contiguous()
                         and (n <= _MEMMOVE_MAX or _torch_threads() == 1)
                     ):
@@ -504,8 +505,8 @@ def prepare(payload: Any, /) -> PreparedBlob:
     except RecursionError as exc:
         raise BlobEncodeError("payload is nested too deeply") from exc
     try:
-        tree_bytes = _ENCODER.encode(tree)
-        header = _ENCODER.encode(BlobHeader(walker.descs, msgspec.Raw(tree_bytes)))
+        # One pass: [tensors, tree] is exactly what BlobHeader decodes (array_like).
+        header = _ENCODER.encode((walker.descs, tree))
     except (msgspec.EncodeError, OverflowError, RecursionError) as exc:
         raise BlobEncodeError(f"payload could not be encoded: {exc}") from exc
     if len(header) > MAX_HEADER_BYTES:
@@ -641,22 +642,21 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
     copied (one copy beats undefined behaviour).
     """
     views: list[Any] = []
-    torch_from = np_from = None
-    bool_code = DTYPE_CODES["bool"][0]
+    torch = torch_from = np_from = None
     for i, d in enumerate(header.tensors):
         buf, off = region_of(i, d)
         size = _ITEMSIZE_BY_CODE[d.dtype]
         numel = d.nbytes // size if size else 0
-        if d.dtype == bool_code and d.nbytes:
+        if d.dtype == _BOOL_CODE and d.nbytes:
             import numpy as np
 
             # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream.
             if np.frombuffer(buf, dtype=np.uint8, count=d.nbytes, offset=off).max() > 1:
                 raise BlobDecodeError(f"tensor {i}: bool data holds bytes other than 0 and 1")
         if d.kind == KIND_TORCH:
-            import torch
-
             if torch_from is None:
+                import torch
+
                 torch_from = _torch_dtypes()[1]
             dt = torch_from.get(d.dtype)
             if dt is None:
@@ -666,12 +666,13 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
             if numel == 0:
                 views.append(torch.empty(d.shape, dtype=dt))
                 continue
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=d.nbytes, offset=off)
-            # Copy as bytes: a typed view of misaligned memory is undefined behaviour
-            # (a complex128 clone of one crashed).
-            if copy or t.data_ptr() % size:
+            t = torch.frombuffer(buf, dtype=dt, count=numel, offset=off)
+            if t.data_ptr() % size:
+                # Never touch a typed view of misaligned memory (a complex128 clone of
+                # one crashed): copy the bytes, then type the aligned copy.
+                t = torch.frombuffer(buf, dtype=torch.uint8, count=d.nbytes, offset=off).clone().view(dt)
+            elif copy:
                 t = t.clone()
-            t = t.view(dt)
             if len(d.shape) != 1:
                 t = t.view(d.shape)
             views.append(t)

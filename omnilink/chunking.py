@@ -69,7 +69,7 @@ from omnilink._chunking_codec import (
     iter_boundaries,
     join_codec_payloads,
 )
-from omnilink._chunking_errors import (
+from omnilink._errors import (
     ChunkGapError,
     ChunkInvariantError,
     ChunkSequenceError,

@@ -89,13 +89,15 @@ import logging
 import mmap
 import os
 import struct
-import threading
 import time
+from threading import get_ident
+from time import perf_counter_ns
 from typing import Any, Callable
 
 import posix_ipc
 
 from omnilink._errors import CapacityError, ConfigurationError, TransportError
+from omnilink._util import Deadline
 from omnilink.connectors._shm_alloc import ALIGN, Allocator
 from omnilink.connectors._shm_names import (
     HostLock,
@@ -158,6 +160,11 @@ _DESC_OFFSET = PAGE
 #: instructions between taking the semaphore and writing its pid
 _STUCK_UNKNOWN_S = 5.0
 _LOCK_SLICE_S = 0.2
+#: The channel mutex is held for microseconds; ``lock_within`` waits for it at least this
+#: long even when the call's own timeout is shorter (a loaded host can deschedule a
+#: holder for a while; a dead holder is detected and taken over regardless).
+MUTEX_GRACE_S = 5.0
+_MUTEX_SPIN_NS = 20_000
 
 
 def _shm_error(what: str, exc: BaseException) -> TransportError:
@@ -260,8 +267,15 @@ class Channel:
         self._mutex: Any = None
         self._wake: Any = None
         self._mm: mmap.mmap | None = None
-        self._tls = threading.local()
+        #: ``threading.get_ident()`` of the thread of this process holding the mutex, 0
+        #: when none does. Set right after the semaphore is taken and cleared right before
+        #: it is given back, with no allocation in between that could start the garbage
+        #: collector (whose finalizers may release blocks and so need to know).
+        self.owner_tid = 0
         self._deferred: list[Callable[[], None]] = []
+        #: wake-ups to post once the mutex is released (a woken waiter's first act is to
+        #: take the mutex: posting while holding it would wake it only to sleep again)
+        self._wake_posts = 0
         self.slot = -1
 
     # ------------------------------------------------------------ join / leave
@@ -351,19 +365,48 @@ class Channel:
 
     # ------------------------------------------------------------------ mutex
     def lock(self, deadline: Any = None) -> bool:
-        """Take the channel mutex; ``False`` if ``deadline`` passed first."""
-        sem = self._mutex
+        """Take the channel mutex; ``False`` if ``deadline`` passed first.
+
+        ``deadline`` is a ``Deadline`` or ``None`` (wait as long as it takes; a dead
+        holder is still detected and its lock taken over).
+        """
         try:
-            sem.acquire(0)
+            self._mutex.acquire(0)
         except posix_ipc.BusyError:
             if not self._lock_slow(deadline):
                 return False
+        self.owner_tid = get_ident()
         _U32.pack_into(self._mm, _C_OWNER, self.pid)
-        self._tls.held = True
+        return True
+
+    def lock_within(self, deadline: Any) -> bool:
+        """``lock`` for a call bounded by ``deadline`` (a ``Deadline``): the wait for the
+        mutex is bounded by the larger of the call's remaining time and
+        ``MUTEX_GRACE_S``, so that ordinary contention never turns a short timeout (or a
+        ``get_nowait``) into an error while a stuck holder still cannot hang the call.
+        The uncontended case costs one ``sem_trywait``."""
+        try:
+            self._mutex.acquire(0)
+        except posix_ipc.BusyError:
+            left = deadline.remaining()
+            if not self._lock_slow(None if left is None else Deadline(max(left, MUTEX_GRACE_S))):
+                return False
+        self.owner_tid = get_ident()
+        _U32.pack_into(self._mm, _C_OWNER, self.pid)
         return True
 
     def _lock_slow(self, deadline: Any) -> bool:
         sem = self._mutex
+        # The mutex is held for a few microseconds: watch it that long before sleeping
+        # (a sleeping waiter is slow to wake, see ``wait``).
+        end = perf_counter_ns() + _MUTEX_SPIN_NS
+        while perf_counter_ns() < end:
+            if sem.value > 0:
+                try:
+                    sem.acquire(0)
+                    return True
+                except posix_ipc.BusyError:
+                    pass
         unknown_since: float | None = None
         while True:
             step = _LOCK_SLICE_S if deadline is None else deadline.slice(_LOCK_SLICE_S)
@@ -376,8 +419,19 @@ class Channel:
                 return False
             owner = _U32.unpack_from(self._mm, _C_OWNER)[0]
             if owner == self.pid:
-                unknown_since = None  # another thread of ours; it will let go
-                continue
+                if self.owner_tid == get_ident():
+                    # This very thread holds it: waiting would deadlock. Only a bug (a
+                    # re-entrant call) gets here; fail loudly instead of hanging.
+                    raise TransportError(
+                        f"shm channel {self.channel!r}: re-entrant use of the channel mutex"
+                    )
+                if self.owner_tid:
+                    unknown_since = None  # another thread of ours; it will let go
+                    continue
+                # The segment names us but no thread of ours holds it: a holder of ours
+                # died between taking and naming (impossible short of a crash); treat it
+                # like an unknown holder below.
+                owner = 0
             if owner:
                 unknown_since = None
                 if pid_alive(owner):
@@ -389,7 +443,8 @@ class Channel:
                 if now - unknown_since < _STUCK_UNKNOWN_S:
                     continue
             with HostLock():
-                if _U32.unpack_from(self._mm, _C_OWNER)[0] != owner:
+                current = _U32.unpack_from(self._mm, _C_OWNER)[0]
+                if current != owner and not (current == self.pid and not self.owner_tid):
                     continue
                 # Take over the token the dead holder never gave back.
                 _U32.pack_into(self._mm, _C_OWNER, self.pid)
@@ -401,18 +456,27 @@ class Channel:
             return True
 
     def unlock(self) -> None:
+        """Give the mutex back, after running deferred releases; then post the wake-ups
+        ``notify_all`` counted."""
         while self._deferred:
             fn = self._deferred.pop()
             try:
                 fn()
             except Exception:  # a deferred release must not break the caller's unlock
                 logger.exception("shm: deferred block release failed")
-        self._tls.held = False
+        posts = self._wake_posts
+        self._wake_posts = 0
         _U32.pack_into(self._mm, _C_OWNER, 0)
+        self.owner_tid = 0
         self._mutex.release()
+        if posts:
+            release = self._wake.release
+            for _ in range(posts):
+                release()
 
     def held_by_me(self) -> bool:
-        return getattr(self._tls, "held", False)
+        """Whether the calling thread holds the mutex."""
+        return self.owner_tid == get_ident()
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (under the mutex) just before this thread's ``unlock``."""
@@ -435,19 +499,42 @@ class Channel:
                 _U32.pack_into(mm, _C_WAITERS, n - 1)
 
     def notify_all(self) -> None:
+        """Wake every registered waiter (mutex held). The count is taken and the
+        generation bumped now; the semaphore is posted by ``unlock`` once the mutex is
+        free. A waiter that times out in between sees the new generation, does not
+        withdraw, and finds the token later (one spurious rescan, never a lost wake)."""
         mm = self._mm
-        n = _U32.unpack_from(mm, _C_WAITERS)[0]
+        n, gen = _II.unpack_from(mm, _C_WAITERS)
         if n:
-            _U32.pack_into(mm, _C_WAITERS, 0)
-            _U32.pack_into(mm, _C_WAKE_GEN, (_U32.unpack_from(mm, _C_WAKE_GEN)[0] + 1) & 0xFFFFFFFF)
-            release = self._wake.release
-            for _ in range(n):
-                release()
+            _II.pack_into(mm, _C_WAITERS, 0, (gen + 1) & 0xFFFFFFFF)
+            self._wake_posts += n
 
-    def wait(self, timeout: float) -> bool:
-        """Sleep on the wake semaphore (mutex not held); ``False`` on timeout."""
+    def wait(self, timeout: float, spin_ns: int = 0) -> bool:
+        """Wait for a token of the wake semaphore (mutex not held); ``False`` on timeout.
+
+        With ``spin_ns`` the first ``spin_ns`` nanoseconds are spent watching the
+        semaphore's value and taking a token the moment one is posted, and only then
+        does the caller sleep in ``sem_timedwait``. Waking a sleeping process costs
+        tens to hundreds of microseconds on a virtual machine (its idle vCPU halts);
+        a payload published within the spin is picked up in about a microsecond. The
+        semaphore is still what hands the wake-up over: nothing here sleeps or reads
+        the data without the mutex.
+        """
+        sem = self._wake
+        if spin_ns > 0:
+            end = perf_counter_ns() + spin_ns
+            while True:
+                if sem.value > 0:
+                    try:
+                        sem.acquire(0)
+                        return True
+                    except posix_ipc.BusyError:  # another waiter took it first
+                        pass
+                if perf_counter_ns() >= end:
+                    break
+            timeout = max(0.0, timeout - spin_ns / 1e9)
         try:
-            self._wake.acquire(timeout)
+            sem.acquire(timeout)
             return True
         except posix_ipc.BusyError:
             return False
@@ -582,6 +669,11 @@ class ArenaWriter:
             _unlink_quiet(self.name)
             raise
         self.view = memoryview(self.mm)
+        self.data_offset = lay.data_offset
+        self._log_offset = lay.log_offset
+        self._log_len = lay.log_len
+        self._rel_offset = lay.rel_offset
+        self._n_desc = n_desc
         self.alloc = Allocator(lay.data_bytes)
         self.free_desc = list(range(n_desc - 1, -1, -1))
         self.out: dict[int, _OutRec] = {}
@@ -595,27 +687,28 @@ class ArenaWriter:
 
     # ------------------------------------------------------------ under mutex
     def publish(self, idx: int, key_bytes: bytes, rec: _OutRec, length: int, flags: int, otoken: bytes) -> None:
-        mm, lay = self.mm, self.layout
+        mm = self.mm
         seq = self.pub_seq + 1
         self.pub_seq = seq
         rec.seq = seq
         d = _DESC_OFFSET + idx * DESC_SIZE
-        _DESC.pack_into(mm, d, WRITTEN, 0, seq, rec.offset, length, rec.reserved, len(key_bytes), flags, otoken)
-        mm[d + 64 : d + 64 + len(key_bytes)] = key_bytes
-        _U32.pack_into(mm, lay.log_offset + 4 * (seq % lay.log_len), idx)
+        klen = len(key_bytes)
+        _DESC.pack_into(mm, d, WRITTEN, 0, seq, rec.offset, length, rec.reserved, klen, flags, otoken)
+        mm[d + 64 : d + 64 + klen] = key_bytes
+        _U32.pack_into(mm, self._log_offset + 4 * (seq % self._log_len), idx)
         _U64.pack_into(mm, _A_PUB, seq)
         self.out[idx] = rec
 
     def drain(self) -> int:
         """Reclaim every descriptor receivers pushed on the released ring."""
-        mm, lay = self.mm, self.layout
-        head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
-        tail = _U64.unpack_from(mm, _A_REL_TAIL)[0]
+        mm = self.mm
+        head, tail = _QQ.unpack_from(mm, _A_REL_HEAD)
         if head == tail:
             return 0
         n = 0
+        rel, n_desc = self._rel_offset, self._n_desc
         while tail < head:
-            idx = _U32.unpack_from(mm, lay.rel_offset + 4 * (tail % lay.n_desc))[0]
+            idx = _U32.unpack_from(mm, rel + 4 * (tail % n_desc))[0]
             tail += 1
             if self._reclaim(idx):
                 n += 1
@@ -720,11 +813,38 @@ class ArenaReader:
             raise ConfigurationError(f"shm: {self.name} has an inconsistent layout")
         self.layout = lay
         self.data_offset = data_off
+        self._log_offset = lay.log_offset
+        self._log_len = lay.log_len
+        self._rel_offset = lay.rel_offset
+        self._n_desc = n_desc
         self.cursor = 0
+        #: a numpy uint8 view of the whole mapping, made on first use: a slice of it is
+        #: the cheapest per-message exporter object (see ``lease``)
+        self._bytes: Any = None
         try:
             self.sem = posix_ipc.Semaphore(self.name + "-s")
         except posix_ipc.ExistentialError:
             self.sem = None
+
+    def lease(self, offset: int, length: int) -> Any:
+        """A fresh exporter object over ``length`` bytes of the data area at ``offset``.
+
+        It is a numpy array (a slice of one view of the whole mapping): decoded views
+        keep it alive, and it supports weak references, so the receiver learns when the
+        last view of a payload is gone."""
+        whole = self._bytes
+        if whole is None:
+            import numpy as np
+
+            whole = self._bytes = np.frombuffer(self.mm, dtype=np.uint8)
+        start = self.data_offset + offset
+        return whole[start : start + length]
+
+    def close(self) -> None:
+        """Unmap (for tests; a connector leaves its mappings to the garbage collector,
+        since payload views may still use them)."""
+        self._bytes = None
+        self.mm.close()
 
     def address(self) -> tuple[int, int]:
         """(start address, length) of this mapping in this process (for tests)."""
@@ -739,33 +859,29 @@ class ArenaReader:
     # ------------------------------------------------------------ under mutex
     def scan(self, index: dict[str, list[Any]]) -> None:
         """Add payloads published since the last scan to ``index`` (key -> refs)."""
-        mm, lay = self.mm, self.layout
+        mm = self.mm
         pub = _U64.unpack_from(mm, _A_PUB)[0]
         cur = self.cursor
         if pub == cur:
             return
-        if pub - cur > lay.log_len:
-            seqs: Any = None  # fell behind the log: read every descriptor once
-            candidates = range(lay.n_desc)
-        else:
-            log_off, log_len = lay.log_offset, lay.log_len
-            candidates = [
-                _U32.unpack_from(mm, log_off + 4 * (s % log_len))[0] for s in range(cur + 1, pub + 1)
-            ]
-            seqs = range(cur + 1, pub + 1)
-        for j, idx in enumerate(candidates):
-            d = _DESC_OFFSET + idx * DESC_SIZE
-            state, _claimer, seq = _DESC_HEAD.unpack_from(mm, d)
-            if state != WRITTEN or (seqs is not None and seq != seqs[j]) or seq > pub:
-                continue
-            klen = _U16.unpack_from(mm, d + 40)[0]
-            key = bytes(mm[d + 64 : d + 64 + klen]).decode("utf-8")
-            refs = index.get(key)
-            if refs is None:
-                index[key] = [(self, idx, seq)]
-            else:
-                refs.append((self, idx, seq))
         self.cursor = pub
+        log_len = self._log_len
+        if pub - cur > log_len:
+            # Fell behind the log: read every descriptor once.
+            for idx in range(self._n_desc):
+                d = _DESC_OFFSET + idx * DESC_SIZE
+                state, seq, klen = _DESC_SCAN.unpack_from(mm, d)
+                if state == WRITTEN and seq <= pub:
+                    _index_add(index, mm[d + 64 : d + 64 + klen].decode("utf-8"), (self, idx, seq))
+            return
+        log_off = self._log_offset
+        for s in range(cur + 1, pub + 1):
+            idx = _U32.unpack_from(mm, log_off + 4 * (s % log_len))[0]
+            d = _DESC_OFFSET + idx * DESC_SIZE
+            state, seq, klen = _DESC_SCAN.unpack_from(mm, d)
+            # A log entry is valid only while its descriptor still holds that publication.
+            if state == WRITTEN and seq == s:
+                _index_add(index, mm[d + 64 : d + 64 + klen].decode("utf-8"), (self, idx, seq))
 
     def claim(self, idx: int, seq: int, pid: int) -> tuple[int, int, int, bytes] | None:
         """WRITTEN -> CLAIMED if the descriptor still holds publication ``seq``."""
@@ -784,14 +900,14 @@ class ArenaReader:
 
     def mark_released(self, idx: int, seq: int, pid: int) -> None:
         """CLAIMED (by ``pid``) -> RELEASED, pushed on the released ring."""
-        mm, lay = self.mm, self.layout
+        mm = self.mm
         d = _DESC_OFFSET + idx * DESC_SIZE
         state, claimer, dseq = _DESC_HEAD.unpack_from(mm, d)
         if state != CLAIMED or claimer != pid or dseq != seq:
             return  # already reclaimed (e.g. the sender saw us as dead); nothing to do
         _U32.pack_into(mm, d, RELEASED)
         head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
-        _U32.pack_into(mm, lay.rel_offset + 4 * (head % lay.n_desc), idx)
+        _U32.pack_into(mm, self._rel_offset + 4 * (head % self._n_desc), idx)
         _U64.pack_into(mm, _A_REL_HEAD, head + 1)
         self._notify_sender()
 
@@ -810,5 +926,15 @@ class ArenaReader:
         return mm
 
 
+def _index_add(index: dict[str, list[Any]], key: str, ref: tuple[Any, int, int]) -> None:
+    refs = index.get(key)
+    if refs is None:
+        index[key] = [ref]
+    else:
+        refs.append(ref)
+
+
 _DESC_HEAD = struct.Struct("<IIQ")
+_DESC_SCAN = struct.Struct("<I4xQ24xH")  # state, seq, key length
 _U16 = struct.Struct("<H")
+_QQ = struct.Struct("<QQ")

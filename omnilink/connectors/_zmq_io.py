@@ -1,14 +1,16 @@
-"""The zmq backend's two I/O loops: ``ReceiverLoop`` (ROUTER) and ``SenderLoop`` (DEALER).
+"""The zmq backend's two socket owners: ``ReceiverLoop`` (ROUTER) and ``SenderLoop`` (DEALER).
 
-ZMQ sockets are not thread-safe, so each socket is owned by one thread, its loop; the
-callers' threads talk to a loop through a ``threading.Condition`` (results, index) and an
-eventfd that wakes the loop's ``zmq.Poller``. Nothing sleeps: a loop sleeps in
-``poll()`` until its socket, its monitor or its eventfd is ready, and a caller sleeps in
-``Condition.wait`` until a loop notifies it (or its deadline passes).
+ZMQ sockets are not thread-safe, so each socket has one owner at a time. The ROUTER is
+owned by the receiver's loop thread; callers of ``get`` wait on its
+``threading.Condition``. The DEALER has no thread: the ``put`` callers take turns
+driving it (leader/follower, see ``SenderLoop``), which saves two thread hand-offs per
+``put``. Nothing sleeps: a driver sleeps in ``poll()`` until its socket, its monitor
+or its eventfd is ready, and every other waiter sleeps in ``Condition.wait`` until
+notified (or its deadline passes).
 
 Sender message states (guarded by ``SenderLoop.cond``)::
 
-              submit()             loop: send_multipart ok
+              send()             driver: send_multipart ok
     (new) ---------------> QUEUED ----------------------> SENT ------ ack --> ACKED
                              ^  |  \\ Again (no peer / HWM)   |                  |
                              |  |   +-> stays QUEUED          |                  v
@@ -21,10 +23,13 @@ Sender message states (guarded by ``SenderLoop.cond``)::
                                            (sender id, seq) and acks it again
     A SENT message is reset out of zmq (close with linger 0, new socket) before ``put``
     gives up, and ``put`` waits on the zmq.MessageTracker of its zero-copy frames, so
-    the caller's memory is never read after ``put`` returned or raised.
+    the caller's memory is never read after ``put`` returned or raised. A by-reference
+    message (``_zmq_cma``) has no frames to wait for: its token is invalidated instead.
+    An ack RESEND_AS_FRAMES turns a by-reference message back into QUEUED frames.
 
 Receiver: the loop reads whole multipart messages, validates and decodes each one into
-zero-copy views of its frames, indexes it by key and acks it. When the index holds
+zero-copy views of its frames (or, by reference, copies its regions out of the sender
+into a pooled buffer and decodes views of that), acks it, then indexes it by key. When the index holds
 ``max_buffered_bytes`` or more, the loop stops reading the ROUTER (it polls only its
 eventfd and monitor) so ZMQ's high-water marks and the kernel's socket buffers push back
 on the senders; ``get`` wakes it once the index drains below the limit.
@@ -33,6 +38,7 @@ on the senders; ``get`` wakes it once the index drains below the limit.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import os
 import threading
@@ -55,6 +61,7 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import Deadline
+from omnilink.connectors import _zmq_cma as cma
 from omnilink.connectors import _zmq_wire as wire
 from omnilink.connectors._zmq_support import zmq_error
 
@@ -69,6 +76,9 @@ decode_parts = _blob.decode_parts
 SEEN_WINDOW = 1 << 16
 #: Longest a give-up path waits for zmq to let go of the caller's buffers.
 RELEASE_GRACE_S = 5.0
+PARALLEL = os.environ.get("OLZ_PAR", "1") == "1"
+#: Milliseconds a closing receiver lets zmq flush queued acks.
+ACK_LINGER_MS = 200
 #: Messages read per poll wake-up before re-checking the pause and stop flags.
 READ_BATCH = 64
 
@@ -101,6 +111,9 @@ def _aligned(meta: memoryview, buffers: list[memoryview]) -> tuple[list[memoryvi
     so such a region is copied here, once, and counted as a fallback. Anything malformed
     is left for ``decode_parts`` to report.
     """
+    # Fast path: 16-byte aligned suits every dtype; no need to parse the header here.
+    if all(not b.nbytes or np.frombuffer(b, dtype=np.uint8).ctypes.data % 16 == 0 for b in buffers):
+        return buffers, 0
     try:
         header_len = _blob.peek_header(meta)[0]
         header = _HEADER.decode(meta[_blob.PREFIX_SIZE : _blob.PREFIX_SIZE + header_len])
@@ -256,9 +269,18 @@ class ReceiverLoop(_Loop):
         endpoint: str,
         max_buffered_bytes: int,
         peer_timeout: float,
+        max_frame_bytes: int | None = None,
     ) -> None:
         super().__init__(ctx=ctx, channel=channel, endpoint=endpoint)
         self.sock = sock
+        # By-reference messages are read from the sending process's memory: only peers
+        # on this host can be such a process, and only ipc peers are known to be local.
+        self.accept_reference = endpoint.startswith("ipc://")
+        self.max_frame_bytes = max_frame_bytes
+        self.by_reference = 0
+        self.pool = cma.BufferPool(max_buffers=4, max_bytes=min(256 << 20, max_buffered_bytes))
+        # Second copy thread for large by-reference messages (created on first use).
+        self.helper: concurrent.futures.ThreadPoolExecutor | None = None
         self.mon = sock.get_monitor_socket(_MON_EVENTS)
         self.max_buffered_bytes = max_buffered_bytes
         self.peer_timeout = peer_timeout
@@ -318,6 +340,9 @@ class ReceiverLoop(_Loop):
             with self.cond:
                 if self.paused or self.stopping:
                     return
+            # Ask zmq instead of raising Again (an exception per wake-up is not free).
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 3:
@@ -341,35 +366,53 @@ class ReceiverLoop(_Loop):
             self._ack(identity, routing.seq, *prev)
             return
         key = routing.key
-        payload, error, nbytes, size = self._decode(key, routing.n_regions, frames)
+        if routing.flags & wire.FLAG_BY_REFERENCE:
+            try:
+                payload, error, nbytes, size = self._decode_reference(key, routing.n_regions, frames)
+            except cma.CannotReference as exc:
+                # Not remembered as seen: the sender resends the same seq as frames.
+                logger.info("zmq: channel %r reads no sender memory, asking for frames: %s", self.channel, exc)
+                frames.clear()
+                self._ack(identity, routing.seq, wire.ACK_RESEND_AS_FRAMES, str(exc))
+                return
+            except cma.Withdrawn as exc:
+                # The sender gave up on it (its put raised) or died: nobody waits for an ack.
+                logger.debug("zmq: channel %r dropped key %r: %s", self.channel, key, exc)
+                return
+        else:
+            payload, error, nbytes, size = self._decode(key, routing.n_regions, frames)
         # Drop this thread's references to the frames before the payload is published,
         # so a consumer that drops its views frees the frames at once.
         frames.clear()
-        text = ""
+        # Only this thread adds keys (consumers only remove them), so a key absent now
+        # is still absent when we insert below. The ack goes out *before* the payload
+        # is published: a consumer woken by it cannot finish, close the connector and
+        # drop the queued ack (which would leave an already delivered put in doubt),
+        # and the ack does not wait behind the consumer for the GIL.
         with self.cond:
-            if key in self.index:
-                status = wire.ACK_DUPLICATE_KEY
-                text = (
-                    f"key {key!r} is already waiting on the receiver of channel {self.channel!r}; "
-                    "a key can be reused only after it was consumed or discarded"
-                )
-            else:
-                self.index[key] = _Entry(payload, error, nbytes, size)
-                payload = None  # the index holds it now (see frames.clear() above)
-                self.buffered += nbytes
-                if self.buffered >= self.max_buffered_bytes:
-                    self.paused = True
-                self.cond.notify_all()
-                status = wire.ACK_OK if error is None else wire.ACK_DECODE_ERROR
-                text = "" if error is None else str(error)
-        if status == wire.ACK_DUPLICATE_KEY:
+            duplicate = key in self.index
+        if duplicate:
+            text = (
+                f"key {key!r} is already waiting on the receiver of channel {self.channel!r}; "
+                "a key can be reused only after it was consumed or discarded"
+            )
             # Not remembered as seen: the same message resent later may then be accepted.
             logger.warning("zmq: %s", text)
-        else:
-            self.seen[seen_key] = (status, text)
-            if len(self.seen) > SEEN_WINDOW:
-                self.seen.popitem(last=False)
+            self._ack(identity, routing.seq, wire.ACK_DUPLICATE_KEY, text)
+            return
+        status = wire.ACK_OK if error is None else wire.ACK_DECODE_ERROR
+        text = "" if error is None else str(error)
+        self.seen[seen_key] = (status, text)
+        if len(self.seen) > SEEN_WINDOW:
+            self.seen.popitem(last=False)
         self._ack(identity, routing.seq, status, text)
+        with self.cond:
+            self.index[key] = _Entry(payload, error, nbytes, size)
+            payload = None  # the index holds it now (see frames.clear() above)
+            self.buffered += nbytes
+            if self.buffered >= self.max_buffered_bytes:
+                self.paused = True
+            self.cond.notify_all()
 
     def _decode(
         self, key: str, n_regions: int, frames: list[zmq.Frame]
@@ -399,7 +442,63 @@ class ReceiverLoop(_Loop):
         nbytes = meta.nbytes + sum(buf.nbytes for buf in buffers)
         return payload, None, nbytes, _blob.peek_header(meta)[2]
 
-    def _track(self, frame: zmq.Frame, nbytes: int) -> None:
+    def _decode_reference(
+        self, key: str, n_regions: int, frames: list[zmq.Frame]
+    ) -> tuple[Any, OmnilinkError | None, int, int]:
+        """Like ``_decode`` for a by-reference message: copy its regions out of the
+        sender with ``process_vm_readv`` into one aligned buffer, then decode views of it.
+
+        Raises ``cma.CannotReference`` (ask for frames) or ``cma.Withdrawn`` (drop).
+        """
+        where = f"zmq: by-reference message for key {key!r} on channel {self.channel!r}"
+        if not self.accept_reference:
+            raise cma.CannotReference(f"{self.endpoint} is not an ipc endpoint")
+        if len(frames) != 4:
+            return None, BlobDecodeError(f"{where} has {len(frames) - 3} frames after its meta, expected 1"), 0, 0
+        meta = frames[2].buffer
+        try:
+            ref = wire.unpack_reference(frames[3].buffer, n_regions)
+            data_len = _blob.peek_header(meta)[1]
+        except BlobDecodeError as exc:
+            return None, BlobDecodeError(f"{where} is malformed: {exc}"), 0, 0
+        lengths = [n for _, n in ref.regions]
+        if sum(lengths) > data_len:
+            return None, BlobDecodeError(
+                f"{where} lists {sum(lengths)} region bytes, its header holds {data_len}"
+            ), 0, 0
+        if self.max_frame_bytes is not None and max(lengths, default=0) > self.max_frame_bytes:
+            return None, BlobDecodeError(
+                f"{where} has a region of {max(lengths)} bytes, more than max_frame_bytes={self.max_frame_bytes}"
+            ), 0, 0
+        try:
+            buf, views = cma.read_regions(
+                ref.pid, ref.token_addr, ref.nonce, ref.regions, self.pool, self._helper(sum(lengths))
+            )
+        except MemoryError as exc:
+            return None, BlobDecodeError(f"{where}: cannot allocate {sum(lengths)} bytes: {exc}"), 0, 0
+        try:
+            payload = decode_parts(meta, views, copy=False)
+        except Exception as exc:  # noqa: BLE001 - hostile input must not kill the loop
+            cause = exc.with_traceback(None)
+            kind = type(exc) if isinstance(exc, BlobDecodeError) else BlobDecodeError
+            error = kind(f"{where} is malformed: {exc}")
+            error.__cause__ = cause
+            return None, error, 0, 0
+        nbytes = sum(lengths)
+        self._track(buf, nbytes)
+        self.by_reference += 1
+        return payload, None, meta.nbytes + nbytes, _blob.peek_header(meta)[2]
+
+    def _helper(self, nbytes: int) -> concurrent.futures.ThreadPoolExecutor | None:
+        if nbytes < cma.PARALLEL_MIN_BYTES or (os.cpu_count() or 1) < 2 or not PARALLEL:
+            return None
+        if self.helper is None:
+            self.helper = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"omnilink-zmq-copy-{self.channel}"
+            )
+        return self.helper
+
+    def _track(self, frame: Any, nbytes: int) -> None:
         with self._use_lock:
             self.frames_live += 1
             self.frames_bytes += nbytes
@@ -494,12 +593,19 @@ class ReceiverLoop(_Loop):
         with self.cond:
             self.index.clear()
             self.buffered = 0
+        self.pool.clear()
+        helper, self.helper = self.helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
         self.mon.close(linger=0)
-        self.sock.close(linger=0)
+        # A short linger lets acks already queued reach their senders (a put whose ack
+        # is dropped here would be in doubt although delivered); bounded, so a dead
+        # sender cannot hold close() up.
+        self.sock.close(linger=ACK_LINGER_MS)
         self.waker.close()
 
 
@@ -508,21 +614,60 @@ QUEUED, SENDING, SENT, ACKED, CANCELLED = "queued", "sending", "sent", "acked", 
 
 
 class _Pending:
-    __slots__ = ("seq", "key", "parts", "tracker", "state", "status", "text", "epoch")
+    __slots__ = ("seq", "key", "parts", "tracker", "state", "status", "text", "epoch", "token", "regions")
 
-    def __init__(self, seq: int, key: str, parts: list[Any], tracker: zmq.MessageTracker | None) -> None:
+    def __init__(
+        self,
+        seq: int,
+        key: str,
+        parts: list[Any],
+        tracker: zmq.MessageTracker | None,
+        token: cma.Token | None,
+        regions: list[memoryview],
+    ) -> None:
         self.seq = seq
         self.key = key
         self.parts: list[Any] | None = parts
         self.tracker = tracker
+        # By reference: the token the receiver checks; regions kept for a frame resend.
+        self.token = token
+        self.regions: list[memoryview] | None = regions
         self.state = QUEUED
         self.status = -1
         self.text = ""
         self.epoch = -1
 
 
-class SenderLoop(_Loop):
+class SenderLoop:
     """Owns the DEALER socket connected to the receiver; sends, resends, collects acks.
+
+    There is no sender thread: the threads blocked in ``send`` drive the socket
+    themselves, one at a time (leader/follower). Whoever finds the socket free becomes
+    the *driver*: it sends everything queued, then sleeps in ``zmq.Poller.poll`` on the
+    socket, its monitor and an eventfd until an ack, a connection event or a new message
+    arrives, and records every ack it reads (its own or another thread's) under
+    ``cond``. The others wait on ``cond``; when the driver's own ack arrives it hands
+    the socket back and wakes them, and one of them takes over. Compared with a loop
+    thread this saves two thread hand-offs per ``put`` (caller -> loop to send, loop ->
+    caller for the ack), about a third of the 4 KiB latency.
+
+    ::
+
+        put A (driver)        put B (follower)         zmq socket
+        ------------------    --------------------     ----------
+        queue A, take socket
+        send A  --------------------------------------> A
+        poll ...              queue B, wake driver
+        send B  --------------------------------------> B
+        poll ... ack B <------------------------------- ack B
+        mark B acked, notify  wakes: B acked, returns
+        poll ... ack A <------------------------------- ack A
+        return; socket free   (next put drives)
+
+    While no ``put`` waits nobody reads the socket: connection events queue up in the
+    monitor and are handled when the next ``put`` drives (the ack direction carries
+    nothing unsolicited). ZMQ's I/O thread keeps connecting, reconnecting and exchanging
+    heartbeats on its own.
 
     Parameters
     ----------
@@ -534,6 +679,9 @@ class SenderLoop(_Loop):
     peer_timeout : float
         Seconds the receiver may stay disconnected (after a first connection) before a
         waiting ``put`` raises ``PeerLostError``.
+    reference_threshold : int or None
+        Messages whose regions total at least this many bytes are sent by reference
+        (``_zmq_cma``); ``None``: never (tcp endpoints, or switched off).
     """
 
     name = "sender"
@@ -547,8 +695,16 @@ class SenderLoop(_Loop):
         endpoint: str,
         copy_threshold: int,
         peer_timeout: float,
+        reference_threshold: int | None = None,
     ) -> None:
-        super().__init__(ctx=ctx, channel=channel, endpoint=endpoint)
+        self.ctx = ctx
+        self.reference_threshold = reference_threshold if cma.available() else None
+        self.channel = channel
+        self.endpoint = endpoint
+        self.cond = threading.Condition()
+        self.waker = _Waker()
+        self.closed = False
+        self.failure: BaseException | None = None
         self.make_socket = make_socket
         self.copy_threshold = copy_threshold
         self.peer_timeout = peer_timeout
@@ -563,40 +719,79 @@ class SenderLoop(_Loop):
         self.refused: str | None = None
         self.reset_requested = 0
         self.reset_done = 0
+        # True while one thread owns the socket (see the class docstring).
+        self.driving = False
+        self.sock_closed = False
+        self._poller: zmq.Poller | None = None
+        self._polled: zmq.Socket | None = None
         self.sock = make_socket()
         self.mon = self.sock.get_monitor_socket(_MON_EVENTS)
-        self._start()
 
-    # ------------------------------------------------------------------ loop
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.waker.fd, zmq.POLLIN)
-        poller.register(self.mon, zmq.POLLIN)
-        poller.register(self.sock, zmq.POLLIN)
-        while True:
+    # ------------------------------------------------------------ driving
+    def _take_socket(self) -> bool:
+        """Under ``cond``: become the driver if nobody is; else ask the driver to look
+        at the outbox / reset request (it sleeps in poll)."""
+        if self.driving:
+            self.waker.wake()
+            return False
+        self.driving = True
+        return True
+
+    def _release_socket(self) -> None:
+        with self.cond:
+            self.driving = False
+            self.cond.notify_all()
+
+    def _drive(self, timeout: float | None) -> None:
+        """One turn of the driver: reset if asked, send, wait up to ``timeout`` s, read.
+
+        Called without ``cond`` by the thread that took the socket. Any zmq failure is
+        recorded as ``failure`` for every waiter.
+        """
+        try:
             with self.cond:
-                if self.stopping:
-                    return
                 reset = self.reset_requested > self.reset_done
-                want_out = bool(self.outbox)
             if reset:
-                poller.unregister(self.sock)
-                poller.unregister(self.mon)
                 self._reset_socket()
-                poller.register(self.mon, zmq.POLLIN)
-                poller.register(self.sock, zmq.POLLIN)
-                continue
-            poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if want_out else 0))
-            events = dict(poller.poll())
-            if self.waker.fd in events:
+            # Connection events that queued while nobody drove come first: a handshake
+            # seen only after sending would requeue (and resend) what was just sent.
+            if self.mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._drain_monitor()
+                # They may have started the peer_timeout clock: let the caller work out
+                # its wait again before sleeping.
+                return
+            self._send_queued()
+            with self.cond:
+                want_out = bool(self.outbox)
+            events = self._poll(timeout, want_out)
+            if events.get(self.waker.fd):
                 self.waker.drain()
-            if self.mon in events:
-                self._drain_monitor(self.mon, self._on_event)
+            if events.get(self.mon):
+                self._drain_monitor()
             ev = events.get(self.sock, 0)
             if ev & zmq.POLLIN:
                 self._drain_acks()
             if ev & zmq.POLLOUT:
                 self._send_queued()
+        except Exception as exc:  # noqa: BLE001 - reported to every waiter, then logged
+            logger.exception("zmq sender of channel %r failed", self.channel)
+            with self.cond:
+                self.failure = exc
+                self.cond.notify_all()
+
+    def _poll(self, timeout: float | None, want_out: bool) -> dict[Any, int]:
+        poller = self._poller
+        if poller is None or self._polled is not self.sock:
+            # First turn, or the socket was reset: a poller for the current sockets.
+            poller = self._poller = zmq.Poller()
+            poller.register(self.waker.fd, zmq.POLLIN)
+            poller.register(self.mon, zmq.POLLIN)
+            self._polled = self.sock
+        poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if want_out else 0))
+        return dict(poller.poll(None if timeout is None else max(0.0, timeout * 1000.0)))
+
+    def _drain_monitor(self) -> None:
+        _Loop._drain_monitor(self, self.mon, self._on_event)  # type: ignore[arg-type]
 
     def _send_queued(self) -> None:
         while True:
@@ -611,8 +806,10 @@ class SenderLoop(_Loop):
                     continue
                 p.state = SENDING
                 parts = p.parts
+                # Only tracked frames need copy=False; plain bytes parts are cheaper copied.
+                zero_copy = p.tracker is not None
             try:
-                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(parts, zmq.NOBLOCK, copy=not zero_copy)
             except zmq.Again:
                 with self.cond:
                     p.state = QUEUED
@@ -630,6 +827,8 @@ class SenderLoop(_Loop):
 
     def _drain_acks(self) -> None:
         while True:
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -645,11 +844,36 @@ class SenderLoop(_Loop):
                 continue
             with self.cond:
                 p = self.pending.get(seq)
+                if status == wire.ACK_RESEND_AS_FRAMES:
+                    # A second answer to a by-reference copy that was sent twice (a
+                    # requeue after the handshake) is stale once frames were queued.
+                    if p is not None and p.state in (QUEUED, SENT) and p.token is not None:
+                        self._resend_as_frames(p, text)
+                    continue
                 if p is not None and p.state in (QUEUED, SENT):
                     p.state = ACKED
                     p.status = status
                     p.text = text
                     self.cond.notify_all()
+
+    def _resend_as_frames(self, p: _Pending, why: str) -> None:
+        """Under ``cond``: the receiver cannot read our memory; send ``p`` again as frames."""
+        if self.reference_threshold is not None:
+            logger.info(
+                "zmq: channel %r: the receiver at %s cannot read this process's memory (%s); "
+                "sending frames from now on",
+                self.channel,
+                self.endpoint,
+                why,
+            )
+            self.reference_threshold = None
+        p.token.invalidate()
+        p.token = None
+        parts, p.tracker = self._frame_parts(p.parts[1], p.regions)
+        parts[0] = wire.pack_routing(p.key, self.sender_id, p.seq, len(p.regions))
+        p.parts = parts
+        p.state = QUEUED
+        self.outbox.append(p.seq)
 
     def _on_event(self, event: int, value: int, addr: str) -> None:
         with self.cond:
@@ -701,7 +925,9 @@ class SenderLoop(_Loop):
             self.cond.notify_all()
 
     # --------------------------------------------------------------- callers
-    def build_parts(self, key: str, meta: bytes, regions: list[memoryview]) -> tuple[list[Any], zmq.MessageTracker | None]:
+    def _frame_parts(self, meta: bytes, regions: list[memoryview]) -> tuple[list[Any], zmq.MessageTracker | None]:
+        """``[None (routing, filled in later), meta, region frames...]`` and the tracker
+        of the zero-copy frames."""
         tracked: list[zmq.Frame] = []
         parts: list[Any] = [None, meta]
         for r in regions:
@@ -723,32 +949,46 @@ class SenderLoop(_Loop):
         on_timeout: Callable[[float | None, str], OmnilinkError],
     ) -> tuple[int, str]:
         """Queue one message and wait for its ack; return ``(status, text)``."""
-        parts, tracker = self.build_parts(key, meta, regions)
+        threshold = self.reference_threshold
+        token: cma.Token | None = None
+        if threshold is not None and sum(r.nbytes for r in regions) >= threshold:
+            token = cma.Token()
+            ref = wire.pack_reference(
+                os.getpid(), token.address, token.nonce, [(cma.address_of(r), r.nbytes) for r in regions]
+            )
+            parts, tracker = [None, meta, ref], None
+        else:
+            parts, tracker = self._frame_parts(meta, regions)
         with self.cond:
             if self.closed:
                 raise ClosedError(f"zmq connector on channel {self.channel!r} is closed")
-            self._check_failed()
+            if self.failure is not None:
+                raise TransportError(
+                    f"zmq: the sender of channel {self.channel!r} failed: {self.failure!r}"
+                ) from self.failure
             seq = self.next_seq
             self.next_seq += 1
-            parts[0] = wire.pack_routing(key, self.sender_id, seq, len(regions))
-            p = _Pending(seq, key, parts, tracker)
+            flags = 0 if token is None else wire.FLAG_BY_REFERENCE
+            parts[0] = wire.pack_routing(key, self.sender_id, seq, len(regions), flags)
+            p = _Pending(seq, key, parts, tracker, token, regions)
             self.pending[seq] = p
             self.outbox.append(seq)
         del parts
-        self.waker.wake()
         error: OmnilinkError | None = None
-        with self.cond:
-            while True:
+        while True:
+            with self.cond:
                 if p.state == ACKED:
                     del self.pending[seq]
-                    p.parts = None
+                    if p.token is not None:
+                        p.token.invalidate()  # the receiver has read it: see _zmq_cma
+                    p.parts = p.regions = None
                     return p.status, p.text
                 if self.closed:
                     error = ClosedError(f"zmq connector on channel {self.channel!r} was closed during put")
                     break
                 if self.failure is not None:
                     error = TransportError(
-                        f"zmq: the sender loop of channel {self.channel!r} failed: {self.failure!r}"
+                        f"zmq: the sender of channel {self.channel!r} failed: {self.failure!r}"
                     )
                     break
                 now = time.monotonic()
@@ -775,7 +1015,14 @@ class SenderLoop(_Loop):
                 wait = remaining
                 if lost_at is not None:
                     wait = lost_at - now if wait is None else min(wait, lost_at - now)
-                self.cond.wait(wait)
+                drive = self._take_socket()
+                if not drive:
+                    self.cond.wait(wait)
+                    continue
+            try:
+                self._drive(wait)
+            finally:
+                self._release_socket()
         self._abandon(p)
         raise error
 
@@ -783,9 +1030,12 @@ class SenderLoop(_Loop):
         """Take ``p`` back from zmq so the caller's tensors are free when put raises."""
         with self.cond:
             self.pending.pop(p.seq, None)
+            if p.token is not None:
+                # A receiver reading it now finds the token gone and drops the copy.
+                p.token.invalidate()
             handed = p.state in (SENDING, SENT)
             p.state = CANCELLED
-            p.parts = None
+            p.parts = p.regions = None
             tracker, p.tracker = p.tracker, None
             if tracker is None or not handed:
                 return
@@ -799,9 +1049,23 @@ class SenderLoop(_Loop):
             if not self.closed:
                 self.reset_requested += 1
                 target = self.reset_requested
-                self.waker.wake()
                 end = time.monotonic() + RELEASE_GRACE_S
                 while self.reset_done < target and not self.closed and self.failure is None:
+                    if self._take_socket():
+                        # Nobody drives: reset it ourselves (outside cond).
+                        self.cond.release()
+                        try:
+                            try:
+                                self._reset_socket()
+                            except Exception as exc:  # noqa: BLE001 - like _drive
+                                logger.exception("zmq sender of channel %r failed", self.channel)
+                                with self.cond:
+                                    self.failure = exc
+                        finally:
+                            self.cond.acquire()
+                            self.driving = False
+                            self.cond.notify_all()
+                        continue
                     left = end - time.monotonic()
                     if left <= 0:
                         break
@@ -823,10 +1087,27 @@ class SenderLoop(_Loop):
                 "connected": self.connected,
                 "pending": len(self.pending),
                 "refused": self.refused,
+                "by_reference": self.reference_threshold is not None,
             }
 
     def close(self) -> None:
-        self.stop()
+        """Wake every waiting ``put`` (they raise ``ClosedError``), wait for the driver to
+        hand the socket back (bounded), then close it."""
+        with self.cond:
+            if self.sock_closed:
+                return
+            self.closed = True
+            self.cond.notify_all()
+            self.waker.wake()
+            end = time.monotonic() + 10.0
+            while self.driving:
+                left = end - time.monotonic()
+                if left <= 0:
+                    logger.error("zmq sender of channel %r: a put did not release the socket within 10 s", self.channel)
+                    return
+                self.cond.wait(left)
+            self.driving = True  # nobody may take it again
+            self.sock_closed = True
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:

@@ -40,16 +40,20 @@ import os
 import threading
 import time
 import weakref
+from threading import get_ident
 from typing import Any
 
 from omnilink._errors import (
     CapacityError,
+    ClosedError,
     ConfigurationError,
     PeerLostError,
     TransportError,
     WouldBlock,
 )
 from omnilink._util import Deadline, MAX_KEY_BYTES
+from omnilink.blob import decode as _decode
+from omnilink.blob import prepare as _prepare
 from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
 from omnilink.connectors._shm_alloc import round_up
 from omnilink.connectors._shm_names import (
@@ -67,6 +71,7 @@ from omnilink.connectors._shm_segments import (
     CTRL_SIZE,
     FLAG_OVERFLOW,
     MAX_PARTICIPANTS,
+    MUTEX_GRACE_S,
     ROLE_RECV,
     ROLE_SEND,
     ArenaReader,
@@ -76,6 +81,7 @@ from omnilink.connectors._shm_segments import (
     _OutRec,
     _PART,
     _C_PART,
+    _unlink_quiet,
     create_segment,
 )
 
@@ -89,6 +95,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_ARENA_BYTES = 128 << 20
 DEFAULT_MAX_INFLIGHT = 1024
 DEFAULT_LINGER_S = 5.0
+#: Microseconds a receiver watches the wake semaphore before it sleeps on it (see
+#: ``spin_us``): long enough to cover a sender that encodes and publishes right after the
+#: receiver started waiting, short enough to cost little CPU when nothing comes.
+DEFAULT_SPIN_US = 200
 #: Seconds between liveness checks of the peers while waiting (a heartbeat, not polling:
 #: the data path is always woken by a semaphore).
 HEARTBEAT_S = 0.25
@@ -100,45 +110,96 @@ except ImportError:  # pragma: no cover - numpy is a dependency
     _np = None
 
 
-#: The channel mutex is held for microseconds; waiting for it is bounded by the larger of
-#: the call's remaining time and this, so that ordinary contention never turns a short
-#: timeout (or get_nowait) into an error, while a stuck holder still cannot hang a call.
-_MUTEX_GRACE_S = 1.0
-
-
-def _mutex_deadline(deadline: Deadline) -> Deadline | None:
+def _grace(deadline: Deadline) -> Deadline | None:
+    """How long to wait for the channel mutex in a call bounded by ``deadline`` (see
+    ``Channel.lock_within``)."""
     left = deadline.remaining()
     if left is None:
         return None
-    return Deadline(max(left, _MUTEX_GRACE_S))
+    return Deadline(max(left, MUTEX_GRACE_S))
 
 
 def _make_lease(mm: Any, offset: int, length: int) -> Any:
-    """A fresh exporter object over ``mm[offset:offset+length]``: decode's views keep it
-    alive, so a ``weakref.finalize`` on it fires when the last view of the payload dies."""
+    """A fresh exporter object over ``mm[offset:offset+length]`` (an overflow segment):
+    decode's views keep it alive, so a weak reference to it dies with the last view."""
     return _np.frombuffer(mm, dtype=_np.uint8, count=length, offset=offset)
 
 
-def _release_lease(chan: Channel, reader: ArenaReader, idx: int, seq: int, pid: int,
-                   held: dict[str, list[Any]], key: str, counters: list[int], nbytes: int) -> None:
-    """Finalizer of a lease: hand the block back (CLAIMED -> RELEASED) under the mutex."""
-    counters[0] -= 1
-    counters[1] -= nbytes
-    fins = held.get(key)
-    if fins is not None:
-        fins[:] = [f for f in fins if f.alive]
-        if not fins:
-            held.pop(key, None)
-    if chan.held_by_me():
-        # The garbage collector ran this inside our own critical section: the mutex is
-        # not reentrant, so finish the release just before this thread unlocks.
-        chan.defer(lambda: reader.mark_released(idx, seq, pid))
-        return
-    try:
-        with chan.locked():
-            reader.mark_released(idx, seq, pid)
-    except Exception:  # a finalizer must not raise; the sender still reclaims at our exit
-        logger.exception("shm: releasing block %d of %s failed", idx, reader.name)
+class _Lease(weakref.ref):
+    """A weak reference to the exporter object of one received payload, carrying what
+    releasing its block takes. Its callback (the connector's ``_Releaser``) runs when the
+    last view of the payload dies; ``release(key)`` runs it early. One small object per
+    message: no closure, no ``weakref.finalize`` registry."""
+
+    __slots__ = ("reader", "idx", "seq", "nbytes", "key", "done")
+
+
+class _Releaser:
+    """Hands blocks back to their sender (CLAIMED -> RELEASED under the channel mutex).
+
+    Shared by all leases of one connector; it holds only what a release needs (not the
+    connector), so views may outlive ``close()``.
+    """
+
+    __slots__ = ("chan", "pid", "held", "counters", "__weakref__")
+
+    def __init__(self, chan: Channel, pid: int) -> None:
+        self.chan = chan
+        self.pid = pid
+        #: key -> leases of payloads this process still views (for ``release(key)``)
+        self.held: dict[str, list[_Lease]] = {}
+        self.counters = [0, 0]  # blocks, bytes this process still views
+
+    def track(self, lease_obj: Any, reader: ArenaReader, idx: int, seq: int, nbytes: int, key: str) -> _Lease:
+        ref = _Lease(lease_obj, self)
+        ref.reader = reader
+        ref.idx = idx
+        ref.seq = seq
+        ref.nbytes = nbytes
+        ref.key = key
+        ref.done = False
+        held = self.held
+        refs = held.get(key)
+        if refs is None:
+            held[key] = [ref]
+        else:
+            refs.append(ref)
+        counters = self.counters
+        counters[0] += 1
+        counters[1] += nbytes
+        return ref
+
+    def __call__(self, ref: _Lease) -> None:
+        """Release ``ref``'s block (its weakref callback, or an early ``release``)."""
+        if ref.done:
+            return
+        ref.done = True
+        counters = self.counters
+        counters[0] -= 1
+        counters[1] -= ref.nbytes
+        refs = self.held.get(ref.key)
+        if refs is not None:
+            for i, r in enumerate(refs):
+                if r is ref:
+                    del refs[i]
+                    break
+            if not refs:
+                del self.held[ref.key]
+        chan = self.chan
+        reader, idx, seq, pid = ref.reader, ref.idx, ref.seq, self.pid
+        if chan.owner_tid == get_ident():
+            # The garbage collector ran this inside our own critical section: the mutex
+            # is not reentrant, so finish the release just before this thread unlocks.
+            chan.defer(lambda: reader.mark_released(idx, seq, pid))
+            return
+        try:
+            chan.lock()
+            try:
+                reader.mark_released(idx, seq, pid)
+            finally:
+                chan.unlock()
+        except Exception:  # a finalizer must not raise; the sender still reclaims at our exit
+            logger.exception("shm: releasing block %d of %s failed", idx, reader.name)
 
 
 def _cleanup(writer: ArenaWriter | None, chan: Channel) -> None:
@@ -183,6 +244,12 @@ class ShmConnector(BaseConnector):
         Seconds ``close()`` of a sender waits for live receivers to claim what it
         published (default 5.0). Payloads still unclaimed then are dropped, except for
         receivers that already mapped this sender's arena.
+    spin_us : int
+        Microseconds a waiting ``get`` watches the wake semaphore before sleeping on it
+        (default 200; 0 sleeps at once). Waking a sleeping process costs tens to hundreds
+        of microseconds on virtual machines; a payload published within the spin is
+        picked up in about one. The cost is up to ``spin_us`` of CPU per ``get`` that
+        has to wait.
 
     Raises
     ------
@@ -210,6 +277,7 @@ class ShmConnector(BaseConnector):
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         overflow: str = "segment",
         linger: float = DEFAULT_LINGER_S,
+        spin_us: int = DEFAULT_SPIN_US,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
@@ -218,12 +286,16 @@ class ShmConnector(BaseConnector):
             raise ConfigurationError(f"max_inflight must be an int in [1, 65536], got {max_inflight!r}")
         if overflow not in ("segment", "error"):
             raise ConfigurationError(f"overflow must be 'segment' or 'error', got {overflow!r}")
+        if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= 100_000:
+            raise ConfigurationError(f"spin_us must be an int in [0, 100000], got {spin_us!r}")
         Deadline(linger)  # validates: a number >= 0
         if linger is None:
             raise ConfigurationError("linger must be a number of seconds >= 0, got None")
         self.arena_bytes = arena_bytes
         self.overflow = overflow
         self.linger = linger
+        self.spin_us = spin_us
+        self._spin_ns = spin_us * 1000
         self._prefix = read_prefix()
         self._pid = os.getpid()
         self._token = new_token()
@@ -252,8 +324,7 @@ class ShmConnector(BaseConnector):
         self._departed: list[ArenaReader] = []
         self._known_gen = -1
         self._index_limit = 4096
-        self._held: dict[str, list[Any]] = {}
-        self._held_counters = [0, 0]  # blocks, bytes of payloads this process still views
+        self._releaser = _Releaser(self._chan, self._pid)
         self._last_beat = time.monotonic()
         self._peer_lost: str | None = None
 
@@ -265,34 +336,40 @@ class ShmConnector(BaseConnector):
                 f"shm connector on channel {self.channel!r} was opened with role='receiver' "
                 "and cannot put; open it with role='sender' or 'dual'"
             )
-        from omnilink.blob import prepare
-
-        blob = prepare(payload)
+        blob = _prepare(payload)
         n = blob.nbytes
         key_bytes = key.encode("utf-8")
         if n > w.data_bytes:
             return self._put_overflow(key, key_bytes, blob, deadline)
         chan = self._chan
         with self._slock:
-            self._check_open()
-            off, idx = self._reserve(key, n, deadline, block=True)
+            if self._closed:
+                self._check_open()
+            # Fast path: a descriptor and a block are free without waiting.
+            off = w.alloc.alloc(n) if w.free_desc else None
+            if off is None:
+                off, idx = self._reserve(key, n, deadline, block=True)
+            else:
+                idx = w.free_desc.pop()
             try:
-                start = w.layout.data_offset + off
+                start = w.data_offset + off
                 written = blob.write_into(w.view[start : start + n])
+                rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
+                locked = chan.lock_within(deadline)
             except BaseException:
                 w.alloc.free(off)
                 w.free_desc.append(idx)
                 raise
-            rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
-            try:
-                with chan.locked(_mutex_deadline(deadline)):
-                    w.publish(idx, key_bytes, rec, written, 0, b"")
-                    chan.notify_all()
-                    w.drain()
-            except _LockTimeout:
+            if not locked:
                 w.alloc.free(off)
                 w.free_desc.append(idx)
-                raise self._timeout("put", key, "the channel mutex", deadline.timeout) from None
+                raise self._timeout("put", key, "the channel mutex", deadline.timeout)
+            try:
+                w.publish(idx, key_bytes, rec, written, 0, b"")
+                chan.notify_all()
+                w.drain()
+            finally:
+                chan.unlock()
         return written
 
     def _put_overflow(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
@@ -318,7 +395,7 @@ class ShmConnector(BaseConnector):
                 finally:
                     mm.close()
                 rec = _OutRec(0, key, 0, round_up(n, 4096), name)
-                with chan.locked(_mutex_deadline(deadline)):
+                with chan.locked(_grace(deadline)):
                     w.publish(idx, key_bytes, rec, written, FLAG_OVERFLOW, token.encode("ascii"))
                     w.overflow_bytes += rec.reserved
                     chan.notify_all()
@@ -326,8 +403,6 @@ class ShmConnector(BaseConnector):
             except BaseException as exc:
                 if idx not in w.out:
                     w.free_desc.append(idx)
-                    from omnilink.connectors._shm_segments import _unlink_quiet
-
                     _unlink_quiet(name)
                 if isinstance(exc, _LockTimeout):
                     raise self._timeout("put", key, "the channel mutex", deadline.timeout) from None
@@ -342,26 +417,31 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         tried_abandoned = False
         while True:
+            if self._closed:  # close() posts our space semaphore to get us here
+                raise ClosedError(f"shm connector on channel {self.channel!r} was closed while put waited for space")
             if w.free_desc:
                 if not block:
                     return 0, w.free_desc.pop()
                 off = w.alloc.alloc(n)
                 if off is not None:
                     return off, w.free_desc.pop()
+            expired = False
             try:
-                with chan.locked(_mutex_deadline(deadline)):
+                with chan.locked(_grace(deadline)):
                     freed = w.drain()
                     if not freed and not tried_abandoned:
                         freed = w.reclaim_abandoned()
                         tried_abandoned = True
                     if freed:
                         continue
-                    left = deadline.remaining()
-                    if left == 0:
-                        raise self._full_timeout(key, n, deadline)
-                    w.set_waiting()
+                    if deadline.remaining() == 0:
+                        expired = True  # raised below: building the error takes the mutex
+                    else:
+                        w.set_waiting()
             except _LockTimeout:
-                raise self._full_timeout(key, n, deadline) from None
+                expired = True
+            if expired:
+                raise self._full_timeout(key, n, deadline)
             woke = w.wait_space(deadline.slice(HEARTBEAT_S))
             if not woke:
                 tried_abandoned = False  # heartbeat: look for dead claimers again
@@ -396,16 +476,16 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         while True:
             with self._rlock:
-                self._check_open()
-                if chan.senders_gen() != self._known_gen:
-                    self._refresh()
-                if not chan.lock(_mutex_deadline(deadline)):
+                if self._closed:
+                    self._check_open()
+                # One mutex round trip: map new senders, index what they published, claim.
+                if not chan.lock_within(deadline):
                     raise self._timeout("get", key, "the channel mutex", deadline.timeout)
                 try:
                     if chan.senders_gen() != self._known_gen:
-                        continue  # a sender came or went meanwhile: map it first
+                        self._refresh_locked()
                     self._scan_locked()
-                    got = self._claim_locked(key)
+                    got = self._claim_locked(key) if key in self._index else None
                     if got is None:
                         if self._peer_lost is not None:
                             raise PeerLostError(
@@ -419,12 +499,13 @@ class ShmConnector(BaseConnector):
                         gen = chan.register_waiter()
                 finally:
                     chan.unlock()
-            if got is not None:
-                return self._open_payload(key, got)
-            woke = chan.wait(deadline.slice(HEARTBEAT_S))
+                if got is not None:
+                    return self._open_payload(key, got)
+            # Sleep until a sender publishes (or a heartbeat's worth of time passes).
+            woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
             if not woke:
                 try:
-                    with chan.locked(_mutex_deadline(deadline)):
+                    with chan.locked(_grace(deadline)):
                         chan.withdraw_waiter(gen)
                 except _LockTimeout:
                     pass
@@ -435,12 +516,12 @@ class ShmConnector(BaseConnector):
         pids = sorted({r.pid for r in self._readers.values()})
         return f"sender pid(s) {pids}" if pids else "a sender to join the channel"
 
-    def _refresh(self) -> None:
-        """Map new senders' arenas, retire departed ones. Holds ``_rlock``."""
+    def _refresh_locked(self) -> None:
+        """Map new senders' arenas, retire departed ones. Holds ``_rlock`` and the mutex
+        (so no sender can join or leave meanwhile; this runs only when one did)."""
         chan = self._chan
-        with chan.locked():
-            gen = chan.senders_gen()
-            parts = chan.participants()
+        gen = chan.senders_gen()
+        parts = chan.participants()
         live = {(pid, token) for pid, role, token in parts if role & ROLE_SEND}
         for ident in list(self._readers):
             if ident not in live:
@@ -499,34 +580,20 @@ class ShmConnector(BaseConnector):
         return None
 
     def _open_payload(self, key: str, got: tuple[Any, ...]) -> Any:
-        from omnilink.blob import decode
-
         reader, idx, seq, off, length, overflow_mm = got
-        if overflow_mm is not None:
+        if overflow_mm is None:
+            lease = reader.lease(off, length)
+            self._count(bytes_got=length)
+        else:
             lease = _make_lease(overflow_mm, 0, length)
-            self._count(fallbacks=1)
-        else:
-            lease = _make_lease(reader.mm, reader.data_offset + off, length)
-        counters = self._held_counters
-        counters[0] += 1
-        counters[1] += length
-        fin = weakref.finalize(
-            lease, _release_lease, self._chan, reader, idx, seq, self._pid, self._held, key, counters, length
-        )
-        fin.atexit = False
-        fins = self._held.get(key)
-        if fins is None:
-            self._held[key] = [fin]
-        else:
-            fins.append(fin)
+            self._count(bytes_got=length, fallbacks=1)
+        ref = self._releaser.track(lease, reader, idx, seq, length, key)
         try:
-            payload = decode(lease)
+            return _decode(lease)
         except BaseException:
-            fin()
+            self._releaser(ref)
             raise
-        del lease
-        self._count(bytes_got=length)
-        return payload
+        # ``lease`` goes out of scope here: from now on only the payload's views keep it.
 
     def _heartbeat(self) -> None:
         """Liveness of the peers: reap dead participants, note lost senders."""
@@ -560,9 +627,9 @@ class ShmConnector(BaseConnector):
                         return True
         if self._recvs:
             with self._rlock:
-                if chan.senders_gen() != self._known_gen:
-                    self._refresh()
                 with chan.locked():
+                    if chan.senders_gen() != self._known_gen:
+                        self._refresh_locked()
                     self._scan_locked()
                     refs = self._index.get(key)
                     while refs:
@@ -598,15 +665,12 @@ class ShmConnector(BaseConnector):
             The connector was closed.
         """
         self._check_open()
-        fins = self._held.pop(key, None)
-        if not fins:
+        refs = self._releaser.held.get(key)
+        if not refs:
             return False
-        released = False
-        for fin in fins:
-            if fin.alive:
-                fin()
-                released = True
-        return released
+        for ref in list(refs):
+            self._releaser(ref)
+        return True
 
     # =================================================================== misc
     def stats(self) -> ConnectorStats:
@@ -624,12 +688,21 @@ class ShmConnector(BaseConnector):
         return super().stats()
 
     def _in_use(self) -> tuple[int, int]:
-        blocks, nbytes = self._held_counters
+        blocks, nbytes = self._releaser.counters
         w = self._writer
         if w is not None:
             blocks += len(w.out)
             nbytes += w.alloc.used_bytes + w.overflow_bytes
         return blocks, nbytes
+
+    def _wake(self) -> None:
+        """Wake a put waiting for arena space in another thread so it sees the close."""
+        w = self._writer
+        if w is not None:
+            try:
+                w.sem.release()
+            except Exception:  # pragma: no cover - the semaphore is ours and open
+                logger.debug("shm: waking a blocked put failed", exc_info=True)
 
     def _close(self) -> None:
         w = self._writer

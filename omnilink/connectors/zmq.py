@@ -4,9 +4,12 @@ Topology: the receiver binds, senders connect::
 
     sender A: DEALER --connect--+
                                  +--> ROUTER (bound by the one receiver of the channel)
-    sender B: DEALER --connect--+        |  receiver loop thread: decode, index by key,
-                ^                        |  ack each message back to its sender
+    sender B: DEALER --connect--+        |  receiver loop thread: decode, ack each
+                ^                        |  message back to its sender, index by key
                 +------ acks ------------+
+
+    A sender has no thread of its own: the thread blocked in ``put`` drives the DEALER
+    (sends, then polls for its ack); concurrent puts take turns (see ``_zmq_io``).
 
 - Endpoint: ``endpoint="tcp://HOST:PORT"`` (the receiver may bind port ``*`` and publish
   its ``endpoint`` attribute), or ``ipc://PATH``. Without ``endpoint`` both ends derive
@@ -21,6 +24,19 @@ Topology: the receiver binds, senders connect::
 - The receiver decodes every tensor as a zero-copy view of its received ``zmq.Frame``
   (a frame stays alive while any view of it does), unless the frame's address does not
   suit the dtype's alignment, in which case that one tensor is copied.
+- By reference (``ipc://`` only, ``by_reference=True``, messages of at least
+  ``reference_threshold`` tensor bytes): the tensor frames are replaced by one
+  reference frame (sender pid, addresses, lengths, a per-message token); the receiver
+  copies the bytes straight out of the sender with ``process_vm_readv(2)`` into one
+  64-byte aligned buffer (two threads for messages of 4 MiB and more; buffers are
+  reused once the views of a consumed payload are gone) and decodes views of it. One
+  copy instead of two through the kernel's socket buffers: on the 2-core benchmark
+  machine a bare Unix socket moves 16 MiB at ~0.3-0.45x the shm backend, so frames
+  cannot get within 2x of shm there; by reference does (see ``_zmq_cma`` for the
+  token protocol that keeps a late read from delivering a torn payload). Where the
+  kernel refuses the read (another user, a seccomp filter, Yama ptrace_scope >= 2, a
+  different pid namespace) the receiver asks for frames, the sender resends the same
+  message as frames and keeps using frames.
 
 What is guaranteed
 ------------------
@@ -29,7 +45,9 @@ decoded, in its in-memory index (or has recorded that it is malformed, or that i
 was already waiting). ``put`` returns only after that ack arrives, so:
 
 1. When ``put`` returns, the payload is on the receiver, and the caller may reuse or
-   free its tensors at once (the ack proves zmq finished reading them).
+   free its tensors at once (the ack proves zmq -- or, by reference, the receiver's
+   copy -- finished reading them; a by-reference token is invalidated before ``put``
+   returns or raises, and a receiver that still read it drops its copy).
 2. Each acknowledged payload is delivered to ``get`` at most once and, while the
    receiver process lives, exactly once (or dropped by ``discard``). Resends after a
    reconnect carry the same (sender id, sequence number); the receiver drops the
@@ -39,7 +57,9 @@ was already waiting). ``put`` returns only after that ack arrives, so:
    returned after the restart are delivered by the new receiver.
 4. A sender that dies mid-message leaves nothing behind: ZMQ delivers multipart messages
    whole or not at all, and the receiver also checks the frame count against the
-   routing frame and the blob header (``BlobDecodeError`` for the key otherwise).
+   routing frame and the blob header (``BlobDecodeError`` for the key otherwise). A
+   by-reference read that fails part-way, or whose token is gone afterwards, is
+   dropped whole.
 5. Every wait is bounded by its timeout: ``TransferTimeout`` names the channel, the key
    and the peer endpoint.
 
@@ -60,7 +80,12 @@ What is NOT guaranteed
   connection events: a receiver raises ``PeerLostError`` from ``get`` once *every*
   sender has been disconnected for ``peer_timeout`` seconds (after at least one
   connected); a sender raises it from ``put`` once the receiver has been disconnected
-  that long. A peer that never connected is a ``TransferTimeout``, not a loss.
+  that long, counted from when a ``put`` first saw the disconnection (a sender reads
+  connection events only while a ``put`` waits). A peer that never connected is a
+  ``TransferTimeout``, not a loss.
+- By reference, the receiver can read the sending process's memory (it must be
+  allowed to, as for a debugger); use ``by_reference=False`` where sender and
+  receiver must not trust each other that far. tcp endpoints never use it.
 - Authentication is off by default: anyone who can reach a tcp endpoint can send. Set
   CURVE keys (below) on any endpoint not on loopback; ipc endpoints are protected by
   the private directory.
@@ -71,8 +96,10 @@ unconsumed payloads, so a slow consumer makes ``put`` wait (and eventually time 
 instead of growing memory without bound.
 
 Cost of the ack: each ``put`` waits one round trip for its ack, so one thread sends one
-message per round trip (see ``benchmarks/bench_zmq.py``); use several threads or
-``put_async`` for more in flight.
+message per round trip (see ``benchmarks/bench_zmq.py``); use several threads for more
+in flight. The receiver sends the ack before it publishes the payload to ``get``, so
+the ack never waits for the consumer, and a closing receiver lingers up to 200 ms to
+flush acks already queued.
 """
 
 from __future__ import annotations
@@ -238,7 +265,17 @@ class ZmqConnector(BaseConnector):
         Seconds between a sender's reconnection attempts.
     max_frame_bytes : int, optional
         Largest frame the receiver accepts (ZMQ_MAXMSGSIZE); a peer sending more is
-        disconnected. Default: no limit.
+        disconnected (a by-reference region larger than this is a ``BlobDecodeError``).
+        Default: no limit.
+    by_reference : bool
+        ``ipc://`` only: let the receiver copy large messages' tensor bytes straight
+        out of this sender's memory with ``process_vm_readv`` (one copy instead of two
+        through the kernel's socket buffers). Needs the receiver to be allowed to read
+        this process (same user; no seccomp filter or Yama ``ptrace_scope`` forbidding
+        it); when it is not, the message is resent as frames and frames are used from
+        then on. Ignored for ``tcp://``.
+    reference_threshold : int
+        Messages whose tensor bytes total at least this many go by reference.
     curve_secret_key : str, optional
         Enables CURVE: this end's Z85 secret key (its public key is derived).
     curve_server_key : str, optional
@@ -272,6 +309,8 @@ class ZmqConnector(BaseConnector):
         peer_timeout: float = 5.0,
         reconnect_interval: float = 0.1,
         max_frame_bytes: int | None = None,
+        by_reference: bool = True,
+        reference_threshold: int = 1 << 20,
         curve_secret_key: str | bytes | None = None,
         curve_server_key: str | bytes | None = None,
         curve_allowed_clients: Iterable[str | bytes] | None = None,
@@ -286,6 +325,9 @@ class ZmqConnector(BaseConnector):
         reconnect_interval = _positive_float(reconnect_interval, "reconnect_interval")
         if max_frame_bytes is not None:
             max_frame_bytes = _positive_int(max_frame_bytes, "max_frame_bytes")
+        if not isinstance(by_reference, bool):
+            raise ConfigurationError(f"zmq: by_reference must be a bool, got {by_reference!r}")
+        reference_threshold = _positive_int(reference_threshold, "reference_threshold", minimum=0)
         receives = role in ("receiver", "dual")
         sends = role in ("sender", "dual")
         prefix = os.environ.get("OMNILINK_SHM_PREFIX", "omnilink")
@@ -373,6 +415,9 @@ class ZmqConnector(BaseConnector):
                     endpoint=resolved,
                     copy_threshold=copy_threshold,
                     peer_timeout=peer_timeout,
+                    reference_threshold=(
+                        reference_threshold if by_reference and resolved.startswith("ipc://") else None
+                    ),
                 )
         except BaseException:
             self._closed = True
@@ -435,6 +480,7 @@ class ZmqConnector(BaseConnector):
             endpoint=bound,
             max_buffered_bytes=max_buffered_bytes,
             peer_timeout=peer_timeout,
+            max_frame_bytes=max_frame_bytes,
         )
         return bound
 
@@ -517,6 +563,8 @@ class ZmqConnector(BaseConnector):
                     "paused": receiver.paused,
                     "malformed": receiver.malformed,
                     "refused": receiver.auth_failures,
+                    "by_reference": receiver.by_reference,
+                    "buffer_reuses": receiver.pool.hits,
                 }
         return out
 

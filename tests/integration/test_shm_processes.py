@@ -62,16 +62,31 @@ def expect(q, tag, timeout=WAIT):
     return msg
 
 
+def expect_one_of(q, tags, timeout=WAIT):
+    """Next message from q; its tag must be one of ``tags``."""
+    try:
+        msg = q.get(timeout=timeout)
+    except queue_mod.Empty:
+        pytest.fail(f"no {tags!r} message from a worker within {timeout} s")
+    if msg[0] == "error":
+        pytest.fail(f"worker failed: {msg[1]}")
+    assert msg[0] in tags, msg
+    return msg
+
+
 def test_two_stage_chain():
     ch = _channel("two")
     q = CTX.Queue()
     with children() as procs:
-        start(procs, W.sender, ch, 200, q)
-        expect(q, "ready")
+        # The receiver joins first: a sender that finishes and closes before any receiver
+        # has joined drops what it published (its linger waits only for live receivers),
+        # and a fast sender puts 200 small payloads in a few milliseconds.
         with omnilink.connect("shm", channel=ch, role="receiver", timeout=WAIT) as rx:
+            start(procs, W.sender, ch, 200, q)
+            expect(q, "ready")
             for i in range(200):
                 W.check_payload(rx.get(f"k{i}"), i)
-        expect(q, "sent")
+            expect(q, "sent")
     assert all(p.exitcode == 0 for p in procs)
 
 
@@ -145,9 +160,12 @@ def test_sigkill_sender_mid_stream_is_peer_lost():
         start(procs, W.receive_until_lost, ch, q)
         expect(q, "ready")
         snd = start(procs, W.slow_forever_sender, ch, q)
-        expect(q, "ready")
-        for _ in range(5):
-            expect(q, "progress")
+        # The sender's "ready" and the receiver's first "progress" race on one queue.
+        ready = progress = 0
+        while not ready or progress < 5:
+            tag = expect_one_of(q, ("ready", "progress"))[0]
+            ready += tag == "ready"
+            progress += tag == "progress"
         os.kill(snd.pid, signal.SIGKILL)
         snd.join(WAIT)  # reap it: a zombie is dead too, but do not rely on it
         # Drain progress messages until the receiver reports the loss.

@@ -92,15 +92,18 @@ def test_non_canonical_stage_names_round_trip_as_str():
 
 
 def test_chunking_public_surface_and_error_tree():
-    from omnilink import _chunking_errors, chunking
+    from omnilink import _errors, chunking
 
     assert chunking.__all__ == sorted(chunking.__all__)
     for name in chunking.__all__:
         assert hasattr(chunking, name), name
-    for name in _chunking_errors.__all__:
-        cls = getattr(_chunking_errors, name)
+    chunk_errors = [n for n in _errors.__all__ if n.startswith("Chunk") or n in ("DuplicateChunkError", "StreamFinishedError")]
+    assert len(chunk_errors) == 5
+    for name in chunk_errors:
+        cls = getattr(_errors, name)
         assert issubclass(cls, omnilink.OmnilinkError)
-        assert name in _chunking_errors.__doc__, f"{name} is missing from the drawn tree"
+        assert getattr(chunking, name) is cls, f"omnilink.chunking does not re-export {name}"
+        assert name in _errors.__doc__, f"{name} is missing from the drawn tree"
     assert issubclass(chunking.ChunkInvariantError, AssertionError)
     for cls in (chunking.ChunkGapError, chunking.DuplicateChunkError, chunking.StreamFinishedError):
         assert issubclass(cls, chunking.ChunkSequenceError)

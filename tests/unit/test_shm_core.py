@@ -383,7 +383,7 @@ def test_bad_channel_names(channel):
 @pytest.mark.parametrize(
     "options",
     [{"arena_bytes": 10}, {"arena_bytes": True}, {"max_inflight": 0}, {"overflow": "drop"},
-     {"linger": -1}, {"role": "both"}, {"timeout": -1}],
+     {"linger": -1}, {"role": "both"}, {"timeout": -1}, {"spin_us": -1}, {"spin_us": 1.5}],
 )
 def test_bad_options(options):
     with pytest.raises(omnilink.ConfigurationError):
@@ -468,3 +468,48 @@ def test_connector_start_up_collects_garbage():
     assert expected <= shm_entries()
     with omnilink.connect("shm", channel=_chan("gc-start"), role="receiver"):
         assert not expected & shm_entries()
+
+
+def test_get_without_spin_still_woken_by_the_semaphore():
+    tx, rx = _pair("nospin")
+    rx2 = omnilink.connect("shm", channel=tx.channel, role="receiver", spin_us=0)
+    try:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(rx2.get("late", timeout=30)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), "get returned before the key was put"
+        tx.put("late", {"v": 7})
+        t.join(30)
+        assert not t.is_alive() and got == [{"v": 7}]
+    finally:
+        rx2.close()
+        rx.close()
+        tx.close()
+
+
+def test_blocked_put_sees_close_from_another_thread():
+    tx, rx = _pair("close-wakes-put", arena_bytes=1 * MiB)
+    try:
+        chunk = {"x": np.zeros(100_000, dtype=np.uint8)}
+        fits = tx._writer.data_bytes // (omnilink.encoded_size(chunk) + 64)
+        for i in range(fits):
+            tx.put(f"k{i}", chunk, timeout=5)
+        errors: list = []
+
+        def blocked():
+            try:
+                tx.put("last", chunk)  # no timeout: only close() can end it
+            except omnilink.OmnilinkError as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=blocked)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), "put into a full arena did not block"
+        tx.close()
+        t.join(30)
+        assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], omnilink.ClosedError)
+    finally:
+        rx.close()
+        tx.close()

@@ -565,3 +565,163 @@ def test_many_senders_one_receiver(ipc_dir, opened):
     for t in threads:
         t.join(WAIT)
     assert not errors
+
+
+# ------------------------------------------------------ by reference (process_vm_readv)
+from omnilink.connectors import _zmq_cma as cma  # noqa: E402
+
+needs_cma = pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
+
+
+def _can_read_self() -> bool:
+    tok = cma.Token()
+    try:
+        cma.read_regions(os.getpid(), tok.address, tok.nonce, [])
+    except cma.CannotReference:
+        return False
+    return True
+
+
+needs_readable = pytest.mark.skipif(
+    not cma.available() or not _can_read_self(), reason="this kernel forbids process_vm_readv here"
+)
+
+
+@needs_readable
+def test_large_payload_goes_by_reference_and_lands_in_the_receive_buffer(ipc_dir, opened, monkeypatch):
+    seen: list[list[tuple[int, int]]] = []
+    real = _zmq_io.decode_parts
+
+    def spy(meta, regions, **kw):
+        seen.append([(_addr(r), r.nbytes) for r in regions])
+        return real(meta, regions, **kw)
+
+    monkeypatch.setattr(_zmq_io, "decode_parts", spy)
+    tx, rx = _pair(opened, ipc_dir, channel="u/byref")
+    big = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: over reference_threshold
+    small = np.arange(3, dtype=np.int16)  # an odd-sized region next to it
+    tx.put("r", {"t": big, "s": small, "n": 7}, timeout=WAIT)
+    got = rx.get("r", timeout=WAIT)
+    assert torch.equal(got["t"], big) and np.array_equal(got["s"], small) and got["n"] == 7
+    assert rx.health()["receiver"]["by_reference"] == 1
+    (regions,) = seen
+    assert (got["t"].data_ptr(), got["t"].nbytes) in regions  # a view of the receive buffer
+    assert got["t"].data_ptr() != big.data_ptr() and got["t"].data_ptr() % 64 == 0
+    st = rx.stats()
+    assert st.blocks_in_use == 1 and st.bytes_in_use == big.nbytes + small.nbytes
+    del got
+    assert rx.stats().blocks_in_use == 0
+
+
+@needs_readable
+def test_receive_buffers_are_reused_once_released(ipc_dir, opened):
+    tx, rx = _pair(opened, ipc_dir, channel="u/pool")
+    t = torch.ones(1 << 19)
+    tx.put("a", {"t": t}, timeout=WAIT)
+    first = rx.get("a", timeout=WAIT)
+    ptr = first["t"].data_ptr()
+    tx.put("b", {"t": t * 2}, timeout=WAIT)
+    second = rx.get("b", timeout=WAIT)
+    assert second["t"].data_ptr() != ptr  # "a" still holds its buffer: not reused
+    assert float(first["t"][0]) == 1.0 and float(second["t"][0]) == 2.0
+    del first
+    tx.put("c", {"t": t * 3}, timeout=WAIT)
+    third = rx.get("c", timeout=WAIT)
+    assert third["t"].data_ptr() == ptr and float(third["t"].sum()) == 3.0 * (1 << 19)
+    assert float(second["t"][0]) == 2.0  # untouched by the reuse
+    assert rx.health()["receiver"]["buffer_reuses"] == 1
+
+
+@needs_readable
+def test_token_is_invalidated_before_put_returns(ipc_dir, opened, monkeypatch):
+    tokens: list = []
+    real = cma.Token
+
+    def recording():
+        tok = real()
+        tokens.append(tok)
+        return tok
+
+    monkeypatch.setattr(cma, "Token", recording)
+    tx, rx = _pair(opened, ipc_dir, channel="u/token")
+    tx.put("k", {"t": torch.ones(1 << 19)}, timeout=WAIT)
+    (tok,) = tokens
+    assert tok.buf.raw == bytes(16)  # a late reader can no longer pass the check
+    rx.get("k", timeout=WAIT)
+
+
+def test_by_reference_off_and_over_tcp_sends_frames(ipc_dir, opened):
+    big = {"t": torch.ones(1 << 19)}
+    tx, rx = _pair(opened, ipc_dir, channel="u/noref", by_reference=False)
+    tx.put("a", big, timeout=WAIT)
+    assert torch.equal(rx.get("a", timeout=WAIT)["t"], big["t"])
+    assert rx.health()["receiver"]["by_reference"] == 0
+    assert tx.health()["sender"]["by_reference"] is False
+    rx2 = _open(opened, channel="u/noref-tcp", role="receiver", endpoint="tcp://127.0.0.1:*")
+    tx2 = _open(opened, channel="u/noref-tcp", role="sender", endpoint=rx2.endpoint)
+    assert tx2.health()["sender"]["by_reference"] is False
+    tx2.put("b", big, timeout=WAIT)
+    assert torch.equal(rx2.get("b", timeout=WAIT)["t"], big["t"])
+    assert rx2.health()["receiver"]["by_reference"] == 0
+
+
+@needs_cma
+def test_receiver_that_cannot_read_the_sender_gets_frames(ipc_dir, opened, monkeypatch):
+    def refuse(*a, **kw):
+        raise cma.CannotReference("EPERM (simulated seccomp filter)")
+
+    monkeypatch.setattr(cma, "read_regions", refuse)
+    tx, rx = _pair(opened, ipc_dir, channel="u/refuse")
+    assert tx.health()["sender"]["by_reference"] is True
+    big = torch.arange(1 << 19, dtype=torch.float32)
+    tx.put("a", {"t": big}, timeout=WAIT)  # resent as frames, same seq: delivered once
+    tx.put("b", {"t": big + 1}, timeout=WAIT)  # frames from the start
+    assert torch.equal(rx.get("a", timeout=WAIT)["t"], big)
+    assert torch.equal(rx.get("b", timeout=WAIT)["t"], big + 1)
+    assert tx.health()["sender"]["by_reference"] is False
+    assert rx.health()["receiver"]["by_reference"] == 0
+
+
+@needs_readable
+def test_message_withdrawn_during_the_read_is_never_delivered(ipc_dir, opened, monkeypatch):
+    # The second token check fails: the sender invalidated its token mid-read (its put
+    # gave up). The receiver must drop the copy, not deliver a possibly torn payload.
+    real = cma._check_token
+    calls = []
+
+    def flaky(pid, addr, nonce, scratch):
+        calls.append(1)
+        return real(pid, addr, nonce, scratch) and len(calls) != 2
+
+    monkeypatch.setattr(cma, "_check_token", flaky)
+    tx, rx = _pair(opened, ipc_dir, channel="u/withdrawn")
+    with pytest.raises(TransferTimeout, match="did not acknowledge"):
+        tx.put("torn", {"t": torch.ones(1 << 19)}, timeout=0.5)
+    with pytest.raises(WouldBlock):
+        rx.get_nowait("torn")
+    assert rx.stats().blocks_in_use == 0
+    tx.put("fine", {"t": torch.ones(1 << 19)}, timeout=WAIT)  # third check onwards pass
+    assert float(rx.get("fine", timeout=WAIT)["t"].sum()) == float(1 << 19)
+
+
+@needs_cma
+def test_forged_reference_to_a_foreign_address_is_refused(ipc_dir, opened, raw_ctx):
+    rx = _open(opened, channel="u/forged-ref", role="receiver", ipc_dir=ipc_dir)
+    raw = _raw_dealer(raw_ctx, rx.endpoint)
+    payload = {"t": torch.ones(16)}
+    meta, regions = encode_parts(payload)
+    lens = [r.nbytes for r in regions]
+    # A token address where this process does not hold the nonce (a pid of another
+    # namespace would look the same): the receiver asks for frames, delivers nothing.
+    junk = np.zeros(16, dtype=np.uint8)
+    ref = wire.pack_reference(os.getpid(), junk.ctypes.data, os.urandom(16), [(junk.ctypes.data, n) for n in lens])
+    raw.send_multipart([wire.pack_routing("f", b"F" * 16, 1, len(lens), wire.FLAG_BY_REFERENCE), meta, ref])
+    assert _ack(raw)[:2] == (1, wire.ACK_RESEND_AS_FRAMES)
+    # A reference frame that disagrees with the routing frame: a decode error for the key.
+    raw.send_multipart([wire.pack_routing("g", b"F" * 16, 2, 2, wire.FLAG_BY_REFERENCE), meta, ref])
+    assert _ack(raw)[:2] == (2, wire.ACK_DECODE_ERROR)
+    with pytest.raises(BlobDecodeError, match="announces 2"):
+        rx.get("g", timeout=WAIT)
+    with pytest.raises(WouldBlock):
+        rx.get_nowait("f")
+    raw.close(linger=0)

@@ -1,0 +1,956 @@
+"""vLLM-Omni integration: ``OmnilinkConnector`` for ``OmniConnectorFactory``.
+
+vLLM-Omni moves stage outputs (thinker hidden states, talker codec frames, ...) through
+a connector named in the stage config. ``OmnilinkConnector`` is such a connector: it
+keeps vLLM-Omni's contract (REFERENCE.md section 1) and carries every payload with an
+omnilink backend (``shm`` by default), so payloads travel as tensor_blob frames, never
+pickled, and are received as zero-copy views of the transport buffer.
+
+Registration::
+
+    from omnilink.integrations.vllm_omni import register
+    register()          # OmniConnectorFactory now knows "OmnilinkConnector"
+
+vLLM-Omni calls ``register`` itself at start-up in every process (API server, engine
+core, workers) through the ``vllm_omni.general_plugins`` entry point that omnilink
+declares, so a stage config only has to name the connector::
+
+    runtime:
+      connectors:
+        fast_link:
+          name: OmnilinkConnector
+          extra: {backend: shm, codec_chunk_frames: 25, codec_left_context_frames: 25,
+                  initial_codec_chunk_frames: 4}
+
+How one adapter maps onto omnilink connectors::
+
+    vLLM-Omni call                       omnilink
+    --------------                       --------
+    put("0", "1", key, data)   ------>   connect(backend, channel="<channel>/0-1",
+                                                 role="sender").put(key, blob)
+    get("0", "1", key, md)     ------>   connect(backend, channel="<channel>/0-1",
+                                                 role="receiver").get_nowait(key)
+                                         WouldBlock -> None ("not there yet")
+
+One omnilink connector is opened per stage edge and direction, on first use (or at
+construction for the edge named by ``extra["from_stage"]``/``extra["to_stage"]``,
+which vLLM-Omni injects with the role). A ``put`` always opens the sending side of its
+edge and a ``get`` the receiving side, whatever ``role`` says: a middle stage receives
+on one edge and sends on the next through the same adapter.
+
+Per-request bookkeeping, and what ``cleanup`` frees::
+
+    put(key)       -> index[request_id] += ("sender", channel, key)
+    get(key)=None  -> index[request_id] += ("receiver", channel, key)   (polled, not read)
+    get(key)=data  -> index entry of key removed (consumed)
+    cleanup(rid)   -> discard every indexed key of rid (and the key rid itself); on each
+                      receiving edge also discard the chunks {rid}_{from}_{c} that came
+                      after the last one polled, while they are there
+    every second   -> entries older than ``pending_ttl``: sent payloads still unread are
+                      discarded (their consumer was failed long ago), polled ones forgotten
+
+``request_id`` of a key: the request id of a chunk key ``{request_id}_{from_stage}_{chunk}``
+(``omnilink.chunking.parse_chunk_key``, stage matching the edge), else the key itself.
+
+Configuration (the connector's ``extra`` dict, kept as ``config``):
+
+==========================  ===========================================================
+``backend``                 omnilink backend (default ``"shm"``)
+``channel``                 channel prefix (default ``"vllm-omni"``); give each
+                            deployment on a host its own
+``options``                 dict of backend options for ``omnilink.connect``
+                            (``arena_bytes``, ``timeout``, ``endpoint``, ...)
+``put_timeout``             seconds ``put`` waits for room (backpressure) before it
+                            reports failure (default 10.0)
+``zero_copy``               ``True`` (default): received tensors are views of the
+                            transport buffer, its block is handed back when the last view
+                            dies; ``False``: copy and release at once
+``device``                  move received tensors there (e.g. ``"cuda:0"``)
+``pending_ttl``             seconds after which unread payloads are dropped (default
+                            1800; ``None``: never). vLLM-Omni fails a request that
+                            waited 600 s for input, so older payloads are orphans
+``max_tracked_keys``        bound of the per-request index (default 65536)
+``codec_chunk_frames``,     read by vLLM-Omni's stage processors; checked here to be
+``codec_left_context_``     ints (>= 1, >= 0, >= 1)
+``frames``, ``initial_``
+``codec_chunk_frames``
+``stage_id``, ``role``      injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
+==========================  ===========================================================
+
+Payloads: whatever tensor_blob carries (dicts with dotted keys such as ``codes.audio``
+and ``meta.finished``, tensors of any dtype and device, numpy arrays, plain values), plus
+``msgspec.Struct`` and dataclass instances (``OmniPayloadStruct``), which are sent as the
+dicts msgspec would make of them (fields left at their default omitted when the struct
+says ``omit_defaults``), exactly what vLLM-Omni's own serializer delivers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from omnilink._chunking_keys import chunk_key, parse_chunk_key
+from omnilink._errors import (
+    ClosedError,
+    ConfigurationError,
+    OmnilinkError,
+    PeerLostError,
+    TransferTimeout,
+    WouldBlock,
+)
+from omnilink._util import validate_channel
+from omnilink.blob import encoded_size
+
+__all__ = ["CONNECTOR_NAME", "OmnilinkConnector", "register"]
+
+logger = logging.getLogger(__name__)
+
+#: The name stage configs use for this connector.
+CONNECTOR_NAME = "OmnilinkConnector"
+_BASE_MODULE = "vllm_omni.distributed.omni_connectors.connectors.base"
+_FACTORY_MODULE = "vllm_omni.distributed.omni_connectors.factory"
+_INSTALL_HINT = "pip install vllm-omni (or, without vLLM, pip install --no-deps vllm-omni)"
+
+DEFAULT_CHANNEL = "vllm-omni"
+DEFAULT_PUT_TIMEOUT = 10.0
+DEFAULT_PENDING_TTL = 1800.0
+DEFAULT_MAX_TRACKED_KEYS = 65536
+#: Seconds between two sweeps of the per-request index (a sweep is cheap; this only
+#: keeps it off the per-call path).
+_REAP_INTERVAL = 1.0
+_ROLES = ("sender", "receiver", "dual")
+#: keys of ``extra`` this adapter or vLLM-Omni owns; ``options`` must not repeat the
+#: two the adapter sets itself
+_RESERVED_OPTIONS = ("channel", "role")
+
+_Entry = tuple[str, str, str]  # (side, channel, key)
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+class _Tracked:
+    """Index record of one key: which request, which chunk, since when."""
+
+    __slots__ = ("rid", "stage", "chunk", "since", "settled")
+
+    def __init__(self, rid: str, stage: str | None, chunk: int | None, since: float) -> None:
+        self.rid = rid
+        self.stage = stage
+        self.chunk = chunk
+        self.since = since
+        #: when the put of this key returned (None while it runs: not published yet)
+        self.settled: float | None = since
+
+
+# ------------------------------------------------------------------ helpers
+def _request_of(key: str, from_stage: str) -> tuple[str, str | None, int | None]:
+    """(request id, stage, chunk id) of ``key`` sent by ``from_stage``.
+
+    A chunk key whose stage is the edge's sender names its request; any other key (a
+    whole-request payload keyed by the request id, say) is its own request.
+    """
+    try:
+        rid, stage, chunk = parse_chunk_key(key)
+    except ConfigurationError:
+        return key, None, None
+    if str(stage) != from_stage:
+        return key, None, None
+    return rid, from_stage, chunk
+
+
+def _check_int(extra: dict[str, Any], name: str, minimum: int) -> None:
+    value = extra.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"OmnilinkConnector: extra[{name!r}] must be an int >= {minimum}, got {value!r}")
+
+
+def _seconds(extra: dict[str, Any], name: str, default: float | None, *, allow_none: bool) -> float | None:
+    value = extra.get(name, default)
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigurationError(
+            f"OmnilinkConnector: extra[{name!r}] must be a number of seconds >= 0"
+            f"{' or None' if allow_none else ''}, got {value!r}"
+        )
+    return float(value)
+
+
+def _to_wire(obj: Any) -> Any:
+    """``obj`` with every msgspec Struct and dataclass instance turned into a dict.
+
+    vLLM-Omni's chunk adapter puts ``OmniPayloadStruct`` objects; its msgpack serializer
+    turns them into dicts of their fields (omitting fields at their default when the
+    struct has ``omit_defaults``) and the receiver reads dicts (``payload["meta"]``). The
+    same conversion here keeps that contract; everything else is left to tensor_blob,
+    which refuses (``BlobEncodeError``) what it cannot carry.
+    """
+    t = type(obj)
+    if t in _PLAIN:
+        return obj
+    if isinstance(obj, dict):
+        conv = {k: _to_wire(v) for k, v in obj.items()}
+        return obj if all(conv[k] is v for k, v in obj.items()) else conv
+    if isinstance(obj, (list, tuple)):
+        if all(type(v) in _PLAIN for v in obj):  # token id lists: nothing to convert
+            return obj
+        items = [_to_wire(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return items if isinstance(obj, list) else tuple(items)
+    import msgspec  # a dependency of omnilink, imported here to keep this path cheap
+
+    if isinstance(obj, msgspec.Struct):
+        omit = type(obj).__struct_config__.omit_defaults
+        out: dict[str, Any] = {}
+        for f in msgspec.structs.fields(obj):
+            value = getattr(obj, f.name)
+            if omit and _is_default(value, f):
+                continue
+            out[f.encode_name] = _to_wire(value)
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # Not dataclasses.asdict: it deep-copies every tensor.
+        return {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+def _is_default(value: Any, field: Any) -> bool:
+    import msgspec
+
+    if field.default is not msgspec.NODEFAULT:
+        default = field.default
+    elif field.default_factory is not msgspec.NODEFAULT:
+        default = field.default_factory()
+    else:
+        return False
+    if value is default:
+        return True
+    # Only plain values compare by ==; a tensor's == is elementwise.
+    if type(value) is type(default) and isinstance(value, (int, float, str, bytes, list, dict, tuple)):
+        try:
+            return bool(value == default)
+        except Exception:  # pragma: no cover - containers of tensors
+            return False
+    return False
+
+
+def _owned(obj: Any) -> Any:
+    """A copy of a received payload that owns its memory (no view of the transport)."""
+    if isinstance(obj, dict):
+        return {k: _owned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_owned(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_owned(v) for v in obj)
+    clone = getattr(obj, "clone", None)
+    if clone is not None and type(obj).__module__.startswith("torch"):
+        return clone()
+    if type(obj).__module__ == "numpy" and hasattr(obj, "copy") and hasattr(obj, "dtype"):
+        return obj.copy()
+    return obj
+
+
+def _load_base() -> type:
+    """vLLM-Omni's ``OmniConnectorBase``, or ``object`` when vLLM-Omni is not importable."""
+    import importlib
+
+    try:
+        return importlib.import_module(_BASE_MODULE).OmniConnectorBase
+    except ImportError as exc:
+        logger.debug("vllm-omni not importable (%s): OmnilinkConnector subclasses object", exc)
+        return object
+
+
+# ------------------------------------------------------------------ the connector
+class _OmnilinkConnectorImpl:
+    """The whole adapter; ``OmnilinkConnector`` adds vLLM-Omni's base class to it."""
+
+    #: vLLM-Omni may hand over raw tensors and bytes: tensor_blob carries them as they are.
+    supports_raw_data = True
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        # Set first: close() (also reached from a failed __init__) relies on them.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._edges: dict[tuple[str, str], Any] = {}
+        self._edge_from: dict[str, str] = {}
+        self._entries: OrderedDict[_Entry, _Tracked] = OrderedDict()
+        self._by_rid: dict[str, set[_Entry]] = {}
+        self._by_key: dict[str, set[_Entry]] = {}
+        self._by_edge: dict[tuple[str, str], set[str]] = {}
+        self._lost_logged: set[str] = set()
+        self._overflow_warned = False
+        self._counters = {"puts": 0, "gets": 0, "put_failures": 0, "bytes_put": 0, "bytes_got": 0,
+                          "cleanups": 0, "discarded": 0, "expired": 0}
+        self._next_reap = time.monotonic() + _REAP_INTERVAL
+
+        if config is None:
+            config = {}
+        if not isinstance(config, dict):
+            raise ConfigurationError(f"OmnilinkConnector config must be a dict, got {type(config).__name__}")
+        self.config = config
+        self.stage_id = config.get("stage_id", -1)
+        role = config.get("role")
+        if role in (None, "auto"):
+            role = "dual"
+        if role not in _ROLES:
+            raise ConfigurationError(f"OmnilinkConnector: extra['role'] must be one of {_ROLES}, got {role!r}")
+        self.role: str = role
+        backend = config.get("backend", "shm")
+        if not isinstance(backend, str) or not backend:
+            raise ConfigurationError(f"OmnilinkConnector: extra['backend'] must be a backend name, got {backend!r}")
+        from omnilink.connectors import available_backends
+
+        if backend not in available_backends():
+            raise ConfigurationError(
+                f"OmnilinkConnector: unknown backend {backend!r}; available: {', '.join(available_backends())}"
+            )
+        self.backend = backend
+        prefix = config.get("channel", DEFAULT_CHANNEL)
+        validate_channel(prefix)
+        self.channel_prefix: str = prefix
+        options = config.get("options", {})
+        if options is None:
+            options = {}
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise ConfigurationError(
+                f"OmnilinkConnector: extra['options'] must be a dict of backend options, got {options!r}"
+            )
+        for name in _RESERVED_OPTIONS:
+            if name in options:
+                raise ConfigurationError(
+                    f"OmnilinkConnector: extra['options'] must not set {name!r}; it comes from the stage edge "
+                    f"(use extra['channel'] for the channel prefix)"
+                )
+        self._options = dict(options)
+        self._put_timeout = _seconds(config, "put_timeout", DEFAULT_PUT_TIMEOUT, allow_none=True)
+        self._pending_ttl = _seconds(config, "pending_ttl", DEFAULT_PENDING_TTL, allow_none=True)
+        zero_copy = config.get("zero_copy", True)
+        if not isinstance(zero_copy, bool):
+            raise ConfigurationError(f"OmnilinkConnector: extra['zero_copy'] must be a bool, got {zero_copy!r}")
+        self._zero_copy = zero_copy
+        self._device = config.get("device")
+        if self._device is not None and not isinstance(self._device, str):
+            raise ConfigurationError(
+                f"OmnilinkConnector: extra['device'] must be a device string, got {self._device!r}"
+            )
+        max_tracked = config.get("max_tracked_keys", DEFAULT_MAX_TRACKED_KEYS)
+        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 1:
+            raise ConfigurationError(
+                f"OmnilinkConnector: extra['max_tracked_keys'] must be an int >= 1, got {max_tracked!r}"
+            )
+        self._max_tracked = max_tracked
+        _check_int(config, "codec_chunk_frames", 1)
+        _check_int(config, "codec_left_context_frames", 0)
+        _check_int(config, "initial_codec_chunk_frames", 1)
+
+        # Open the configured edge now, so a bad backend option or a too small /dev/shm
+        # fails at start-up (the factory reports it) instead of at the first request.
+        src, dst = config.get("from_stage"), config.get("to_stage")
+        if src is not None and dst is not None and self.role != "dual":
+            try:
+                self._edge(self._channel(str(src), str(dst)), self.role, str(src))
+            except BaseException:
+                self.close()
+                raise
+
+    # ----------------------------------------------------------------- edges
+    def _channel(self, from_stage: str, to_stage: str) -> str:
+        return validate_channel(f"{self.channel_prefix}/{from_stage}-{to_stage}")
+
+    def _edge(self, channel: str, side: str, from_stage: str | None) -> Any:
+        """The omnilink connector of ``side`` ("sender"/"receiver") on ``channel``."""
+        conn = self._edges.get((side, channel))
+        if conn is not None:
+            return conn
+        from omnilink.connectors import connect
+
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
+            conn = self._edges.get((side, channel))
+            if conn is None:
+                conn = connect(self.backend, channel=channel, role=side, **self._options)
+                self._edges[(side, channel)] = conn
+                if from_stage is not None:
+                    self._edge_from.setdefault(channel, from_stage)
+                logger.debug("OmnilinkConnector: opened %s %s on %r", self.backend, side, channel)
+        return conn
+
+    def edge(self, from_stage: str, to_stage: str, /, *, side: str) -> Any:
+        """The omnilink connector this adapter uses for one side of a stage edge.
+
+        For diagnostics and tests (``stats()``, ``mapping_of``); opened if need be.
+
+        Parameters
+        ----------
+        from_stage, to_stage : str
+            The edge, as vLLM-Omni names it (``"0"``, ``"1"``).
+        side : {"sender", "receiver"}
+            The sending side (used by ``put``) or the receiving side (used by ``get``).
+
+        Returns
+        -------
+        omnilink.Connector
+
+        Raises
+        ------
+        ConfigurationError
+            Bad side or stage names, or the backend refused its options.
+        ClosedError
+            The adapter was closed.
+        """
+        if side not in ("sender", "receiver"):
+            raise ConfigurationError(f"side must be 'sender' or 'receiver', got {side!r}")
+        return self._edge(self._channel(str(from_stage), str(to_stage)), side, str(from_stage))
+
+    # ----------------------------------------------------------------- index
+    def _track(self, side: str, channel: str, key: str, from_stage: str, *, busy: bool = False) -> _Entry:
+        entry = (side, channel, key)
+        rid, stage, chunk = _request_of(key, from_stage)
+        with self._lock:
+            old = self._entries.get(entry)
+            if old is not None:
+                if busy:
+                    old.settled = None
+                return entry  # polled (or sent) again: keep its age
+            rec = _Tracked(rid, stage, chunk, time.monotonic())
+            if busy:
+                rec.settled = None
+            self._entries[entry] = rec
+            self._by_rid.setdefault(rid, set()).add(entry)
+            self._by_key.setdefault(key, set()).add(entry)
+            self._by_edge.setdefault((side, channel), set()).add(key)
+            overflow = len(self._entries) - self._max_tracked
+            if overflow > 0:
+                for _ in range(overflow):
+                    old_entry, old_rec = self._entries.popitem(last=False)
+                    self._unindex_locked(old_entry, old_rec)
+                # Without a backend that reports its pending keys (see reap_consumed) the
+                # index also holds consumed keys, so this can be routine: say it once.
+                log = logger.debug if self._overflow_warned else logger.warning
+                self._overflow_warned = True
+                log(
+                    "OmnilinkConnector: more than %d keys tracked; forgot the %d oldest "
+                    "(cleanup() can no longer free them; raise extra['max_tracked_keys'])",
+                    self._max_tracked, overflow,
+                )
+        return entry
+
+    def _settle(self, entry: _Entry) -> None:
+        """The put of ``entry`` returned: from now on it may be pruned as consumed."""
+        with self._lock:
+            rec = self._entries.get(entry)
+            if rec is not None:
+                rec.settled = time.monotonic()
+
+    def _untrack(self, entry: _Entry) -> None:
+        with self._lock:
+            rec = self._entries.pop(entry, None)
+            if rec is not None:
+                self._unindex_locked(entry, rec)
+
+    def _unindex_locked(self, entry: _Entry, rec: _Tracked) -> None:
+        for table, name in ((self._by_rid, rec.rid), (self._by_key, entry[2]), (self._by_edge, entry[:2])):
+            entries = table.get(name)
+            if entries is not None:
+                entries.discard(entry)
+                if not entries:
+                    del table[name]
+
+    def _maybe_reap(self) -> None:
+        if time.monotonic() >= self._next_reap:
+            self.reap_consumed()
+
+    def reap_consumed(self) -> None:
+        """Sweep the per-request index: drop what outlived ``pending_ttl``.
+
+        vLLM-Omni calls this from its save loop; ``put`` and ``get`` also call it about
+        once a second. Sent payloads still unread after ``pending_ttl`` seconds are
+        discarded (their consumer was failed long ago: vLLM-Omni gives up on a request
+        after 600 s without input); keys polled but never read are forgotten.
+        """
+        now = time.monotonic()
+        self._next_reap = now + _REAP_INTERVAL
+        self._prune_consumed()
+        if self._pending_ttl is None:
+            return
+        cutoff = now - self._pending_ttl
+        stale: list[_Entry] = []
+        with self._lock:
+            if self._closed:
+                return
+            while self._entries:
+                entry, rec = next(iter(self._entries.items()))
+                if rec.since > cutoff:
+                    break
+                self._entries.popitem(last=False)
+                self._unindex_locked(entry, rec)
+                if entry[0] == "sender":
+                    stale.append(entry)
+        dropped = sum(self._discard(side, channel, key) for side, channel, key in stale)
+        if dropped:
+            self._count(expired=dropped)
+            logger.warning(
+                "OmnilinkConnector: dropped %d payload(s) unread for more than %.0f s (extra['pending_ttl'])",
+                dropped, self._pending_ttl,
+            )
+
+    def _prune_consumed(self) -> None:
+        """Forget sent keys a receiver already took, where the backend can tell.
+
+        A sender cannot see a receiver's reads; a backend that offers
+        ``pending_keys() -> Iterable[str]`` (keys published and not yet claimed) lets the
+        index keep only what ``cleanup`` could still free. Without it the index holds
+        sent keys until ``pending_ttl`` or the ``max_tracked_keys`` bound.
+        """
+        with self._lock:
+            edges = [(ch, conn) for (side, ch), conn in self._edges.items() if side == "sender"]
+        for channel, conn in edges:
+            pending_keys = getattr(conn, "pending_keys", None)
+            if pending_keys is None:
+                continue
+            # Only keys whose put returned before this snapshot began can be judged by it.
+            snapshot = time.monotonic()
+            try:
+                pending = set(pending_keys())
+            except OmnilinkError as exc:
+                logger.debug("OmnilinkConnector: pending_keys() on %r failed: %s", channel, exc)
+                continue
+            with self._lock:
+                for key in list(self._by_edge.get(("sender", channel), ())):
+                    if key in pending:
+                        continue
+                    entry = ("sender", channel, key)
+                    rec = self._entries.get(entry)
+                    if rec is not None and rec.settled is not None and rec.settled < snapshot:
+                        del self._entries[entry]
+                        self._unindex_locked(entry, rec)
+
+    def _discard(self, side: str, channel: str, key: str) -> bool:
+        conn = self._edges.get((side, channel))
+        if conn is None:
+            return False
+        try:
+            return bool(conn.discard(key))
+        except ClosedError:
+            return False
+        except OmnilinkError as exc:
+            logger.warning("OmnilinkConnector: discarding %r on %r failed: %s", key, channel, exc)
+            return False
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counters[name] += delta
+
+    # ------------------------------------------------------------------- put
+    def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> tuple[bool, int, dict[str, Any] | None]:
+        """Send ``data`` from ``from_stage`` to ``to_stage`` under ``put_key``.
+
+        Parameters
+        ----------
+        from_stage, to_stage : str
+            The stage edge; it names the omnilink channel (``{channel}/{from}-{to}``).
+        put_key : str
+            The key the receiving stage asks for (``{request_id}_{from_stage}_{chunk}``
+            for chunks); read exactly once.
+        data : Any
+            A tensor_blob payload, a ``msgspec.Struct`` or a dataclass (sent as a dict),
+            or a raw tensor / bytes.
+
+        Returns
+        -------
+        tuple of (bool, int, dict or None)
+            ``(True, encoded size in bytes, metadata)`` where metadata is
+            ``{"omnilink": {"backend", "channel", "key"}, "size": n}``; or
+            ``(False, 0, None)`` when the payload could not be sent (an object tensor_blob
+            cannot carry, no room within ``put_timeout``, a closed adapter, ...). The
+            failure is logged; nothing is raised, as vLLM-Omni expects.
+        """
+        try:
+            if self._closed:
+                raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
+            self._maybe_reap()
+            src = str(from_stage)
+            channel = self._channel(src, str(to_stage))
+            conn = self._edge(channel, "sender", src)
+            payload = _to_wire(data)
+            # Indexed before the put, so a cleanup() racing with it still finds the key.
+            entry = self._track("sender", channel, put_key, src, busy=True)
+            try:
+                n = conn.put(put_key, payload, timeout=self._put_timeout)
+            except BaseException:
+                self._untrack(entry)
+                raise
+            self._settle(entry)
+        except OmnilinkError as exc:
+            self._count(put_failures=1)
+            logger.error("OmnilinkConnector: put of %r (%s -> %s) failed: %s", put_key, from_stage, to_stage, exc)
+            return False, 0, None
+        except Exception:
+            self._count(put_failures=1)
+            logger.exception("OmnilinkConnector: put of %r (%s -> %s) failed", put_key, from_stage, to_stage)
+            return False, 0, None
+        self._count(puts=1, bytes_put=n)
+        return True, n, {"omnilink": {"backend": self.backend, "channel": channel, "key": put_key}, "size": n}
+
+    # ------------------------------------------------------------------- get
+    def _get_channel(self, from_stage: str, to_stage: str, get_key: str, metadata: Any) -> str:
+        """The channel to read ``get_key`` from: the one ``put``'s metadata names, if it
+        is ours and on this backend, else the edge's."""
+        md = metadata
+        if isinstance(md, dict) and "omnilink" not in md and isinstance(md.get(get_key), dict):
+            md = md[get_key]
+        ours = md.get("omnilink") if isinstance(md, dict) else None
+        if isinstance(ours, dict) and ours.get("backend") == self.backend:
+            channel = ours.get("channel")
+            if isinstance(channel, str):
+                if ours.get("key") not in (None, get_key):
+                    logger.warning(
+                        "OmnilinkConnector: metadata of key %r is for key %r; reading %r",
+                        get_key, ours.get("key"), get_key,
+                    )
+                return validate_channel(channel)
+        # Foreign or missing metadata (the chunk adapter forwards none): by key alone.
+        return self._channel(from_stage, to_stage)
+
+    def get(
+        self, from_stage: str, to_stage: str, get_key: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[Any, int] | None:
+        """Take the payload under ``get_key`` if it is there; never waits.
+
+        Parameters
+        ----------
+        from_stage, to_stage : str
+            The stage edge the payload travels on.
+        get_key : str
+            The key the sender used.
+        metadata : dict, optional
+            What ``put`` returned, or a dict mapping ``get_key`` to it, or ``None``
+            (look the payload up by key alone). Foreign metadata is ignored.
+
+        Returns
+        -------
+        tuple of (payload, int) or None
+            The payload and its encoded size, consumed (no other reader gets it); or
+            ``None`` when it is not there yet (poll again) or can never arrive (its
+            sender died: logged once per key).
+
+        Raises
+        ------
+        ClosedError
+            The adapter was closed.
+        ConfigurationError
+            Invalid key or stage names.
+        BlobDecodeError
+            The bytes under ``get_key`` are not a valid frame (they are consumed).
+        """
+        if self._closed:
+            raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
+        self._maybe_reap()
+        src = str(from_stage)
+        channel = self._get_channel(src, str(to_stage), get_key, metadata)
+        conn = self._edge(channel, "receiver", src)
+        try:
+            data = conn.get_nowait(get_key)
+        except WouldBlock:
+            self._track("receiver", channel, get_key, src)
+            return None
+        except PeerLostError as exc:
+            self._lost(channel, get_key, src, exc)
+            return None
+        return self._delivered(channel, get_key, data)
+
+    def get_with_deadline(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None = None,
+        *,
+        deadline: float,
+    ) -> tuple[Any, int] | None:
+        """Like ``get`` but wait until ``deadline`` (a ``time.monotonic()`` value).
+
+        The wait is woken by the transport (a semaphore or socket), not by polling.
+        Returns ``None`` if the payload did not arrive by then. Raises as ``get``.
+        """
+        if self._closed:
+            raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return self.get(from_stage, to_stage, get_key, metadata)
+        self._maybe_reap()
+        src = str(from_stage)
+        channel = self._get_channel(src, str(to_stage), get_key, metadata)
+        conn = self._edge(channel, "receiver", src)
+        try:
+            data = conn.get(get_key, timeout=remaining)
+        except TransferTimeout:
+            self._track("receiver", channel, get_key, src)
+            return None
+        except PeerLostError as exc:
+            self._lost(channel, get_key, src, exc)
+            return None
+        return self._delivered(channel, get_key, data)
+
+    def _lost(self, channel: str, key: str, from_stage: str, exc: Exception) -> None:
+        self._track("receiver", channel, key, from_stage)
+        with self._lock:
+            first = key not in self._lost_logged
+            if first:
+                if len(self._lost_logged) >= self._max_tracked:
+                    self._lost_logged.clear()
+                self._lost_logged.add(key)
+        if first:
+            logger.warning("OmnilinkConnector: key %r can no longer arrive: %s", key, exc)
+
+    def _delivered(self, channel: str, key: str, data: Any) -> tuple[Any, int]:
+        self._untrack(("receiver", channel, key))
+        size = encoded_size(data)
+        if self._device is not None:
+            from omnilink._device import payload_to_device
+
+            data = payload_to_device(data, self._device)
+        elif not self._zero_copy:
+            data = _owned(data)
+        self._count(gets=1, bytes_got=size)
+        return data, size
+
+    # --------------------------------------------------------------- cleanup
+    def cleanup(self, request_id: str) -> None:
+        """Free every payload of ``request_id`` still pending on this adapter.
+
+        Discards (a) each key indexed for the request: sent and not read yet, or polled
+        and not read yet; (b) the key ``request_id`` itself (vLLM-Omni also passes exact
+        keys); (c) on each receiving edge, the chunks ``{request_id}_{from}_{c}`` that
+        arrived after the last one polled. Payloads already read are not touched: their
+        blocks go back when the caller drops the last view. Idempotent; a no-op after
+        ``close()``; never raises for an unknown request.
+        """
+        if self._closed or not isinstance(request_id, str) or not request_id:
+            return
+        with self._lock:
+            entries = set(self._by_rid.get(request_id, ())) | set(self._by_key.get(request_id, ()))
+            records = []
+            for entry in entries:
+                rec = self._entries.pop(entry, None)
+                if rec is not None:
+                    self._unindex_locked(entry, rec)
+                    records.append((entry, rec))
+            receivers = [(channel, self._edge_from.get(channel)) for side, channel in self._edges if side == "receiver"]
+        freed = 0
+        next_chunk: dict[str, int] = {}
+        for (side, channel, key), rec in records:
+            if self._discard(side, channel, key):
+                freed += 1
+            if side == "receiver" and rec.chunk is not None and rec.rid == request_id:
+                next_chunk[channel] = max(next_chunk.get(channel, 0), rec.chunk + 1)
+        for channel, src in receivers:
+            if self._discard("receiver", channel, request_id):
+                freed += 1
+            if src is None:
+                continue
+            chunk = next_chunk.get(channel, 0)
+            while True:
+                try:
+                    key = chunk_key(request_id, src, chunk)
+                except ConfigurationError:
+                    break
+                if not self._discard("receiver", channel, key):
+                    break
+                freed += 1
+                chunk += 1
+        self._count(cleanups=1, discarded=freed)
+        if freed:
+            logger.debug("OmnilinkConnector: cleanup(%r) discarded %d payload(s)", request_id, freed)
+
+    # ---------------------------------------------------------------- health
+    def health(self) -> dict[str, Any]:
+        """Status and counters: ``status`` (``"healthy"`` or ``"closed"``), ``backend``,
+        ``role``, ``stage_id``, ``puts``, ``gets``, ``put_failures``, ``bytes_put``,
+        ``bytes_got``, ``pending_keys`` (size of the per-request index), ``cleanups``,
+        ``discarded``, ``expired`` and ``edges`` (``"side:channel"`` -> the omnilink
+        connector's ``stats()`` as a dict)."""
+        import msgspec
+
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["pending_keys"] = len(self._entries)
+            edges = list(self._edges.items())
+            closed = self._closed
+        out.update(status="closed" if closed else "healthy", backend=self.backend, role=self.role,
+                   stage_id=self.stage_id, bytes_transferred=out["bytes_put"] + out["bytes_got"])
+        stats: dict[str, Any] = {}
+        for (side, channel), conn in edges:
+            try:
+                stats[f"{side}:{channel}"] = msgspec.structs.asdict(conn.stats())
+            except ClosedError:
+                continue
+        out["edges"] = stats
+        return out
+
+    # ----------------------------------------------------------------- close
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every omnilink connector this adapter opened; idempotent.
+
+        A sending ``shm`` edge waits up to its ``linger`` option for live receivers to
+        claim what it published. Afterwards ``put`` reports failure, ``get`` raises
+        ``ClosedError`` and ``cleanup`` does nothing.
+        """
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # __init__ failed before anything was opened
+            return
+        with lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._edges.values())
+            self._edges.clear()
+            self._entries.clear()
+            self._by_rid.clear()
+            self._by_key.clear()
+            self._by_edge.clear()
+        for conn in conns:
+            try:
+                conn.close()
+            except Exception:
+                logger.exception("OmnilinkConnector: closing %r failed", conn)
+
+    def __enter__(self) -> _OmnilinkConnectorImpl:
+        if self._closed:
+            raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # OmniConnectorBase.__del__ calls close(), which may linger for seconds inside
+        # the garbage collector. Not needed: every omnilink connector releases its shared
+        # memory through its own weakref.finalize when it is collected.
+        pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<OmnilinkConnector {self.backend} stage={self.stage_id} role={self.role} "
+                f"channel={self.channel_prefix!r} {state}>")
+
+
+# ------------------------------------------------------------------ class and registration
+_class: type | None = None
+_class_lock = threading.Lock()
+
+
+def _connector_class() -> type:
+    """Build ``OmnilinkConnector`` once: the adapter on top of vLLM-Omni's base class
+    (``object`` when vLLM-Omni cannot be imported)."""
+    global _class
+    with _class_lock:
+        if _class is None:
+            base = _load_base()
+            bases = (_OmnilinkConnectorImpl,) if base is object else (_OmnilinkConnectorImpl, base)
+            _class = type(
+                CONNECTOR_NAME,
+                bases,
+                {
+                    "__module__": __name__,
+                    "__qualname__": CONNECTOR_NAME,
+                    "__doc__": _CLASS_DOC,
+                },
+            )
+        return _class
+
+
+_CLASS_DOC = """vLLM-Omni connector over an omnilink backend (see the module docstring).
+
+Parameters
+----------
+config : dict
+    The stage config's ``extra`` (with ``stage_id`` and ``role`` injected by vLLM-Omni);
+    kept as ``self.config``.
+
+Raises
+------
+ConfigurationError
+    Unknown backend, bad option, or the configured edge could not be opened (for
+    ``shm``: ``CapacityError`` when ``/dev/shm`` is too small).
+"""
+
+
+def register(factory: Any = None) -> type:
+    """Register ``OmnilinkConnector`` with vLLM-Omni's ``OmniConnectorFactory``.
+
+    Idempotent: a factory that already maps ``"OmnilinkConnector"`` to this class is left
+    as it is. vLLM-Omni calls this in every process at start-up through the
+    ``vllm_omni.general_plugins`` entry point.
+
+    Parameters
+    ----------
+    factory : type, optional
+        The factory class; default ``vllm_omni.distributed.omni_connectors.factory.
+        OmniConnectorFactory``.
+
+    Returns
+    -------
+    type
+        The ``OmnilinkConnector`` class.
+
+    Raises
+    ------
+    ConfigurationError
+        vLLM-Omni cannot be imported (the message says what to install), the class was
+        built before vLLM-Omni was importable, or the name is taken by another connector.
+    """
+    if factory is None:
+        import importlib
+
+        try:
+            factory = importlib.import_module(_FACTORY_MODULE).OmniConnectorFactory
+        except ImportError as exc:
+            raise ConfigurationError(f"vLLM-Omni is not importable ({exc}); {_INSTALL_HINT}") from exc
+    cls = _connector_class()
+    base = _load_base()
+    if base is object or not issubclass(cls, base):
+        raise ConfigurationError(
+            "OmnilinkConnector was built before vLLM-Omni was importable and does not subclass "
+            f"OmniConnectorBase; import vLLM-Omni before omnilink.integrations.vllm_omni ({_INSTALL_HINT})"
+        )
+    registry = getattr(factory, "_registry", None)
+    if isinstance(registry, dict) and registry.get(CONNECTOR_NAME) is cls:
+        return cls
+    try:
+        factory.register_connector(CONNECTOR_NAME, cls)
+    except ValueError as exc:
+        current = registry.get(CONNECTOR_NAME) if isinstance(registry, dict) else None
+        if current is cls:  # registered meanwhile by another thread
+            return cls
+        raise ConfigurationError(
+            f"{CONNECTOR_NAME!r} is already registered with {factory.__name__} as {current!r}: {exc}"
+        ) from exc
+    logger.debug("registered %s with %s", CONNECTOR_NAME, factory.__name__)
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use: vLLM-Omni (and with it vLLM) is imported only then.
+    if name == "OmnilinkConnector":
+        return _connector_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers only
+
+    class OmnilinkConnector(_OmnilinkConnectorImpl):
+        ...
