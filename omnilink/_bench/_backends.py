@@ -354,7 +354,7 @@ class OmnilinkZmq(_OmnilinkBackend):
     name = "zmq"
     backend = "zmq"
     receiver_first = True
-    description = "omnilink zmq over ipc://, multipart frames"
+    description = "omnilink zmq over ipc://: frames, by reference (process_vm_readv) for payloads >= 1 MiB"
 
 
 class LocalBackend(Backend):

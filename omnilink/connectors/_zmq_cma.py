@@ -265,11 +265,24 @@ def read_regions(
     try:
         if helper is not None and total >= PARALLEL_MIN_BYTES:
             first, second = _split(pairs, total)
-            future = helper.submit(_readv, pid, second)
+            claim = threading.Lock()
+
+            def other_half() -> bool:
+                # Whoever gets here first copies the second half; on a busy machine the
+                # helper may not even be scheduled before this thread finished the first.
+                if not claim.acquire(blocking=False):
+                    return False
+                _readv(pid, second)
+                return True
+
+            future = helper.submit(other_half)
             try:
                 _readv(pid, first)
             finally:
-                future.result()  # always wait: it writes into buf
+                if not other_half():
+                    future.result()  # the helper copies it: wait, it writes into buf
+                else:
+                    future.cancel()
         else:
             _readv(pid, pairs)
         ok = _check_token(pid, token_addr, nonce, scratch)

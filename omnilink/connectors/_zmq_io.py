@@ -76,7 +76,6 @@ decode_parts = _blob.decode_parts
 SEEN_WINDOW = 1 << 16
 #: Longest a give-up path waits for zmq to let go of the caller's buffers.
 RELEASE_GRACE_S = 5.0
-PARALLEL = os.environ.get("OLZ_PAR", "1") == "1"
 #: Milliseconds a closing receiver lets zmq flush queued acks.
 ACK_LINGER_MS = 200
 #: Messages read per poll wake-up before re-checking the pause and stop flags.
@@ -490,7 +489,7 @@ class ReceiverLoop(_Loop):
         return payload, None, meta.nbytes + nbytes, _blob.peek_header(meta)[2]
 
     def _helper(self, nbytes: int) -> concurrent.futures.ThreadPoolExecutor | None:
-        if nbytes < cma.PARALLEL_MIN_BYTES or (os.cpu_count() or 1) < 2 or not PARALLEL:
+        if nbytes < cma.PARALLEL_MIN_BYTES or (os.cpu_count() or 1) < 2:
             return None
         if self.helper is None:
             self.helper = concurrent.futures.ThreadPoolExecutor(

@@ -31,12 +31,15 @@ Topology: the receiver binds, senders connect::
   64-byte aligned buffer (two threads for messages of 4 MiB and more; buffers are
   reused once the views of a consumed payload are gone) and decodes views of it. One
   copy instead of two through the kernel's socket buffers: on the 2-core benchmark
-  machine a bare Unix socket moves 16 MiB at ~0.3-0.45x the shm backend, so frames
+  machine a bare Unix socket moved 16 MiB at 0.10-0.61x the shm backend (median
+  0.43x over 7 runs of the benchmark), so frames
   cannot get within 2x of shm there; by reference does (see ``_zmq_cma`` for the
   token protocol that keeps a late read from delivering a torn payload). Where the
-  kernel refuses the read (another user, a seccomp filter, Yama ptrace_scope >= 2, a
-  different pid namespace) the receiver asks for frames, the sender resends the same
-  message as frames and keeps using frames.
+  kernel refuses the read (another user; a seccomp filter; Yama ``ptrace_scope`` 1,
+  the Ubuntu default, unless the receiver is an ancestor of the sender, e.g. the
+  process that spawned it; ``ptrace_scope`` >= 2; a different pid namespace) the
+  receiver asks for frames, the sender resends the same message as frames and keeps
+  using frames.
 
 What is guaranteed
 ------------------
@@ -272,7 +275,7 @@ class ZmqConnector(BaseConnector):
         out of this sender's memory with ``process_vm_readv`` (one copy instead of two
         through the kernel's socket buffers). Needs the receiver to be allowed to read
         this process (same user; no seccomp filter or Yama ``ptrace_scope`` forbidding
-        it); when it is not, the message is resent as frames and frames are used from
+        it: with scope 1 only an ancestor of the sender may); when it is not, the message is resent as frames and frames are used from
         then on. Ignored for ``tcp://``.
     reference_threshold : int
         Messages whose tensor bytes total at least this many go by reference.

@@ -69,11 +69,13 @@ def receiver(
         rx.close()
 
 
-def endless_sender(channel: str, ipc_dir: str | None, nbytes: int, out: Any) -> None:
+def endless_sender(
+    channel: str, ipc_dir: str | None, nbytes: int, out: Any, options: dict[str, Any] | None = None
+) -> None:
     """Put big payloads under keys big-0, big-1, ... until killed."""
     import omnilink
 
-    tx = omnilink.connect("zmq", channel=channel, role="sender", ipc_dir=ipc_dir)
+    tx = omnilink.connect("zmq", channel=channel, role="sender", ipc_dir=ipc_dir, **(options or {}))
     payloads = [make_payload(i, nbytes) for i in range(2)]
     digests = [digest(p) for p in payloads]
     i = 0

@@ -725,3 +725,31 @@ def test_forged_reference_to_a_foreign_address_is_refused(ipc_dir, opened, raw_c
     with pytest.raises(WouldBlock):
         rx.get_nowait("f")
     raw.close(linger=0)
+
+
+def test_split_cuts_regions_into_two_halves_that_cover_them_once():
+    pairs = [(1000, 5000, 10), (2000, 6000, 7), (3000, 7000, 0), (4000, 8000, 5)]
+    first, second = cma._split(pairs, 22)
+    assert sum(n for *_, n in first) == 11 and sum(n for *_, n in second) == 11
+    # The region cut in two continues exactly where its first piece stopped.
+    assert first[-1] == (2000, 6000, 1) and second[0] == (2001, 6001, 6)
+    covered = sorted((la, ra, n) for la, ra, n in first + second if n)
+    assert covered == [(1000, 5000, 10), (2000, 6000, 1), (2001, 6001, 6), (4000, 8000, 5)]
+
+
+@needs_readable
+def test_large_message_copied_by_two_threads_arrives_intact(ipc_dir, opened):
+    tx, rx = _pair(opened, ipc_dir, channel="u/parallel")
+    n = cma.PARALLEL_MIN_BYTES // 4 + 12345  # float32 elements: just over the threshold
+    payload = {
+        "a": torch.arange(n, dtype=torch.float32),
+        "b": torch.arange(1000, dtype=torch.int64) * 3,
+        "c": np.arange(n // 2, dtype=np.float64)[::-1].copy(),
+    }
+    for key in ("p0", "p1"):  # the second one lands in a reused buffer
+        tx.put(key, payload, timeout=WAIT)
+        got = rx.get(key, timeout=WAIT)
+        assert torch.equal(got["a"], payload["a"]) and torch.equal(got["b"], payload["b"])
+        assert np.array_equal(got["c"], payload["c"])
+        del got
+    assert rx.health()["receiver"]["by_reference"] == 2
