@@ -259,6 +259,15 @@ def _path_str(path: list[Any]) -> str:
 
 
 # ------------------------------------------------------------------------- encoding
+_SCALARS = frozenset((str, int, float, bool, type(None), bytes))
+_COMPLEX_CODES = frozenset(DTYPE_CODES[n][0] for n in ("complex32", "complex64", "complex128"))
+_TENSOR_REFS = [msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(i)) for i in range(256)]
+
+
+class _Retry(Exception):
+    """Internal: the fast walk met something it leaves to the path-tracking walk."""
+
+
 class _Walker:
     """Turns a payload into a msgpack-ready tree plus the list of tensors it holds."""
 
@@ -276,6 +285,35 @@ class _Walker:
 
     def fail(self, what: str) -> BlobEncodeError:
         return BlobEncodeError(f"{_path_str(self.path)}: {what}")
+
+    def fast(self, obj: Any) -> Any:
+        """``walk`` without path bookkeeping: raises ``_Retry`` on anything unusual so
+        that ``walk`` can run again and name the offending path."""
+        t = type(obj)
+        if t in _SCALARS:
+            return obj
+        if t is dict:
+            out = {}
+            for k, v in obj.items():
+                if type(k) is not str:
+                    raise _Retry
+                out[k] = v if type(v) in _SCALARS else self.fast(v)
+            return out
+        if t is list:
+            return [v if type(v) in _SCALARS else self.fast(v) for v in obj]
+        if t is tuple:
+            items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]
+            return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
+        torch = self.torch
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self.tensor_ref(obj, KIND_TORCH)
+        np = self.np
+        if np is not None:
+            if isinstance(obj, np.ndarray):
+                return self.tensor_ref(obj, KIND_NUMPY)
+            if isinstance(obj, np.generic):
+                return self.tensor_ref(np.asarray(obj), KIND_NUMPY_SCALAR)
+        raise _Retry
 
     def walk(self, obj: Any) -> Any:
         t = type(obj)
@@ -332,7 +370,7 @@ class _Walker:
             self.sources.append((kind, src))
             self.offset = _align(self.offset + nbytes)
             self.seen[key] = index
-        return msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
+        return _TENSOR_REFS[index] if index < len(_TENSOR_REFS) else msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
 
     def torch_source(self, t: Any) -> tuple[int, int, list[int], Any]:
         to_code, _ = _torch_dtypes()
@@ -342,11 +380,11 @@ class _Walker:
         if t.layout is not self.torch.strided:
             raise self.fail(f"torch layout {t.layout} is not supported (only dense tensors)")
         # Quantized dtypes are not in the table, so they were refused above.
-        if t.device.type == "meta":
+        if t.is_meta:
             raise self.fail("meta tensors have no data to send")
         if t.requires_grad:
             t = t.detach()
-        if t.is_conj():
+        if entry[0] in _COMPLEX_CODES and t.is_conj():
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
@@ -501,14 +539,20 @@ def prepare(payload: Any, /) -> PreparedBlob:
     """
     walker = _Walker()
     try:
-        tree = walker.walk(payload)
-    except RecursionError as exc:
-        raise BlobEncodeError("payload is nested too deeply") from exc
-    try:
+        tree = walker.fast(payload)
         # One pass: [tensors, tree] is exactly what BlobHeader decodes (array_like).
         header = _ENCODER.encode((walker.descs, tree))
-    except (msgspec.EncodeError, OverflowError, RecursionError) as exc:
-        raise BlobEncodeError(f"payload could not be encoded: {exc}") from exc
+    except (_Retry, BlobEncodeError, msgspec.EncodeError, OverflowError, RecursionError):
+        # Something is unsupported: walk again, tracking the path, to say where.
+        walker = _Walker()
+        try:
+            tree = walker.walk(payload)
+        except RecursionError as exc:
+            raise BlobEncodeError("payload is nested too deeply") from exc
+        try:
+            header = _ENCODER.encode((walker.descs, tree))
+        except (msgspec.EncodeError, OverflowError, RecursionError) as exc:
+            raise BlobEncodeError(f"payload could not be encoded: {exc}") from exc
     if len(header) > MAX_HEADER_BYTES:
         raise BlobEncodeError(
             f"header of {len(header)} bytes exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}); "
