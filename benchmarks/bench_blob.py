@@ -30,29 +30,12 @@ import torch
 
 import omnilink
 from omnilink._bench._machine import machine_record
-
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    for suffix, mult in UNITS.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
+from omnilink._bench._payload import make_payload
+from omnilink._bench._units import format_size, parse_sizes
 
 
-def payload(nbytes: int) -> dict:
-    hidden = 2048
-    n = max(1, nbytes // 2)
-    rows = max(1, n // hidden)
-    t = torch.randn(rows, n // rows).bfloat16() if n >= hidden else torch.randn(n).bfloat16()
-    return {
-        "hidden_states.output": t,
-        "hidden_states.output_shape": list(t.shape),
-        "ids.output": torch.arange(16),
-        "meta": {"finished": False, "left_context_size": 0},
-        "speaker": "Ethan",
-    }
+
+
 
 
 def timed(fn, repeat: int, max_seconds: float) -> float:
@@ -99,7 +82,7 @@ def run(sizes: list[int], repeat: int, max_seconds: float) -> list[dict]:
     records = []
     mp = MsgpackCodec()
     for size in sizes:
-        p = payload(size)
+        p = make_payload(size)
         t = p["hidden_states.output"]
         tensor_bytes = t.numel() * t.element_size()
         prepared = omnilink.blob.prepare(p)
@@ -135,8 +118,7 @@ def run(sizes: list[int], repeat: int, max_seconds: float) -> list[dict]:
 def table(records: list[dict]) -> str:
     lines = [f"{'size':>8} {'codec':>9} {'time':>11} {'GB/s':>8} {'cost/memcpy':>12} {'pickle/this':>12}"]
     for r in records:
-        size = r["size_bytes"]
-        label = f"{size >> 20}MiB" if size >= 1 << 20 else f"{size >> 10}KiB"
+        label = format_size(r["size_bytes"])
         lines.append(
             f"{label:>8} {r['backend']:>9} {r['seconds'] * 1e6:>9.1f}us {r['gbps']:>8.2f} "
             f"{r['x_memcpy']:>11.2f}x {r['pickle_over_this']:>11.1f}x"
@@ -151,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=8.0)
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     torch.set_num_threads(1)  # one core, like one memcpy: no thread-count advantage
     machine = machine_record()
     records = run(sizes, args.repeat, args.max_seconds)

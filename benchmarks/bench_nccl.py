@@ -35,22 +35,11 @@ import sys
 import time
 from typing import Any
 
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+from omnilink._bench._units import format_size, parse_sizes
+
 COLS = 4096  # bf16 columns: a hidden state of width 4096
 
 
-def parse_size(text: str) -> int:
-    for suffix, mult in UNITS.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
-
-
-def human(n: int) -> str:
-    for suffix in ("GiB", "MiB", "KiB"):
-        if n >= UNITS[suffix] and n % UNITS[suffix] == 0:
-            return f"{n // UNITS[suffix]} {suffix}"
-    return f"{n} B"
 
 
 def iters_for(nbytes: int) -> int:
@@ -219,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < 2:
         print("bench_nccl needs two CUDA devices; this machine has", torch.cuda.device_count(), file=sys.stderr)
         return 2
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = (free_port(), free_port())
@@ -245,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     for r in results:
         r["ratio_vs_raw"] = r["gbps"] / raw[r["size"]]
-        print(f"{human(r['size']):>9} | {r['variant']:<12} | {r['gbps']:8.1f} | {r['ratio_vs_raw']:6.3f} | {r['bit_exact']}")
+        print(f"{format_size(r['size']):>9} | {r['variant']:<12} | {r['gbps']:8.1f} | {r['ratio_vs_raw']:6.3f} | {r['bit_exact']}")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in results:

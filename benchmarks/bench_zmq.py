@@ -51,38 +51,14 @@ import sys
 import time
 from typing import Any, Callable
 
+from omnilink._bench._payload import make_payload
+from omnilink._bench._units import format_size, parse_size
+
 WAIT = 60.0
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
-def parse_size(text: str) -> int:
-    for suffix, mult in UNITS.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
 
 
-def human(n: int) -> str:
-    for suffix, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult} {suffix}"
-    return f"{n} B"
-
-
-def make_payload(nbytes: int) -> dict[str, Any]:
-    import torch
-
-    hidden = 2048
-    n = max(1, nbytes // 2)
-    rows = max(1, n // hidden)
-    t = torch.randn(rows, n // rows).bfloat16()
-    return {
-        "hidden_states.output": t,
-        "hidden_states.output_shape": list(t.shape),
-        "ids.output": torch.arange(16),
-        "meta": {"finished": False},
-        "speaker": "Ethan",
-    }
 
 
 # ----------------------------------------------------------------- omnilink backends
@@ -234,12 +210,7 @@ def raw_throughput(size: int, count: int, warmup: int) -> float:
     proc.start()
     try:
         go.set()
-        for _ in range(warmup):
-            pull.recv(copy=False)
-        t0 = time.perf_counter()
-        for _ in range(count):
-            pull.recv(copy=False)
-        elapsed = time.perf_counter() - t0
+        elapsed = timed_loop(lambda: pull.recv(copy=False), warmup, count)
         proc.join(WAIT)
     finally:
         if proc.is_alive():
@@ -248,6 +219,16 @@ def raw_throughput(size: int, count: int, warmup: int) -> float:
         pull.close(linger=0)
         zctx.term()
     return count * size / elapsed
+
+
+def timed_loop(one: Callable[[], Any], warmup: int, count: int) -> float:
+    """Seconds ``count`` calls of ``one`` take, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        one()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        one()
+    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------- raw unix socket ceiling
@@ -297,12 +278,7 @@ def uds_throughput(size: int, count: int, warmup: int) -> float:
                 got += k
 
         go.set()
-        for _ in range(warmup):
-            one()
-        t0 = time.perf_counter()
-        for _ in range(count):
-            one()
-        elapsed = time.perf_counter() - t0
+        elapsed = timed_loop(one, warmup, count)
         proc.join(WAIT)
     finally:
         if proc.is_alive():
@@ -362,12 +338,7 @@ def pickle_throughput(size: int, count: int, warmup: int) -> float:
 
     try:
         ours.send(b"go")
-        for _ in range(warmup):
-            one()
-        t0 = time.perf_counter()
-        for _ in range(count):
-            one()
-        elapsed = time.perf_counter() - t0
+        elapsed = timed_loop(one, warmup, count)
         proc.join(WAIT)
     finally:
         if proc.is_alive():
@@ -440,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     base = next(r["gb_s"] for r in rows if r["path"].startswith("pickle"))
     shm = next(r["gb_s"] for r in rows if r["path"] == "shm" and r["metric"] == "throughput")
     zipc = next(r["gb_s"] for r in rows if r["path"] == "zmq ipc" and r["metric"] == "throughput")
-    print(f"\n### {human(size)} throughput, two processes (spawn)\n")
+    print(f"\n### {format_size(size)} throughput, two processes (spawn)\n")
     print("| path | GB/s | x pickle + fresh shm |")
     print("| --- | ---: | ---: |")
     for r in rows:

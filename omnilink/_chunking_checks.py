@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from omnilink._chunking_codec import chunk_schedule, iter_boundaries
-from omnilink._errors import ChunkInvariantError
-from omnilink._errors import ConfigurationError
+from omnilink._errors import ChunkInvariantError, ConfigurationError
 
 __all__ = [
     "check_boundaries",

@@ -89,7 +89,46 @@ def is_finished(payload: Any, /) -> bool:
     return meta is not None and _truth(meta.get("finished", False))
 
 
-class ChunkSender:
+class _ChunkStream:
+    """What a sender and a receiver of one (request, edge) stream share: its identity,
+    the next chunk id and whether the finishing chunk went by."""
+
+    def __init__(
+        self,
+        connector: Any,
+        request_id: str,
+        from_stage: int | str,
+        next_chunk_id: int,
+        timeout: float | None,
+    ) -> None:
+        self.connector = connector
+        self.request_id = validate_request_id(request_id)
+        validate_stage(from_stage)
+        self.from_stage = from_stage
+        if isinstance(next_chunk_id, bool) or not isinstance(next_chunk_id, int) or next_chunk_id < 0:
+            raise ConfigurationError(f"next_chunk_id must be an int >= 0, got {next_chunk_id!r}")
+        Deadline(timeout)
+        self.timeout = timeout
+        self._next = next_chunk_id
+        self._finished = False
+
+    @property
+    def next_chunk_id(self) -> int:
+        """The id of the next chunk: a sender's watermark (a resumed sender starts
+        here), a receiver's next read."""
+        return self._next
+
+    @property
+    def finished(self) -> bool:
+        """Whether the finishing chunk was sent (sender) or received (receiver)."""
+        return self._finished
+
+    def key(self, chunk_id: int, /) -> str:
+        """The transport key of chunk ``chunk_id`` of this stream."""
+        return chunk_key(self.request_id, self.from_stage, chunk_id)
+
+
+class ChunkSender(_ChunkStream):
     """Send the chunks of one (request, edge) with ids 0, 1, 2, ... and one finish.
 
     One sender per stream and thread; several streams may share a connector.
@@ -123,30 +162,7 @@ class ChunkSender:
         next_chunk_id: int = 0,
         timeout: float | None = None,
     ) -> None:
-        self.connector = connector
-        self.request_id = validate_request_id(request_id)
-        validate_stage(from_stage)
-        self.from_stage = from_stage
-        if isinstance(next_chunk_id, bool) or not isinstance(next_chunk_id, int) or next_chunk_id < 0:
-            raise ConfigurationError(f"next_chunk_id must be an int >= 0, got {next_chunk_id!r}")
-        Deadline(timeout)
-        self.timeout = timeout
-        self._next = next_chunk_id
-        self._finished = False
-
-    @property
-    def next_chunk_id(self) -> int:
-        """The watermark: the id the next chunk gets; a resumed sender starts here."""
-        return self._next
-
-    @property
-    def finished(self) -> bool:
-        """Whether the finishing chunk was sent."""
-        return self._finished
-
-    def key(self, chunk_id: int, /) -> str:
-        """The transport key of chunk ``chunk_id`` of this stream."""
-        return chunk_key(self.request_id, self.from_stage, chunk_id)
+        super().__init__(connector, request_id, from_stage, next_chunk_id, timeout)
 
     def send(self, payload: dict[str, Any], /, *, timeout: float | None = None) -> int:
         """Put ``payload`` as the next chunk; it finishes the stream if ``meta.finished``.
@@ -249,7 +265,7 @@ class ChunkSender:
         return cid
 
 
-class ChunkReceiver:
+class ChunkReceiver(_ChunkStream):
     """Read the chunks of one (request, edge) in order until ``meta.finished``.
 
     Gaps and duplicates are errors, never silently skipped or counted:
@@ -289,34 +305,11 @@ class ChunkReceiver:
         timeout: float | None = None,
         probe_duplicates: bool = True,
     ) -> None:
-        self.connector = connector
-        self.request_id = validate_request_id(request_id)
-        validate_stage(from_stage)
-        self.from_stage = from_stage
-        if isinstance(next_chunk_id, bool) or not isinstance(next_chunk_id, int) or next_chunk_id < 0:
-            raise ConfigurationError(f"next_chunk_id must be an int >= 0, got {next_chunk_id!r}")
-        Deadline(timeout)
-        self.timeout = timeout
+        super().__init__(connector, request_id, from_stage, next_chunk_id, timeout)
         self.probe_duplicates = probe_duplicates
         self._first = next_chunk_id
-        self._next = next_chunk_id
-        self._finished = False
         self._ahead: dict[int, Any] = {}
         self._deferred: Exception | None = None
-
-    @property
-    def next_chunk_id(self) -> int:
-        """The id of the next chunk to read."""
-        return self._next
-
-    @property
-    def finished(self) -> bool:
-        """Whether the finishing chunk was received."""
-        return self._finished
-
-    def key(self, chunk_id: int, /) -> str:
-        """The transport key of chunk ``chunk_id`` of this stream."""
-        return chunk_key(self.request_id, self.from_stage, chunk_id)
 
     def _err(self, cls: type, msg: str, cid: int) -> Exception:
         return cls(

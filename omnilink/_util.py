@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
 from omnilink._errors import ConfigurationError
 
-__all__ = ["Deadline", "validate_channel", "validate_key", "MAX_KEY_BYTES", "MAX_CHANNEL_CHARS"]
+__all__ = ["Deadline", "pid_alive", "validate_channel", "validate_key", "MAX_KEY_BYTES", "MAX_CHANNEL_CHARS"]
 
 #: Keys are never truncated; a longer one is refused instead (REFERENCE.md: truncated
 #: keys collided in production).
@@ -91,3 +92,29 @@ def validate_channel(channel: object) -> str:
             "[A-Za-z0-9._-] in '/'-separated parts, each starting with a letter or digit"
         )
     return channel
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie.
+
+    A SIGKILLed child stays a zombie until its parent reaps it; it will never release
+    anything, so it counts as dead here.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    end = data.rfind(b")")
+    state = data[end + 2 : end + 3]
+    return state not in (b"Z", b"X")

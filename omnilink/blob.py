@@ -64,6 +64,7 @@ __all__ = [
     "TensorDesc",
     "decode",
     "decode_parts",
+    "decode_parts_counted",
     "encode",
     "encode_into",
     "encode_parts",
@@ -304,16 +305,10 @@ class _Walker:
         if t is tuple:
             items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]
             return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
-        torch = self.torch
-        if torch is not None and isinstance(obj, torch.Tensor):
-            return self.tensor_ref(obj, KIND_TORCH)
-        np = self.np
-        if np is not None:
-            if isinstance(obj, np.ndarray):
-                return self.tensor_ref(obj, KIND_NUMPY)
-            if isinstance(obj, np.generic):
-                return self.tensor_ref(np.asarray(obj), KIND_NUMPY_SCALAR)
-        raise _Retry
+        ref = self.array_ref(obj)
+        if ref is None:
+            raise _Retry
+        return ref
 
     def walk(self, obj: Any) -> Any:
         t = type(obj)
@@ -342,6 +337,15 @@ class _Walker:
             if t is tuple:
                 return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
             return items
+        ref = self.array_ref(obj)
+        if ref is not None:
+            return ref
+        # Subclasses of the plain types (IntEnum, str subclasses, OrderedDict...) are
+        # refused rather than silently decoded as their base type.
+        raise self.fail(f"type {t.__module__}.{t.__qualname__} is not supported by tensor_blob")
+
+    def array_ref(self, obj: Any) -> msgspec.msgpack.Ext | None:
+        """The reference to ``obj`` if it is a tensor, array or numpy scalar, else None."""
         torch = self.torch
         if torch is not None and isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, KIND_TORCH)
@@ -351,9 +355,7 @@ class _Walker:
                 return self.tensor_ref(obj, KIND_NUMPY)
             if isinstance(obj, np.generic):
                 return self.tensor_ref(np.asarray(obj), KIND_NUMPY_SCALAR)
-        # Subclasses of the plain types (IntEnum, str subclasses, OrderedDict...) are
-        # refused rather than silently decoded as their base type.
-        raise self.fail(f"type {t.__module__}.{t.__qualname__} is not supported by tensor_blob")
+        return None
 
     def tensor_ref(self, obj: Any, kind: int) -> msgspec.msgpack.Ext:
         key = id(obj)
@@ -678,12 +680,12 @@ def _parse_header(raw: memoryview, header_len: int, data_len: int) -> BlobHeader
     return header
 
 
-def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
+def _make_views(header: BlobHeader, region_of: Any, copy: bool, copied: list[int] | None = None) -> list[Any]:
     """One tensor/array per descriptor, viewing ``region_of(i, desc) -> (buffer, offset)``.
 
     Views are made on the buffer object itself (``torch.frombuffer`` / ``np.frombuffer``),
     so each keeps it alive. A region whose address does not suit its dtype's alignment is
-    copied (one copy beats undefined behaviour).
+    copied (one copy beats undefined behaviour); ``copied[0]`` counts those, when given.
     """
     views: list[Any] = []
     torch = torch_from = np_from = None
@@ -715,6 +717,8 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
                 # Never touch a typed view of misaligned memory (a complex128 clone of
                 # one crashed): copy the bytes, then type the aligned copy.
                 t = torch.frombuffer(buf, dtype=torch.uint8, count=d.nbytes, offset=off).clone().view(dt)
+                if copied is not None:
+                    copied[0] += 1
             elif copy:
                 t = t.clone()
             if len(d.shape) != 1:
@@ -729,7 +733,11 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool) -> list[Any]:
             if dt is None:
                 raise BlobDecodeError(f"tensor {i}: dtype {_NAME_BY_CODE[d.dtype]} is not a numpy dtype")
             a = np.frombuffer(buf, dtype=dt, count=numel, offset=off).reshape(d.shape)
-            if copy or a.ctypes.data % size:
+            if a.ctypes.data % size:
+                a = a.copy()
+                if copied is not None:
+                    copied[0] += 1
+            elif copy:
                 a = a.copy()
             views.append(a[()] if d.kind == KIND_NUMPY_SCALAR else a)
     return views
@@ -803,6 +811,12 @@ def decode_parts(meta: Any, regions: list[Any], /, *, copy: bool = False) -> Any
     BlobDecodeError
         Malformed meta, a region count or length that disagrees with the header.
     """
+    return decode_parts_counted(meta, regions, copy=copy)[0]
+
+
+def decode_parts_counted(meta: Any, regions: list[Any], /, *, copy: bool = False) -> tuple[Any, int]:
+    """``decode_parts``, also returning how many regions had to be copied because their
+    address did not suit their dtype (a transport counts these as fallbacks)."""
     raw = _byte_view(meta, "decode_parts", BlobDecodeError)
     header_len, data_len, _total = _peek(raw)
     if raw.nbytes != PREFIX_SIZE + header_len:
@@ -813,7 +827,7 @@ def decode_parts(meta: Any, regions: list[Any], /, *, copy: bool = False) -> Any
     if len(regions) != len(header.tensors):
         raise BlobDecodeError(f"{len(regions)} region frames, the header describes {len(header.tensors)}")
     if not header.tensors:
-        return _decode_tree(header, [])
+        return _decode_tree(header, []), 0
 
     def region_of(i: int, d: TensorDesc) -> tuple[Any, int]:
         rmv = _byte_view(regions[i], f"region {i}", BlobDecodeError)
@@ -824,5 +838,6 @@ def decode_parts(meta: Any, regions: list[Any], /, *, copy: bool = False) -> Any
     with warnings.catch_warnings():
         # Received frames are often read-only; torch warns its views are writable.
         warnings.simplefilter("ignore", UserWarning)
-        views = _make_views(header, region_of, copy)
-    return _decode_tree(header, views)
+        copied = [0]
+        views = _make_views(header, region_of, copy, copied)
+    return _decode_tree(header, views), copied[0]

@@ -10,6 +10,8 @@ does the same for its tests).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -40,6 +42,31 @@ def no_shm_leak():
             except OSError:
                 pass
         pytest.fail(f"test left shared-memory entries in {SHM_DIR}: {sorted(leaked)}")
+
+
+@pytest.fixture
+def procs():
+    """Child processes a test started (``tests.procs.start_process``); any still alive
+    at teardown are killed, so a failing test cannot leave one running."""
+    started: list = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+@pytest.fixture
+def ipc_dir():
+    """A short private (0700) folder for ipc:// sockets (paths are limited to 107
+    bytes); fails the test if a connector left a file in it."""
+    path = tempfile.mkdtemp(prefix="olz-")
+    try:
+        yield path
+        left = os.listdir(path)
+        assert not left, f"zmq connectors left files behind: {left}"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _has_cuda() -> bool:

@@ -27,6 +27,7 @@ import secrets
 import threading
 
 from omnilink._errors import ConfigurationError
+from omnilink._util import pid_alive  # re-exported: the shm modules import it from here
 
 __all__ = [
     "SHM_DIR",
@@ -117,32 +118,6 @@ def parse_channel_name(entry: str, prefix: str) -> tuple[str, str] | None:
         return None
     base = name[: m.start(2)] if m.group(2) else name
     return "/" + base, "/" + name
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie.
-
-    A SIGKILLed child stays a zombie until its parent reaps it; it will never release
-    anything, so it counts as dead here.
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    end = data.rfind(b")")
-    state = data[end + 2 : end + 3]
-    return state not in (b"Z", b"X")
 
 
 def free_shm_bytes() -> int:

@@ -46,8 +46,6 @@ import time
 import weakref
 from typing import Any, Callable
 
-import msgspec
-import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -71,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 # Indirection so tests can observe the exact frame buffers handed to the decoder.
 decode_parts = _blob.decode_parts
+decode_parts_counted = _blob.decode_parts_counted
 
 #: How many (sender, seq) pairs a receiver remembers to drop resent duplicates.
 SEEN_WINDOW = 1 << 16
@@ -97,47 +96,6 @@ _HANDSHAKE_FAILED = {
 }
 
 
-_ITEMSIZE = {code: size for code, size in _blob.DTYPE_CODES.values()}
-_HEADER = msgspec.msgpack.Decoder(_blob.BlobHeader)
-
-
-def _aligned(meta: memoryview, buffers: list[memoryview]) -> tuple[list[memoryview], int]:
-    """Copy, into 64-byte aligned memory, each region whose address does not suit its dtype.
-
-    libzmq hands out frames at any address: small ones live inside a shared receive
-    buffer, large ones are 8-byte aligned, so a complex128 view may be misaligned. A
-    typed view of misaligned memory is undefined behaviour (torch crashes cloning some),
-    so such a region is copied here, once, and counted as a fallback. Anything malformed
-    is left for ``decode_parts`` to report.
-    """
-    # Fast path: 16-byte aligned suits every dtype; no need to parse the header here.
-    if all(not b.nbytes or np.frombuffer(b, dtype=np.uint8).ctypes.data % 16 == 0 for b in buffers):
-        return buffers, 0
-    try:
-        header_len = _blob.peek_header(meta)[0]
-        header = _HEADER.decode(meta[_blob.PREFIX_SIZE : _blob.PREFIX_SIZE + header_len])
-    except (BlobDecodeError, msgspec.DecodeError, msgspec.ValidationError, ValueError):
-        return buffers, 0
-    if len(header.tensors) != len(buffers):
-        return buffers, 0
-    out = buffers
-    copied = 0
-    for i, (desc, buf) in enumerate(zip(header.tensors, buffers)):
-        size = _ITEMSIZE.get(desc.dtype, 1)
-        if size <= 1 or not buf.nbytes:
-            continue
-        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-        if addr % size == 0:
-            continue
-        raw = np.empty(buf.nbytes + _blob.FRAME_ALIGN, dtype=np.uint8)
-        start = -raw.ctypes.data % _blob.FRAME_ALIGN
-        dst = raw[start : start + buf.nbytes]
-        dst[:] = np.frombuffer(buf, dtype=np.uint8)
-        if out is buffers:
-            out = list(buffers)
-        out[i] = memoryview(dst)
-        copied += 1
-    return out, copied
 
 
 class _Waker:
@@ -426,9 +384,9 @@ class ReceiverLoop(_Loop):
         meta = frames[2].buffer
         buffers = [f.buffer for f in regions]
         try:
-            buffers, copied = _aligned(meta, buffers)
+            # Frames sit at any address; blob copies a region misaligned for its dtype.
+            payload, copied = decode_parts_counted(meta, buffers, copy=False)
             self.fallbacks += copied
-            payload = decode_parts(meta, buffers, copy=False)
         except Exception as exc:  # noqa: BLE001 - hostile input must not kill the loop
             # No traceback: it would keep the frames alive through decode's locals.
             cause = exc.with_traceback(None)

@@ -42,7 +42,7 @@ from omnilink._errors import (
 )
 from omnilink._util import Deadline
 from omnilink.blob import decode, prepare
-from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
+from omnilink.connectors._base import BaseConnector, Role
 
 __all__ = ["MemoryConnector"]
 
@@ -271,17 +271,6 @@ class MemoryConnector(BaseConnector):
     def _raise_if_closing(self) -> None:
         if self._closing or self._closed:
             raise ClosedError(f"memory connector on channel {self.channel!r} is closed")
-
-    def stats(self) -> ConnectorStats:
-        """Counters since this connector was opened (see ``ConnectorStats``).
-
-        Raises
-        ------
-        ClosedError
-            The connector was closed (the state machine in ``_base`` covers ``stats``).
-        """
-        self._check_open()
-        return super().stats()
 
     def close(self) -> None:
         """Release this connector; the last one on a channel drops it. Idempotent.

@@ -84,7 +84,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import Deadline
+from omnilink._util import Deadline, pid_alive
 from omnilink.connectors import _nccl_wire as wire
 from omnilink.connectors._base import BaseConnector, Role
 
@@ -101,22 +101,6 @@ _CTL_BYE_REPLY = 2
 
 def _td(seconds: float | None) -> datetime.timedelta:
     return _FOREVER if seconds is None else datetime.timedelta(seconds=max(seconds, 0.001))
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host is alive (a zombie counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -417,7 +401,7 @@ class NcclConnector(BaseConnector):
             if got != me:
                 host, _, rest = got.partition(":")
                 pid_s = rest.partition(":")[0]
-                if host == self._host and pid_s.isdigit() and not _pid_alive(int(pid_s)):
+                if host == self._host and pid_s.isdigit() and not pid_alive(int(pid_s)):
                     got = st.compare_set(key, got, me).decode()
                 if got != me:
                     raise ConfigurationError(
@@ -467,7 +451,6 @@ class NcclConnector(BaseConnector):
 
     # ================================================================ link setup
     def _setup(self) -> None:
-        dist = self._dist
         # Client of the blocking waits of the receive path (the hello now, envelopes
         # later): a TCPStore client serialises its calls, so each blocking waiter has
         # its own and everything that never blocks shares ``_st_main``.
@@ -500,7 +483,7 @@ class NcclConnector(BaseConnector):
                 raise ConfigurationError(
                     f"nccl: the peer's hello on channel {self.channel!r} is not readable: {exc}"
                 ) from exc
-            if peer.host == self._host and not _pid_alive(peer.pid):
+            if peer.host == self._host and not pid_alive(peer.pid):
                 # A hello left behind by a process that died: wait for a fresh one.
                 st.delete_key(peer_key)
                 continue

@@ -54,7 +54,7 @@ from omnilink._errors import (
 from omnilink._util import Deadline, MAX_KEY_BYTES
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
-from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
+from omnilink.connectors._base import BaseConnector, Role
 from omnilink.connectors._shm_alloc import round_up
 from omnilink.connectors._shm_names import (
     SHM_DIR,
@@ -673,21 +673,10 @@ class ShmConnector(BaseConnector):
         return True
 
     # =================================================================== misc
-    def stats(self) -> ConnectorStats:
-        """Counters since this connector was opened (see ``ConnectorStats``).
-
-        ``blocks_in_use``/``bytes_in_use`` count the arena blocks (and overflow segments)
-        this sender has not got back yet, plus the payloads this receiver still views.
-
-        Raises
-        ------
-        ClosedError
-            The connector was closed.
-        """
-        self._check_open()
-        return super().stats()
 
     def _in_use(self) -> tuple[int, int]:
+        """Arena blocks (and overflow segments) this sender has not got back yet, plus
+        the payloads this receiver still views: ``stats().blocks_in_use``/``bytes_in_use``."""
         blocks, nbytes = self._releaser.counters
         w = self._writer
         if w is not None:

@@ -537,7 +537,6 @@ class ZmqConnector(BaseConnector):
         ClosedError
             The connector was closed.
         """
-        self._check_open()
         st = super().stats()
         receiver = self._res.receiver
         if receiver is None:

@@ -652,21 +652,7 @@ class _OmnilinkConnectorImpl:
         BlobDecodeError
             The bytes under ``get_key`` are not a valid frame (they are consumed).
         """
-        if self._closed:
-            raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
-        self._maybe_reap()
-        src = str(from_stage)
-        channel = self._get_channel(src, str(to_stage), get_key, metadata)
-        conn = self._edge(channel, "receiver", src)
-        try:
-            data = conn.get_nowait(get_key)
-        except WouldBlock:
-            self._track("receiver", channel, get_key, src)
-            return None
-        except PeerLostError as exc:
-            self._lost(channel, get_key, src, exc)
-            return None
-        return self._delivered(channel, get_key, data)
+        return self._receive(from_stage, to_stage, get_key, metadata, None)
 
     def get_with_deadline(
         self,
@@ -682,18 +668,30 @@ class _OmnilinkConnectorImpl:
         The wait is woken by the transport (a semaphore or socket), not by polling.
         Returns ``None`` if the payload did not arrive by then. Raises as ``get``.
         """
+        return self._receive(from_stage, to_stage, get_key, metadata, deadline)
+
+    def _receive(
+        self,
+        from_stage: str,
+        to_stage: str,
+        get_key: str,
+        metadata: dict[str, Any] | None,
+        deadline: float | None,
+    ) -> tuple[Any, int] | None:
+        """``get`` (``deadline`` None: never wait) and ``get_with_deadline``."""
         if self._closed:
             raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return self.get(from_stage, to_stage, get_key, metadata)
+        remaining = None if deadline is None else deadline - time.monotonic()
         self._maybe_reap()
         src = str(from_stage)
         channel = self._get_channel(src, str(to_stage), get_key, metadata)
         conn = self._edge(channel, "receiver", src)
         try:
-            data = conn.get(get_key, timeout=remaining)
-        except TransferTimeout:
+            if remaining is None or remaining <= 0:
+                data = conn.get_nowait(get_key)
+            else:
+                data = conn.get(get_key, timeout=remaining)
+        except (WouldBlock, TransferTimeout):
             self._track("receiver", channel, get_key, src)
             return None
         except PeerLostError as exc:

@@ -24,16 +24,6 @@ WAIT = 120.0
 CTX = mp.get_context("spawn")
 
 
-@pytest.fixture
-def procs():
-    started: list = []
-    yield started
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-
-
 def _next(q):
     try:
         msg = q.get(timeout=WAIT)

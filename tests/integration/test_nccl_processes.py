@@ -14,27 +14,11 @@ import pytest
 
 import omnilink
 from omnilink import PeerLostError, TransferTimeout
+from tests.procs import start_process as _start
 from tests.integration import _nccl_workers as workers
 
 WAIT = 60.0
 CTX = mp.get_context("spawn")
-
-
-@pytest.fixture
-def procs():
-    started: list = []
-    yield started
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-
-
-def _start(procs, target, *args):
-    p = CTX.Process(target=target, args=args, daemon=True)
-    p.start()
-    procs.append(p)
-    return p
 
 
 def _next(q, what):

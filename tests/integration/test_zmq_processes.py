@@ -11,8 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import shutil
-import tempfile
 import threading
 
 import pytest
@@ -21,38 +19,11 @@ pytest.importorskip("zmq")
 
 import omnilink  # noqa: E402
 from omnilink import PeerLostError, TransferTimeout  # noqa: E402
+from tests.procs import start_process as _start
 from tests.integration import _zmq_workers as workers  # noqa: E402
 
 WAIT = 60.0
 CTX = mp.get_context("spawn")
-
-
-@pytest.fixture
-def ipc_dir():
-    path = tempfile.mkdtemp(prefix="olzi-")
-    try:
-        yield path
-        left = os.listdir(path)
-        assert not left, f"zmq connectors left files behind: {left}"
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def procs():
-    started: list = []
-    yield started
-    for p in started:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-
-
-def _start(procs, target, *args):
-    p = CTX.Process(target=target, args=args, daemon=True)
-    p.start()
-    procs.append(p)
-    return p
 
 
 def _next(q, what):

@@ -40,17 +40,6 @@ WAIT = 20.0
 
 
 @pytest.fixture
-def ipc_dir():
-    path = tempfile.mkdtemp(prefix="olzu-")
-    try:
-        yield path
-        left = os.listdir(path)
-        assert not left, f"zmq connectors left files behind: {left}"
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def opened():
     """Connectors to close at the end of the test, whatever happens."""
     conns: list = []
