@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 import omnilink
-from omnilink._bench._machine import machine_record
-from omnilink._bench._payload import make_payload
-from omnilink._bench._units import format_size, parse_sizes
+from omnilink._bench.machine import machine_record
+from omnilink._bench.payload import make_payload
+from omnilink._bench.units import format_size, parse_sizes
 
 
 

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Any
 
-from omnilink._bench._units import format_size, parse_sizes
+from omnilink._bench.units import format_size, parse_sizes
 
 COLS = 4096  # bf16 columns: a hidden state of width 4096
 
@@ -173,7 +173,7 @@ def _worker(rank: int, ports: tuple[int, int], sizes: list[int], rounds: int, ou
 def machine() -> dict[str, Any]:
     import torch
 
-    from omnilink._bench._machine import machine_record
+    from omnilink._bench.machine import machine_record
 
     rec = machine_record()
     rec["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

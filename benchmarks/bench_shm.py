@@ -16,7 +16,7 @@ figure                                 cell(s) of ``omnilink bench``        targ
 
 What is measured (see ``benchmarks/README.md`` for the long form):
 
-- payload: the vLLM-Omni thinker -> talker dict of ``omnilink._bench._payload``: a bf16
+- payload: the vLLM-Omni thinker -> talker dict of ``omnilink._bench.payload``: a bf16
   hidden state of the given size, its shape, 16 int64 ids, ``{"finished": False,
   "sent_ns": ...}`` metadata and a speaker string.
 - throughput: bursts of ``count`` messages (4 at 16 MiB) with up to ``window`` in
@@ -64,7 +64,7 @@ TARGETS = {
 
 
 def _cells(opts: Any) -> list[dict[str, Any]]:
-    from omnilink._bench._runner import run_bench
+    from omnilink._bench.runner import run_bench
 
     out: list[dict[str, Any]] = []
     run_bench(opts, emit=out.append)
@@ -73,7 +73,7 @@ def _cells(opts: Any) -> list[dict[str, Any]]:
 
 def measure_round(repeat: int, latency_repeat: int, max_seconds: float, timeout: float) -> dict[str, Any]:
     """One round: the 16 MiB throughput cells and the 4 KiB latency cell."""
-    from omnilink._bench._runner import BenchOptions
+    from omnilink._bench.runner import BenchOptions
 
     records = _cells(BenchOptions(sizes=[BIG], modes=("throughput",), backends=["memcpy", "pickle-shm", "shm"],
                                   repeat=repeat, max_seconds=max_seconds, timeout=timeout))
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
     args = ap.parse_args(argv)
 
-    from omnilink._bench._machine import machine_record
+    from omnilink._bench.machine import machine_record
 
     info = machine_record()
     rounds = []

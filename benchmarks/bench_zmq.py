@@ -51,8 +51,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from omnilink._bench._payload import make_payload
-from omnilink._bench._units import format_size, parse_size
+from omnilink._bench.payload import make_payload
+from omnilink._bench.units import format_size, parse_size
 
 WAIT = 60.0
 
@@ -350,7 +350,7 @@ def pickle_throughput(size: int, count: int, warmup: int) -> float:
 # ------------------------------------------------------------------------------- main
 def machine() -> dict[str, Any]:
     try:
-        from omnilink._bench._machine import machine_record
+        from omnilink._bench.machine import machine_record
 
         return machine_record()
     except ImportError:

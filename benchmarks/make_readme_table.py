@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from omnilink._bench._report import (  # noqa: E402
+from omnilink._bench.report import (  # noqa: E402
     PlotUnavailable,
     plot_title,
     read_jsonl,

@@ -30,7 +30,7 @@ class _UsageError(Exception):
 
 # -------------------------------------------------------------------------- parsing
 def _build_parser() -> argparse.ArgumentParser:
-    from omnilink._bench._runner import SCENARIOS
+    from omnilink._bench import SCENARIOS
 
     parser = argparse.ArgumentParser(
         prog="omnilink",
@@ -81,8 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_options(args: argparse.Namespace) -> Any:
-    from omnilink._bench._runner import DEFAULT_SIZES, MODES, SCENARIOS, BenchOptions
-    from omnilink._bench._units import parse_sizes
+    from omnilink._bench import DEFAULT_SIZES, MODES, SCENARIOS, BenchOptions
+    from omnilink._bench import parse_sizes
     from omnilink._errors import ConfigurationError
 
     if args.scenario_pos and args.scenario_opt and args.scenario_pos != args.scenario_opt:
@@ -114,9 +114,9 @@ def _bench_options(args: argparse.Namespace) -> Any:
 
 # --------------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from omnilink._bench._machine import machine_record
-    from omnilink._bench._progress import Progress
-    from omnilink._bench._report import (
+    from omnilink._bench import machine_record
+    from omnilink._bench import Progress
+    from omnilink._bench import (
         PlotUnavailable,
         add_ratios,
         caveats,
@@ -126,7 +126,7 @@ def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         write_jsonl,
         write_plot,
     )
-    from omnilink._bench._runner import SCENARIOS, run_bench
+    from omnilink._bench import SCENARIOS, run_bench
 
     opts = _bench_options(args)
     scenario = SCENARIOS[opts.scenario]
@@ -192,12 +192,12 @@ def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _backend_status() -> dict[str, str | None]:
     """Each registered backend and ``None`` if it loads, else the reason it does not."""
     from omnilink._errors import OmnilinkError
-    from omnilink.connectors import _resolve, available_backends
+    from omnilink.connectors import backend_factory, available_backends
 
     status: dict[str, str | None] = {}
     for name in available_backends():
         try:
-            _resolve(name)
+            backend_factory(name)
             status[name] = None
         except OmnilinkError as exc:
             status[name] = str(exc)
@@ -205,7 +205,7 @@ def _backend_status() -> dict[str, str | None]:
 
 
 def _info_record() -> dict[str, Any]:
-    from omnilink._bench._machine import cpu_model, cuda_devices, shm_usage, versions
+    from omnilink._bench import cpu_model, cuda_devices, shm_usage, versions
 
     import os
 

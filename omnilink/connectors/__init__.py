@@ -6,6 +6,11 @@ Third parties either call ``register_backend`` or declare, in their ``pyproject.
 
     [project.entry-points."omnilink.connectors"]
     mybackend = "mypkg.connector:MyConnector"
+
+The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``), whose
+``__init__`` is its door; ``memory.py`` (the in-process reference backend) and
+``base.py`` (the ``Connector`` protocol, ``BaseConnector`` and ``ConnectorStats`` that
+every backend shares) sit here.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from importlib.metadata import entry_points
 from typing import Any, Callable
 
 from omnilink._errors import ConfigurationError, OmnilinkError
-from omnilink.connectors._base import BaseConnector, Connector, ConnectorStats
+from omnilink.connectors.base import BaseConnector, Connector, ConnectorStats
 
 __all__ = [
     "BaseConnector",
     "Connector",
     "ConnectorStats",
     "available_backends",
+    "backend_factory",
     "connect",
     "register_backend",
 ]
@@ -82,7 +88,16 @@ def available_backends() -> list[str]:
         return sorted(set(_BUILTIN) | set(_registered))
 
 
-def _resolve(name: str) -> Callable[..., Connector]:
+def backend_factory(name: str, /) -> Callable[..., Connector]:
+    """The factory registered for backend ``name``, its module imported on first use.
+
+    ``connect`` calls it; the CLI and the benchmarks call it to check a backend loads.
+
+    Raises
+    ------
+    ConfigurationError
+        ``name`` is unknown, or its module or its dependencies cannot be imported.
+    """
     _load_entry_points()
     with _lock:
         target = _registered.get(name, _BUILTIN.get(name))
@@ -116,7 +131,7 @@ def connect(backend: str, /, **options: Any) -> Connector:
     ConfigurationError
         Unknown backend or invalid options.
     """
-    factory = _resolve(backend)
+    factory = backend_factory(backend)
     try:
         return factory(**options)
     except OmnilinkError:

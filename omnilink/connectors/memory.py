@@ -42,7 +42,7 @@ from omnilink._errors import (
 )
 from omnilink._util import Deadline
 from omnilink.blob import decode, prepare
-from omnilink.connectors._base import BaseConnector, Role
+from omnilink.connectors.base import BaseConnector, Role
 
 __all__ = ["MemoryConnector"]
 

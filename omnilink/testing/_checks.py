@@ -39,7 +39,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink.connectors._base import Connector, ConnectorStats
+from omnilink.connectors import Connector, ConnectorStats
 from omnilink.testing._zoo import ConformanceError, assert_payload_equal, payload_zoo
 
 __all__ = ["CHECKS", "PairFactory", "check_connector"]

@@ -89,7 +89,7 @@ def test_receiver_restarted_mid_stream(ipc_dir, procs):
 
 def _can_read_children() -> bool:
     """Whether this kernel lets us process_vm_readv a process of ours (ourselves)."""
-    from omnilink.connectors import _zmq_cma
+    from omnilink.connectors.zmq import cma as _zmq_cma
 
     tok = _zmq_cma.Token()
     try:
@@ -154,7 +154,7 @@ def test_sender_killed_mid_message(ipc_dir, procs, by_reference):
         with pytest.raises(PeerLostError):
             rx.get(f"big-{last + 1}", timeout=WAIT)
         assert rx.stats().blocks_in_use == 0
-        from omnilink.connectors import _zmq_cma
+        from omnilink.connectors.zmq import cma as _zmq_cma
 
         if by_reference and _zmq_cma.available():
             # The path under test was taken (unless this kernel forbids the read).

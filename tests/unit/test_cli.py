@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from omnilink import ConfigurationError
-from omnilink._bench._units import format_size, parse_size, parse_sizes
+from omnilink._bench.units import format_size, parse_size, parse_sizes
 from omnilink.cli import main
 
 
@@ -160,7 +160,7 @@ def test_info_never_initialises_cuda():
 
 
 def test_machine_record_is_hostname_free():
-    from omnilink._bench._machine import machine_record
+    from omnilink._bench.machine import machine_record
 
     rec = machine_record()
     assert {"cpu", "cores", "memory_bytes", "shm", "os", "versions"} <= set(rec)

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from omnilink._bench._machine import machine_record
-from omnilink._bench._plan import plan
-from omnilink._bench._progress import Progress
-from omnilink._bench._report import (
+from omnilink._bench.machine import machine_record
+from omnilink._bench.plan import plan
+from omnilink._bench.progress import Progress
+from omnilink._bench.report import (
     README_BEGIN,
     README_END,
     add_ratios,
@@ -29,7 +29,7 @@ from omnilink._bench._report import (
     write_jsonl,
     write_plot,
 )
-from omnilink._bench._runner import _percentile
+from omnilink._bench.runner import _percentile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "make_readme_table.py")

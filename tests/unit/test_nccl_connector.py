@@ -19,7 +19,7 @@ from omnilink import (
     PeerLostError,
     TransferTimeout,
 )
-from omnilink.connectors import _nccl_wire as wire
+from omnilink.connectors.nccl import wire
 from omnilink.connectors.nccl import NcclConnector
 
 WAIT = 30.0

@@ -15,9 +15,9 @@ import posix_ipc
 import pytest
 
 import omnilink
-from omnilink.connectors import _shm_segments as seg
-from omnilink.connectors._shm_alloc import ALIGN, Allocator
-from omnilink.connectors._shm_names import (
+from omnilink.connectors.shm import segments as seg
+from omnilink.connectors.shm.alloc import ALIGN, Allocator
+from omnilink.connectors.shm.names import (
     arena_name,
     channel_names,
     parse_channel_name,

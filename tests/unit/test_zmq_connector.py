@@ -32,8 +32,8 @@ from omnilink import (  # noqa: E402
     WouldBlock,
 )
 from omnilink.blob import encode_parts  # noqa: E402
-from omnilink.connectors import _zmq_io  # noqa: E402
-from omnilink.connectors import _zmq_wire as wire  # noqa: E402
+from omnilink.connectors.zmq import io as _zmq_io  # noqa: E402
+from omnilink.connectors.zmq import wire  # noqa: E402
 from omnilink.connectors.zmq import ZmqConnector, curve_keypair  # noqa: E402
 
 WAIT = 20.0
@@ -557,7 +557,7 @@ def test_many_senders_one_receiver(ipc_dir, opened):
 
 
 # ------------------------------------------------------ by reference (process_vm_readv)
-from omnilink.connectors import _zmq_cma as cma  # noqa: E402
+from omnilink.connectors.zmq import cma  # noqa: E402
 
 needs_cma = pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
 

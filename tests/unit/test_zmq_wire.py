@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("zmq")
 
 from omnilink import BlobDecodeError, ConfigurationError  # noqa: E402
-from omnilink.connectors import _zmq_wire as wire  # noqa: E402
+from omnilink.connectors.zmq import wire  # noqa: E402
 
 SENDER = bytes(range(16))
 

@@ -32,9 +32,10 @@ from typing import Any, Callable
 
 import msgspec
 
-from omnilink._bench._backends import BACKENDS, PairContext, get_backend, probe
-from omnilink._bench._plan import Plan, plan
-from omnilink._bench._units import format_size
+from omnilink._bench.backends import BACKENDS, PairContext, get_backend, probe
+from omnilink._bench.plan import Plan, plan
+from omnilink._bench.scenarios import SCENARIOS, Scenario
+from omnilink._bench.units import format_size
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -48,46 +49,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
 MODES = ("throughput", "latency")
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """What a scenario measures: its backends, where payloads live, and its references.
-
-    ``reference`` is the baseline of the "x pickle" ratio column and ``ceiling`` the
-    physical limit of the "of ceiling" column.
-    """
-
-    name: str
-    description: str
-    backends: tuple[str, ...]
-    reference: str
-    ceiling: str
-    payload_device: str = "cpu"
-    recv_device: str | None = None
-    needs_cuda: bool = False
-
-
-SCENARIOS: dict[str, Scenario] = {
-    "shm-vs-pickle": Scenario(
-        name="shm-vs-pickle",
-        description="same-host CPU transfer between two processes",
-        backends=("memcpy", "pickle-shm", "msgpack-shm", "torch-mp-queue", "shm", "zmq"),
-        reference="pickle-shm",
-        ceiling="memcpy",
-    ),
-    "gpu": Scenario(
-        name="gpu",
-        description="cuda:0 -> host -> cuda:0 between two processes",
-        backends=("h2d-pinned", "h2d-pageable", "d2h-pinned", "d2h-pageable",
-                  "pickle-shm", "msgpack-shm", "shm", "zmq"),
-        reference="pickle-shm",
-        ceiling="h2d-pinned",
-        payload_device="cuda:0",
-        recv_device="cuda:0",
-        needs_cuda=True,
-    ),
-}
 
 
 @dataclass
@@ -145,7 +106,7 @@ class WorkerPair:
     def __init__(self, *, run_id: str, prefix: str) -> None:
         import torch.multiprocessing as tmp
 
-        from omnilink._bench._workers import worker_main
+        from omnilink._bench.workers import worker_main
 
         ctx = multiprocessing.get_context("spawn")
         link_recv, link_send = ctx.Pipe(duplex=False)

@@ -3,7 +3,7 @@
 Tensor bytes travel by point-to-point ``send``/``recv`` of a process group (NCCL between
 GPUs, gloo between CPUs, so CI runs the same code), received straight into fresh tensors
 on the receiver's device. The header of each payload (its tensor_blob meta, see
-``omnilink.connectors._nccl_wire``) travels on a side channel: the torch.distributed
+``omnilink.connectors.nccl.wire``) travels on a side channel: the torch.distributed
 store (a ``TCPStore``) both ends share, keyed by sequence number. Nothing is pickled.
 
 One channel links exactly two ranks. Each connector builds its own process groups over
@@ -85,8 +85,8 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import Deadline, pid_alive
-from omnilink.connectors import _nccl_wire as wire
-from omnilink.connectors._base import BaseConnector, Role
+from omnilink.connectors.nccl import wire
+from omnilink.connectors.base import BaseConnector, Role
 
 __all__ = ["NcclConnector"]
 

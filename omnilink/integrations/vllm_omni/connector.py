@@ -1,99 +1,17 @@
-"""vLLM-Omni integration: ``OmnilinkConnector`` for ``OmniConnectorFactory``.
+"""``OmnilinkConnector``: the adapter proper (edges, put / get, cleanup, health).
 
-vLLM-Omni moves stage outputs (thinker hidden states, talker codec frames, ...) through
-a connector named in the stage config. ``OmnilinkConnector`` is such a connector: it
-keeps vLLM-Omni's contract (REFERENCE.md section 1) and carries every payload with an
-omnilink backend (``shm`` by default), so payloads travel as tensor_blob frames, never
-pickled, and are received as zero-copy views of the transport buffer.
-
-Registration::
-
-    from omnilink.integrations.vllm_omni import register
-    register()          # OmniConnectorFactory now knows "OmnilinkConnector"
-
-vLLM-Omni calls ``register`` itself at start-up in every process (API server, engine
-core, workers) through the ``vllm_omni.general_plugins`` entry point that omnilink
-declares, so a stage config only has to name the connector::
-
-    runtime:
-      connectors:
-        fast_link:
-          name: OmnilinkConnector
-          extra: {backend: shm, codec_chunk_frames: 25, codec_left_context_frames: 25,
-                  initial_codec_chunk_frames: 4}
-
-How one adapter maps onto omnilink connectors::
-
-    vLLM-Omni call                       omnilink
-    --------------                       --------
-    put("0", "1", key, data)   ------>   connect(backend, channel="<channel>/0-1",
-                                                 role="sender").put(key, blob)
-    get("0", "1", key, md)     ------>   connect(backend, channel="<channel>/0-1",
-                                                 role="receiver").get_nowait(key)
-                                         WouldBlock -> None ("not there yet")
-
-One omnilink connector is opened per stage edge and direction, on first use (or at
-construction for the edge named by ``extra["from_stage"]``/``extra["to_stage"]``,
-which vLLM-Omni injects with the role). A ``put`` always opens the sending side of its
-edge and a ``get`` the receiving side, whatever ``role`` says: a middle stage receives
-on one edge and sends on the next through the same adapter.
-
-Per-request bookkeeping, and what ``cleanup`` frees::
-
-    put(key)       -> index[request_id] += ("sender", channel, key)
-    get(key)=None  -> index[request_id] += ("receiver", channel, key)   (polled, not read)
-    get(key)=data  -> index entry of key removed (consumed)
-    cleanup(rid)   -> discard every indexed key of rid (and the key rid itself); on each
-                      receiving edge also discard the chunks {rid}_{from}_{c} that came
-                      after the last one polled, while they are there
-    every second   -> entries older than ``pending_ttl``: sent payloads still unread are
-                      discarded (their consumer was failed long ago), polled ones forgotten
-
-``request_id`` of a key: the request id of a chunk key ``{request_id}_{from_stage}_{chunk}``
-(``omnilink.chunking.parse_chunk_key``, stage matching the edge), else the key itself.
-
-Configuration (the connector's ``extra`` dict, kept as ``config``):
-
-==========================  ===========================================================
-``backend``                 omnilink backend (default ``"shm"``)
-``channel``                 channel prefix (default ``"vllm-omni"``); give each
-                            deployment on a host its own
-``options``                 dict of backend options for ``omnilink.connect``
-                            (``arena_bytes``, ``timeout``, ``endpoint``, ...)
-``put_timeout``             seconds ``put`` waits for room (backpressure) before it
-                            reports failure (default 10.0)
-``zero_copy``               ``True`` (default): received tensors are views of the
-                            transport buffer, its block is handed back when the last view
-                            dies; ``False``: copy and release at once
-``device``                  move received tensors there (e.g. ``"cuda:0"``)
-``pending_ttl``             seconds after which unread payloads are dropped (default
-                            1800; ``None``: never). vLLM-Omni fails a request that
-                            waited 600 s for input, so older payloads are orphans
-``max_tracked_keys``        bound of the per-request index (default 65536)
-``codec_chunk_frames``,     read by vLLM-Omni's stage processors; checked here to be
-``codec_left_context_``     ints (>= 1, >= 0, >= 1)
-``frames``, ``initial_``
-``codec_chunk_frames``
-``stage_id``, ``role``      injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
-==========================  ===========================================================
-
-Payloads: whatever tensor_blob carries (dicts with dotted keys such as ``codes.audio``
-and ``meta.finished``, tensors of any dtype and device, numpy arrays, plain values), plus
-``msgspec.Struct`` and dataclass instances (``OmniPayloadStruct``), which are sent as the
-dicts msgspec would make of them (fields left at their default omitted when the struct
-says ``omit_defaults``), exactly what vLLM-Omni's own serializer delivers.
+See the package docstring for the contract and the options.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from omnilink._chunking_keys import chunk_key, parse_chunk_key
+from omnilink.chunking import chunk_key
 from omnilink._errors import (
     ClosedError,
     ConfigurationError,
@@ -104,157 +22,25 @@ from omnilink._errors import (
 )
 from omnilink._util import validate_channel
 from omnilink.blob import encoded_size
+from omnilink.integrations.vllm_omni.config import (
+    _BASE_MODULE,
+    _RESERVED_OPTIONS,
+    _REAP_INTERVAL,
+    _ROLES,
+    CONNECTOR_NAME,
+    DEFAULT_CHANNEL,
+    DEFAULT_MAX_TRACKED_KEYS,
+    DEFAULT_PENDING_TTL,
+    DEFAULT_PUT_TIMEOUT,
+    _check_int,
+    _seconds,
+)
+from omnilink.integrations.vllm_omni.index import _Entry, _request_of, _Tracked
+from omnilink.integrations.vllm_omni.payloads import _owned, _to_wire
 
-__all__ = ["CONNECTOR_NAME", "OmnilinkConnector", "register"]
+__all__: list[str] = []  # the package re-exports what is public
 
 logger = logging.getLogger(__name__)
-
-#: The name stage configs use for this connector.
-CONNECTOR_NAME = "OmnilinkConnector"
-_BASE_MODULE = "vllm_omni.distributed.omni_connectors.connectors.base"
-_FACTORY_MODULE = "vllm_omni.distributed.omni_connectors.factory"
-_INSTALL_HINT = "pip install vllm-omni (or, without vLLM, pip install --no-deps vllm-omni)"
-
-DEFAULT_CHANNEL = "vllm-omni"
-DEFAULT_PUT_TIMEOUT = 10.0
-DEFAULT_PENDING_TTL = 1800.0
-DEFAULT_MAX_TRACKED_KEYS = 65536
-#: Seconds between two sweeps of the per-request index (a sweep is cheap; this only
-#: keeps it off the per-call path).
-_REAP_INTERVAL = 1.0
-_ROLES = ("sender", "receiver", "dual")
-#: keys of ``extra`` this adapter or vLLM-Omni owns; ``options`` must not repeat the
-#: two the adapter sets itself
-_RESERVED_OPTIONS = ("channel", "role")
-
-_Entry = tuple[str, str, str]  # (side, channel, key)
-_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
-
-
-class _Tracked:
-    """Index record of one key: which request, which chunk, since when."""
-
-    __slots__ = ("rid", "stage", "chunk", "since", "settled")
-
-    def __init__(self, rid: str, stage: str | None, chunk: int | None, since: float) -> None:
-        self.rid = rid
-        self.stage = stage
-        self.chunk = chunk
-        self.since = since
-        #: when the put of this key returned (None while it runs: not published yet)
-        self.settled: float | None = since
-
-
-# ------------------------------------------------------------------ helpers
-def _request_of(key: str, from_stage: str) -> tuple[str, str | None, int | None]:
-    """(request id, stage, chunk id) of ``key`` sent by ``from_stage``.
-
-    A chunk key whose stage is the edge's sender names its request; any other key (a
-    whole-request payload keyed by the request id, say) is its own request.
-    """
-    try:
-        rid, stage, chunk = parse_chunk_key(key)
-    except ConfigurationError:
-        return key, None, None
-    if str(stage) != from_stage:
-        return key, None, None
-    return rid, from_stage, chunk
-
-
-def _check_int(extra: dict[str, Any], name: str, minimum: int) -> None:
-    value = extra.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"OmnilinkConnector: extra[{name!r}] must be an int >= {minimum}, got {value!r}")
-
-
-def _seconds(extra: dict[str, Any], name: str, default: float | None, *, allow_none: bool) -> float | None:
-    value = extra.get(name, default)
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigurationError(
-            f"OmnilinkConnector: extra[{name!r}] must be a number of seconds >= 0"
-            f"{' or None' if allow_none else ''}, got {value!r}"
-        )
-    return float(value)
-
-
-def _to_wire(obj: Any) -> Any:
-    """``obj`` with every msgspec Struct and dataclass instance turned into a dict.
-
-    vLLM-Omni's chunk adapter puts ``OmniPayloadStruct`` objects; its msgpack serializer
-    turns them into dicts of their fields (omitting fields at their default when the
-    struct has ``omit_defaults``) and the receiver reads dicts (``payload["meta"]``). The
-    same conversion here keeps that contract; everything else is left to tensor_blob,
-    which refuses (``BlobEncodeError``) what it cannot carry.
-    """
-    t = type(obj)
-    if t in _PLAIN:
-        return obj
-    if isinstance(obj, dict):
-        conv = {k: _to_wire(v) for k, v in obj.items()}
-        return obj if all(conv[k] is v for k, v in obj.items()) else conv
-    if isinstance(obj, (list, tuple)):
-        if all(type(v) in _PLAIN for v in obj):  # token id lists: nothing to convert
-            return obj
-        items = [_to_wire(v) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj
-        return items if isinstance(obj, list) else tuple(items)
-    import msgspec  # a dependency of omnilink, imported here to keep this path cheap
-
-    if isinstance(obj, msgspec.Struct):
-        omit = type(obj).__struct_config__.omit_defaults
-        out: dict[str, Any] = {}
-        for f in msgspec.structs.fields(obj):
-            value = getattr(obj, f.name)
-            if omit and _is_default(value, f):
-                continue
-            out[f.encode_name] = _to_wire(value)
-        return out
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # Not dataclasses.asdict: it deep-copies every tensor.
-        return {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    return obj
-
-
-def _is_default(value: Any, field: Any) -> bool:
-    import msgspec
-
-    if field.default is not msgspec.NODEFAULT:
-        default = field.default
-    elif field.default_factory is not msgspec.NODEFAULT:
-        default = field.default_factory()
-    else:
-        return False
-    if value is default:
-        return True
-    # Only plain values compare by ==; a tensor's == is elementwise.
-    if type(value) is type(default) and isinstance(value, (int, float, str, bytes, list, dict, tuple)):
-        try:
-            return bool(value == default)
-        except Exception:  # pragma: no cover - containers of tensors
-            return False
-    return False
-
-
-def _owned(obj: Any) -> Any:
-    """A copy of a received payload that owns its memory (no view of the transport)."""
-    if isinstance(obj, dict):
-        return {k: _owned(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_owned(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_owned(v) for v in obj)
-    clone = getattr(obj, "clone", None)
-    if clone is not None and type(obj).__module__.startswith("torch"):
-        return clone()
-    if type(obj).__module__ == "numpy" and hasattr(obj, "copy") and hasattr(obj, "dtype"):
-        return obj.copy()
-    return obj
-
 
 def _load_base() -> type:
     """vLLM-Omni's ``OmniConnectorBase``, or ``object`` when vLLM-Omni is not importable."""
@@ -714,7 +500,7 @@ class _OmnilinkConnectorImpl:
         self._untrack(("receiver", channel, key))
         size = encoded_size(data)
         if self._device is not None:
-            from omnilink._device import payload_to_device
+            from omnilink.cuda import payload_to_device
 
             data = payload_to_device(data, self._device)
         elif not self._zero_copy:
@@ -863,7 +649,7 @@ def _connector_class() -> type:
                 CONNECTOR_NAME,
                 bases,
                 {
-                    "__module__": __name__,
+                    "__module__": "omnilink.integrations.vllm_omni",
                     "__qualname__": CONNECTOR_NAME,
                     "__doc__": _CLASS_DOC,
                 },
@@ -885,70 +671,3 @@ ConfigurationError
     Unknown backend, bad option, or the configured edge could not be opened (for
     ``shm``: ``CapacityError`` when ``/dev/shm`` is too small).
 """
-
-
-def register(factory: Any = None) -> type:
-    """Register ``OmnilinkConnector`` with vLLM-Omni's ``OmniConnectorFactory``.
-
-    Idempotent: a factory that already maps ``"OmnilinkConnector"`` to this class is left
-    as it is. vLLM-Omni calls this in every process at start-up through the
-    ``vllm_omni.general_plugins`` entry point.
-
-    Parameters
-    ----------
-    factory : type, optional
-        The factory class; default ``vllm_omni.distributed.omni_connectors.factory.
-        OmniConnectorFactory``.
-
-    Returns
-    -------
-    type
-        The ``OmnilinkConnector`` class.
-
-    Raises
-    ------
-    ConfigurationError
-        vLLM-Omni cannot be imported (the message says what to install), the class was
-        built before vLLM-Omni was importable, or the name is taken by another connector.
-    """
-    if factory is None:
-        import importlib
-
-        try:
-            factory = importlib.import_module(_FACTORY_MODULE).OmniConnectorFactory
-        except ImportError as exc:
-            raise ConfigurationError(f"vLLM-Omni is not importable ({exc}); {_INSTALL_HINT}") from exc
-    cls = _connector_class()
-    base = _load_base()
-    if base is object or not issubclass(cls, base):
-        raise ConfigurationError(
-            "OmnilinkConnector was built before vLLM-Omni was importable and does not subclass "
-            f"OmniConnectorBase; import vLLM-Omni before omnilink.integrations.vllm_omni ({_INSTALL_HINT})"
-        )
-    registry = getattr(factory, "_registry", None)
-    if isinstance(registry, dict) and registry.get(CONNECTOR_NAME) is cls:
-        return cls
-    try:
-        factory.register_connector(CONNECTOR_NAME, cls)
-    except ValueError as exc:
-        current = registry.get(CONNECTOR_NAME) if isinstance(registry, dict) else None
-        if current is cls:  # registered meanwhile by another thread
-            return cls
-        raise ConfigurationError(
-            f"{CONNECTOR_NAME!r} is already registered with {factory.__name__} as {current!r}: {exc}"
-        ) from exc
-    logger.debug("registered %s with %s", CONNECTOR_NAME, factory.__name__)
-    return cls
-
-
-def __getattr__(name: str) -> Any:
-    # Built on first use: vLLM-Omni (and with it vLLM) is imported only then.
-    if name == "OmnilinkConnector":
-        return _connector_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-
-    class OmnilinkConnector(_OmnilinkConnectorImpl):
-        ...

@@ -6,7 +6,7 @@ socket buffer -> receiver memory, and the kernel's socket path runs at a fractio
 4 GB/s while ``memcpy`` does ~10). ``process_vm_readv(2)`` lets the receiver copy the
 tensor bytes straight out of the sender's address space in one pass, the same single
 copy the shm backend makes. The frames still travel over ZMQ; only the bulk bytes do
-not (see ``_zmq_wire`` for the reference frame).
+not (see ``wire`` for the reference frame).
 
 Safety protocol (the sender's tensors must never be read after its ``put`` returned
 or raised, and a payload is delivered whole or not at all)::

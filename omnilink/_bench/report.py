@@ -18,7 +18,7 @@ from typing import IO, Any, Iterable
 
 import msgspec
 
-from omnilink._bench._units import format_size
+from omnilink._bench.units import format_size
 
 __all__ = [
     "add_ratios",

@@ -12,7 +12,7 @@ multipart messages are atomic: a peer that dies mid-message leaves nothing behin
 
 or, with flag BY_REFERENCE (ipc only: the receiver copies the regions straight out of
 the sender's memory with ``process_vm_readv``, one copy instead of two; see
-``_zmq_io``)::
+``io``)::
 
     frame 0   routing frame          frame 1   routing frame
     frame 1   blob meta              frame 2   tensor_blob prefix + header

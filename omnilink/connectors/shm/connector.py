@@ -16,8 +16,8 @@ How a payload travels::
     next put: mutex: drain the released ring     <-----   mutex: CLAIMED -> RELEASED,
               blocks back to the allocator                  push on the released ring
 
-See ``omnilink.connectors._shm_segments`` for the byte layouts of the arena and the
-control segment and the descriptor state machine, and ``_shm_names`` for the names.
+See ``omnilink.connectors.shm.segments`` for the byte layouts of the arena and the
+control segment and the descriptor state machine, and ``names`` for the names.
 
 Guarantees
 ----------
@@ -54,23 +54,17 @@ from omnilink._errors import (
 from omnilink._util import Deadline, MAX_KEY_BYTES
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
-from omnilink.connectors._base import BaseConnector, Role
-from omnilink.connectors._shm_alloc import round_up
-from omnilink.connectors._shm_names import (
-    SHM_DIR,
-    HostLock,
+from omnilink.connectors.base import BaseConnector, Role
+from omnilink.connectors.shm.alloc import round_up
+from omnilink.connectors.shm.gc import collect_garbage
+from omnilink.connectors.shm.names import (
     new_token,
     overflow_name,
-    parse_channel_name,
-    parse_owned_name,
     pid_alive,
     read_prefix,
 )
-from omnilink.connectors._shm_segments import (
-    CTRL_MAGIC,
-    CTRL_SIZE,
+from omnilink.connectors.shm.segments import (
     FLAG_OVERFLOW,
-    MAX_PARTICIPANTS,
     MUTEX_GRACE_S,
     ROLE_RECV,
     ROLE_SEND,
@@ -79,13 +73,11 @@ from omnilink.connectors._shm_segments import (
     Channel,
     _LockTimeout,
     _OutRec,
-    _PART,
-    _C_PART,
     _unlink_quiet,
     create_segment,
 )
 
-__all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector", "collect_garbage"]
+__all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector"]
 
 logger = logging.getLogger(__name__)
 
@@ -744,112 +736,6 @@ class ShmConnector(BaseConnector):
         return None
 
 
-# ======================================================================= gc
-def collect_garbage(*, prefix: str | None = None, dry_run: bool = False) -> list[str]:
-    """Remove omnilink shared-memory objects whose owners died.
-
-    Looks at every ``/dev/shm`` entry whose name starts with ``prefix``: arenas, their
-    semaphores and overflow segments are removed when the pid in their name is dead;
-    a channel's control segment and semaphores when no live process is registered on
-    the channel.
-
-    Parameters
-    ----------
-    prefix : str, optional
-        Name prefix; default ``OMNILINK_SHM_PREFIX`` or ``omnilink``.
-    dry_run : bool
-        Only report what would be removed.
-
-    Returns
-    -------
-    list of str
-        The ``/dev/shm`` entry names removed (or that would be), sorted.
-
-    Raises
-    ------
-    ConfigurationError
-        ``prefix`` is not a valid name prefix.
-    """
-    if prefix is None:
-        prefix = read_prefix()
-    elif not isinstance(prefix, str) or not prefix or "/" in prefix or "\0" in prefix:
-        raise ConfigurationError(f"prefix must be a non-empty file-name prefix, got {prefix!r}")
-    removed: list[str] = []
-    alive: dict[int, bool] = {}
-
-    def is_alive(pid: int) -> bool:
-        ok = alive.get(pid)
-        if ok is None:
-            ok = alive[pid] = pid_alive(pid)
-        return ok
-
-    def remove(entry: str) -> None:
-        removed.append(entry)
-        if not dry_run:
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-            except FileNotFoundError:
-                pass
-
-    with HostLock():
-        try:
-            entries = os.listdir(SHM_DIR)
-        except FileNotFoundError:
-            return []
-        channels: dict[str, list[str]] = {}
-        for entry in entries:
-            owned = parse_owned_name(entry, prefix)
-            if owned is not None:
-                if not is_alive(owned[1]):
-                    remove(entry)
-                continue
-            ch = parse_channel_name(entry, prefix)
-            if ch is not None:
-                channels.setdefault(ch[0], []).append(entry)
-        for ctrl_name, group in channels.items():
-            if ctrl_name[1:] in group and _channel_has_live(ctrl_name, is_alive):
-                continue
-            for entry in group:
-                remove(entry)
-    if removed:
-        logger.info("shm gc: %s %d entr%s: %s", "would remove" if dry_run else "removed",
-                    len(removed), "y" if len(removed) == 1 else "ies", ", ".join(sorted(removed)))
-    return sorted(removed)
-
-
-def _channel_has_live(ctrl_name: str, is_alive: Any) -> bool:
-    """Whether any live process is registered in control segment ``ctrl_name``.
-
-    Read without the channel mutex (its holder may be the dead one); under the host lock
-    no one joins or leaves meanwhile, and a live participant's own entry never vanishes
-    while it runs.
-    """
-    import mmap
-
-    import posix_ipc
-
-    try:
-        shm = posix_ipc.SharedMemory(ctrl_name)
-    except posix_ipc.Error:
-        return False
-    try:
-        if shm.size < CTRL_SIZE:
-            return False
-        mm = mmap.mmap(shm.fd, CTRL_SIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        shm.close_fd()
-    try:
-        if bytes(mm[0:8]) != CTRL_MAGIC:
-            return False
-        for i in range(MAX_PARTICIPANTS):
-            pid = _PART.unpack_from(mm, _C_PART + i * _PART.size)[0]
-            if pid and is_alive(pid):
-                return True
-        return False
-    finally:
-        mm.close()
-
-
 # Keys longer than this cannot be published (the descriptor's key field).
 if MAX_KEY_BYTES > 512:  # pragma: no cover - guards a layout change in _util
-    raise ImportError("shm descriptors hold keys of at most 512 bytes; update _shm_segments")
+    raise ImportError("shm descriptors hold keys of at most 512 bytes; update segments.py")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from omnilink._chunking_codec import chunk_schedule, iter_boundaries
+from omnilink.chunking.codec import chunk_schedule, iter_boundaries
 from omnilink._errors import ChunkInvariantError, ConfigurationError
 
 __all__ = [

@@ -31,8 +31,8 @@ from typing import Any
 
 import msgspec
 
-from omnilink._bench._backends import Backend, PairContext, get_backend
-from omnilink._bench._payload import check_payload, make_payload, now_ns, stamp
+from omnilink._bench.backends import Backend, PairContext, get_backend
+from omnilink._bench.payload import check_payload, make_payload, now_ns, stamp
 
 __all__ = ["worker_main"]
 

@@ -281,7 +281,7 @@ class BaseConnector:
     def _finish_get(self, obj: Any, device: Any) -> Any:
         self._count(gets=1)
         if device is not None:
-            from omnilink._device import payload_to_device
+            from omnilink.cuda import payload_to_device
 
             obj = payload_to_device(obj, device)
         return obj

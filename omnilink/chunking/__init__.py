@@ -1,5 +1,11 @@
 """Chunk framing for streaming stages: keys, chunk ids, finish sentinels and the codec
-window arithmetic, built so the bugs of REFERENCE.md section 2 cannot happen.
+window arithmetic, built so the chunking bugs serving engines have shipped (duplicated
+tail chunks, misaligned prefill slices, dropped final chunks, colliding keys) cannot happen.
+
+The package's modules (internal; import the names below from ``omnilink.chunking``):
+``keys`` (key building and parsing), ``codec`` (window arithmetic, ``CodecChunker``,
+``PrefillChunker``), ``stream`` (``ChunkSender`` / ``ChunkReceiver``), ``checks`` (one
+checker per invariant, for property tests of any chunker).
 
 Streaming omni pipelines send a request's output in chunks (thinker hidden states in
 prefill chunks, talker codec frames in windows with left context) so the first audio
@@ -13,7 +19,7 @@ plays after one chunk instead of the whole answer. This module gives:
 - ``ChunkSender`` / ``ChunkReceiver``: a chunk stream over any Connector, ids 0, 1, 2,
   ..., one finish, a watermark for resends after preemption, gap and duplicate errors.
 - ``accumulate``: merge chunk payloads the way engines do.
-- ``check_*``: one checker per invariant of DESIGN.md section 6, for any chunker.
+- ``check_*``: one checker per invariant listed below, for any chunker.
 
 Example (talker side, then code2wav side)::
 
@@ -46,7 +52,7 @@ The invariants every ``CodecChunker`` output keeps, for every ``C >= 1``, ``L >=
 
 from __future__ import annotations
 
-from omnilink._chunking_checks import (
+from omnilink.chunking.checks import (
     check_boundaries,
     check_chunk_ids,
     check_codec_stream,
@@ -58,7 +64,7 @@ from omnilink._chunking_checks import (
     check_prefill_chunks,
     check_single_finish,
 )
-from omnilink._chunking_codec import (
+from omnilink.chunking.codec import (
     CodecChunker,
     CodecWatermark,
     CodecWindow,
@@ -76,8 +82,8 @@ from omnilink._errors import (
     DuplicateChunkError,
     StreamFinishedError,
 )
-from omnilink._chunking_keys import chunk_key, parse_chunk_key
-from omnilink._chunking_stream import ChunkReceiver, ChunkSender, accumulate, is_finished
+from omnilink.chunking.keys import chunk_key, parse_chunk_key
+from omnilink.chunking.stream import ChunkReceiver, ChunkSender, accumulate, is_finished
 
 __all__ = [
     "ChunkGapError",

@@ -166,7 +166,7 @@ class _SegmentBaseline(Backend):
             shm.close()
             shm.unlink()
         if device is not None:
-            from omnilink._device import payload_to_device
+            from omnilink.cuda import payload_to_device
 
             payload = payload_to_device(payload, device)
         return payload
@@ -271,7 +271,7 @@ class TorchQueue(Backend):
         except queue.Empty:
             raise TimeoutError(f"no message from the sender within {self._timeout} s") from None
         if device is not None:
-            from omnilink._device import payload_to_device
+            from omnilink.cuda import payload_to_device
 
             payload = payload_to_device(payload, device)
         return payload
@@ -288,10 +288,10 @@ class _OmnilinkBackend(Backend):
 
     def probe(self) -> str | None:
         from omnilink._errors import OmnilinkError
-        from omnilink.connectors import _resolve
+        from omnilink.connectors import backend_factory
 
         try:
-            _resolve(self.backend)
+            backend_factory(self.backend)
         except OmnilinkError as exc:
             return str(exc)
         return None
@@ -335,7 +335,7 @@ class OmnilinkShm(_OmnilinkBackend):
         """An arena that holds a full window of the largest size, as a deployment sized
         for its payloads would have (the default 128 MiB arena would send 256 MiB
         payloads through the slower per-payload overflow segment)."""
-        from omnilink._bench._plan import plan
+        from omnilink._bench.plan import plan
 
         # 1 MiB per message covers the header, alignment padding and allocator rounding.
         need = max((s + (1 << 20)) * plan(s, "throughput").window for s in sizes)
@@ -377,7 +377,7 @@ class LocalBackend(Backend):
         """Wait until issued copies have finished (asynchronous engines override)."""
 
     def copy_many(self, n: int) -> float:
-        from omnilink._bench._payload import now_ns
+        from omnilink._bench.payload import now_ns
 
         t0 = now_ns()
         for _ in range(n):
@@ -386,7 +386,7 @@ class LocalBackend(Backend):
         return (now_ns() - t0) / 1e9
 
     def copy_each(self, n: int) -> list[int]:
-        from omnilink._bench._payload import now_ns
+        from omnilink._bench.payload import now_ns
 
         out = []
         for _ in range(n):

@@ -24,7 +24,7 @@ Sender message states (guarded by ``SenderLoop.cond``)::
     A SENT message is reset out of zmq (close with linger 0, new socket) before ``put``
     gives up, and ``put`` waits on the zmq.MessageTracker of its zero-copy frames, so
     the caller's memory is never read after ``put`` returned or raised. A by-reference
-    message (``_zmq_cma``) has no frames to wait for: its token is invalidated instead.
+    message (``cma``) has no frames to wait for: its token is invalidated instead.
     An ack RESEND_AS_FRAMES turns a by-reference message back into QUEUED frames.
 
 Receiver: the loop reads whole multipart messages, validates and decodes each one into
@@ -59,9 +59,9 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import Deadline
-from omnilink.connectors import _zmq_cma as cma
-from omnilink.connectors import _zmq_wire as wire
-from omnilink.connectors._zmq_support import zmq_error
+from omnilink.connectors.zmq import cma
+from omnilink.connectors.zmq import wire
+from omnilink.connectors.zmq.support import zmq_error
 
 __all__ = ["ReceiverLoop", "SenderLoop"]
 
@@ -638,7 +638,7 @@ class SenderLoop:
         waiting ``put`` raises ``PeerLostError``.
     reference_threshold : int or None
         Messages whose regions total at least this many bytes are sent by reference
-        (``_zmq_cma``); ``None``: never (tcp endpoints, or switched off).
+        (``cma``); ``None``: never (tcp endpoints, or switched off).
     """
 
     name = "sender"
@@ -937,7 +937,7 @@ class SenderLoop:
                 if p.state == ACKED:
                     del self.pending[seq]
                     if p.token is not None:
-                        p.token.invalidate()  # the receiver has read it: see _zmq_cma
+                        p.token.invalidate()  # the receiver has read it: see cma.py
                     p.parts = p.regions = None
                     return p.status, p.text
                 if self.closed:

@@ -9,7 +9,7 @@ Topology: the receiver binds, senders connect::
                 +------ acks ------------+
 
     A sender has no thread of its own: the thread blocked in ``put`` drives the DEALER
-    (sends, then polls for its ack); concurrent puts take turns (see ``_zmq_io``).
+    (sends, then polls for its ack); concurrent puts take turns (see ``io``).
 
 - Endpoint: ``endpoint="tcp://HOST:PORT"`` (the receiver may bind port ``*`` and publish
   its ``endpoint`` attribute), or ``ipc://PATH``. Without ``endpoint`` both ends derive
@@ -20,7 +20,7 @@ Topology: the receiver binds, senders connect::
 - Each message is one ZMQ multipart message: a routing frame (key, sender id, sequence
   number, frame count), the tensor_blob meta (prefix + header) and one frame per tensor
   region, sent ``copy=False`` when at least ``copy_threshold`` bytes (smaller regions
-  are copied: cheaper than tracking them). See ``_zmq_wire`` for the byte layouts.
+  are copied: cheaper than tracking them). See ``wire`` for the byte layouts.
 - The receiver decodes every tensor as a zero-copy view of its received ``zmq.Frame``
   (a frame stays alive while any view of it does), unless the frame's address does not
   suit the dtype's alignment, in which case that one tensor is copied.
@@ -33,7 +33,7 @@ Topology: the receiver binds, senders connect::
   copy instead of two through the kernel's socket buffers: on the 2-core benchmark
   machine a bare Unix socket moved 16 MiB at 0.10-0.61x the shm backend (median
   0.43x over 7 runs of the benchmark), so frames
-  cannot get within 2x of shm there; by reference does (see ``_zmq_cma`` for the
+  cannot get within 2x of shm there; by reference does (see ``cma`` for the
   token protocol that keeps a late read from delivering a torn payload). Where the
   kernel refuses the read (another user; a seccomp filter; Yama ``ptrace_scope`` 1,
   the Ubuntu default, unless the receiver is an ancestor of the sender, e.g. the
@@ -116,7 +116,7 @@ import msgspec
 
 from omnilink._errors import BlobDecodeError, ConfigurationError, OmnilinkError
 from omnilink._util import Deadline
-from omnilink.connectors._base import BaseConnector, ConnectorStats, Role
+from omnilink.connectors.base import BaseConnector, ConnectorStats, Role
 
 try:
     import zmq
@@ -124,9 +124,9 @@ try:
 except ImportError as _exc:  # pragma: no cover - pyzmq is a hard dependency
     raise ImportError("the zmq backend needs pyzmq: `pip install pyzmq`") from _exc
 
-from omnilink.connectors import _zmq_wire as wire
-from omnilink.connectors._zmq_io import ReceiverLoop, SenderLoop
-from omnilink.connectors._zmq_support import (
+from omnilink.connectors.zmq import wire
+from omnilink.connectors.zmq.io import ReceiverLoop, SenderLoop
+from omnilink.connectors.zmq.support import (
     EndpointLock,
     remove_stale_socket,
     resolve_endpoint,

@@ -33,7 +33,7 @@ from collections.abc import Collection, Iterator
 from typing import Any
 
 from omnilink._errors import ChunkGapError, DuplicateChunkError, StreamFinishedError
-from omnilink._chunking_keys import chunk_key, validate_request_id, validate_stage
+from omnilink.chunking.keys import chunk_key, validate_request_id, validate_stage
 from omnilink._errors import ConfigurationError, TransferTimeout, WouldBlock
 from omnilink._util import Deadline
 

@@ -98,8 +98,8 @@ import posix_ipc
 
 from omnilink._errors import CapacityError, ConfigurationError, TransportError
 from omnilink._util import Deadline
-from omnilink.connectors._shm_alloc import ALIGN, Allocator
-from omnilink.connectors._shm_names import (
+from omnilink.connectors.shm.alloc import ALIGN, Allocator
+from omnilink.connectors.shm.names import (
     HostLock,
     arena_name,
     channel_names,

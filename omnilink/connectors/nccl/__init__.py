@@ -1,0 +1,18 @@
+"""The ``nccl`` backend: GPU-to-GPU transfer through ``torch.distributed`` point-to-point.
+
+This package is the public door of the backend; its modules are internal:
+
+=============  ==========================================================================
+``connector``  ``NcclConnector``: its own two-rank process groups (NCCL on GPUs, gloo on
+               CPU), the control thread, put / get
+``wire``       the header envelope that travels beside the tensors and its validation
+=============  ==========================================================================
+
+Exports: ``NcclConnector``.
+"""
+
+from __future__ import annotations
+
+from omnilink.connectors.nccl.connector import NcclConnector
+
+__all__ = ["NcclConnector"]

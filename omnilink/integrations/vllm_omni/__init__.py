@@ -1,0 +1,168 @@
+"""vLLM-Omni integration: ``OmnilinkConnector`` for ``OmniConnectorFactory``.
+
+vLLM-Omni moves stage outputs (thinker hidden states, talker codec frames, ...) through
+a connector named in the stage config. ``OmnilinkConnector`` is such a connector: it
+keeps vLLM-Omni's contract (REFERENCE.md section 1) and carries every payload with an
+omnilink backend (``shm`` by default), so payloads travel as tensor_blob frames, never
+pickled, and are received as zero-copy views of the transport buffer.
+
+Registration::
+
+    from omnilink.integrations.vllm_omni import register
+    register()          # OmniConnectorFactory now knows "OmnilinkConnector"
+
+vLLM-Omni calls ``register`` itself at start-up in every process (API server, engine
+core, workers) through the ``vllm_omni.general_plugins`` entry point that omnilink
+declares, so a stage config only has to name the connector::
+
+    runtime:
+      connectors:
+        fast_link:
+          name: OmnilinkConnector
+          extra: {backend: shm, codec_chunk_frames: 25, codec_left_context_frames: 25,
+                  initial_codec_chunk_frames: 4}
+
+How one adapter maps onto omnilink connectors::
+
+    vLLM-Omni call                       omnilink
+    --------------                       --------
+    put("0", "1", key, data)   ------>   connect(backend, channel="<channel>/0-1",
+                                                 role="sender").put(key, blob)
+    get("0", "1", key, md)     ------>   connect(backend, channel="<channel>/0-1",
+                                                 role="receiver").get_nowait(key)
+                                         WouldBlock -> None ("not there yet")
+
+One omnilink connector is opened per stage edge and direction, on first use (or at
+construction for the edge named by ``extra["from_stage"]``/``extra["to_stage"]``,
+which vLLM-Omni injects with the role). A ``put`` always opens the sending side of its
+edge and a ``get`` the receiving side, whatever ``role`` says: a middle stage receives
+on one edge and sends on the next through the same adapter.
+
+Per-request bookkeeping, and what ``cleanup`` frees::
+
+    put(key)       -> index[request_id] += ("sender", channel, key)
+    get(key)=None  -> index[request_id] += ("receiver", channel, key)   (polled, not read)
+    get(key)=data  -> index entry of key removed (consumed)
+    cleanup(rid)   -> discard every indexed key of rid (and the key rid itself); on each
+                      receiving edge also discard the chunks {rid}_{from}_{c} that came
+                      after the last one polled, while they are there
+    every second   -> entries older than ``pending_ttl``: sent payloads still unread are
+                      discarded (their consumer was failed long ago), polled ones forgotten
+
+``request_id`` of a key: the request id of a chunk key ``{request_id}_{from_stage}_{chunk}``
+(``omnilink.chunking.parse_chunk_key``, stage matching the edge), else the key itself.
+
+Configuration (the connector's ``extra`` dict, kept as ``config``):
+
+==========================  ===========================================================
+``backend``                 omnilink backend (default ``"shm"``)
+``channel``                 channel prefix (default ``"vllm-omni"``); give each
+                            deployment on a host its own
+``options``                 dict of backend options for ``omnilink.connect``
+                            (``arena_bytes``, ``timeout``, ``endpoint``, ...)
+``put_timeout``             seconds ``put`` waits for room (backpressure) before it
+                            reports failure (default 10.0)
+``zero_copy``               ``True`` (default): received tensors are views of the
+                            transport buffer, its block is handed back when the last view
+                            dies; ``False``: copy and release at once
+``device``                  move received tensors there (e.g. ``"cuda:0"``)
+``pending_ttl``             seconds after which unread payloads are dropped (default
+                            1800; ``None``: never). vLLM-Omni fails a request that
+                            waited 600 s for input, so older payloads are orphans
+``max_tracked_keys``        bound of the per-request index (default 65536)
+``codec_chunk_frames``,     read by vLLM-Omni's stage processors; checked here to be
+``codec_left_context_``     ints (>= 1, >= 0, >= 1)
+``frames``, ``initial_``
+``codec_chunk_frames``
+``stage_id``, ``role``      injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
+==========================  ===========================================================
+
+Payloads: whatever tensor_blob carries (dicts with dotted keys such as ``codes.audio``
+and ``meta.finished``, tensors of any dtype and device, numpy arrays, plain values), plus
+``msgspec.Struct`` and dataclass instances (``OmniPayloadStruct``), which are sent as the
+dicts msgspec would make of them (fields left at their default omitted when the struct
+says ``omit_defaults``), exactly what vLLM-Omni's own serializer delivers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from omnilink._errors import ConfigurationError
+from omnilink.integrations.vllm_omni.config import _FACTORY_MODULE, _INSTALL_HINT, CONNECTOR_NAME
+from omnilink.integrations.vllm_omni.connector import _connector_class, _load_base
+
+if TYPE_CHECKING:  # pragma: no cover
+    from omnilink.integrations.vllm_omni.connector import _OmnilinkConnectorImpl
+
+__all__ = ["CONNECTOR_NAME", "OmnilinkConnector", "register"]
+
+logger = logging.getLogger(__name__)
+
+
+def register(factory: Any = None) -> type:
+    """Register ``OmnilinkConnector`` with vLLM-Omni's ``OmniConnectorFactory``.
+
+    Idempotent: a factory that already maps ``"OmnilinkConnector"`` to this class is left
+    as it is. vLLM-Omni calls this in every process at start-up through the
+    ``vllm_omni.general_plugins`` entry point.
+
+    Parameters
+    ----------
+    factory : type, optional
+        The factory class; default ``vllm_omni.distributed.omni_connectors.factory.
+        OmniConnectorFactory``.
+
+    Returns
+    -------
+    type
+        The ``OmnilinkConnector`` class.
+
+    Raises
+    ------
+    ConfigurationError
+        vLLM-Omni cannot be imported (the message says what to install), the class was
+        built before vLLM-Omni was importable, or the name is taken by another connector.
+    """
+    if factory is None:
+        import importlib
+
+        try:
+            factory = importlib.import_module(_FACTORY_MODULE).OmniConnectorFactory
+        except ImportError as exc:
+            raise ConfigurationError(f"vLLM-Omni is not importable ({exc}); {_INSTALL_HINT}") from exc
+    cls = _connector_class()
+    base = _load_base()
+    if base is object or not issubclass(cls, base):
+        raise ConfigurationError(
+            "OmnilinkConnector was built before vLLM-Omni was importable and does not subclass "
+            f"OmniConnectorBase; import vLLM-Omni before omnilink.integrations.vllm_omni ({_INSTALL_HINT})"
+        )
+    registry = getattr(factory, "_registry", None)
+    if isinstance(registry, dict) and registry.get(CONNECTOR_NAME) is cls:
+        return cls
+    try:
+        factory.register_connector(CONNECTOR_NAME, cls)
+    except ValueError as exc:
+        current = registry.get(CONNECTOR_NAME) if isinstance(registry, dict) else None
+        if current is cls:  # registered meanwhile by another thread
+            return cls
+        raise ConfigurationError(
+            f"{CONNECTOR_NAME!r} is already registered with {factory.__name__} as {current!r}: {exc}"
+        ) from exc
+    logger.debug("registered %s with %s", CONNECTOR_NAME, factory.__name__)
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use: vLLM-Omni (and with it vLLM) is imported only then.
+    if name == "OmnilinkConnector":
+        return _connector_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers only
+
+    class OmnilinkConnector(_OmnilinkConnectorImpl):
+        ...
