@@ -5,18 +5,32 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.omnilink-installed
+LOCK := $(VENV).lock
 
 .PHONY: setup test bench clean
 
 setup: $(STAMP)
 
+# Two targets started at once in one clone (`make test & make bench`) must not install
+# into the venv together: the install runs under an flock on $(LOCK), in a sub-make that
+# looks at the stamp again once it holds the lock, so the second one finds it done.
+ifdef OMNILINK_VENV_LOCKED
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test,plot]"
-	# vLLM-Omni's connector modules, for the integration tests (no vLLM: see REFERENCE).
+	# vLLM-Omni's connector modules, for the integration tests: they load them without vLLM
+	# (tests/integration/_vllm_omni_stubs.py says how).
 	$(PY) -m pip install -q --no-deps "vllm-omni==0.30.0"
 	touch $(STAMP)
+else
+$(STAMP): pyproject.toml
+	@if command -v flock >/dev/null 2>&1; then \
+		flock $(LOCK) $(MAKE) --no-print-directory OMNILINK_VENV_LOCKED=1 $(STAMP); \
+	else \
+		$(MAKE) --no-print-directory OMNILINK_VENV_LOCKED=1 $(STAMP); \
+	fi
+endif
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -25,4 +39,4 @@ bench: setup
 	$(PY) -m omnilink bench --json benchmarks/results/latest.jsonl --plot benchmarks/results/latest.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOCK) build dist *.egg-info

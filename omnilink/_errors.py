@@ -145,12 +145,12 @@ class StreamFinishedError(ChunkSequenceError):
 
 
 class ChunkInvariantError(OmnilinkError, AssertionError):
-    """An invariant of DESIGN.md section 6 does not hold for a list of windows.
+    """A chunk-framing invariant does not hold for a list of windows.
 
     Raised by the ``omnilink.chunking.check_*`` helpers, which verify a chunker's output
     (ours, or a third party's) against the frames that were pushed. ``invariant`` is
-    the number of the invariant in DESIGN.md section 6 (or a short name for the key
-    and prefill checks).
+    the number of the invariant as ``omnilink.chunking`` lists them (1 to 7, also in the
+    README's "Streaming" section), or a short name for the key and prefill checks.
     """
 
     def __init__(self, invariant: int | str, message: str) -> None:

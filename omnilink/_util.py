@@ -11,8 +11,8 @@ from omnilink._errors import ConfigurationError
 
 __all__ = ["Deadline", "pid_alive", "validate_channel", "validate_key", "MAX_KEY_BYTES", "MAX_CHANNEL_CHARS"]
 
-#: Keys are never truncated; a longer one is refused instead (REFERENCE.md: truncated
-#: keys collided in production).
+#: Keys are never truncated; a longer one is refused instead (serving engines that cut
+#: ids to 25 characters and keys to 56 bytes delivered one request's chunks to another).
 MAX_KEY_BYTES = 512
 MAX_CHANNEL_CHARS = 128
 _CHANNEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*")

@@ -8,6 +8,8 @@ Subcommands
     Versions, backends, ``/dev/shm`` and CUDA devices.
 ``omnilink gc``
     Remove shared-memory segments and semaphores that dead processes left behind.
+``omnilink --version``
+    Print omnilink's version.
 
 Exit status: 0 success, 1 the command could not do its work (a scenario that cannot run
 here, a backend that fails to load), 2 bad usage, 130 interrupted.
@@ -30,12 +32,15 @@ class _UsageError(Exception):
 
 # -------------------------------------------------------------------------- parsing
 def _build_parser() -> argparse.ArgumentParser:
+    from omnilink import __version__
     from omnilink._bench import SCENARIOS
 
     parser = argparse.ArgumentParser(
         prog="omnilink",
         description="omnilink: zero-copy tensor transfer between pipeline stages.",
     )
+    parser.add_argument("-V", "--version", action="version", version=f"omnilink {__version__}",
+                        help="print omnilink's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     bench = sub.add_parser(
@@ -68,7 +73,9 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="seconds any single message may take before the cell fails (default 60)")
     bench.add_argument("--json", metavar="FILE", help="write one JSON object per cell to FILE")
     bench.add_argument("--plot", metavar="FILE.png", help="write a throughput-vs-size plot (needs matplotlib)")
-    bench.add_argument("-q", "--quiet", action="store_true", help="no progress indicator")
+    bench.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress on stderr (by default a redrawn line on a terminal, "
+                            "one line per step otherwise)")
 
     info = sub.add_parser("info", help="versions, backends, /dev/shm and CUDA devices")
     info.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,7 +1,7 @@
 """The payload every transport carries: a thinker -> talker message of vLLM-Omni.
 
 ``size_bytes`` is the size of the bf16 hidden-state tensor, the part that grows; the
-rest is the small metadata a real chunk carries (REFERENCE.md section 1)::
+rest is the small metadata a real chunk carries (see ``omnilink.integrations.vllm_omni``)::
 
     {
         "hidden_states.output": bf16 [rows, HIDDEN] (or [1, n] below one row),

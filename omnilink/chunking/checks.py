@@ -1,4 +1,4 @@
-"""Checkers of the chunk-framing invariants (DESIGN.md section 6), one per invariant.
+"""Checkers of the chunk-framing invariants (listed in ``omnilink.chunking``), one per invariant.
 
 Each takes what a chunker produced (windows, chunk ids, payloads) and what went in
 (the frames pushed), recomputes everything it needs from those instead of trusting

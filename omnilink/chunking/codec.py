@@ -153,7 +153,7 @@ class CodecWindow(msgspec.Struct, frozen=True, kw_only=True, eq=False):
         -------
         dict
             ``{"codes.audio": 1-D int64, "meta": {"finished": 0-d bool tensor,
-            "left_context_size": int}}``, ``meta`` nested (DESIGN.md section 6 item 7).
+            "left_context_size": int}}``, ``meta`` nested (invariant 7).
         """
         import torch
 
@@ -216,7 +216,8 @@ def _int_frames(frames: Any, q: int | None) -> torch.Tensor:
 class CodecChunker:
     """Cut a stream of codec frames into windows with left context (see module diagram).
 
-    Every output satisfies DESIGN.md section 6 (checked by ``omnilink.chunking.check_*``).
+    Every output keeps the invariants ``omnilink.chunking`` lists (checked by
+    ``omnilink.chunking.check_*``).
     Memory stays ``O(L + C)`` frames however long the stream. Not thread-safe: one
     producer per chunker.
 
@@ -552,8 +553,8 @@ class PrefillChunker:
 
     The caller passes the *whole* sequence so far each time; the chunker keeps the
     offset and returns ``sequence[offset : offset + size]`` for every complete chunk,
-    so the chunks concatenate to the sequence (REFERENCE.md section 2: slicing
-    ``[:chunk_size]`` repeated the first rows in every chunk).
+    so the chunks concatenate to the sequence (an engine that sliced ``[:chunk_size]``
+    repeated the first rows in every chunk).
 
     Parameters
     ----------

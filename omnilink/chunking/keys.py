@@ -10,7 +10,7 @@ Layout of a key (parsed from the right, because request ids may contain ``_``)::
       '_')
 
 Nothing is ever truncated: a key longer than ``omnilink._util.MAX_KEY_BYTES`` is refused
-(REFERENCE.md section 2: ids cut to 25 characters and keys cut to 56 bytes collided, and
+(engines that cut ids to 25 characters and keys to 56 bytes saw keys collide, and
 ``None`` ids made ``None_1_0`` keys shared by every request).
 """
 

@@ -66,7 +66,7 @@ def _meta_of(payload: Any) -> dict[str, Any] | None:
     if flat:
         raise ConfigurationError(
             f"payload has flat meta keys {sorted(flat)}: meta must be a nested dict "
-            "(payload['meta']['finished'], DESIGN.md section 6 item 7)"
+            "(payload['meta']['finished'], chunking invariant 7)"
         )
     meta = payload.get("meta")
     if meta is None:

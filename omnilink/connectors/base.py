@@ -9,7 +9,7 @@ State machine of a connector (the same for every backend)::
                            |  get_nowait / discard / stats     |  raises ClosedError
                            +-----------------------------------+
 
-Contract (DESIGN.md section 2):
+Contract (the same for every backend; ``omnilink.testing`` checks it):
 
 - ``put(key, payload, /, *, timeout=None)`` returns once the payload is in the transport
   and the caller may reuse every tensor it passed; it returns the encoded size in bytes.

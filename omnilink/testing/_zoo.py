@@ -230,7 +230,7 @@ def payload_zoo() -> dict[str, Any]:
         "list": [torch.ones(2), np.zeros(2, dtype=np.float32), (torch.tensor(1), "x")],
     }
 
-    # ---- vLLM-Omni shaped hand-offs (REFERENCE.md section 1)
+    # ---- vLLM-Omni shaped hand-offs (the stage payloads omnilink.integrations.vllm_omni lists)
     zoo["vllm.thinker_to_talker"] = {
         "hidden_states.output": torch.randn(7, 64, generator=gen).to(torch.bfloat16),
         "hidden_states.output_shape": torch.tensor([7, 64], dtype=torch.int64),

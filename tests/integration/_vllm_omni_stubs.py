@@ -83,7 +83,7 @@ WAIT = 20.0
 
 
 def thinker_payload(i: int) -> dict[str, Any]:
-    """A thinker -> talker chunk payload (REFERENCE.md section 1), deterministic in ``i``."""
+    """A thinker -> talker chunk payload of vLLM-Omni's shape, deterministic in ``i``."""
     import torch
 
     hidden = torch.full((4 + i, 16), float(i), dtype=torch.bfloat16)

@@ -42,8 +42,12 @@ def test_bench_end_to_end(tmp_path):
     for needle in ("throughput", "latency", "GB/s", "msgs/s", "p50 us", "p99 us", "vs pickle-shm",
                    "vs memcpy", "Benchmarks are hard", "Machine:", "CLOCK_MONOTONIC"):
         assert needle in proc.stdout
-    # stderr: no progress line (not a terminal), no crash, no resource-tracker complaints
-    assert "\r" not in proc.stderr
+    # stderr: progress as plain lines (not a terminal: no redraws), one per finished cell
+    # and more, no crash, no resource-tracker complaints
+    assert "\r" not in proc.stderr and "\x1b" not in proc.stderr
+    done_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("omnilink bench: [")]
+    assert any(ln.startswith("omnilink bench: [24/24 ") for ln in done_lines), proc.stderr
+    assert len(done_lines) >= 24, proc.stderr
     for bad in ("Traceback", "resource_tracker", "leaked"):
         assert bad not in proc.stderr, proc.stderr
 

@@ -2,7 +2,8 @@
 
 vLLM is not needed: ``_vllm_omni_stubs`` loads the connector modules of the installed
 ``vllm-omni`` wheel (``pip install --no-deps vllm-omni==0.30.0``, done by ``make test``)
-under namespace stubs. Covers REFERENCE.md section 1 point by point.
+under namespace stubs. Covers vLLM-Omni's connector contract (as
+``omnilink.integrations.vllm_omni`` states it) point by point.
 """
 
 from __future__ import annotations
@@ -409,7 +410,7 @@ def test_receiver_cleanup_before_any_poll(pair):
 
 def test_cleanup_returns_dev_shm_space_of_overflow_payloads():
     # A payload larger than the arena travels in a segment of its own in /dev/shm:
-    # cleanup must unlink it (the leak REFERENCE.md section 2 describes).
+    # cleanup must unlink it (a no-op cleanup leaked /dev/shm segments until shutdown).
     tx = make("ovf", "sender", 0, from_stage=0, to_stage=1, options={"arena_bytes": 1 << 20})
     try:
         from tests.conftest import shm_entries

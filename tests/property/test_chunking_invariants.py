@@ -1,4 +1,4 @@
-"""One property test per invariant of DESIGN.md section 6, so a failure names the invariant.
+"""One property test per chunking invariant (as ``omnilink.chunking`` lists them), so a failure names the invariant.
 
 Each test draws codec scenarios (frame counts 0..300, C, L, IC or ramps, push batch
 sizes, finish with the last frames or alone, preemption points) and runs the checker of

@@ -1,6 +1,8 @@
 """Each invariant checker rejects a planted bug of the kind the field shipped.
 
-REFERENCE.md section 2 lists chunk bugs that reached production. Each mutant below
+Serving engines have shipped chunk bugs to production (a finish sentinel that resent
+the last chunk, ``[:chunk_size]`` prefill slices, a dropped final partial chunk, keys
+that collided after truncation or ``None`` ids). Each mutant below
 re-creates one of them on top of ``CodecChunker`` (or as a key / slicing function), and
 each test shows two things: the checker of that invariant raises on a concrete stream
 (while the real chunker passes the same stream), and a Hypothesis search with the very

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import omnilink
 from omnilink import ConfigurationError
 from omnilink._bench.units import format_size, parse_size, parse_sizes
 from omnilink.cli import main
@@ -85,6 +86,22 @@ def test_bad_options_exit_2_with_message(argv, needle, capsys):
 def test_no_command_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "bench" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag, capsys):
+    assert main([flag]) == 0
+    assert capsys.readouterr().out == f"omnilink {omnilink.__version__}\n"
+
+
+def test_version_matches_the_distribution():
+    from importlib import metadata
+
+    try:
+        installed = metadata.version("omnilink")
+    except metadata.PackageNotFoundError:  # pragma: no cover - make test installs it
+        pytest.skip("omnilink is not installed (pip install -e .)")
+    assert installed == omnilink.__version__
 
 
 def test_help_exits_0(capsys):

@@ -138,6 +138,22 @@ def test_progress_only_when_enabled():
     assert Progress.for_terminal(quiet=True).enabled is False
 
 
+def test_progress_lines_when_not_a_terminal():
+    # Under CI stderr is a pipe: one plain line per step, no carriage returns, no escapes.
+    out = io.StringIO()
+    p = Progress(enabled=True, redraw=False, stream=out)
+    p(0, 4, "starting sender and receiver processes")
+    p(0, 4, "shm 4KiB throughput")
+    p(0, 4, "shm 4KiB throughput")      # the same step twice: one line
+    p(1, 4, "shm 4KiB throughput")
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and all(ln.startswith("omnilink bench: [") for ln in lines)
+    assert "0/4" in lines[0] and "starting" in lines[0]
+    assert "1/4" in lines[2] and lines[2].endswith("shm 4KiB throughput")
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
 @pytest.mark.parametrize("size", [4096, 65536, 1 << 20, 16 << 20, 256 << 20, 1 << 30])
 def test_plan_bounds(size):
     tp = plan(size, "throughput")

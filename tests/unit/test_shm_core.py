@@ -226,7 +226,26 @@ def test_preflight_fails_with_actionable_message(monkeypatch):
         omnilink.connect("shm", channel=_chan("tiny"), role="sender", arena_bytes=64 * MiB)
     msg = str(info.value)
     assert "--shm-size" in msg and "remount" in msg and "arena_bytes" in msg and "3.0 MiB" in msg
+    # The message names the channel, and sizes come from what was asked.
+    assert repr(_chan("tiny")) in msg and "arena of sender pid" in msg
+    assert "arena_bytes=2097152 (2 MiB)" in msg   # the largest power of two in 90% of 3 MiB
     assert shm_entries() == before
+
+
+@pytest.mark.parametrize(
+    "used, asked, docker, mount",
+    [(0, 64 * MiB, "128m", "128M"), (10 * MiB, 1024 * MiB, "2g", "2G"), (0, 3 << 30, "4g", "4G")],
+)
+def test_shm_size_advice_grows_with_the_request(monkeypatch, used, asked, docker, mount):
+    class _St:
+        f_frsize = 4096
+        f_blocks = 1 << 20
+        f_bfree = f_blocks - used // 4096
+
+    monkeypatch.setattr(seg.os, "statvfs", lambda path: _St())
+    text = seg.shm_size_advice(asked, 1 * MiB)
+    assert f"--shm-size={docker};" in text and f"remount,size={mount} " in text
+    assert "arena_bytes=" in text
 
 
 # -------------------------------------------------------------------- overflow

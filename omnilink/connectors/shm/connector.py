@@ -299,7 +299,9 @@ class ShmConnector(BaseConnector):
         except OSError as exc:  # pragma: no cover - /dev/shm unreadable: not fatal here
             logger.warning("shm: start-up garbage collection failed: %s", exc)
         self._writer = (
-            ArenaWriter(self._prefix, self._pid, self._token, arena_bytes, max_inflight) if self._sends else None
+            ArenaWriter(self._prefix, self._pid, self._token, arena_bytes, max_inflight, channel=self.channel)
+            if self._sends
+            else None
         )
         self._chan = Channel(self._prefix, self.channel)
         try:

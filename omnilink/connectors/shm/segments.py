@@ -100,6 +100,7 @@ from omnilink._errors import CapacityError, ConfigurationError, TransportError
 from omnilink._util import Deadline
 from omnilink.connectors.shm.alloc import ALIGN, Allocator
 from omnilink.connectors.shm.names import (
+    SHM_DIR,
     HostLock,
     arena_name,
     channel_names,
@@ -171,16 +172,47 @@ def _shm_error(what: str, exc: BaseException) -> TransportError:
     return TransportError(f"shm: {what} failed: {exc}")
 
 
+def _nice_size(nbytes: int) -> tuple[str, str, str]:
+    """``nbytes`` rounded up to a size people type: (docker, mount, Kubernetes) spellings."""
+    if nbytes <= 1 << 30:
+        mib = -(-nbytes // (64 << 20)) * 64
+        return f"{mib}m", f"{mib}M", f"{mib}Mi"
+    gib = -(-nbytes // (1 << 30))
+    return f"{gib}g", f"{gib}G", f"{gib}Gi"
+
+
+def shm_size_advice(nbytes: int, free: int) -> str:
+    """How to make room for ``nbytes`` more in ``/dev/shm``, sized from what was asked.
+
+    The suggested size is what ``/dev/shm`` holds now plus ``nbytes``, with a quarter of
+    headroom, rounded up (to 64 MiB steps below 1 GiB, whole GiB above); the smaller
+    ``arena_bytes=`` is the largest power of two that fits in what is free now.
+    """
+    try:
+        st = os.statvfs(SHM_DIR)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    except OSError:  # pragma: no cover - /dev/shm unreadable; size from the request alone
+        used = 0
+    docker, mount, k8s = _nice_size((used + nbytes) * 5 // 4)
+    advice = (
+        f"Give /dev/shm room for it: docker run --shm-size={docker}; Kubernetes: an emptyDir "
+        f"with medium: Memory and sizeLimit: {k8s}; on a host: mount -o remount,size={mount} "
+        "/dev/shm"
+    )
+    fit_mib = (free * 9 // 10) >> 20
+    if fit_mib >= 1:
+        fits = 1 << (fit_mib.bit_length() - 1)  # MiB, a power of two
+        return f"{advice}; or pass arena_bytes={fits << 20} ({fits} MiB) or less to omnilink.connect('shm', ...)"
+    return f"{advice}; or pass a smaller arena_bytes= to omnilink.connect('shm', ...)"
+
+
 def preflight(nbytes: int, what: str) -> None:
     """Fail with an actionable error when ``/dev/shm`` cannot hold ``nbytes`` more."""
     free = free_shm_bytes()
     if free < nbytes:
         raise CapacityError(
             f"shm: {what} needs {nbytes / 2**20:.1f} MiB but /dev/shm has only "
-            f"{free / 2**20:.1f} MiB free. Give /dev/shm more room (docker run "
-            "--shm-size=2g; Kubernetes: an emptyDir with medium: Memory; on a host: "
-            "mount -o remount,size=4G /dev/shm), or pass a smaller arena_bytes= to "
-            "omnilink.connect('shm', ...)"
+            f"{free / 2**20:.1f} MiB free. {shm_size_advice(nbytes, free)}"
         )
 
 
@@ -202,8 +234,7 @@ def create_segment(name: str, size: int, what: str) -> mmap.mmap:
         except OSError as exc:
             raise CapacityError(
                 f"shm: reserving {size / 2**20:.1f} MiB for {what} in /dev/shm failed "
-                f"({exc}); give /dev/shm more room (docker run --shm-size=2g) or pass a "
-                "smaller arena_bytes="
+                f"({exc}). {shm_size_advice(size, free_shm_bytes())}"
             ) from exc
         return mmap.mmap(shm.fd, size, flags=_MAP_FLAGS, prot=_PROT)
     except BaseException:
@@ -649,7 +680,9 @@ class _OutRec:
 class ArenaWriter:
     """A sender's own arena: it alone allocates, publishes and reclaims in it."""
 
-    def __init__(self, prefix: str, pid: int, token: str, arena_bytes: int, n_desc: int) -> None:
+    def __init__(
+        self, prefix: str, pid: int, token: str, arena_bytes: int, n_desc: int, *, channel: str | None = None
+    ) -> None:
         lay = arena_layout(arena_bytes, n_desc)
         self.layout = lay
         self.prefix = prefix
@@ -657,7 +690,8 @@ class ArenaWriter:
         self.token = token
         self.name = arena_name(prefix, pid, token)
         self.sem_name = self.name + "-s"
-        self.mm = create_segment(self.name, lay.total, f"the arena of channel sender pid {pid}")
+        on = f" on channel {channel!r}" if channel is not None else ""
+        self.mm = create_segment(self.name, lay.total, f"the arena of sender pid {pid}{on}")
         try:
             _A_HDR.pack_into(
                 self.mm, 0, ARENA_MAGIC, ARENA_VERSION, pid, lay.total, lay.data_offset,

@@ -2,9 +2,31 @@
 
 vLLM-Omni moves stage outputs (thinker hidden states, talker codec frames, ...) through
 a connector named in the stage config. ``OmnilinkConnector`` is such a connector: it
-keeps vLLM-Omni's contract (REFERENCE.md section 1) and carries every payload with an
-omnilink backend (``shm`` by default), so payloads travel as tensor_blob frames, never
-pickled, and are received as zero-copy views of the transport buffer.
+keeps vLLM-Omni's contract (below) and carries every payload with an omnilink backend
+(``shm`` by default), so payloads travel as tensor_blob frames, never pickled, and are
+received as zero-copy views of the transport buffer.
+
+vLLM-Omni's connector contract (``OmniConnectorBase`` in
+``vllm_omni.distributed.omni_connectors.connectors.base``, 0.30.0), which this class keeps:
+
+- ``put(from_stage, to_stage, put_key, data) -> (success, size_in_bytes, metadata)``;
+  on failure ``(False, 0, None)``, never an exception.
+- ``get(from_stage, to_stage, get_key, metadata=None) -> (data, size) | None``; never
+  blocks and never raises for a missing key: ``None`` means "not there yet" and the
+  caller polls. ``metadata`` is what ``put`` returned, a dict keyed by ``get_key``
+  holding it, or ``None`` (the chunk adapter never forwards it).
+- Reads consume: exactly one reader gets a payload.
+- ``cleanup(request_id)``, ``health() -> dict``, an idempotent ``close()``, a context
+  manager; attributes ``supports_raw_data``, ``stage_id`` and ``config`` (the ``extra``
+  dict: stage processors read ``codec_chunk_frames``, ``codec_left_context_frames``
+  and ``initial_codec_chunk_frames`` from it).
+- ``OmniConnectorFactory.create_connector(ConnectorSpec(name, extra))`` calls
+  ``constructor(extra)`` after injecting ``extra["stage_id"]`` and ``extra["role"]``.
+- Payloads that travel today (top-level dotted keys, tensor values): thinker -> talker
+  ``hidden_states.output``, ``hidden_states.output_shape``, ``embed.prefill``,
+  ``ids.prompt``, ``ids.output``; talker -> code2wav ``codes.audio`` (1-D int64,
+  codebook-major) and ``meta.finished`` (0-d bool); some carry plain metadata (speaker,
+  language). Chunk keys are ``{request_id}_{from_stage}_{chunk_id}``.
 
 Registration::
 
@@ -90,7 +112,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import ConfigurationError
-from omnilink.integrations.vllm_omni.config import _FACTORY_MODULE, _INSTALL_HINT, CONNECTOR_NAME
+from omnilink.integrations.vllm_omni.config import _FACTORY_MODULE, CONNECTOR_NAME, import_failure
 from omnilink.integrations.vllm_omni.connector import _connector_class, _load_base
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,13 +153,13 @@ def register(factory: Any = None) -> type:
         try:
             factory = importlib.import_module(_FACTORY_MODULE).OmniConnectorFactory
         except ImportError as exc:
-            raise ConfigurationError(f"vLLM-Omni is not importable ({exc}); {_INSTALL_HINT}") from exc
+            raise ConfigurationError(import_failure(exc)) from exc
     cls = _connector_class()
     base = _load_base()
     if base is object or not issubclass(cls, base):
         raise ConfigurationError(
             "OmnilinkConnector was built before vLLM-Omni was importable and does not subclass "
-            f"OmniConnectorBase; import vLLM-Omni before omnilink.integrations.vllm_omni ({_INSTALL_HINT})"
+            "OmniConnectorBase; import vLLM-Omni before omnilink.integrations.vllm_omni"
         )
     registry = getattr(factory, "_registry", None)
     if isinstance(registry, dict) and registry.get(CONNECTOR_NAME) is cls:

@@ -10,7 +10,7 @@ from omnilink._errors import ConfigurationError
 CONNECTOR_NAME = "OmnilinkConnector"
 _BASE_MODULE = "vllm_omni.distributed.omni_connectors.connectors.base"
 _FACTORY_MODULE = "vllm_omni.distributed.omni_connectors.factory"
-_INSTALL_HINT = "pip install vllm-omni (or, without vLLM, pip install --no-deps vllm-omni)"
+_DIST = "vllm-omni"
 
 DEFAULT_CHANNEL = "vllm-omni"
 DEFAULT_PUT_TIMEOUT = 10.0
@@ -23,6 +23,47 @@ _ROLES = ("sender", "receiver", "dual")
 #: keys of ``extra`` this adapter or vLLM-Omni owns; ``options`` must not repeat the
 #: two the adapter sets itself
 _RESERVED_OPTIONS = ("channel", "role")
+
+
+def import_failure(exc: ImportError) -> str:
+    """Say why vLLM-Omni could not be imported and what to install, from ``exc``.
+
+    Three cases need three answers: the distribution is absent (install it); it is
+    installed but one of its own dependencies is missing, typically after
+    ``pip install --no-deps vllm-omni`` (install it with its dependencies: naming the
+    package again would not help); or the missing module is vLLM-Omni's own (a broken or
+    partial install: reinstall).
+    """
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    missing = getattr(exc, "name", None)
+    try:
+        version: str | None = metadata.version(_DIST)
+    except metadata.PackageNotFoundError:
+        version = None
+    try:
+        present = find_spec("vllm_omni") is not None
+    except (ImportError, ValueError):
+        present = False
+    if version is None and not present:
+        return (
+            f"vLLM-Omni is not installed ({exc}); install it where your vLLM-Omni "
+            f"deployment runs: pip install {_DIST}"
+        )
+    pin = f"=={version}" if version else ""
+    if missing and missing.split(".")[0] != "vllm_omni":
+        return (
+            f"vLLM-Omni{' ' + version if version else ''} is installed but only partly importable: "
+            f"its dependency {missing.split('.')[0]!r} is missing ({exc}), as after "
+            f"`pip install --no-deps {_DIST}`. Install its dependencies (vLLM among them): "
+            f"pip install {_DIST}{pin}, without --no-deps. register() is meant for the "
+            "processes vLLM-Omni runs in, where it imports in full"
+        )
+    return (
+        f"vLLM-Omni{' ' + version if version else ''} is installed but importing it failed ({exc}); "
+        f"the install looks incomplete: pip install --force-reinstall --no-deps {_DIST}{pin}"
+    )
 
 
 def _check_int(extra: dict[str, Any], name: str, minimum: int) -> None:
