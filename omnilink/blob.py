@@ -27,8 +27,29 @@ header is. Whatever a buffer holds, ``decode`` validates the prefix, the header'
 every descriptor (known dtype, non-negative dims, ``nbytes == numel * itemsize``,
 alignment, region inside ``data_len``, regions in order and disjoint) and the tree's
 tensor references before it makes a single view, and reports anything wrong as
-``BlobDecodeError``. Sizes are bounded (``MAX_HEADER_BYTES``, ``MAX_NDIM``), so a
-hostile header cannot make the decoder allocate without limit.
+``BlobDecodeError`` naming the field and the limit. Everything a header could make the
+decoder allocate is bounded before it is allocated:
+
+    header bytes   MAX_HEADER_BYTES (checked from the prefix, before the header is read)
+    tensor count   MAX_TENSORS, or a lower ``max_tensors`` (checked from the msgpack
+                   array length, before any descriptor is built)
+    dims           MAX_NDIM per shape; each dim in [0, 2**63); the product of the
+                   non-zero dims times the itemsize fits in int64 (torch/numpy strides)
+    tree items     MAX_TREE_ITEMS, or a lower ``max_tree_items``: every msgpack item
+                   of the payload tree (containers, keys, scalars) counts one; a tree
+                   of at most that many bytes cannot hold more, so only larger trees
+                   are scanned before they are decoded
+    arity          the header, each descriptor: exactly the fields above, no extras
+    dict keys      str only (a map with another key type is rejected)
+
+``encode`` refuses a payload above MAX_TENSORS or MAX_TREE_ITEMS, so whatever it writes
+a default decoder reads.
+
+Read-only buffers (``bytes``, a received network frame): numpy arrays decoded from one
+are read-only views; torch has no read-only tensors, so torch tensors are copies unless
+the caller passes ``view_readonly=True`` and thereby promises not to write to them (a
+transport does, for a frame only it holds). Writing into a view of ``bytes`` would
+silently change an immutable object.
 
 Lifetime: decoded tensors are views made with ``torch.frombuffer`` / ``np.frombuffer``
 on the very object passed to ``decode``; each view keeps that object alive, and it is
@@ -40,12 +61,13 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 import struct
 import sys
 import threading
 import warnings
 import zlib
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -57,6 +79,8 @@ __all__ = [
     "MAGIC",
     "MAX_HEADER_BYTES",
     "MAX_NDIM",
+    "MAX_TENSORS",
+    "MAX_TREE_ITEMS",
     "PREFIX_SIZE",
     "VERSION",
     "BlobHeader",
@@ -80,6 +104,11 @@ PREFIX_SIZE = 24
 #: Largest header a decoder accepts: bounds what a hostile frame can make us parse.
 MAX_HEADER_BYTES = 64 << 20
 MAX_NDIM = 64
+#: Most tensors one frame may describe (each costs the decoder ~1 KiB of objects).
+MAX_TENSORS = 1 << 14
+#: Most msgpack items one payload tree may hold (each costs the decoder <= ~100 bytes).
+MAX_TREE_ITEMS = 1 << 20
+_INT64_MAX = (1 << 63) - 1
 
 _PREFIX = struct.Struct("<4sHHIIQ")
 _ZEROS = bytes(FRAME_ALIGN)
@@ -156,25 +185,31 @@ _NUMPY_NAMES = (
 )
 
 
-class TensorDesc(msgspec.Struct, array_like=True, frozen=True):
+_Dim = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
+_Size = Annotated[int, msgspec.Meta(ge=0, le=_INT64_MAX)]
+
+
+class TensorDesc(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """One tensor region: ``[kind, dtype, shape, offset, nbytes]`` on the wire."""
 
     kind: int
     dtype: int
-    shape: list[int]
-    offset: int
-    nbytes: int
+    shape: Annotated[list[_Dim], msgspec.Meta(max_length=MAX_NDIM)]
+    offset: _Size
+    nbytes: _Size
 
 
-class BlobHeader(msgspec.Struct, array_like=True, frozen=True):
+class BlobHeader(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """The msgpack header of a frame: tensor descriptors and the payload tree."""
 
-    tensors: list[TensorDesc]
+    tensors: Annotated[list[TensorDesc], msgspec.Meta(max_length=MAX_TENSORS)]
     tree: msgspec.Raw
 
 
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(BlobHeader)
+_DESC_FIELDS = ("kind", "dtype", "shape", "offset", "nbytes")
+_ERR_PATH = re.compile(r"`\$\[0\](?:\[(\d+)\](?:\[(\d+)\](?:\[(\d+)\])?)?)?`$")
 _tls = threading.local()
 
 
@@ -190,7 +225,10 @@ def _ext_hook(code: int, data: memoryview) -> Any:
             )
         return views[index]
     if code == _EXT_TUPLE:
-        return tuple(_TREE_DECODER.decode(data))
+        items = _TREE_DECODER.decode(data)
+        if type(items) is not list:
+            raise BlobDecodeError(f"tuple extension holds a {type(items).__name__}, expected an array")
+        return tuple(items)
     raise BlobDecodeError(f"unknown extension type {code} in payload tree")
 
 
@@ -231,6 +269,105 @@ def _numpy_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
             from_code[DTYPE_CODES[name][0]] = dt
         _numpy_tables = (to_code, from_code)
     return _numpy_tables
+
+
+_NESTED = (dict, list, tuple)
+
+
+def _check_tree(obj: Any) -> None:
+    """Reject dict keys other than str anywhere in a decoded tree (the spec allows none)."""
+    t = type(obj)
+    if t is not dict and t is not list and t is not tuple:
+        return
+    stack = [obj]
+    pop, push = stack.pop, stack.append
+    while stack:
+        o = pop()
+        if type(o) is dict:
+            for k, v in o.items():
+                if type(k) is not str:
+                    raise BlobDecodeError(
+                        f"payload tree: dict key {k!r} of type {type(k).__name__} (keys must be str)"
+                    )
+                if type(v) in _NESTED:
+                    push(v)
+        else:
+            for v in o:
+                if type(v) in _NESTED:
+                    push(v)
+
+
+# msgpack lead bytes -> (bytes of the length field, fixed extra bytes) for the items the
+# tree scanner skips by length; containers and ext are handled separately.
+_MP_SKIP = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8,
+            0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+_MP_LEN = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_MP_EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4, 0xD4: -1, 0xD5: -2, 0xD6: -4, 0xD7: -8, 0xD8: -16}
+
+
+def _count_items(buf: memoryview, pos: int, end: int, budget: int) -> tuple[int, int]:
+    """Count the msgpack items of the one object at ``buf[pos:end]``, tuple extensions
+    included, without building any of them; return ``(items, end of the object)``.
+
+    Raises ``BlobDecodeError`` as soon as the count passes ``budget`` or the bytes run
+    out; it never allocates per item, so it bounds what decoding the tree would build.
+    """
+    count = 0
+    pending = 1
+    stack: list[tuple[int, int]] = []  # (outer pending, outer end) around a tuple ext
+    while True:
+        while pending:
+            if pos >= end:
+                raise BlobDecodeError("payload tree is truncated")
+            b = buf[pos]
+            pending -= 1
+            count += 1
+            if count > budget:
+                raise BlobDecodeError(
+                    f"payload tree holds more than {budget} items (limit max_tree_items / MAX_TREE_ITEMS)"
+                )
+            if b <= 0x7F or b >= 0xE0:
+                pos += 1
+            elif b <= 0x8F:
+                pending += 2 * (b & 0x0F)
+                pos += 1
+            elif b <= 0x9F:
+                pending += b & 0x0F
+                pos += 1
+            elif b <= 0xBF:
+                pos += 1 + (b & 0x1F)
+            elif b in _MP_SKIP:
+                pos += 1 + _MP_SKIP[b]
+            elif b in _MP_LEN:
+                w = _MP_LEN[b]
+                pos += 1 + w + int.from_bytes(buf[pos + 1 : pos + 1 + w], "big")
+            elif b in (0xDC, 0xDD, 0xDE, 0xDF):
+                w = 2 if b in (0xDC, 0xDE) else 4
+                n = int.from_bytes(buf[pos + 1 : pos + 1 + w], "big")
+                pending += 2 * n if b >= 0xDE else n
+                pos += 1 + w
+            elif b in _MP_EXT:
+                w = _MP_EXT[b]
+                if w < 0:
+                    n, head = -w, 1
+                else:
+                    n, head = int.from_bytes(buf[pos + 1 : pos + 1 + w], "big"), 1 + w
+                if pos + head >= end:
+                    raise BlobDecodeError("payload tree is truncated")
+                code = buf[pos + head]
+                start = pos + head + 1
+                pos = start + n
+                if code == _EXT_TUPLE:
+                    # Descend: the tuple's items are built too, so they count.
+                    stack.append((pending, end))
+                    pending, end, pos = 1, min(pos, end), start
+            else:
+                raise BlobDecodeError(f"payload tree holds the invalid msgpack byte 0x{b:02x}")
+        if pos > end:
+            raise BlobDecodeError("payload tree is truncated")
+        if not stack:
+            return count, pos
+        pending, end = stack.pop()
 
 
 def _align(n: int) -> int:
@@ -560,7 +697,28 @@ def prepare(payload: Any, /) -> PreparedBlob:
             f"header of {len(header)} bytes exceeds MAX_HEADER_BYTES ({MAX_HEADER_BYTES}); "
             "send large data as tensors or arrays, not as Python lists"
         )
+    if len(walker.descs) > MAX_TENSORS:
+        raise BlobEncodeError(
+            f"payload holds {len(walker.descs)} tensors or arrays, more than MAX_TENSORS "
+            f"({MAX_TENSORS}); stack them into fewer tensors"
+        )
+    if len(header) > MAX_TREE_ITEMS:
+        # Only a tree of more bytes than the item limit can hold more items than it.
+        _check_tree_items(memoryview(header), MAX_TREE_ITEMS, BlobEncodeError)
     return PreparedBlob(header, walker.descs, walker.sources)
+
+
+def _check_tree_items(header: memoryview, budget: int, exc_type: type[Exception]) -> None:
+    """Count the tree items of an encoded header ``[tensors, tree]`` against ``budget``."""
+    try:
+        # Past the 1-byte array head, skip the descriptor list (one object, not part
+        # of the tree), then count the tree that follows it.
+        _n, pos = _count_items(header, 1, len(header), len(header))
+        _count_items(header, pos, len(header), budget)
+    except BlobDecodeError as exc:
+        if exc_type is BlobDecodeError:
+            raise
+        raise exc_type(f"payload: {exc}; send large data as tensors or arrays") from None
 
 
 def encoded_size(payload: Any, /) -> int:
@@ -640,16 +798,96 @@ def _peek(raw: memoryview) -> tuple[int, int, int]:
     return header_len, data_len, _align(PREFIX_SIZE + header_len) + data_len
 
 
-def _parse_header(raw: memoryview, header_len: int, data_len: int) -> BlobHeader:
-    """Check the CRC, decode and validate the header held in ``raw[24:24+header_len]``."""
+def _limit(value: int, ceiling: int, name: str) -> int:
+    if type(value) is not int or not 0 <= value <= ceiling:
+        from omnilink._errors import ConfigurationError
+
+        raise ConfigurationError(f"{name} must be an int in [0, {ceiling}], got {value!r}")
+    return value
+
+
+def _header_error(exc: msgspec.MsgspecError) -> BlobDecodeError:
+    """Say which header field a msgspec error is about, in the spec's words."""
+    msg = str(exc)
+    where = "header"
+    text, sep, path = msg.rpartition(" - at ")
+    m = _ERR_PATH.match(path) if sep else None
+    if m:
+        i, j, k = m.groups()
+        if i is None:
+            where = "header field tensors (limit MAX_TENSORS)" if "length" in text else "header field tensors"
+        elif j is None:
+            where = f"tensor {i} descriptor"
+        else:
+            field = _DESC_FIELDS[int(j)] if int(j) < len(_DESC_FIELDS) else f"#{j}"
+            where = f"tensor {i} field {field}"
+            if field == "shape":
+                if k is None:
+                    where += " (limit MAX_NDIM dims)"
+                elif text.endswith(">= 0"):
+                    return BlobDecodeError(f"tensor {i}: negative dimension at shape[{k}]")
+                else:
+                    where += f"[{k}]"
+            elif text.endswith(">= 0"):
+                return BlobDecodeError(f"tensor {i}: negative {field}")
+        msg = text
+    elif sep and path == "`$`":
+        msg = text
+    return BlobDecodeError(f"malformed {where}: {msg}")
+
+
+def _tensor_count(header_bytes: memoryview) -> int | None:
+    """The tensor count an encoded header declares, read from msgpack array heads
+    without decoding anything; None when the header is not laid out canonically
+    (msgspec then rejects it or applies MAX_TENSORS itself)."""
+    if len(header_bytes) < 2 or header_bytes[0] != 0x92:
+        return None
+    b = header_bytes[1]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(header_bytes) >= 4:
+        return int.from_bytes(header_bytes[2:4], "big")
+    if b == 0xDD and len(header_bytes) >= 6:
+        return int.from_bytes(header_bytes[2:6], "big")
+    return None
+
+
+def _parse_header(
+    raw: memoryview,
+    header_len: int,
+    data_len: int,
+    *,
+    max_tensors: int = MAX_TENSORS,
+    max_tree_items: int = MAX_TREE_ITEMS,
+) -> BlobHeader:
+    """Check the CRC, decode and validate the header held in ``raw[24:24+header_len]``.
+
+    Every bound is checked before what it bounds is built: the tensor count from the
+    msgpack array head, shapes and sizes by msgspec constraints while decoding, the
+    tree's item count by a scan (only of trees larger than ``max_tree_items`` bytes).
+    """
     (crc,) = _U32.unpack_from(raw, 12)
     header_bytes = raw[PREFIX_SIZE : PREFIX_SIZE + header_len]
     if zlib.crc32(header_bytes) != crc:
         raise BlobDecodeError("header checksum mismatch (corrupted or truncated frame)")
+    if max_tensors < MAX_TENSORS:
+        n = _tensor_count(header_bytes)
+        if n is not None and n > max_tensors:
+            raise BlobDecodeError(f"header describes {n} tensors, more than max_tensors ({max_tensors})")
     try:
         header = _HEADER_DECODER.decode(header_bytes)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise BlobDecodeError(f"malformed header: {exc}") from exc
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _header_error(exc) from exc
+    except RecursionError as exc:
+        raise BlobDecodeError("malformed header: nested too deeply") from exc
+    if len(header.tensors) > max_tensors:
+        raise BlobDecodeError(
+            f"header describes {len(header.tensors)} tensors, more than max_tensors ({max_tensors})"
+        )
+    tree = header.tree
+    if len(tree) > max_tree_items:
+        # A tree of at most max_tree_items bytes cannot hold more items than that.
+        _count_items(memoryview(tree), 0, len(tree), max_tree_items)
     end = 0
     for i, d in enumerate(header.tensors):
         if d.kind not in (KIND_TORCH, KIND_NUMPY, KIND_NUMPY_SCALAR):
@@ -657,15 +895,19 @@ def _parse_header(raw: memoryview, header_len: int, data_len: int) -> BlobHeader
         size = _ITEMSIZE_BY_CODE.get(d.dtype)
         if size is None:
             raise BlobDecodeError(f"tensor {i}: unknown dtype code {d.dtype}")
-        if len(d.shape) > MAX_NDIM:
-            raise BlobDecodeError(f"tensor {i}: {len(d.shape)} dims exceeds the limit of {MAX_NDIM}")
         if d.kind == KIND_NUMPY_SCALAR and d.shape:
             raise BlobDecodeError(f"tensor {i}: a numpy scalar must have shape [], got {d.shape}")
         numel = 1
+        span = size  # bytes the non-zero dims address: torch and numpy stride with it
         for dim in d.shape:
-            if dim < 0:
-                raise BlobDecodeError(f"tensor {i}: negative dimension in shape {d.shape}")
             numel *= dim
+            if dim:
+                span *= dim
+                if span > _INT64_MAX:
+                    raise BlobDecodeError(
+                        f"tensor {i}: shape {d.shape} overflows int64 (its non-zero dims times "
+                        f"itemsize {size} exceed 2**63 - 1 bytes)"
+                    )
         if d.nbytes != numel * size:
             raise BlobDecodeError(
                 f"tensor {i}: nbytes {d.nbytes} != numel {numel} * itemsize {size} for shape {d.shape}"
@@ -680,12 +922,20 @@ def _parse_header(raw: memoryview, header_len: int, data_len: int) -> BlobHeader
     return header
 
 
-def _make_views(header: BlobHeader, region_of: Any, copy: bool, copied: list[int] | None = None) -> list[Any]:
-    """One tensor/array per descriptor, viewing ``region_of(i, desc) -> (buffer, offset)``.
+def _make_views(
+    header: BlobHeader,
+    region_of: Any,
+    copy: bool,
+    copied: list[int] | None = None,
+    view_readonly: bool = False,
+) -> list[Any]:
+    """One tensor/array per descriptor, viewing ``region_of(i, desc) -> (memoryview, offset)``.
 
     Views are made on the buffer object itself (``torch.frombuffer`` / ``np.frombuffer``),
     so each keeps it alive. A region whose address does not suit its dtype's alignment is
     copied (one copy beats undefined behaviour); ``copied[0]`` counts those, when given.
+    A torch tensor over a read-only region is a copy unless ``view_readonly`` (numpy
+    views of one are read-only already).
     """
     views: list[Any] = []
     torch = torch_from = np_from = None
@@ -719,7 +969,7 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool, copied: list[int
                 t = torch.frombuffer(buf, dtype=torch.uint8, count=d.nbytes, offset=off).clone().view(dt)
                 if copied is not None:
                     copied[0] += 1
-            elif copy:
+            elif copy or (buf.readonly and not view_readonly):
                 t = t.clone()
             if len(d.shape) != 1:
                 t = t.view(d.shape)
@@ -746,7 +996,9 @@ def _make_views(header: BlobHeader, region_of: Any, copy: bool, copied: list[int
 def _decode_tree(header: BlobHeader, views: list[Any]) -> Any:
     _tls.views = views
     try:
-        return _TREE_DECODER.decode(header.tree)
+        out = _TREE_DECODER.decode(header.tree)
+        _check_tree(out)
+        return out
     except BlobDecodeError:
         raise
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
@@ -755,7 +1007,15 @@ def _decode_tree(header: BlobHeader, views: list[Any]) -> Any:
         _tls.views = ()
 
 
-def decode(buffer: Any, /, *, copy: bool = False) -> Any:
+def decode(
+    buffer: Any,
+    /,
+    *,
+    copy: bool = False,
+    view_readonly: bool = False,
+    max_tensors: int = MAX_TENSORS,
+    max_tree_items: int = MAX_TREE_ITEMS,
+) -> Any:
     """Decode a tensor_blob frame held at the start of ``buffer``.
 
     Parameters
@@ -766,64 +1026,109 @@ def decode(buffer: Any, /, *, copy: bool = False) -> Any:
     copy : bool
         ``False`` (default): tensors and arrays are zero-copy views of ``buffer``, which
         each view keeps alive. ``True``: they own their memory (one copy each).
+    view_readonly : bool
+        What happens when ``buffer`` is read-only (``bytes``, a received frame) and
+        ``copy`` is False. ``False`` (default): numpy arrays are read-only views, torch
+        tensors (which cannot be read-only) are copies, so nothing can write into an
+        immutable object. ``True``: torch tensors are views as well; the caller promises
+        not to write to them (or owns the buffer alone, as a transport does).
+    max_tensors, max_tree_items : int
+        Lower the bounds ``MAX_TENSORS`` and ``MAX_TREE_ITEMS`` for this call (a
+        receiver that takes input it trusts less). A frame above either is rejected
+        before anything it describes is built.
 
     Returns
     -------
     Any
         The payload: torch tensors come back as torch tensors (on CPU), numpy arrays as
-        numpy arrays, tuples as tuples. Views of a read-only buffer (bytes) must not be
-        written to.
+        numpy arrays, tuples as tuples.
 
     Raises
     ------
     BlobDecodeError
-        Anything malformed: the message says what.
+        Anything malformed or over a limit: the message says which field and which limit.
     BlobVersionError
         A frame of another format version.
+    ConfigurationError
+        ``max_tensors`` or ``max_tree_items`` is not an int between 0 and its ceiling.
     """
+    if max_tensors != MAX_TENSORS:
+        _limit(max_tensors, MAX_TENSORS, "max_tensors")
+    if max_tree_items != MAX_TREE_ITEMS:
+        _limit(max_tree_items, MAX_TREE_ITEMS, "max_tree_items")
     raw = _byte_view(buffer, "decode", BlobDecodeError)
     header_len, data_len, total = _peek(raw)
     if raw.nbytes < total:
         raise BlobDecodeError(f"frame is truncated: {raw.nbytes} bytes, the prefix says {total}")
-    header = _parse_header(raw, header_len, data_len)
+    header = _parse_header(raw, header_len, data_len, max_tensors=max_tensors, max_tree_items=max_tree_items)
     if not header.tensors:
         return _decode_tree(header, [])
     data_start = total - data_len
     # ``raw`` references ``buffer``: every view keeps the caller's object alive.
     if raw.readonly:
         with warnings.catch_warnings():
-            # torch warns that views of read-only memory are writable; documented above.
+            # torch warns that views of read-only memory are writable: they are copies
+            # unless view_readonly, whose contract is documented above.
             warnings.simplefilter("ignore", UserWarning)
-            views = _make_views(header, lambda i, d: (raw, data_start + d.offset), copy)
+            views = _make_views(header, lambda i, d: (raw, data_start + d.offset), copy, None, view_readonly)
     else:
         views = _make_views(header, lambda i, d: (raw, data_start + d.offset), copy)
     return _decode_tree(header, views)
 
 
-def decode_parts(meta: Any, regions: list[Any], /, *, copy: bool = False) -> Any:
+def decode_parts(
+    meta: Any,
+    regions: list[Any],
+    /,
+    *,
+    copy: bool = False,
+    view_readonly: bool = False,
+    max_tensors: int = MAX_TENSORS,
+    max_tree_items: int = MAX_TREE_ITEMS,
+) -> Any:
     """Decode a payload sent as ``encode_parts`` produced it: meta frame + regions.
 
     Each tensor is a zero-copy view of its region object (kept alive by the view) when
-    the region's address suits the dtype's alignment, else a copy.
+    the region's address suits the dtype's alignment, else a copy. Options as for
+    ``decode`` (``view_readonly`` applies to each read-only region).
 
     Raises
     ------
     BlobDecodeError
-        Malformed meta, a region count or length that disagrees with the header.
+        Malformed meta, a region count or length that disagrees with the header, a
+        limit exceeded.
+    ConfigurationError
+        A limit option out of range.
     """
-    return decode_parts_counted(meta, regions, copy=copy)[0]
+    return decode_parts_counted(
+        meta, regions, copy=copy, view_readonly=view_readonly, max_tensors=max_tensors,
+        max_tree_items=max_tree_items,
+    )[0]
 
 
-def decode_parts_counted(meta: Any, regions: list[Any], /, *, copy: bool = False) -> tuple[Any, int]:
+def decode_parts_counted(
+    meta: Any,
+    regions: list[Any],
+    /,
+    *,
+    copy: bool = False,
+    view_readonly: bool = False,
+    max_tensors: int = MAX_TENSORS,
+    max_tree_items: int = MAX_TREE_ITEMS,
+) -> tuple[Any, int]:
     """``decode_parts``, also returning how many regions had to be copied because their
     address did not suit their dtype (a transport counts these as fallbacks)."""
+    if max_tensors != MAX_TENSORS:
+        _limit(max_tensors, MAX_TENSORS, "max_tensors")
+    if max_tree_items != MAX_TREE_ITEMS:
+        _limit(max_tree_items, MAX_TREE_ITEMS, "max_tree_items")
     raw = _byte_view(meta, "decode_parts", BlobDecodeError)
     header_len, data_len, _total = _peek(raw)
     if raw.nbytes != PREFIX_SIZE + header_len:
         raise BlobDecodeError(
             f"meta frame is {raw.nbytes} bytes, the prefix says {PREFIX_SIZE + header_len}"
         )
-    header = _parse_header(raw, header_len, data_len)
+    header = _parse_header(raw, header_len, data_len, max_tensors=max_tensors, max_tree_items=max_tree_items)
     if len(regions) != len(header.tensors):
         raise BlobDecodeError(f"{len(regions)} region frames, the header describes {len(header.tensors)}")
     if not header.tensors:
@@ -839,5 +1144,5 @@ def decode_parts_counted(meta: Any, regions: list[Any], /, *, copy: bool = False
         # Received frames are often read-only; torch warns its views are writable.
         warnings.simplefilter("ignore", UserWarning)
         copied = [0]
-        views = _make_views(header, region_of, copy, copied)
+        views = _make_views(header, region_of, copy, copied, view_readonly)
     return _decode_tree(header, views), copied[0]

@@ -230,7 +230,8 @@ class MemoryConnector(BaseConnector):
                 chan.cond.wait(remaining)
         self._count(bytes_got=len(frame))
         # Decoded outside the lock: views of ``frame``, which only they now reference.
-        return decode(frame)
+        # The frame was popped: only these views reference it, so they may be writable.
+        return decode(frame, view_readonly=True)
 
     def _discard(self, key: str) -> bool:
         chan = self._chan

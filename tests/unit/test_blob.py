@@ -236,13 +236,24 @@ BOOL = blob.DTYPE_CODES["bool"][0]
     (frame([[7, F32, [2], 0, 8]], tree(tensor_ref(0)), bytes(8)), "unknown kind 7"),
     (frame([[0, F32, [-2], 0, 8]], tree(tensor_ref(0)), bytes(8)), "negative dimension"),
     (frame([[0, F32, [3], 0, 8]], tree(tensor_ref(0)), bytes(8)), "nbytes 8 != numel 3"),
-    (frame([[0, F32, [1 << 40, 1 << 40], 0, 8]], tree(tensor_ref(0)), bytes(8)), "nbytes 8 != numel"),
+    (frame([[0, F32, [1 << 40, 1 << 40], 0, 8]], tree(tensor_ref(0)), bytes(8)), "overflows int64"),
+    # Empty tensors whose other dims overflow torch's and numpy's stride arithmetic.
+    (frame([[0, F32, [0, 1 << 40, 1 << 40], 0, 0]], tree(tensor_ref(0))), "overflows int64"),
+    (frame([[1, F32, [0, 1 << 40, 1 << 40], 0, 0]], tree(tensor_ref(0))), "overflows int64"),
+    (frame([[0, F32, [0, 1 << 63], 0, 0]], tree(tensor_ref(0))), "field shape[1]"),
+    (frame([[0, F32, [0, (1 << 64) - 1], 0, 0]], tree(tensor_ref(0))), "field shape[1]"),
+    (frame([[0, F32, [2], -64, 8]], tree(tensor_ref(0)), bytes(8)), "negative offset"),
+    (frame([[0, F32, [2], 0, 8, 0]], tree(tensor_ref(0)), bytes(8)), "tensor 0 descriptor"),
+    (frame([], tree({1: 2})), "dict key 1 of type int"),
+    (frame([], tree({"a": [{"b": {2.5: 3}}]})), "dict key 2.5 of type float"),
+    (frame([], tree(msgspec.msgpack.Ext(2, tree([{b"k": 1}])))), "dict key b'k' of type bytes"),
+    (frame([], tree(msgspec.msgpack.Ext(2, tree({"a": 1})))), "tuple extension holds a dict"),
     (frame([[0, F32, [2], 8, 8]], tree(tensor_ref(0)), bytes(16)), "not a multiple of 64"),
     (frame([[0, F32, [2], 64, 8]], tree(tensor_ref(0)), bytes(16)), "outside data_len"),
     (frame([[0, F32, [1 << 40], 0, 4 << 40]], tree(tensor_ref(0)), bytes(16)), "outside data_len"),
     (frame([[0, F32, [16], 0, 64], [0, F32, [2], 0, 8]], tree([tensor_ref(0), tensor_ref(1)]), bytes(72)),
      "overlaps"),
-    (frame([[0, F32, [1] * 65, 0, 4]], tree(tensor_ref(0)), bytes(4)), "65 dims"),
+    (frame([[0, F32, [1] * 65, 0, 4]], tree(tensor_ref(0)), bytes(4)), "limit MAX_NDIM"),
     (frame([[2, F32, [2], 0, 8]], tree(tensor_ref(0)), bytes(8)), "numpy scalar must have shape"),
     (frame([[0, F32, [2], 0, 8]], tree(tensor_ref(1)), bytes(8)), "references tensor 1"),
     (frame([], tree(msgspec.msgpack.Ext(9, b"")), b""), "unknown extension type 9"),
@@ -351,3 +362,93 @@ def test_misaligned_region_of_every_width(dtype):
     view[:] = regions[0]
     out = blob.decode_parts(meta, [view])["a"]
     assert out.dtype == dtype and torch.equal(out, t)
+
+
+# ------------------------------------------------------------------ hardening (issue 16)
+def _raw_frame(header: bytes, data: bytes = b"") -> bytes:
+    prefix = struct.pack("<4sHHIIQ", blob.MAGIC, blob.VERSION, 0, len(header), zlib.crc32(header), len(data))
+    pad = (-(blob.PREFIX_SIZE + len(header))) % blob.FRAME_ALIGN
+    return prefix + header + bytes(pad) + data
+
+
+def test_header_with_extra_elements_is_rejected():
+    header = msgspec.msgpack.encode([[], msgspec.Raw(tree(None)), 5])
+    with pytest.raises(BlobDecodeError, match="at most length 2"):
+        omnilink.decode(_raw_frame(header))
+
+
+def test_huge_descriptor_count_is_rejected_before_it_is_built():
+    # The audit's frame: millions of empty descriptors (9.5 M made +5.4 GiB). Rejected
+    # from the msgpack array head: the decode takes no time and builds nothing.
+    n = 2_000_000
+    header = b"\x92\xdd" + n.to_bytes(4, "big") + b"\x95\x00\x09\x90\x00\x00" * n + tree(None)
+    buf = _raw_frame(header)
+    import tracemalloc as tracemalloc_start
+    tracemalloc_start.start()
+    try:
+        with pytest.raises(BlobDecodeError, match="limit MAX_TENSORS"):
+            omnilink.decode(buf)
+        _, peak = tracemalloc_start.get_traced_memory()
+    finally:
+        tracemalloc_start.stop()
+    assert peak < 1 << 20, f"decoder allocated {peak} bytes for a rejected frame"
+
+
+def test_max_tensors_and_max_tree_items_can_be_lowered_per_call():
+    p = {"a": [torch.zeros(1) for _ in range(5)], "b": list(range(20))}
+    buf = omnilink.encode(p)
+    assert len(omnilink.decode(buf, max_tensors=5)["a"]) == 5
+    with pytest.raises(BlobDecodeError, match=r"more than max_tensors \(4\)"):
+        omnilink.decode(buf, max_tensors=4)
+    with pytest.raises(BlobDecodeError, match="more than 10 items"):
+        omnilink.decode(buf, max_tree_items=10)
+    meta, regions = blob.encode_parts(p)
+    with pytest.raises(BlobDecodeError, match=r"more than max_tensors \(4\)"):
+        blob.decode_parts(meta, regions, max_tensors=4)
+    for bad in (-1, blob.MAX_TENSORS + 1, 2.0):
+        with pytest.raises(omnilink.ConfigurationError, match="max_tensors"):
+            omnilink.decode(buf, max_tensors=bad)
+
+
+def test_tree_item_scan_counts_tuple_items():
+    nested = tuple([()] * 3000)
+    buf = omnilink.encode({"t": nested})
+    assert omnilink.decode(buf)["t"] == nested
+    with pytest.raises(BlobDecodeError, match="more than 2000 items"):
+        omnilink.decode(buf, max_tree_items=2000)
+
+
+def test_encoder_refuses_what_a_default_decoder_would_refuse():
+    with pytest.raises(BlobEncodeError, match="MAX_TENSORS"):
+        omnilink.encode([np.zeros(0) for _ in range(blob.MAX_TENSORS + 1)])
+    with pytest.raises(BlobEncodeError, match="MAX_TREE_ITEMS"):
+        omnilink.encode([[]] * blob.MAX_TREE_ITEMS)
+    # At the limits both sides agree.
+    big = [0] * (blob.MAX_TREE_ITEMS - 1)  # the list itself is the last item
+    assert len(omnilink.decode(omnilink.encode(big))) == len(big)
+
+
+def test_decode_of_bytes_never_writes_into_the_bytes():
+    frame_bytes = omnilink.encode({"t": torch.arange(4), "a": np.arange(4)})
+    before = bytes(frame_bytes)
+    out = omnilink.decode(frame_bytes)
+    out["t"][0] = 99  # a copy: the immutable bytes are untouched
+    assert not out["a"].flags.writeable
+    with pytest.raises(ValueError):
+        out["a"][0] = 99
+    assert frame_bytes == before
+    base = np.frombuffer(frame_bytes, dtype=np.uint8).ctypes.data
+    shared = omnilink.decode(frame_bytes, view_readonly=True)
+    assert base <= shared["t"].data_ptr() < base + len(frame_bytes)  # opt-in: a view
+    writable = bytearray(frame_bytes)
+    view = omnilink.decode(writable)["t"]
+    wbase = np.frombuffer(writable, dtype=np.uint8).ctypes.data
+    assert wbase <= view.data_ptr() < wbase + len(writable)  # writable buffer: a view
+
+
+def test_default_limits_reject_frames_just_above_them():
+    with pytest.raises(BlobDecodeError, match="limit MAX_TENSORS"):
+        omnilink.decode(frame([[0, F32, [0], 0, 0]] * (blob.MAX_TENSORS + 1), tree(None)))
+    assert omnilink.decode(frame([[0, F32, [0], 0, 0]] * blob.MAX_TENSORS, tree(None))) is None
+    with pytest.raises(BlobDecodeError, match="MAX_TREE_ITEMS"):
+        omnilink.decode(frame([], tree([[]] * blob.MAX_TREE_ITEMS)))

@@ -385,7 +385,7 @@ class ReceiverLoop(_Loop):
         buffers = [f.buffer for f in regions]
         try:
             # Frames sit at any address; blob copies a region misaligned for its dtype.
-            payload, copied = decode_parts_counted(meta, buffers, copy=False)
+            payload, copied = decode_parts_counted(meta, buffers, copy=False, view_readonly=True)
             self.fallbacks += copied
         except Exception as exc:  # noqa: BLE001 - hostile input must not kill the loop
             # No traceback: it would keep the frames alive through decode's locals.
@@ -434,7 +434,7 @@ class ReceiverLoop(_Loop):
         except MemoryError as exc:
             return None, BlobDecodeError(f"{where}: cannot allocate {sum(lengths)} bytes: {exc}"), 0, 0
         try:
-            payload = decode_parts(meta, views, copy=False)
+            payload = decode_parts(meta, views, copy=False, view_readonly=True)
         except Exception as exc:  # noqa: BLE001 - hostile input must not kill the loop
             cause = exc.with_traceback(None)
             kind = type(exc) if isinstance(exc, BlobDecodeError) else BlobDecodeError
