@@ -8,6 +8,7 @@ Run: ``python examples/quickstart.py``.
 from __future__ import annotations
 
 import multiprocessing as mp
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ import omnilink
 CHANNEL = "quickstart/thinker-talker"
 
 
-def make_payload(i: int) -> dict:
+def make_payload(i: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(i)
     return {
         "hidden_states.output": torch.randn(32, 256, generator=g).bfloat16(),

@@ -22,7 +22,7 @@ from omnilink.chunking import ChunkReceiver, ChunkSender, CodecChunker
 
 Q = 8  # codebooks per frame
 SAMPLES_PER_FRAME = 4
-CONFIG = dict(chunk_frames=25, left_context_frames=25, initial_chunk_frames=4)
+CHUNK_FRAMES, LEFT_CONTEXT_FRAMES, INITIAL_CHUNK_FRAMES = 25, 25, 4
 REQUEST = "chatcmpl_demo_42"
 TALKER_STAGE = 1
 
@@ -41,16 +41,17 @@ def code2wav(codes_audio: torch.Tensor) -> torch.Tensor:
     return per_frame.repeat_interleave(SAMPLES_PER_FRAME)
 
 
-def talker(conn, frames: torch.Tensor, errors: list) -> None:
+def talker(conn: omnilink.Connector, frames: torch.Tensor, errors: list[BaseException]) -> None:
     """Push frames one decode step at a time; preempted once, resumed from the watermarks."""
     try:
-        chunker = CodecChunker(**CONFIG)
+        chunker = CodecChunker(CHUNK_FRAMES, LEFT_CONTEXT_FRAMES, initial_chunk_frames=INITIAL_CHUNK_FRAMES)
         tx = ChunkSender(conn, request_id=REQUEST, from_stage=TALKER_STAGE, timeout=30.0)
         for step in range(frames.shape[0]):
             if step == 90:
                 # Preemption: the request is recomputed from scratch. Only the watermarks
                 # survive; replayed frames already sent are skipped, ids continue.
-                chunker = CodecChunker(**CONFIG, resume_from=chunker.watermark(), replay_from=0)
+                chunker = CodecChunker(CHUNK_FRAMES, LEFT_CONTEXT_FRAMES, initial_chunk_frames=INITIAL_CHUNK_FRAMES,
+                                       resume_from=chunker.watermark(), replay_from=0)
                 tx = ChunkSender(conn, request_id=REQUEST, from_stage=TALKER_STAGE,
                                  next_chunk_id=tx.next_chunk_id, timeout=30.0)
                 for window in chunker.push(frames[:step]):
@@ -64,7 +65,7 @@ def talker(conn, frames: torch.Tensor, errors: list) -> None:
 def main() -> None:
     frames = talker_frames()
     channel = f"examples/streaming-codec-{os.getpid()}"
-    errors: list = []
+    errors: list[BaseException] = []
     rx_conn = omnilink.connect("shm", channel=channel, role="receiver", timeout=30.0)
     tx_conn = None
     thread = None
@@ -90,7 +91,7 @@ def main() -> None:
         assert left_contexts[:3] == [0, 4, 25], left_contexts
         print(
             f"streamed {frames.shape[0]} frames in {len(pieces)} chunks "
-            f"(first audio after {CONFIG['initial_chunk_frames']} frames); "
+            f"(first audio after {INITIAL_CHUNK_FRAMES} frames); "
             f"{streamed.numel()} samples equal to decoding the whole stream"
         )
     finally:

@@ -15,14 +15,23 @@ every backend shares) sit here.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import logging
 import threading
+from collections.abc import Iterable
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from omnilink._errors import ConfigurationError, OmnilinkError
-from omnilink.connectors.base import BaseConnector, Connector, ConnectorStats
+from omnilink.connectors.base import BaseConnector, Connector, ConnectorStats, Role
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only: no import cost
+    from omnilink.connectors.memory import MemoryConnector
+    from omnilink.connectors.nccl import NcclConnector
+    from omnilink.connectors.shm import ShmConnector
+    from omnilink.connectors.zmq import ZmqConnector
 
 __all__ = [
     "BaseConnector",
@@ -120,21 +129,138 @@ def backend_factory(name: str, /) -> Callable[..., Connector]:
         raise ConfigurationError(f"backend {name!r}: {target} does not exist") from exc
 
 
+# One overload per built-in backend, so IDEs and type checkers see each backend's options
+# (``arena_bytes`` for shm, ``endpoint`` for zmq, ...) and the class ``connect`` returns.
+# The defaults are the backends' own (see each class's docstring); a backend registered
+# by a third party gets the last overload.
+@overload
+def connect(
+    backend: Literal["memory"],
+    /,
+    *,
+    channel: str,
+    role: Role = "dual",
+    timeout: float | None = None,
+    capacity_bytes: int | None = None,
+) -> MemoryConnector: ...
+
+
+@overload
+def connect(
+    backend: Literal["shm"],
+    /,
+    *,
+    channel: str,
+    role: Role = "dual",
+    timeout: float | None = None,
+    arena_bytes: int = ...,
+    max_inflight: int = ...,
+    overflow: Literal["segment", "error"] = "segment",
+    linger: float = ...,
+    spin_us: int = ...,
+) -> ShmConnector: ...
+
+
+@overload
+def connect(
+    backend: Literal["zmq"],
+    /,
+    *,
+    channel: str,
+    role: Role = "dual",
+    timeout: float | None = None,
+    endpoint: str | None = None,
+    ipc_dir: str | None = None,
+    sndhwm: int = 16,
+    rcvhwm: int = 16,
+    max_buffered_bytes: int = ...,
+    copy_threshold: int = ...,
+    heartbeat_interval: float = 1.0,
+    peer_timeout: float = 5.0,
+    reconnect_interval: float = 0.1,
+    max_frame_bytes: int | None = None,
+    by_reference: bool = True,
+    reference_threshold: int = ...,
+    curve_secret_key: str | bytes | None = None,
+    curve_server_key: str | bytes | None = None,
+    curve_allowed_clients: Iterable[str | bytes] | None = None,
+) -> ZmqConnector: ...
+
+
+@overload
+def connect(
+    name: Literal["nccl"],  # positional-only: ``backend=`` below is nccl's own option
+    /,
+    *,
+    channel: str,
+    role: Role = "dual",
+    timeout: float | None = None,
+    backend: Literal["auto", "nccl", "gloo"] = "auto",
+    rank: int | None = None,
+    world_size: int = 2,
+    device: Any = None,
+    store: Any = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    connect_timeout: float = 60.0,
+    send_window: int = 64,
+    max_inflight_bytes: int = ...,
+    max_pending_bytes: int = ...,
+    inline_bytes: int | None = None,
+    max_inline_bytes: int = ...,
+    coalesce: bool = True,
+) -> NcclConnector: ...
+
+
+@overload
+def connect(backend: str, /, **options: Any) -> Connector: ...
+
+
 def connect(backend: str, /, **options: Any) -> Connector:
     """Open a connector of ``backend`` with backend-specific keyword options.
 
     Common options: ``channel`` (str, required), ``role`` (``"sender"``, ``"receiver"``
-    or ``"dual"``), ``timeout`` (default seconds for blocking calls).
+    or ``"dual"``), ``timeout`` (default seconds for blocking calls). The options of
+    each built-in backend are those of its class (``ShmConnector``, ``ZmqConnector``,
+    ``NcclConnector``, ``MemoryConnector``), and ``connect`` is typed per backend name.
 
     Raises
     ------
     ConfigurationError
-        Unknown backend or invalid options.
+        Unknown backend; an option the backend does not take (with the closest valid
+        name: "did you mean ...") or an invalid value.
     """
     factory = backend_factory(backend)
+    _check_option_names(backend, factory, options)
     try:
         return factory(**options)
     except OmnilinkError:
         raise
     except TypeError as exc:
         raise ConfigurationError(f"invalid options for backend {backend!r}: {exc}") from exc
+
+
+def _check_option_names(backend: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Refuse option names ``factory`` does not take, suggesting the closest valid one.
+
+    Factories whose signature cannot be read, or that take ``**kwargs``, are left to
+    check their own options.
+    """
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    valid = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = [name for name in options if name not in valid]
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise ConfigurationError(
+        f"unknown option{'s' if len(unknown) > 1 else ''} for backend {backend!r}: {', '.join(parts)}; "
+        f"valid options: {', '.join(sorted(valid))}"
+    )

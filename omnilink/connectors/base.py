@@ -20,6 +20,8 @@ Contract (the same for every backend; ``omnilink.testing`` checks it):
 - ``timeout=None`` means the connector's ``timeout`` option (itself ``None``: no limit;
   a dead peer is still reported as ``PeerLostError``).
 - ``discard(key)`` drops a payload nobody will read and returns whether one was there.
+- ``release(key)`` hands a received payload's transport memory back before its last
+  view dies (``shm``); a no-op returning ``False`` where payloads own their memory.
 - ``stats()`` returns ``ConnectorStats``; like every call but ``close()``, it raises
   ``ClosedError`` after close.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -39,6 +41,7 @@ __all__ = ["BaseConnector", "Connector", "ConnectorStats", "Role"]
 
 Role = Literal["sender", "receiver", "dual"]
 _ROLES = ("sender", "receiver", "dual")
+_Self = TypeVar("_Self", bound="BaseConnector")
 
 
 class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,11 +65,20 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
 
 @runtime_checkable
 class Connector(Protocol):
-    """What every omnilink backend provides; third-party backends implement this."""
+    """What every omnilink backend provides; third-party backends implement this.
 
-    backend: str
-    channel: str
-    role: str
+    ``backend``, ``channel`` and ``role`` are read-only here, so a class attribute
+    (``backend``) or a narrower type (``role: Role``) satisfies them.
+    """
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def channel(self) -> str: ...
+
+    @property
+    def role(self) -> str: ...
 
     def put(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int: ...
 
@@ -81,6 +93,8 @@ class Connector(Protocol):
     def get_nowait(self, key: str, /, *, device: Any = None) -> Any: ...
 
     def discard(self, key: str, /) -> bool: ...
+
+    def release(self, key: str, /) -> bool: ...
 
     def stats(self) -> ConnectorStats: ...
 
@@ -295,6 +309,29 @@ class BaseConnector:
             self._count(discards=1)
         return dropped
 
+    def release(self, key: str, /) -> bool:
+        """Hand the transport memory of a payload received under ``key`` back now.
+
+        Backends whose received tensors are views of a shared buffer (``shm``: the
+        sender's arena) override this: the buffer is otherwise released when the last
+        view dies, and after ``release`` the payload's tensors must not be used. Here,
+        for backends whose payloads own their memory, there is nothing to hand back.
+
+        Returns
+        -------
+        bool
+            Whether a payload still held under ``key`` was released (always ``False``
+            here).
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        validate_key(key)
+        return False
+
     def stats(self) -> ConnectorStats:
         """Counters since this connector was opened (see ``ConnectorStats``)."""
         self._check_open()
@@ -326,7 +363,7 @@ class BaseConnector:
             executor.shutdown(wait=True)
         self._close()
 
-    def __enter__(self) -> BaseConnector:
+    def __enter__(self: _Self) -> _Self:
         self._check_open()
         return self
 

@@ -35,14 +35,22 @@ Registration::
 
 vLLM-Omni calls ``register`` itself at start-up in every process (API server, engine
 core, workers) through the ``vllm_omni.general_plugins`` entry point that omnilink
-declares, so a stage config only has to name the connector::
+declares, so a deploy config only has to define the connector and, on every stage
+that receives, name it in ``input_connectors`` (an edge no stage names gets vLLM-Omni's
+default ``SharedMemoryConnector``; ``examples/vllm_omni/qwen3_omni_omnilink.yaml`` is
+a complete file)::
 
-    runtime:
-      connectors:
-        fast_link:
-          name: OmnilinkConnector
-          extra: {backend: shm, codec_chunk_frames: 25, codec_left_context_frames: 25,
-                  initial_codec_chunk_frames: 4}
+    connectors:
+      omnilink_shm:
+        name: OmnilinkConnector
+        extra: {backend: shm, codec_chunk_frames: 25, codec_left_context_frames: 25,
+                initial_codec_chunk_frames: 4}
+    stages:
+      - stage_id: 0
+      - stage_id: 1
+        input_connectors: {from_stage_0: omnilink_shm}
+      - stage_id: 2
+        input_connectors: {from_stage_1: omnilink_shm}
 
 How one adapter maps onto omnilink connectors::
 
