@@ -592,10 +592,42 @@ class PreparedBlob:
         raw[PREFIX_SIZE:h_end] = self._header
         raw[h_end : self.data_offset] = _ZEROS[: self.data_offset - h_end]
         if self._descs:
-            self._write_data(raw)
+            self._write_data(raw, None)
         return self.nbytes
 
-    def _write_data(self, raw: memoryview) -> None:
+    def device_bytes(self) -> int:
+        """Bytes of the tensors that live on a device (not on the host)."""
+        return sum(d.nbytes for d, (k, src) in zip(self._descs, self._sources)
+                   if k == KIND_TORCH and not src.is_cpu)
+
+    def write_host_into(self, buffer: Any, /) -> list[tuple[int, Any]]:
+        """Write the frame like ``write_into`` except the bytes of device tensors.
+
+        For transports that copy device tensors themselves (a DMA into a page-locked
+        block): returns ``[(offset, tensor)]``, the frame offset where each device
+        tensor's bytes (C order) belong; the caller must fill them before the frame is
+        read. Padding around them is written here.
+
+        Raises
+        ------
+        BlobEncodeError
+            As ``write_into``.
+        """
+        raw = _byte_view(buffer, "encode_into", BlobEncodeError)
+        if raw.readonly:
+            raise BlobEncodeError("encode_into needs a writable buffer, got a read-only one")
+        if raw.nbytes < self.nbytes:
+            raise BlobEncodeError(f"buffer of {raw.nbytes} bytes is too small for a {self.nbytes}-byte frame")
+        h_end = PREFIX_SIZE + self.header_len
+        raw[:PREFIX_SIZE] = self._prefix
+        raw[PREFIX_SIZE:h_end] = self._header
+        raw[h_end : self.data_offset] = _ZEROS[: self.data_offset - h_end]
+        deferred: list[tuple[int, Any]] = []
+        if self._descs:
+            self._write_data(raw, deferred)
+        return deferred
+
+    def _write_data(self, raw: memoryview, deferred: list[tuple[int, Any]] | None) -> None:
         base = self.data_offset
         addr = None
         torch_dst = None
@@ -605,7 +637,9 @@ class PreparedBlob:
             n = desc.nbytes
             end = start + n
             if n:
-                if kind == KIND_TORCH:
+                if deferred is not None and kind == KIND_TORCH and not src.is_cpu:
+                    deferred.append((start, src))
+                elif kind == KIND_TORCH:
                     if (
                         src.is_cpu
                         and src.is_contiguous()

@@ -58,6 +58,13 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
     timeouts: int = 0
     #: payloads that took a slower path (an overflow segment, a copy instead of a view)
     fallbacks: int = 0
+    #: payloads whose CUDA tensors this connector copied by DMA straight into the
+    #: transport (``device_puts``) or straight out of it onto a GPU (``device_gets``),
+    #: instead of a synchronous ``.to()``; ``sliced``: of those, sent or received in
+    #: slices (pipelined)
+    device_puts: int = 0
+    device_gets: int = 0
+    sliced: int = 0
     #: transport blocks (arena blocks, frames) currently held by this process
     blocks_in_use: int = 0
     bytes_in_use: int = 0
@@ -142,7 +149,8 @@ class BaseConnector:
         self._close_lock = threading.Lock()
         self._counter_lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(
-            ("puts", "gets", "bytes_put", "bytes_got", "discards", "timeouts", "fallbacks"), 0
+            ("puts", "gets", "bytes_put", "bytes_got", "discards", "timeouts", "fallbacks",
+             "device_puts", "device_gets", "sliced"), 0
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -249,7 +257,21 @@ class BaseConnector:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"omnilink-{self.backend}-put"
                 )
-            return self._executor.submit(self.put, key, payload, timeout=timeout)
+            ctx = self._async_context(payload)
+            if ctx is None:
+                return self._executor.submit(self.put, key, payload, timeout=timeout)
+            return self._executor.submit(self._put_with_context, key, payload, timeout, ctx)
+
+    def _async_context(self, payload: Any) -> Any:
+        """What ``put_async`` must capture in the caller's thread (the shm backend: the
+        producer's CUDA events); ``None``: nothing, ``_put`` runs as for ``put``."""
+        return None
+
+    def _put_with_context(self, key: str, payload: Any, timeout: float | None, ctx: Any) -> int:
+        self._check_open()
+        n = self._put(key, payload, self._deadline(timeout), ctx)  # type: ignore[call-arg]
+        self._count(puts=1, bytes_put=n)
+        return n
 
     def get(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any:
         """Receive the payload stored under ``key``, waiting up to ``timeout`` seconds.
@@ -282,18 +304,22 @@ class BaseConnector:
         """
         self._check_open()
         validate_key(key)
-        obj = self._get(key, self._deadline(timeout), True)
-        return self._finish_get(obj, device)
+        obj = self._receive(key, self._deadline(timeout), True, device)
+        self._count(gets=1)
+        return obj
 
     def get_nowait(self, key: str, /, *, device: Any = None) -> Any:
         """Like ``get`` but raise ``WouldBlock`` at once if ``key`` is not there yet."""
         self._check_open()
         validate_key(key)
-        obj = self._get(key, Deadline(0.0), False)
-        return self._finish_get(obj, device)
-
-    def _finish_get(self, obj: Any, device: Any) -> Any:
+        obj = self._receive(key, Deadline(0.0), False, device)
         self._count(gets=1)
+        return obj
+
+    def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
+        """``_get`` then the move to ``device``; backends with a faster way to land a
+        payload on a device (the shm backend's copy controllers) override this."""
+        obj = self._get(key, deadline, block)
         if device is not None:
             from omnilink.cuda import payload_to_device
 

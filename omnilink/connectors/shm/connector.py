@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -51,12 +52,13 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import Deadline, MAX_KEY_BYTES
+from omnilink._util import Deadline, MAX_KEY_BYTES, validate_key
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
+from omnilink.connectors.shm.slices import SLICED_MARK
 from omnilink.connectors.shm.names import (
     new_token,
     overflow_name,
@@ -91,6 +93,9 @@ DEFAULT_LINGER_S = 5.0
 #: ``spin_us``): long enough to cover a sender that encodes and publishes right after the
 #: receiver started waiting, short enough to cost little CPU when nothing comes.
 DEFAULT_SPIN_US = 200
+#: CUDA payloads with at least this many device bytes travel in slices (see gpu.py).
+DEFAULT_PIPELINE_BYTES = 8 << 20
+DEFAULT_SLICE_BYTES = 8 << 20
 #: Seconds between liveness checks of the peers while waiting (a heartbeat, not polling:
 #: the data path is always woken by a semaphore).
 HEARTBEAT_S = 0.25
@@ -242,6 +247,12 @@ class ShmConnector(BaseConnector):
         of microseconds on virtual machines; a payload published within the spin is
         picked up in about one. The cost is up to ``spin_us`` of CPU per ``get`` that
         has to wait.
+    pipeline_bytes : int
+        Payloads holding at least this many bytes of CUDA tensors (default 8 MiB) are
+        sent in slices, so the receiver copies early slices to its device while later
+        ones are still coming off the sender's (see "GPU payloads" below).
+    slice_bytes : int
+        Size of one slice (default 8 MiB).
 
     Raises
     ------
@@ -270,6 +281,8 @@ class ShmConnector(BaseConnector):
         overflow: str = "segment",
         linger: float = DEFAULT_LINGER_S,
         spin_us: int = DEFAULT_SPIN_US,
+        pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
+        slice_bytes: int = DEFAULT_SLICE_BYTES,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
@@ -280,6 +293,9 @@ class ShmConnector(BaseConnector):
             raise ConfigurationError(f"overflow must be 'segment' or 'error', got {overflow!r}")
         if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= 100_000:
             raise ConfigurationError(f"spin_us must be an int in [0, 100000], got {spin_us!r}")
+        for name, value in (("pipeline_bytes", pipeline_bytes), ("slice_bytes", slice_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+                raise ConfigurationError(f"{name} must be an int >= 4096, got {value!r}")
         Deadline(linger)  # validates: a number >= 0
         if linger is None:
             raise ConfigurationError("linger must be a number of seconds >= 0, got None")
@@ -321,9 +337,12 @@ class ShmConnector(BaseConnector):
         self._releaser = _Releaser(self._chan, self._pid)
         self._last_beat = time.monotonic()
         self._peer_lost: str | None = None
+        self._gpu: Any = None  # the CUDA path (gpu.py), made on first use
+        self.pipeline_bytes = pipeline_bytes
+        self.slice_bytes = slice_bytes
 
     # ================================================================= sending
-    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+    def _put(self, key: str, payload: Any, deadline: Deadline, events: Any = None) -> int:
         w = self._writer
         if w is None:
             raise ConfigurationError(
@@ -332,6 +351,9 @@ class ShmConnector(BaseConnector):
             )
         blob = _prepare(payload)
         n = blob.nbytes
+        if blob.device_bytes() or (self._gpu is not None and self._gpu.cpu_mode):
+            # CUDA tensors: DMA straight into the block (and large ones in slices).
+            return self._gpu_path().put(key, payload, blob, deadline, events)
         key_bytes = key.encode("utf-8")
         if n > w.data_bytes:
             return self._put_overflow(key, key_bytes, blob, deadline)
@@ -365,6 +387,70 @@ class ShmConnector(BaseConnector):
             finally:
                 chan.unlock()
         return written
+
+    # -- block primitives of the GPU path (``gpu.py``): take a block, fill it outside
+    #    any lock (a DMA), publish it or give it back.
+    def _take_block(self, key: str, n: int, deadline: Deadline, *, block: bool) -> tuple[int, int] | None:
+        """``(offset, descriptor)`` of a free block of ``n`` bytes; waits for room when
+        ``block`` (backpressure), else returns ``None`` when there is none now."""
+        w = self._writer
+        with self._slock:
+            self._check_open()
+            off = w.alloc.alloc(n) if w.free_desc else None
+            if off is not None:
+                return off, w.free_desc.pop()
+            if not block:
+                return None
+            return self._reserve(key, n, deadline, block=True)
+
+    def _give_back_block(self, off: int, idx: int) -> None:
+        w = self._writer
+        with self._slock:
+            w.alloc.free(off)
+            w.free_desc.append(idx)
+
+    def _publish_block(self, key: str, off: int, idx: int, written: int, deadline: Deadline) -> None:
+        """Publish a filled block under ``key`` (the key's bytes are checked by the caller)."""
+        w, chan = self._writer, self._chan
+        with self._slock:
+            rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
+            if not chan.lock_within(deadline):
+                w.alloc.free(off)
+                w.free_desc.append(idx)
+                raise self._timeout("put", key, "the channel mutex", deadline.timeout)
+            try:
+                w.publish(idx, key.encode("utf-8"), rec, written, 0, b"")
+                chan.notify_all()
+                w.drain()
+            finally:
+                chan.unlock()
+
+    def _block_view(self, off: int, n: int) -> memoryview:
+        w = self._writer
+        start = w.data_offset + off
+        return w.view[start : start + n]
+
+    def _gpu_path(self) -> Any:
+        gpu = self._gpu
+        if gpu is None:
+            from omnilink.connectors.shm.gpu import ShmGpuPath
+
+            with self._slock:
+                if self._gpu is None:
+                    self._gpu = ShmGpuPath(self)
+                gpu = self._gpu
+        return gpu
+
+    def _async_context(self, payload: Any) -> Any:
+        # A put_async of CUDA tensors: the copy must follow what the caller queued on its
+        # current stream *now*, so the event is recorded here, in the caller's thread.
+        torch = sys.modules.get("torch")
+        if torch is None or not self._sends or not torch.cuda.is_initialized():
+            return None
+        from omnilink.cuda import cuda_devices_of, record_producer_events
+
+        devices = cuda_devices_of(payload)
+        return record_producer_events(devices) if devices else None
 
     def _put_overflow(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
         w = self._writer
@@ -462,6 +548,58 @@ class ShmConnector(BaseConnector):
 
     # =============================================================== receiving
     def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        payload = self._open_payload(key, self._claim_wait(key, deadline, block))
+        if type(payload) is dict and SLICED_MARK in payload:
+            # A payload sent in slices (CUDA tensors): gather it on the host.
+            return self._gpu_path().gather(payload, deadline, None).synchronize()
+        return payload
+
+    def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
+        if device is None:
+            return self._get(key, deadline, block)
+        return self._receive_handle(key, deadline, block, device).wait()
+
+    def _receive_handle(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
+        got = self._claim_wait(key, deadline, block)
+        payload = self._open_payload(key, got)
+        return self._gpu_path().land(payload, got[0], deadline, device)
+
+    def get_handle(self, key: str, /, *, device: Any, timeout: float | None = None) -> Any:
+        """Receive ``key`` and start copying it to ``device``; return a handle at once.
+
+        Like ``get(key, device=device)``, but the caller decides when and on which stream
+        to wait: ``handle.wait(stream)`` orders ``stream`` after the copy (the host does not
+        block) and returns the payload; ``handle.done()`` says whether it has finished.
+        The arena block goes back to the sender once the copy has completed.
+
+        Parameters
+        ----------
+        key : str
+            The key the sender used.
+        device : str or torch.device
+            Where the tensors land (``"cuda:0"``; ``"cpu"`` gives host copies).
+        timeout : float, optional
+            Seconds to wait for the key (and for every slice of a sliced payload).
+
+        Returns
+        -------
+        omnilink.cuda.StagePayloadHandle
+
+        Raises
+        ------
+        TransferTimeout, PeerLostError, BlobDecodeError, ClosedError
+            As ``get``.
+        CudaError
+            ``device`` is a CUDA device and CUDA is unavailable, or a copy failed.
+        """
+        self._check_open()
+        validate_key(key)
+        handle = self._receive_handle(key, self._deadline(timeout), True, device)
+        self._count(gets=1)
+        return handle
+
+    def _claim_wait(self, key: str, deadline: Deadline, block: bool) -> tuple[Any, ...]:
+        """Claim ``key`` (waiting up to ``deadline`` when ``block``): the claim record."""
         if not self._recvs:
             raise ConfigurationError(
                 f"shm connector on channel {self.channel!r} was opened with role='sender' "
@@ -494,7 +632,7 @@ class ShmConnector(BaseConnector):
                 finally:
                     chan.unlock()
                 if got is not None:
-                    return self._open_payload(key, got)
+                    return got
             # Sleep until a sender publishes (or a heartbeat's worth of time passes).
             woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
             if not woke:
@@ -691,6 +829,9 @@ class ShmConnector(BaseConnector):
         w = self._writer
         if w is not None and self.linger > 0:
             self._linger()
+        if self._gpu is not None:
+            # Copies finish and registrations go before any mapping is unmapped.
+            self._gpu.close()
         with self._rlock:
             self._readers.clear()
             self._departed.clear()

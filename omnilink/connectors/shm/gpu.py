@@ -1,0 +1,386 @@
+"""The shm backend's GPU path: CUDA tensors by DMA into the arena, and out of it.
+
+Sender (``put`` of a payload holding CUDA tensors)::
+
+    caller's stream --event--> D2H controller stream (omnilink.cuda.AsyncD2HController)
+    write header + host tensors into the block; copy_into(block views) for device
+    tensors: one DMA each, straight into the arena, which is page-locked once (first
+    CUDA put) with cudaHostRegister; wait for the copy; publish the descriptor.
+
+    payloads with >= pipeline_bytes of CUDA tensors: a head, then slices (slices.py);
+    up to 4 slices are in flight at once: while slice i is published, slice i+1 is
+    still being copied; the receiver copies slice i to its device meanwhile.
+
+Receiver (``get(key, device="cuda:k")`` / ``get_handle``)::
+
+    claim + decode: zero-copy views of the sender's arena, through our own mapping,
+    page-locked once per sender arena (first CUDA get from it)
+    AsyncH2DController: copy on its own stream, StagePayloadHandle; the arena block
+    is released by the controller's completer thread once the copy has completed
+    get(): handle.wait() = the caller's current stream waits on the copy's event
+
+The host never blocks in ``get`` for the copy, and ``put`` returns once the bytes are
+in the arena (the caller may overwrite its tensors then). ``put_async`` records the
+producer's event in the caller's thread and does the rest on the connector's put thread.
+
+Registration is undone before the memory is unmapped: the sender's in ``close()``
+before the arena goes, a receiver's when it forgets a departed sender's arena (after
+its copies from it have completed) and in ``close()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import threading
+from typing import Any
+
+from omnilink._errors import BlobDecodeError, ConfigurationError, CudaError, TransportError
+from omnilink.blob import prepare
+from omnilink.connectors.shm.slices import (
+    ABORT,
+    PLACEHOLDER,
+    build_head,
+    fill_placeholders,
+    parse_head,
+    plan_slices,
+    slice_key,
+)
+
+__all__ = ["ShmGpuPath"]
+
+logger = logging.getLogger(__name__)
+
+#: Slices copied off the device and not yet published, at most.
+SLICES_IN_FLIGHT = 4
+
+
+class ShmGpuPath:
+    """The CUDA side of one ``ShmConnector`` (made on its first CUDA put or device get)."""
+
+    def __init__(self, conn: Any) -> None:
+        import torch
+
+        self.conn = conn
+        self._torch = torch
+        self._lock = threading.Lock()
+        self._d2h: dict[Any, Any] = {}
+        self._h2d: dict[Any, Any] = {}
+        self._arena_reg: Any = None
+        self._arena_t: Any = None
+        self._reader_regs: dict[int, tuple[Any, Any]] = {}
+        #: test hook: treat CPU tensors as device tensors (the CPU-only CI runs the
+        #: slicing logic this way)
+        self.cpu_mode = False
+
+    # ================================================================ controllers
+    def _d2h_for(self, device: Any) -> Any:
+        ctl = self._d2h.get(device)
+        if ctl is None:
+            from omnilink.cuda import AsyncD2HController
+
+            with self._lock:
+                ctl = self._d2h.get(device)
+                if ctl is None:
+                    ctl = self._d2h[device] = AsyncD2HController(device)
+        return ctl
+
+    def _h2d_for(self, device: Any) -> Any:
+        ctl = self._h2d.get(device)
+        if ctl is None:
+            from omnilink.cuda import AsyncH2DController
+
+            with self._lock:
+                ctl = self._h2d.get(device)
+                if ctl is None:
+                    ctl = self._h2d[device] = AsyncH2DController(device)
+        return ctl
+
+    def _arena(self) -> Any:
+        """The sender's arena as a uint8 tensor, page-locked on first use."""
+        if self._arena_t is None:
+            torch = self._torch
+            w = self.conn._writer
+            with self._lock:
+                if self._arena_t is None:
+                    t = torch.frombuffer(w.view, dtype=torch.uint8)
+                    if not self.cpu_mode:
+                        from omnilink.cuda import HostRegistration
+
+                        self._arena_reg = HostRegistration(t.data_ptr(), t.numel(), what=f"arena {w.name}")
+                    self._arena_t = t
+        return self._arena_t
+
+    def _register_reader(self, reader: Any) -> None:
+        if self.cpu_mode or reader is None or id(reader) in self._reader_regs:
+            return
+        from omnilink.cuda import HostRegistration
+
+        with self._lock:
+            if id(reader) in self._reader_regs:
+                return
+            start, length = reader.address()
+            reg = HostRegistration(start, length, what=f"mapping of arena {reader.name}")
+            # The reader is kept referenced: its mapping must outlive the registration.
+            self._reader_regs[id(reader)] = (reader, reg)
+
+    def forget_reader(self, reader: Any) -> None:
+        """A sender left: unregister our mapping of its arena once copies from it are done."""
+        entry = self._reader_regs.pop(id(reader), None)
+        if entry is not None:
+            for ctl in list(self._h2d.values()):
+                ctl.drain()
+            entry[1].close()
+
+    # ================================================================ sending
+    def _is_dev(self, t: Any) -> bool:
+        return t.is_cuda or (self.cpu_mode and isinstance(t, self._torch.Tensor))
+
+    def put(self, key: str, payload: Any, blob: Any, deadline: Any, events: Any) -> int:
+        from omnilink.cuda import cuda_devices_of, map_tensors, record_producer_events
+
+        conn = self.conn
+        if events is None and not self.cpu_mode:
+            events = record_producer_events(cuda_devices_of(payload))
+        big: list[Any] = []
+        if blob.device_bytes() >= conn.pipeline_bytes or self.cpu_mode:
+            cut = max(conn.slice_bytes // 8, 1)
+
+            def lift(t: Any) -> Any:
+                if self._is_dev(t) and t.numel() * t.element_size() >= cut:
+                    big.append(t)
+                    return {PLACEHOLDER: len(big) - 1}
+                return t
+
+            tree = map_tensors(payload, lift)
+            if big and sum(t.numel() * t.element_size() for t in big) >= conn.pipeline_bytes:
+                return self._put_sliced(key, tree, big, deadline, events)
+        if blob.nbytes > conn._writer.data_bytes:
+            # Larger than the arena and not sliceable: the host path's overflow segment.
+            return conn._put_overflow(key, key.encode("utf-8"), blob, deadline)
+        n = self._put_frame(key, blob, deadline, events)
+        conn._count(device_puts=1)
+        return n
+
+    def _put_frame(self, key: str, blob: Any, deadline: Any, events: Any, *, block: bool = True) -> int:
+        """Allocate a block, write ``blob`` (device regions by DMA), publish it."""
+        conn = self.conn
+        n = blob.nbytes
+        got = conn._take_block(key, n, deadline, block=block)
+        if got is None:
+            return 0
+        off, idx = got
+        try:
+            ev = self._fill(blob, off, events)
+            if ev is not None:
+                ev.synchronize()
+        except BaseException:
+            conn._give_back_block(off, idx)
+            raise
+        conn._publish_block(key, off, idx, n, deadline)
+        return n
+
+    def _fill(self, blob: Any, off: int, events: Any) -> Any:
+        """Write ``blob`` into the block at ``off``; return the event of its device copies."""
+        conn = self.conn
+        deferred = blob.write_host_into(conn._block_view(off, blob.nbytes))
+        if not deferred:
+            return None
+        arena = self._arena()
+        base = conn._writer.data_offset + off
+        by_dev: dict[Any, list[tuple[Any, Any]]] = {}
+        for o, src in deferred:
+            nb = src.numel() * src.element_size()
+            dst = arena[base + o : base + o + nb].view(src.dtype).view(src.shape)
+            by_dev.setdefault(src.device, []).append((src, dst))
+        last = None
+        for dev, pairs in by_dev.items():
+            evs = [e for e in (events or ()) if e[0] == dev]
+            ev = self._d2h_for(dev).copy_into(pairs, events=evs)
+            if ev is not None:
+                if last is not None:
+                    last.synchronize()
+                last = ev
+        return last
+
+    def _put_sliced(self, key: str, tree: Any, big: list[Any], deadline: Any, events: Any) -> int:
+        torch = self._torch
+        conn = self.conn
+        token = secrets.token_hex(8)
+        flats = []
+        for t in big:
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            if not t.is_contiguous():
+                if t.is_cuda:
+                    # The producer's writes first, then the gather, then our copies.
+                    cur = torch.cuda.current_stream(t.device)
+                    for dev, ev in events or ():
+                        if dev == t.device:
+                            cur.wait_event(ev)
+                    t = t.contiguous()
+                    from omnilink.cuda import record_producer_events
+
+                    events = list(events or ()) + record_producer_events([t.device])
+                else:
+                    t = t.contiguous()
+            flats.append(t.reshape(-1).view(torch.uint8))
+        head = build_head(tree, big, conn.slice_bytes, token)
+        total = self._put_frame(key, prepare(head), deadline, events)
+        pieces = plan_slices([f.numel() for f in flats], conn.slice_bytes)
+        pending: collections.deque[tuple[str, int, int, int, Any]] = collections.deque()
+        published = 0
+
+        def complete_oldest() -> None:
+            nonlocal published, total
+            skey, off, idx, n, ev = pending.popleft()
+            try:
+                if ev is not None:
+                    ev.synchronize()
+            except BaseException:
+                conn._give_back_block(off, idx)
+                raise
+            conn._publish_block(skey, off, idx, n, deadline)
+            published += 1
+            total += n
+
+        try:
+            for i, (j, a, b) in enumerate(pieces):
+                skey = slice_key(token, i)
+                blob = prepare({"b": flats[j][a:b]})
+                n = blob.nbytes
+                got = conn._take_block(skey, n, deadline, block=False)
+                while got is None:
+                    if pending:
+                        complete_oldest()
+                        got = conn._take_block(skey, n, deadline, block=False)
+                    else:
+                        got = conn._take_block(skey, n, deadline, block=True)
+                off, idx = got
+                try:
+                    ev = self._fill(blob, off, events)
+                except BaseException:
+                    conn._give_back_block(off, idx)
+                    raise
+                pending.append((skey, off, idx, n, ev))
+                while len(pending) > SLICES_IN_FLIGHT:
+                    complete_oldest()
+            while pending:
+                complete_oldest()
+        except BaseException as exc:
+            for _, off, idx, _, ev in pending:
+                try:
+                    if ev is not None:
+                        ev.synchronize()  # the DMA must not write into a block given back
+                finally:
+                    conn._give_back_block(off, idx)
+            self._abort(key, token, published, exc)
+            raise
+        conn._count(device_puts=1, sliced=1)
+        return total
+
+    def _abort(self, key: str, token: str, index: int, exc: BaseException) -> None:
+        """Tell the receiver of ``key`` that slice ``index`` will never come."""
+        from omnilink._util import Deadline
+
+        reason = f"{type(exc).__name__}: {exc}"[:512]
+        try:
+            self._put_frame(slice_key(token, index), prepare({ABORT: reason}), Deadline(1.0), None, block=False)
+        except Exception:  # the arena is full or closed: the receiver's timeout stays
+            logger.debug("shm: could not publish the abort of %r", key, exc_info=True)
+        logger.warning("shm: sliced put of %r on channel %r failed at slice %d: %s",
+                       key, self.conn.channel, index, reason)
+
+    # ================================================================ receiving
+    def land(self, payload: Any, reader: Any, deadline: Any, device: Any) -> Any:
+        """Start copying a received payload to ``device``; a ``StagePayloadHandle``."""
+        from omnilink.connectors.shm.slices import SLICED_MARK
+
+        dev = self._device(device)
+        if type(payload) is dict and SLICED_MARK in payload:
+            return self.gather(payload, deadline, dev)
+        if dev.type == "cuda":
+            self._register_reader(reader)
+        self.conn._count(device_gets=1)
+        return self._h2d_for(dev).submit(payload)
+
+    def _device(self, device: Any) -> Any:
+        torch = self._torch
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
+        if dev.type == "cuda" and dev.index is None:
+            from omnilink.cuda import cuda_available
+
+            if not cuda_available():
+                raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    def gather(self, head: dict[str, Any], deadline: Any, device: Any) -> Any:
+        """Claim the slices of a sliced payload, copying each to ``device`` as it comes."""
+        torch = self._torch
+        conn = self.conn
+        dev = torch.device("cpu") if device is None else device
+        tree, specs, slice_bytes, token = parse_head(head)
+        h2d = self._h2d_for(dev)
+        stream = h2d.stream
+        if stream is not None:
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for _, _, n in specs]
+        else:
+            bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for _, _, n in specs]
+        pieces = plan_slices([n for _, _, n in specs], slice_bytes)
+        for i, (j, a, b) in enumerate(pieces):
+            skey = slice_key(token, i)
+            got = conn._claim_wait(skey, deadline, True)
+            part = conn._open_payload(skey, got)
+            if type(part) is dict and ABORT in part:
+                raise TransportError(
+                    f"shm: the sender of a sliced payload on channel {conn.channel!r} gave up at "
+                    f"slice {i}: {str(part[ABORT])[:512]}"
+                )
+            data = part.get("b") if type(part) is dict and len(part) == 1 else None
+            if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1
+                    or data.numel() != b - a):
+                raise BlobDecodeError(f"shm: slice {i} of a sliced payload is malformed (expected {b - a} bytes)")
+            if stream is None:
+                bufs[j][a:b].copy_(data)
+            else:
+                self._register_reader(got[0])
+                with torch.cuda.device(dev), torch.cuda.stream(stream):
+                    bufs[j][a:b].copy_(data, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                # The slice's block goes back once its copy has completed.
+                h2d._completer.submit(ev, lambda part=part, data=data: None)
+            del part, data
+        tensors = [buf.view(dtype).view(shape) for buf, (dtype, shape, _) in zip(bufs, specs)]
+        full = fill_placeholders(tree, tensors)
+        conn._count(sliced=1, device_gets=1 if stream is not None else 0)
+        if stream is None:
+            from omnilink.cuda import StagePayloadHandle
+
+            # Host assembly: the buffers own their memory; small tensors of the head
+            # stay zero-copy views of its block.
+            return StagePayloadHandle(full, None, dev, [])
+        return h2d.submit(full, keep=head)
+
+    # ================================================================ lifetime
+    def close(self) -> None:
+        """Finish copies in flight, stop the controllers, unregister every mapping."""
+        for ctl in list(self._h2d.values()) + list(self._d2h.values()):
+            try:
+                ctl.close()
+            except Exception:  # pragma: no cover - best effort at close
+                logger.debug("shm: closing a copy controller failed", exc_info=True)
+        for _, reg in list(self._reader_regs.values()):
+            reg.close()
+        self._reader_regs.clear()
+        if self._arena_reg is not None:
+            self._arena_reg.close()
+        self._arena_t = None

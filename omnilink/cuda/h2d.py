@@ -1,0 +1,215 @@
+"""``AsyncH2DController``: host-to-device copies of received payloads on a dedicated stream.
+
+How one ``submit`` runs (all in the caller's thread, none of it waits)::
+
+    allocate the device tensors (caching allocator, on the copy stream)
+    copy stream: copy_(non_blocking=True) from the host views (an arena block)
+    record the copy's event                         completer thread: event completes ->
+    return StagePayloadHandle  -------------------> drop the host views (the arena block
+                                                    goes back to its sender), on_done()
+    handle.wait(stream): stream waits on the event (the host does not)
+
+The device tensors are allocated while the copy stream is current, so the caching
+allocator ties them to that stream; ``wait(stream)`` records them on the consumer's
+stream too, so their memory is not reused before the consumer's work on them has run.
+The host block is released only once its copy has completed, by the completer thread,
+never by making the caller wait.
+
+Without CUDA (``device="cpu"``) the "copy" is a synchronous ``clone`` and the handle is
+complete at once: the same code path, tested on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from omnilink._errors import ConfigurationError, CudaError, TransferTimeout
+from omnilink.cuda.d2h import make_stream, map_tensors
+from omnilink.cuda.events import Completer
+
+__all__ = ["AsyncH2DController", "StagePayloadHandle"]
+
+logger = logging.getLogger(__name__)
+
+
+class StagePayloadHandle:
+    """A payload being copied to a device.
+
+    ``wait(stream=None)`` makes ``stream`` (default: the device's current stream) wait on
+    the copy and returns the payload: its tensors are then safe to use on that stream,
+    and the host did not block. ``done()`` says whether the copy has finished;
+    ``synchronize(timeout)`` blocks the host until it has (for code that reads the
+    tensors on the host).
+    """
+
+    def __init__(self, payload: Any, event: Any, device: Any, tensors: list[Any]) -> None:
+        self._payload = payload
+        self._event = event
+        self.device = device
+        self._tensors = tensors
+        self._complete = event is None
+
+    @property
+    def event(self) -> Any:
+        """The copy's CUDA event (``None`` in CPU mode)."""
+        return self._event
+
+    def done(self) -> bool:
+        if self._complete:
+            return True
+        if self._event.query():
+            self._complete = True
+        return self._complete
+
+    def wait(self, stream: Any = None) -> Any:
+        """Order ``stream`` after the copy (host not blocked); return the payload."""
+        if self._event is not None:
+            import torch
+
+            if stream is None:
+                stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self._event)
+            for t in self._tensors:
+                t.record_stream(stream)
+        return self._payload
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """Block the host until the copy has finished; return the payload.
+
+        Raises
+        ------
+        TransferTimeout
+            ``timeout`` passed first (polled at 50 us steps; ``None`` waits on the event).
+        """
+        if self._event is not None and not self._complete:
+            if timeout is None:
+                self._event.synchronize()
+            else:
+                import time
+
+                end = time.monotonic() + timeout
+                while not self._event.query():
+                    if time.monotonic() >= end:
+                        raise TransferTimeout(f"host-to-device copy to {self.device} not done within {timeout} s")
+                    time.sleep(50e-6)
+            self._complete = True
+        return self._payload
+
+
+class AsyncH2DController:
+    """Copies received payloads' host tensors to a device on a dedicated stream.
+
+    Parameters
+    ----------
+    device : str or torch.device
+        Where tensors land (``"cuda:1"``; ``"cpu"``: CPU mode, copies are clones).
+    priority : {"normal", "high"}
+        Priority of the copy stream.
+
+    Raises
+    ------
+    ConfigurationError
+        Bad device.
+    CudaError
+        A CUDA device was asked for and CUDA is not available.
+    """
+
+    def __init__(self, device: Any, *, priority: str = "normal") -> None:
+        import torch
+
+        from omnilink.cuda.runtime import cuda_available, sync_debug
+
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
+        if dev.type == "cuda":
+            if not cuda_available():
+                raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ConfigurationError(f"AsyncH2DController copies to CUDA devices (or CPU), not {dev}")
+        self.device = dev
+        self.sync = sync_debug()
+        self._stream = make_stream(dev, priority) if dev.type == "cuda" else None
+        self._completer = Completer(f"omnilink-h2d-{dev}")
+
+    @property
+    def stream(self) -> Any:
+        return self._stream
+
+    def submit(self, payload: Any, /, *, keep: Any = None, on_done: Callable[[], None] | None = None) -> StagePayloadHandle:
+        """Start copying ``payload``'s torch tensors to the device; return at once.
+
+        Parameters
+        ----------
+        payload : Any
+            A dict/list/tuple tree; torch tensors are copied (non-blocking from pinned or
+            registered memory), numpy arrays and plain values are kept as they are.
+        keep : Any
+            Held until the copy has completed, then dropped (the received payload whose
+            views keep its transport block alive).
+        on_done : callable, optional
+            Called on the completer thread once the copy has completed.
+
+        Returns
+        -------
+        StagePayloadHandle
+        """
+        import torch
+
+        tensors: list[Any] = []
+        dev = self.device
+        if self._stream is None:
+            out = map_tensors(payload, lambda t: t.to(dev).clone() if t.device == dev else t.to(dev))
+            if on_done is not None:
+                self._completer.submit(None, on_done)
+            return StagePayloadHandle(out, None, dev, [])
+        sources: list[Any] = []
+        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+            def move(t: Any) -> Any:
+                if t.device == dev:
+                    # Made on this stream already (the slices of a sliced payload).
+                    tensors.append(t)
+                    return t
+                if t.is_cuda:
+                    # Already on a GPU (a sender's device payload, say): a device copy
+                    # after the producer's work on the current stream.
+                    self._stream.wait_stream(torch.cuda.current_stream(t.device))
+                d = torch.empty(t.shape, dtype=t.dtype, device=dev)
+                d.copy_(t, non_blocking=True)
+                tensors.append(d)
+                sources.append(t)
+                return d
+
+            out = map_tensors(payload, move)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        if self.sync:
+            event.synchronize()
+
+        def finish() -> None:
+            sources.clear()
+            nonlocal keep
+            keep = None
+            if on_done is not None:
+                on_done()
+
+        self._completer.submit(event, finish)
+        return StagePayloadHandle(out, event, dev, tensors)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every copy submitted so far has completed and its host memory is released."""
+        return self._completer.drain(timeout)
+
+    def close(self) -> None:
+        """Wait for the copies in flight, then stop; idempotent."""
+        self._completer.close()
+
+    def __enter__(self) -> AsyncH2DController:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
