@@ -35,15 +35,24 @@ from omnilink.cuda.events import Completer
 from omnilink.cuda.h2d import AsyncH2DController, StagePayloadHandle
 from omnilink.cuda.pool import PinnedRingPool, PoolSlot
 from omnilink.cuda.runtime import (
+    CudaOps,
+    Event,
     HostRegistration,
     cuda_available,
+    cuda_ops,
+    current_raw_stream,
+    have_cuda_ops,
     cuda_devices_of,
     record_producer_events,
     sync_debug,
 )
+from omnilink.cuda.runtime import CUDA_INSTALL_HINT
 
 __all__ = [
+    "CUDA_INSTALL_HINT",
     "AsyncD2HController",
+    "CudaOps",
+    "Event",
     "AsyncH2DController",
     "BatchPayloadFuture",
     "BatchPayloadSliceRef",
@@ -54,6 +63,9 @@ __all__ = [
     "StagePayloadHandle",
     "cuda_available",
     "cuda_devices_of",
+    "cuda_ops",
+    "current_raw_stream",
+    "have_cuda_ops",
     "map_tensors",
     "payload_to_device",
     "record_producer_events",

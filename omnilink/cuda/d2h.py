@@ -298,6 +298,12 @@ class AsyncD2HController:
         self.priority = priority
         self.sync = sync_debug()
         self._stream = make_stream(dev, priority) if dev.type == "cuda" else None
+        if self._stream is not None:
+            from omnilink.cuda.runtime import cuda_ops
+
+            self._ops = cuda_ops()  # CudaError with the pip hint when cuda-python is missing
+            self._raw = int(self._stream.cuda_stream)
+            self._index = dev.index
         self._owns_pool = pool is None
         self._pool = pool
         self._pool_bytes = pool_bytes
@@ -383,23 +389,35 @@ class AsyncD2HController:
         """
         import torch
 
+        from omnilink.cuda.runtime import Event, record_producer_events
+
         if self._stream is None:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
+        ops, raw = self._ops, self._raw
         if events is None:
-            from omnilink.cuda.runtime import record_producer_events
-
             events = record_producer_events([self.device])
-        with torch.cuda.stream(self._stream):
+        prev = ops.swap_device(self._index)
+        try:
             for _, ev in events:
-                self._stream.wait_event(ev)
+                ops.wait(raw, ev)
+            strided = []
             for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-                if src.is_cuda:
-                    src.record_stream(self._stream)
-            done = torch.cuda.Event()
-            done.record(self._stream)
+                n = src.numel() * src.element_size()
+                if not n:
+                    continue
+                if src.is_contiguous() and dst.is_contiguous():
+                    ops.memcpy(dst.data_ptr(), src.data_ptr(), n, raw)
+                else:
+                    strided.append((src, dst))
+            if strided:
+                with torch.cuda.stream(self._stream):
+                    for src, dst in strided:
+                        dst.copy_(src, non_blocking=True)
+            done = Event(self._index).record(raw)
+        finally:
+            ops.restore_device(prev)
         if self.sync:
             done.synchronize()
         return done
@@ -465,12 +483,14 @@ class AsyncD2HController:
             result = map_tensors(job.payload, to_slot)
             done_event = None
         else:
+            from omnilink.cuda.runtime import Event
+
+            self._ops.swap_device(self._index)  # our own thread: no need to restore
+            for _, ev in job.events:
+                self._ops.wait(self._raw, ev)
             with torch.cuda.stream(self._stream):
-                for _, ev in job.events:
-                    self._stream.wait_event(ev)
                 result = map_tensors(job.payload, to_slot)
-                done_event = torch.cuda.Event()
-                done_event.record(self._stream)
+            done_event = Event(self._index).record(self._raw)
             if self.sync:
                 done_event.synchronize()
         job.payload = None

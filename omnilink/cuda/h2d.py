@@ -63,15 +63,25 @@ class StagePayloadHandle:
         return self._complete
 
     def wait(self, stream: Any = None) -> Any:
-        """Order ``stream`` after the copy (host not blocked); return the payload."""
-        if self._event is not None:
-            import torch
+        """Order ``stream`` after the copy (host not blocked); return the payload.
 
-            if stream is None:
-                stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(self._event)
-            for t in self._tensors:
-                t.record_stream(stream)
+        ``stream``: a ``torch.cuda.Stream`` of the handle's device; default its current
+        stream. The tensors were allocated on the current stream of ``get``'s caller; on
+        another stream they are also recorded there, for the caching allocator.
+        """
+        if self._event is not None:
+            from omnilink.cuda.runtime import cuda_ops, current_raw_stream, raw_stream
+
+            ops = cuda_ops()
+            raw = current_raw_stream(self.device.index) if stream is None else raw_stream(stream)
+            prev = ops.swap_device(self.device.index)
+            try:
+                ops.wait(raw, self._event)
+            finally:
+                ops.restore_device(prev)
+            if stream is not None:
+                for t in self._tensors:
+                    t.record_stream(stream)
         return self._payload
 
     def synchronize(self, timeout: float | None = None) -> Any:
@@ -134,6 +144,12 @@ class AsyncH2DController:
         self.device = dev
         self.sync = sync_debug()
         self._stream = make_stream(dev, priority) if dev.type == "cuda" else None
+        if self._stream is not None:
+            from omnilink.cuda.runtime import cuda_ops
+
+            self._ops = cuda_ops()  # CudaError with the pip hint when cuda-python is missing
+            self._raw = int(self._stream.cuda_stream)
+            self._index = dev.index
         self._completer = Completer(f"omnilink-h2d-{dev}")
 
     @property
@@ -167,26 +183,41 @@ class AsyncH2DController:
             if on_done is not None:
                 self._completer.submit(None, on_done)
             return StagePayloadHandle(out, None, dev, [])
+        from omnilink.cuda.runtime import Event, current_raw_stream, record_producer_events
+
+        ops, raw, idx = self._ops, self._raw, self._index
         sources: list[Any] = []
-        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
+        prev = ops.swap_device(idx)
+        try:
+            # The device memory comes from the caller's current stream (the consumer's):
+            # the copy waits for what that stream queued before, so a block the allocator
+            # recycled is not overwritten while an earlier kernel still reads it.
+            ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+
             def move(t: Any) -> Any:
                 if t.device == dev:
-                    # Made on this stream already (the slices of a sliced payload).
+                    # Made on this device already (the slices of a sliced payload).
                     tensors.append(t)
                     return t
-                if t.is_cuda:
-                    # Already on a GPU (a sender's device payload, say): a device copy
-                    # after the producer's work on the current stream.
-                    self._stream.wait_stream(torch.cuda.current_stream(t.device))
                 d = torch.empty(t.shape, dtype=t.dtype, device=dev)
-                d.copy_(t, non_blocking=True)
+                n = t.numel() * t.element_size()
+                if t.is_cuda:
+                    # On another GPU (a sender's device payload, say): after its producer.
+                    ops.wait(raw, record_producer_events([t.device])[0][1])
+                    with torch.cuda.stream(self._stream):
+                        d.copy_(t, non_blocking=True)
+                elif n:
+                    src = t if t.is_contiguous() else t.contiguous()
+                    ops.memcpy(d.data_ptr(), src.data_ptr(), n, raw)
+                    t = src
                 tensors.append(d)
                 sources.append(t)
                 return d
 
             out = map_tensors(payload, move)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+            event = Event(idx).record(raw)
+        finally:
+            ops.restore_device(prev)
         if self.sync:
             event.synchronize()
 
@@ -199,6 +230,38 @@ class AsyncH2DController:
 
         self._completer.submit(event, finish)
         return StagePayloadHandle(out, event, dev, tensors)
+
+    def copy_into(self, pairs: list[tuple[Any, Any]], /, *, keep: Any = None) -> Any:
+        """Enqueue ``dst.copy_(src)`` for each (host ``src``, device ``dst``) on the copy
+        stream, after the caller's current stream; ``keep`` is dropped once they are done.
+
+        The lower-level entry the shm backend uses to land a sliced payload piece by piece
+        into device buffers it allocated. Returns the copies' event (``None`` on CPU).
+        """
+        if self._stream is None:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return None
+        from omnilink.cuda.runtime import Event, current_raw_stream
+
+        ops, raw, idx = self._ops, self._raw, self._index
+        prev = ops.swap_device(idx)
+        try:
+            ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+            for src, dst in pairs:
+                n = src.numel() * src.element_size()
+                if n:
+                    ops.memcpy(dst.data_ptr(), src.data_ptr(), n, raw)
+            event = Event(idx).record(raw)
+        finally:
+            ops.restore_device(prev)
+
+        def finish() -> None:
+            nonlocal keep, pairs
+            keep = pairs = None
+
+        self._completer.submit(event, finish)
+        return event
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every copy submitted so far has completed and its host memory is released."""

@@ -25,7 +25,13 @@ from typing import Any
 from omnilink._errors import CudaError
 
 __all__ = [
+    "CudaOps",
+    "Event",
     "HostRegistration",
+    "current_raw_stream",
+    "cuda_ops",
+    "have_cuda_ops",
+    "raw_stream",
     "cuda_available",
     "cuda_devices_of",
     "record_producer_events",
@@ -168,18 +174,177 @@ def cuda_devices_of(payload: Any) -> list[Any]:
     return list(devices)
 
 
-def record_producer_events(devices: list[Any]) -> list[tuple[Any, Any]]:
+class CudaOps:
+    """The CUDA runtime calls of the per-message hot path, on raw stream handles.
+
+    torch's Python helpers for streams and devices (``current_stream``, the ``device``
+    and ``stream`` context managers) cost 30-45 us a call, more than a 4 KiB copy; these
+    calls go straight to cuda-python's bindings (about a microsecond each, GIL
+    released while CUDA works). Events come from here too (``Event``).
+    """
+
+    def __init__(self) -> None:
+        from cuda.bindings import runtime as rt  # type: ignore[import-not-found]
+
+        self.rt = rt
+        self.success = rt.cudaError_t.cudaSuccess
+        self.kind_default = rt.cudaMemcpyKind.cudaMemcpyDefault
+        self.flags = rt.cudaEventDisableTiming
+        self.not_ready = rt.cudaError_t.cudaErrorNotReady
+        import torch
+
+        # torch's binding of cudaGetDevice: a plain int, no enum to build.
+        self._get_device = torch._C._cuda_getDevice
+        self._local = threading.local()
+
+    def ordering_event(self, index: int) -> Event:
+        """This thread's reusable event of device ``index``, for record-then-wait at once.
+
+        An event may be recorded again as soon as every wait on its last recording has
+        been *enqueued*; a thread that records and immediately enqueues the wait can
+        reuse one event forever (events for later waits or host syncs are fresh).
+        """
+        cache = self._local.__dict__.setdefault("events", {})
+        ev = cache.get(index)
+        if ev is None:
+            ev = cache[index] = Event(index)
+        return ev
+
+    def check(self, res: Any, what: str) -> Any:
+        err = res[0]
+        if err != self.success:
+            raise CudaError(f"{what} failed: {err.name if hasattr(err, 'name') else err}")
+        return res[1] if len(res) > 1 else None
+
+    def swap_device(self, index: int) -> int:
+        """Make ``index`` this thread's current device; return the one to restore (-1:
+        it already was). The caller's current device is always given back
+        (``restore_device``): torch reads it from CUDA on every call."""
+        cur = self._get_device()
+        if cur == index:
+            return -1
+        self.check(self.rt.cudaSetDevice(index), "cudaSetDevice")
+        return cur
+
+    def restore_device(self, prev: int) -> None:
+        if prev >= 0:
+            self.check(self.rt.cudaSetDevice(prev), "cudaSetDevice")
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cudaMemcpyAsync`` on ``stream`` (direction from the pointers: unified addressing)."""
+        self.check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.kind_default, stream), "cudaMemcpyAsync")
+
+    def wait(self, stream: int, event: Event) -> None:
+        self.check(self.rt.cudaStreamWaitEvent(stream, event.handle, 0), "cudaStreamWaitEvent")
+
+
+_ops: CudaOps | None = None
+_ops_error: str | None = None
+_ops_lock = threading.Lock()
+
+#: What to run when the fast path is missing.
+CUDA_INSTALL_HINT = "pip install 'omnilink[cuda]' (cuda-python)"
+
+
+def cuda_ops() -> CudaOps:
+    """The process's ``CudaOps``.
+
+    Raises
+    ------
+    CudaError
+        cuda-python is not installed (the message says what to install).
+    """
+    global _ops, _ops_error
+    if _ops is None:
+        with _ops_lock:
+            if _ops is None and _ops_error is None:
+                try:
+                    _ops = CudaOps()
+                except ImportError as exc:
+                    _ops_error = f"cuda-python is not importable ({exc}); {CUDA_INSTALL_HINT}"
+    if _ops is None:
+        raise CudaError(_ops_error or "cuda-python is not importable")
+    return _ops
+
+
+def have_cuda_ops() -> bool:
+    """Whether cuda-python is importable (the GPU copy path needs it)."""
+    try:
+        cuda_ops()
+    except CudaError:
+        return False
+    return True
+
+
+class Event:
+    """A CUDA event (timing disabled) of device ``index``, destroyed with the object."""
+
+    __slots__ = ("handle", "index", "_ops")
+
+    def __init__(self, index: int) -> None:
+        ops = cuda_ops()
+        prev = ops.swap_device(index)
+        try:
+            self.handle = ops.check(ops.rt.cudaEventCreateWithFlags(ops.flags), "cudaEventCreateWithFlags")
+        finally:
+            ops.restore_device(prev)
+        self.index = index
+        self._ops = ops
+
+    def record(self, stream: int) -> Event:
+        """Record on ``stream`` (a raw handle of this event's device); returns ``self``."""
+        ops = self._ops
+        prev = ops.swap_device(self.index)
+        try:
+            ops.check(ops.rt.cudaEventRecord(self.handle, stream), "cudaEventRecord")
+        finally:
+            ops.restore_device(prev)
+        return self
+
+    def synchronize(self) -> None:
+        """Block this thread (GIL released) until the event has completed."""
+        self._ops.check(self._ops.rt.cudaEventSynchronize(self.handle), "cudaEventSynchronize")
+
+    def query(self) -> bool:
+        err = self._ops.rt.cudaEventQuery(self.handle)[0]
+        if err == self._ops.success:
+            return True
+        if err == self._ops.not_ready:
+            return False
+        raise CudaError(f"cudaEventQuery failed: {err}")
+
+    def __del__(self) -> None:
+        try:
+            self._ops.rt.cudaEventDestroy(self.handle)
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+
+
+def current_raw_stream(index: int) -> int:
+    """The raw handle of device ``index``'s current stream in this thread (torch's notion)."""
+    import torch
+
+    return int(torch._C._cuda_getCurrentRawStream(index))
+
+
+def raw_stream(stream: Any) -> int:
+    """The raw handle of a ``torch.cuda.Stream`` (or an int handle, returned as is)."""
+    return stream if isinstance(stream, int) else int(stream.cuda_stream)
+
+
+def record_producer_events(devices: list[Any]) -> list[tuple[Any, Event]]:
     """``[(device, event)]``: an event recorded now on each device's current stream.
 
     Called in the producer's thread: a copy stream that waits on these events runs after
     every kernel the producer queued before the call, whichever thread issues the copy.
-    """
-    import torch
 
+    Raises
+    ------
+    CudaError
+        cuda-python is missing, or a CUDA call failed.
+    """
     out = []
     for dev in devices:
-        with torch.cuda.device(dev):
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dev))
-        out.append((dev, ev))
+        idx = dev.index
+        out.append((dev, Event(idx).record(current_raw_stream(idx))))
     return out

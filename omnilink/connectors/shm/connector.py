@@ -94,8 +94,8 @@ DEFAULT_LINGER_S = 5.0
 #: receiver started waiting, short enough to cost little CPU when nothing comes.
 DEFAULT_SPIN_US = 200
 #: CUDA payloads with at least this many device bytes travel in slices (see gpu.py).
-DEFAULT_PIPELINE_BYTES = 8 << 20
-DEFAULT_SLICE_BYTES = 8 << 20
+DEFAULT_PIPELINE_BYTES = 16 << 20
+DEFAULT_SLICE_BYTES = 16 << 20
 #: Seconds between liveness checks of the peers while waiting (a heartbeat, not polling:
 #: the data path is always woken by a semaphore).
 HEARTBEAT_S = 0.25
@@ -214,6 +214,23 @@ def _cleanup(writer: ArenaWriter | None, chan: Channel) -> None:
             writer.close()
 
 
+_gpu_ok: bool | None = None
+
+
+def _gpu_path_available() -> bool:
+    """Whether the GPU path can run (cuda-python importable); says once when it cannot."""
+    global _gpu_ok
+    if _gpu_ok is None:
+        from omnilink.cuda import have_cuda_ops
+        from omnilink.cuda import CUDA_INSTALL_HINT
+
+        _gpu_ok = have_cuda_ops()
+        if not _gpu_ok:
+            logger.warning("shm: CUDA tensors take the host path (a synchronous copy at each end); "
+                           "for DMA straight into the arena: %s", CUDA_INSTALL_HINT)
+    return _gpu_ok
+
+
 class ShmConnector(BaseConnector):
     """Same-host connector over POSIX shared memory (backend ``"shm"``).
 
@@ -248,11 +265,11 @@ class ShmConnector(BaseConnector):
         picked up in about one. The cost is up to ``spin_us`` of CPU per ``get`` that
         has to wait.
     pipeline_bytes : int
-        Payloads holding at least this many bytes of CUDA tensors (default 8 MiB) are
+        Payloads holding at least this many bytes of CUDA tensors (default 16 MiB) are
         sent in slices, so the receiver copies early slices to its device while later
         ones are still coming off the sender's (see "GPU payloads" below).
     slice_bytes : int
-        Size of one slice (default 8 MiB).
+        Size of one slice (default 16 MiB).
 
     Raises
     ------
@@ -351,7 +368,7 @@ class ShmConnector(BaseConnector):
             )
         blob = _prepare(payload)
         n = blob.nbytes
-        if blob.device_bytes() or (self._gpu is not None and self._gpu.cpu_mode):
+        if (blob.device_bytes() and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
             # CUDA tensors: DMA straight into the block (and large ones in slices).
             return self._gpu_path().put(key, payload, blob, deadline, events)
         key_bytes = key.encode("utf-8")
@@ -560,6 +577,11 @@ class ShmConnector(BaseConnector):
         return self._receive_handle(key, deadline, block, device).wait()
 
     def _receive_handle(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
+        if not _gpu_path_available():
+            from omnilink.cuda import StagePayloadHandle, payload_to_device
+
+            obj = payload_to_device(self._get(key, deadline, block), device)
+            return StagePayloadHandle(obj, None, device, [])
         got = self._claim_wait(key, deadline, block)
         payload = self._open_payload(key, got)
         return self._gpu_path().land(payload, got[0], deadline, device)

@@ -138,11 +138,17 @@ class ShmGpuPath:
         return t.is_cuda or (self.cpu_mode and isinstance(t, self._torch.Tensor))
 
     def put(self, key: str, payload: Any, blob: Any, deadline: Any, events: Any) -> int:
-        from omnilink.cuda import cuda_devices_of, map_tensors, record_producer_events
+        from omnilink.cuda import cuda_devices_of, map_tensors
 
         conn = self.conn
         if events is None and not self.cpu_mode:
-            events = record_producer_events(cuda_devices_of(payload))
+            # put (not put_async): the wait on this event is enqueued before put returns,
+            # so this thread's reusable ordering event will do.
+            from omnilink.cuda import cuda_ops, current_raw_stream
+
+            ops = cuda_ops()
+            events = [(d, ops.ordering_event(d.index).record(current_raw_stream(d.index)))
+                      for d in cuda_devices_of(payload)]
         big: list[Any] = []
         if blob.device_bytes() >= conn.pipeline_bytes or self.cpu_mode:
             cut = max(conn.slice_bytes // 8, 1)
@@ -217,13 +223,13 @@ class ShmGpuPath:
             if not t.is_contiguous():
                 if t.is_cuda:
                     # The producer's writes first, then the gather, then our copies.
-                    cur = torch.cuda.current_stream(t.device)
+                    from omnilink.cuda import cuda_ops, current_raw_stream, record_producer_events
+
+                    ops = cuda_ops()
                     for dev, ev in events or ():
                         if dev == t.device:
-                            cur.wait_event(ev)
+                            ops.wait(current_raw_stream(t.device.index), ev)
                     t = t.contiguous()
-                    from omnilink.cuda import record_producer_events
-
                     events = list(events or ()) + record_producer_events([t.device])
                 else:
                     t = t.contiguous()
@@ -329,11 +335,8 @@ class ShmGpuPath:
         tree, specs, slice_bytes, token = parse_head(head)
         h2d = self._h2d_for(dev)
         stream = h2d.stream
-        if stream is not None:
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
-                bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for _, _, n in specs]
-        else:
-            bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for _, _, n in specs]
+        # Device buffers from the caller's current stream, like any device get.
+        bufs = [torch.empty(n, dtype=torch.uint8, device=dev) for _, _, n in specs]
         pieces = plan_slices([n for _, _, n in specs], slice_bytes)
         for i, (j, a, b) in enumerate(pieces):
             skey = slice_key(token, i)
@@ -348,16 +351,10 @@ class ShmGpuPath:
             if (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1
                     or data.numel() != b - a):
                 raise BlobDecodeError(f"shm: slice {i} of a sliced payload is malformed (expected {b - a} bytes)")
-            if stream is None:
-                bufs[j][a:b].copy_(data)
-            else:
+            if stream is not None:
                 self._register_reader(got[0])
-                with torch.cuda.device(dev), torch.cuda.stream(stream):
-                    bufs[j][a:b].copy_(data, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                # The slice's block goes back once its copy has completed.
-                h2d._completer.submit(ev, lambda part=part, data=data: None)
+            # The slice's block goes back once its copy has completed (keep=part).
+            h2d.copy_into([(data, bufs[j][a:b])], keep=part)
             del part, data
         tensors = [buf.view(dtype).view(shape) for buf, (dtype, shape, _) in zip(bufs, specs)]
         full = fill_placeholders(tree, tensors)

@@ -1,0 +1,364 @@
+"""GPU -> shared memory -> GPU: omnilink's GPU data path beside its ceilings, in one run.
+
+Benchmarks are hard: every figure here is one run on one machine, the median of
+several repetitions, and the ratios compare paths measured side by side in that run.
+
+What it measures (needs CUDA; one GPU, and cuda:0 -> cuda:1 when there are two):
+
+1. ceilings, in this process: one pinned device-to-host and host-to-device ``copy_`` of
+   the same bytes (and a pageable one);
+2. the D2H controller copying into a page-locked ``/dev/shm`` arena, against (1);
+3. two processes, sender tensors on cuda:0, receiver ``get(..., device="cuda:k")``
+   through the shm backend: GB/s at each size with several messages in flight, bytes
+   checked on the receiver's GPU; 4 KiB one-way latency (round trip / 2, both copies);
+4. the paths omnilink replaces, same processes and sizes: the legacy one (``.cpu()``,
+   pickle, a fresh segment, ``.cuda()``), and omnilink's host path with plain ``.to()``
+   at both ends;
+5. overlap: bf16 matmuls with a ``put_async`` of 256 MiB per step, against matmuls
+   alone and matmuls beside a raw side-stream copy of the same bytes.
+
+Run: ``python benchmarks/bench_gpu.py [--sizes 1MiB,64MiB,256MiB] [--json out.jsonl]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MiB = 1 << 20
+
+
+def _fmt(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= MiB else f"{n >> 10} KiB"
+
+
+# =================================================================== in-process
+def ceilings(sizes: list[int], reps: int) -> dict[str, dict[int, float]]:
+    import torch
+
+    out: dict[str, dict[int, float]] = {"d2h-pinned": {}, "h2d-pinned": {}, "d2h-pageable": {}}
+    for n in sizes:
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        pin = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        page = torch.empty(n, dtype=torch.uint8)
+        for name, dst, src in (("d2h-pinned", pin, dev), ("h2d-pinned", dev, pin), ("d2h-pageable", page, dev)):
+            times = []
+            for _ in range(reps + 2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out[name][n] = n / statistics.median(times[2:]) / 1e9
+    return out
+
+
+def d2h_controller(sizes: list[int], reps: int) -> dict[int, float]:
+    """The controller's copy into a page-locked /dev/shm segment (the arena's path)."""
+    import mmap
+
+    import posix_ipc
+    import torch
+
+    from omnilink.cuda import AsyncD2HController, HostRegistration
+
+    cap = max(sizes)
+    name = f"/omnilink-bench-{uuid.uuid4().hex[:8]}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=cap)
+    try:
+        mm = mmap.mmap(shm.fd, cap)
+        shm.close_fd()
+        arena = torch.frombuffer(mm, dtype=torch.uint8)
+        arena.fill_(1)  # pre-fault
+        reg = HostRegistration(arena.data_ptr(), cap, what="bench arena")
+        out = {}
+        with AsyncD2HController("cuda:0") as ctl:
+            for n in sizes:
+                src = torch.empty(n, dtype=torch.uint8, device="cuda")
+                times = []
+                for _ in range(reps + 2):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    ctl.copy_into([(src, arena[:n])]).synchronize()
+                    times.append(time.perf_counter() - t0)
+                out[n] = n / statistics.median(times[2:]) / 1e9
+        reg.close()
+        del arena
+        mm.close()
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+    return out
+
+
+# =================================================================== two processes
+def _receiver(conn, channel: str, reply: str) -> None:
+    import pickle
+    from multiprocessing import shared_memory
+
+    import torch
+
+    import omnilink
+
+    torch.cuda.init()
+    rx = omnilink.connect("shm", channel=channel, role="receiver")
+    tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0)
+    try:
+        while True:
+            cmd = conn.recv()
+            op = cmd[0]
+            if op == "stop":
+                return
+            if op == "thr":
+                _, count, device, mode = cmd
+                ok = torch.ones((), dtype=torch.bool, device=device)
+                for i in range(count):
+                    if mode == "omnilink":
+                        got = rx.get(f"m{i}", timeout=120, device=device)["x"]
+                    elif mode == "to":  # host path, then a plain .to()
+                        got = rx.get(f"m{i}", timeout=120)["x"].to(device)
+                    else:  # legacy: pickle over a fresh segment
+                        seg_name, n = conn.recv()
+                        seg = shared_memory.SharedMemory(name=seg_name)
+                        # BASELINE BEING MEASURED: what engines do today; never omnilink's path.
+                        got = pickle.loads(seg.buf[:n])["x"].cuda(device)
+                        seg.close()
+                        seg.unlink()
+                    if i % 8 == 0 or i == count - 1:
+                        # Every 8th message and the last are checked byte for byte on the
+                        # GPU (checking all would time the check at small sizes).
+                        ok &= (got == (i % 251)).all()
+                    del got
+                torch.cuda.synchronize()
+                conn.send((time.perf_counter(), bool(ok)))
+            elif op == "ping":
+                _, count, device = cmd
+                for i in range(count):
+                    got = rx.get(f"p{i}", timeout=60, device=device)
+                    tx.put(f"q{i}", got, timeout=60)
+                conn.send("done")
+    finally:
+        tx.close()
+        rx.close()
+
+
+def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
+    import pickle
+    from multiprocessing import shared_memory
+
+    import torch
+
+    import omnilink
+
+    ctx = mp.get_context("spawn")
+    ch, reply = f"bench/gpu-{uuid.uuid4().hex[:6]}", f"bench/gpu-r-{uuid.uuid4().hex[:6]}"
+    arena = max(1 << 30, 3 * max(sizes))
+    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=min(arena, 2 << 30), linger=0)
+    rx = omnilink.connect("shm", channel=reply, role="receiver")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, ch, reply), daemon=True)
+    proc.start()
+    results: dict = {"omnilink": {}, "to": {}, "legacy": {}, "ok": True}
+    try:
+        for n in sizes:
+            src = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+            count = count_for(n)
+            for mode in ("omnilink", "to", "legacy"):
+                if mode == "legacy" and n > 64 * MiB:
+                    continue  # minutes per run at 0.2 GB/s; 64 MiB makes the point
+                best = []
+                if mode == "legacy":
+                    count = min(count, 8)
+                for _ in range(reps):
+                    parent.send(("thr", count, device, mode))
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for i in range(count):
+                        src.fill_(i % 251)
+                        if mode == "omnilink":
+                            tx.put(f"m{i}", {"x": src}, timeout=120)
+                        elif mode == "to":
+                            tx.put(f"m{i}", {"x": src.cpu()}, timeout=120)
+                        else:
+                            # BASELINE BEING MEASURED: pickle of a .cpu() copy into a fresh segment.
+                            data = pickle.dumps({"x": src.cpu()}, protocol=5)
+                            seg = shared_memory.SharedMemory(create=True, size=len(data))
+                            seg.buf[: len(data)] = data
+                            parent.send((seg.name, len(data)))
+                            seg.close()
+                    t_end, ok = parent.recv()
+                    results["ok"] &= ok
+                    best.append(count * n / (t_end - t0) / 1e9)
+                results[mode][n] = statistics.median(best)
+        # 4 KiB one-way: round trip / 2, both copies each way.
+        x = torch.randint(0, 255, (4096,), dtype=torch.uint8, device="cuda:0")
+        lat = []
+        for rep in range(reps):
+            parent.send(("ping", 200, device))
+            for i in range(200):
+                t0 = time.perf_counter()
+                tx.put(f"p{i}", {"x": x}, timeout=60)
+                back = rx.get(f"q{i}", timeout=60, device="cuda:0")
+                torch.cuda.current_stream().synchronize()
+                lat.append((time.perf_counter() - t0) / 2)
+                if i == 0 and rep == 0:
+                    results["ok"] &= bool(torch.equal(back["x"], x))
+            assert parent.recv() == "done"
+        lat = sorted(lat[20:])
+        results["lat_p50_us"] = lat[len(lat) // 2] * 1e6
+        results["lat_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        parent.send(("stop",))
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        rx.close()
+        tx.close()
+    return results
+
+
+# =================================================================== overlap
+def _sink(channel: str, count: int, ready) -> None:
+    import omnilink
+
+    with omnilink.connect("shm", channel=channel, role="receiver") as rx:
+        rx.get("warm", timeout=120)
+        ready.set()
+        for i in range(count - 1):
+            rx.get(f"o{i}", timeout=120)
+
+
+def overlap(steps: int, size: int) -> dict:
+    import torch
+
+    import omnilink
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
+    pin = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def loop(extra) -> float:
+        # The compute stream's time: the copies may go on (a device-wide synchronize
+        # would wait for them too, and time the receiver instead).
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            for _ in range(4):
+                b = a @ a  # noqa: F841
+            extra(i)
+        torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t0
+
+    loop(lambda i: None)
+    mm_only = min(loop(lambda i: None) for _ in range(2))
+    side = torch.cuda.Stream()
+
+    def raw(i):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pin.copy_(src, non_blocking=True)
+
+    def raw_loop():
+        t = loop(raw)
+        side.synchronize()
+        return t
+
+    raw_t = min(raw_loop() for _ in range(2))
+    copy_t = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pin.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        copy_t.append(time.perf_counter() - t0)
+    copy_time = statistics.median(copy_t) * steps
+    ch = f"bench/ovl-{uuid.uuid4().hex[:6]}"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_sink, args=(ch, steps + 1, ready), daemon=True)
+    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=4 * size + (64 << 20), linger=5) as tx:
+        proc.start()
+        tx.put("warm", {"x": src}, timeout=120)
+        ready.wait(120)  # the receiver is up and has taken one
+        futs = []
+        t = loop(lambda i: futs.append(tx.put_async(f"o{i}", {"x": src}, timeout=120)))
+        for f in futs:
+            f.result(120)
+        t_all = time.perf_counter()
+        proc.join(120)
+    return {"matmul_only_s": mm_only, "matmul_raw_copy_s": raw_t, "matmul_put_async_s": t,
+            "copy_only_s": copy_time, "overhead_share_of_copy": (t - mm_only) / copy_time, "_": t_all}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="4KiB,1MiB,16MiB,64MiB,256MiB")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip-overlap", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    from omnilink._bench import parse_sizes
+
+    if not torch.cuda.is_available():
+        print("bench_gpu: needs a CUDA device; none is present", file=sys.stderr)
+        return 1
+    sizes = parse_sizes(args.sizes)
+    big = [s for s in sizes if s >= MiB]
+    machine = {"gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count()}
+    print(f"# bench_gpu on {machine}", flush=True)
+    ceil = ceilings(sizes, 10)
+    ctl = d2h_controller([s for s in big if s >= 16 * MiB] or big, 10)
+
+    def count_for(n: int) -> int:
+        return max(8, min(200, (2 << 30) // n))
+
+    devices = ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else [])
+    tp = {d: two_process(big, d, count_for, args.reps) for d in devices}
+    ovl = None if args.skip_overlap else overlap(10, 256 * MiB)
+    rows = []
+    print(f"\n{'size':>8} | {'d2h pin':>8} {'h2d pin':>8} {'d2h page':>8} | {'ctl d2h':>8} {'ctl/raw':>7} | "
+          + " | ".join(f"{d}: omnilink   .to()  legacy  x slower-pin" for d in devices))
+    for n in sizes:
+        slower = min(ceil["d2h-pinned"][n], ceil["h2d-pinned"][n])
+        line = (f"{_fmt(n):>8} | {ceil['d2h-pinned'][n]:8.1f} {ceil['h2d-pinned'][n]:8.1f} "
+                f"{ceil['d2h-pageable'][n]:8.1f} | ")
+        c = ctl.get(n)
+        line += f"{c:8.1f} {c / ceil['d2h-pinned'][n]:7.2f} | " if c else f"{'':8} {'':7} | "
+        rec = {"size": n, "d2h_pinned": ceil["d2h-pinned"][n], "h2d_pinned": ceil["h2d-pinned"][n],
+               "d2h_pageable": ceil["d2h-pageable"][n], "ctl_d2h": c}
+        for d in devices:
+            r = tp[d]
+            o, t2, lg = r["omnilink"].get(n), r["to"].get(n), r["legacy"].get(n)
+            line += (f"{d}: {o or 0:8.1f} {t2 or 0:7.1f} {lg or 0:7.2f} {(o or 0) / slower:6.2f}x | ")
+            rec[d] = {"omnilink": o, "to": t2, "legacy": lg, "ratio_slower_pinned": (o or 0) / slower}
+        rows.append(rec)
+        print(line, flush=True)
+    for d in devices:
+        print(f"{d}: 4 KiB one-way p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
+              f"bytes equal: {tp[d]['ok']}")
+    if ovl:
+        print(f"overlap (10 steps, 4 bf16 8192^3 matmuls + 256 MiB each): matmul only {ovl['matmul_only_s'] * 1e3:.1f} ms, "
+              f"+ raw side-stream copy {ovl['matmul_raw_copy_s'] * 1e3:.1f} ms, + put_async {ovl['matmul_put_async_s'] * 1e3:.1f} ms, "
+              f"copies alone {ovl['copy_only_s'] * 1e3:.1f} ms: put_async adds {ovl['overhead_share_of_copy'] * 100:.1f}% of the copy time")
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps({"machine": machine, **{k: v for k, v in r.items()}}) + "\n")
+            f.write(json.dumps({"machine": machine, "latency": {d: [tp[d]["lat_p50_us"], tp[d]["lat_p99_us"]] for d in devices},
+                                "overlap": ovl, "bytes_equal": all(tp[d]["ok"] for d in devices)}) + "\n")
+    return 0 if all(tp[d]["ok"] for d in devices) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The shm backend's GPU path on a real GPU: DMA into the arena, device gets, slices,
+the put/put_async source contracts, the controllers' non-blocking claims, and SIGKILL
+of either side with registered memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import uuid
+
+import pytest
+
+import omnilink
+from tests.procs import start_process
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+
+def _chan() -> str:
+    return f"t/gpu-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def pair():
+    ch = _chan()
+    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0)
+    rx = omnilink.connect("shm", channel=ch, role="receiver")
+    yield tx, rx
+    rx.close()
+    tx.close()
+
+
+def _busy(ms: float = 50.0) -> None:
+    """Queue about ``ms`` of GPU work on the current stream."""
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ a
+    end.record()
+    end.synchronize()
+    reps = max(1, int(ms / max(start.elapsed_time(end), 0.01)))
+    for _ in range(reps):
+        a = a @ a / 4096.0
+
+
+def test_cuda_payload_round_trip_by_dma(pair):
+    tx, rx = pair
+    g = torch.Generator(device="cuda").manual_seed(1)
+    payload = {"hidden_states.output": torch.randn(512, 1024, device="cuda", generator=g).to(torch.bfloat16),
+               "ids": torch.arange(17, device="cuda"), "cpu": torch.ones(3), "meta": {"finished": True},
+               "strided": torch.randn(64, 32, device="cuda", generator=g).t(), "scalar": torch.tensor(2.5, device="cuda")}
+    tx.put("k", payload, timeout=10)
+    got = rx.get("k", timeout=10, device="cuda:0")
+    for name in ("hidden_states.output", "ids", "strided", "scalar"):
+        assert got[name].is_cuda and torch.equal(got[name], payload[name]), name
+    assert torch.equal(got["cpu"].cpu(), payload["cpu"]) and got["meta"] == {"finished": True}
+    assert tx.stats().device_puts == 1 and rx.stats().device_gets == 1
+    # A receiver without device= gets host tensors: zero-copy views of the arena.
+    tx.put("k2", payload, timeout=10)
+    host = rx.get("k2", timeout=10)
+    assert not host["ids"].is_cuda and torch.equal(host["ids"], payload["ids"].cpu())
+
+
+def test_sliced_payload_larger_than_the_arena(pair):
+    tx, rx = pair
+    big = torch.randint(0, 255, (600 << 20,), dtype=torch.uint8, device="cuda")  # > 256 MiB arena
+    fut = tx.put_async("big", {"x": big, "small": torch.ones(4, device="cuda")}, timeout=60)
+    got = rx.get("big", timeout=60, device="cuda:0")
+    assert fut.result(60) > big.numel()
+    assert torch.equal(got["x"], big) and torch.equal(got["small"], torch.ones(4, device="cuda"))
+    assert tx.stats().sliced == 1 and rx.stats().sliced == 1
+
+
+def test_source_overwritten_after_put_arrives_as_it_was(pair):
+    tx, rx = pair
+    x = torch.full((8 << 20,), 7, dtype=torch.uint8, device="cuda")
+    _busy()  # the copy has to wait for this: put must still return only once it is done
+    tx.put("k", {"x": x}, timeout=30)
+    x.fill_(9)
+    got = rx.get("k", timeout=30, device="cuda:0")
+    assert int(got["x"].min()) == 7 == int(got["x"].max())
+
+
+def test_put_async_source_freed_and_reused_still_arrives_intact(pair):
+    tx, rx = pair
+    _busy()
+    x = torch.full((32 << 20,), 3, dtype=torch.uint8, device="cuda")
+    fut = tx.put_async("k", {"x": x}, timeout=30)
+    ptr = x.data_ptr()
+    del x
+    # The allocator must not hand the freed block out before the copy has read it.
+    reused = [torch.full((32 << 20,), 5, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    fut.result(30)
+    got = rx.get("k", timeout=30, device="cuda:0")
+    assert int(got["x"].min()) == 3 == int(got["x"].max())
+    assert reused and ptr  # kept alive until here
+
+
+def test_device_get_does_not_block_the_host_and_orders_the_stream(pair):
+    tx, rx = pair
+    x = torch.randn(64 << 18, device="cuda")  # 64 MiB
+    tx.put("k", {"x": x}, timeout=30)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _busy(200)  # the copy stream is free, but the consumer stream is busy
+        handle = rx.get_handle("k", timeout=30, device="cuda:0")
+        got = handle.wait()  # the consumer stream waits; the host returns at once
+        total = got["x"].double().sum()
+    assert torch.cuda.current_stream() != side
+    side.synchronize()
+    assert torch.allclose(total, x.double().sum())
+    assert handle.done()
+
+
+def test_d2h_controller_submit_returns_before_the_copy(pair):
+    from omnilink.cuda import AsyncD2HController
+
+    with AsyncD2HController("cuda:0", pool_bytes=64 << 20) as ctl:
+        x = torch.randn(1 << 22, device="cuda")
+        _busy(200)
+        fut = ctl.submit({"x": x, "n": 1})
+        assert not fut.done()  # the producer's stream is still busy: the host was not held
+        out = fut.result(30)
+        assert out["x"].is_pinned() and torch.equal(out["x"], x.cpu())
+        fut.release()
+        assert ctl.pool.slots_in_use == 0
+
+
+def test_sigkill_with_registered_memory_leaves_dev_shm_clean(procs):
+    from omnilink.connectors.shm import collect_garbage
+
+    from tests.gpu import _gpu_workers as w
+
+    ch = _chan()
+    ready = tempfile.mktemp(prefix="olg-")
+    # Receiver killed while holding a device copy made from its registered mapping.
+    s = start_process(procs, w.sender, ch, "k", 16 << 20, 3, 60.0, 64 << 20)
+    r = start_process(procs, w.receiver_holding, ch, "k", ready)
+    import time
+
+    end = time.monotonic() + 120
+    while not os.path.exists(ready) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert os.path.exists(ready), "receiver never got the payload"
+    os.kill(r.pid, signal.SIGKILL)
+    r.join(30)
+    os.kill(s.pid, signal.SIGKILL)  # and the sender, with its registered arena
+    s.join(30)
+    os.unlink(ready)
+    collect_garbage()
