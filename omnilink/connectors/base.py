@@ -68,6 +68,12 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
     #: transport blocks (arena blocks, frames) currently held by this process
     blocks_in_use: int = 0
     bytes_in_use: int = 0
+    #: shared-memory segments of this sender's arena (shm: the arena and its extensions)
+    segments: int = 0
+    #: bytes of those segments
+    bytes_mapped: int = 0
+    #: bytes of transport blocks that live views of received payloads still hold
+    bytes_held: int = 0
 
 
 @runtime_checkable
@@ -177,6 +183,11 @@ class BaseConnector:
     def _in_use(self) -> tuple[int, int]:
         """(blocks, bytes) this process holds in the transport; backends override."""
         return (0, 0)
+
+    def _arena_stats(self) -> dict[str, int]:
+        """``segments``, ``bytes_mapped`` and ``bytes_held`` of ``stats()``; backends with
+        an arena override."""
+        return {}
 
     # ---------------------------------------------------------------- helpers
     def _check_open(self) -> None:
@@ -362,6 +373,7 @@ class BaseConnector:
         """Counters since this connector was opened (see ``ConnectorStats``)."""
         self._check_open()
         blocks, nbytes = self._in_use()
+        arena = self._arena_stats()
         with self._counter_lock:
             counters = dict(self._counters)
         return ConnectorStats(
@@ -370,6 +382,7 @@ class BaseConnector:
             role=self.role,
             blocks_in_use=blocks,
             bytes_in_use=nbytes,
+            **arena,
             **counters,
         )
 

@@ -165,3 +165,41 @@ def holding_receiver(channel: str, count: int, q, n: int) -> None:
         del held
 
     _report_errors(q, body)
+
+
+def holding_then_dropping_receiver(channel: str, count: int, q, n: int, drop, done) -> None:
+    """Get ``count`` payloads keeping every view (as engines keep a request's inputs),
+    report ``("holding", bytes_held)``; on ``drop`` check and drop them all, report
+    ``("dropped", bytes_held)``; then wait for ``done`` (or be killed)."""
+
+    def body():
+        import gc
+
+        with _connect(channel, "receiver", timeout=WAIT) as rx:
+            held = [rx.get(f"k{i}") for i in range(count)]
+            q.put(("holding", rx.stats().bytes_held))
+            if not drop.wait(WAIT):
+                raise RuntimeError("never told to drop")
+            for i, got in enumerate(held):
+                check_payload(got, i, n)
+            del got
+            held.clear()
+            gc.collect()
+            q.put(("dropped", rx.stats().bytes_held))
+            done.wait(WAIT)
+
+    _report_errors(q, body)
+
+
+def growing_sender(channel: str, count: int, q, n: int, arena_bytes: int) -> None:
+    """Put ``count`` payloads with a short timeout (a receiver holds them all, so the
+    arena must grow), report ``("grown", segments)``, then sleep until killed."""
+
+    def body():
+        tx = _connect(channel, "sender", arena_bytes=arena_bytes, max_inflight=64, timeout=WAIT)
+        for i in range(count):
+            tx.put(f"k{i}", make_payload(i, n), timeout=5.0)
+        q.put(("grown", tx.stats().segments))
+        time.sleep(3600)
+
+    _report_errors(q, body)

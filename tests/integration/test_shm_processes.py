@@ -188,7 +188,8 @@ def test_sigkill_receiver_holding_views_sender_reclaims():
     q = CTX.Queue()
     n = 256 << 10  # floats: 1 MiB per payload
     with children() as procs:
-        with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=4 << 20, timeout=WAIT) as tx:
+        with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=4 << 20, max_bytes=4 << 20,
+                              timeout=WAIT) as tx:
             rcv = start(procs, W.holding_receiver, ch, 3, q, n)
             for i in range(3):
                 tx.put(f"k{i}", W.make_payload(i, n))
@@ -214,7 +215,8 @@ def test_full_arena_slow_receiver_backpressure_nothing_lost():
     with children() as procs:
         start(procs, W.receiver, ch, count, q, n, 0.01)
         expect(q, "ready")
-        with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=1 << 20, timeout=WAIT) as tx:
+        with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=1 << 20, max_bytes=1 << 20,
+                              timeout=WAIT) as tx:
             peak = 0
             for i in range(count):
                 tx.put(f"k{i}", W.make_payload(i, n))
@@ -279,3 +281,95 @@ def test_many_small_messages_dev_shm_and_rss_flat():
     assert entries1 == entries0
     assert rss1 - rss0 < 16 << 20, f"receiver RSS grew by {(rss1 - rss0) >> 20} MiB over {count} messages"
     assert sender_rss1 - sender_rss0 < 16 << 20, f"sender RSS grew by {(sender_rss1 - sender_rss0) >> 20} MiB"
+
+
+# ------------------------------------------------------------------ elastic arena
+def _extension_entries() -> set[str]:
+    from omnilink.connectors.shm.names import parse_owned_name
+    from tests.conftest import SHM_PREFIX
+
+    return {e for e in shm_entries() if (parse_owned_name(e, SHM_PREFIX) or ("",))[0] == "e"}
+
+
+def _wait_until(cond, timeout=WAIT) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+ELASTIC_N = 64 << 10  # floats: 256 KiB payloads
+ELASTIC_ARENA = 1 << 20
+
+
+def test_receiver_holding_3x_the_arena_every_put_succeeds_then_extensions_go_back():
+    ch = _channel("elastic")
+    q = CTX.Queue()
+    drop, done = CTX.Event(), CTX.Event()
+    with children() as procs:
+        with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=ELASTIC_ARENA, max_inflight=64,
+                              shrink_after=0.3, timeout=WAIT) as tx:
+            capacity = tx._writer.data_bytes
+            size = omnilink.encoded_size(W.make_payload(0, ELASTIC_N))
+            count = 3 * capacity // size + 1  # held payloads worth 3x the arena
+            start(procs, W.holding_then_dropping_receiver, ch, count, q, ELASTIC_N, drop, done)
+            for i in range(count):
+                tx.put(f"k{i}", W.make_payload(i, ELASTIC_N), timeout=5.0)  # never waits for a release
+            held = expect(q, "holding")[1]
+            assert held >= 3 * capacity
+            st = tx.stats()
+            assert st.segments >= 4 and st.bytes_held >= 3 * capacity
+            assert len(_extension_entries()) == st.segments - 1
+            drop.set()
+            assert expect(q, "dropped")[1] == 0
+            assert _wait_until(lambda: tx.stats().segments == 1), "extensions were not given back"
+            assert not _extension_entries()
+            assert tx.stats().bytes_mapped == tx._writer.primary.size
+            done.set()
+    assert procs[0].exitcode == 0
+
+
+def test_sigkill_receiver_while_extensions_exist():
+    ch = _channel("elastic-killrecv")
+    q = CTX.Queue()
+    with children() as procs:
+        with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=ELASTIC_ARENA, max_inflight=64,
+                              shrink_after=0.3, timeout=WAIT) as tx:
+            rcv = start(procs, W.holding_receiver, ch, 8, q, ELASTIC_N)
+            for i in range(8):
+                tx.put(f"k{i}", W.make_payload(i, ELASTIC_N), timeout=5.0)
+            expect(q, "holding")
+            assert tx.stats().segments > 1 and _extension_entries()
+            os.kill(rcv.pid, signal.SIGKILL)
+            rcv.join(WAIT)
+            procs.remove(rcv)
+            # The dead receiver's blocks are reclaimed and the idle extensions given back.
+            assert _wait_until(lambda: tx.stats().segments == 1)
+            assert tx.stats().blocks_in_use == 0 and not _extension_entries()
+    assert not shm_entries()
+
+
+def test_sigkill_sender_while_extensions_exist():
+    ch = _channel("elastic-killsend")
+    q = CTX.Queue()
+    with children() as procs:
+        with omnilink.connect("shm", channel=ch, role="receiver", timeout=WAIT) as rx:
+            snd = start(procs, W.growing_sender, ch, 8, q, ELASTIC_N, ELASTIC_ARENA)
+            held = [rx.get(f"k{i}") for i in range(8)]
+            assert expect(q, "grown")[1] > 1
+            assert _extension_entries()
+            os.kill(snd.pid, signal.SIGKILL)
+            snd.join(WAIT)
+            procs.remove(snd)
+            with pytest.raises(omnilink.PeerLostError):
+                rx.get("never", timeout=WAIT)  # the heartbeat reaps the dead sender
+            assert not _extension_entries()
+            assert not {e for e in shm_entries() if f"-a{snd.pid}-" in e}
+            for i, got in enumerate(held):  # the views still read the (unlinked) memory
+                W.check_payload(got, i, ELASTIC_N)
+            del got, held
+    assert not shm_entries()

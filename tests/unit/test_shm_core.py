@@ -317,7 +317,7 @@ def test_full_arena_put_times_out_naming_channel_key_and_peer():
 
 
 def test_blocked_put_is_woken_by_a_release():
-    tx, rx = _pair("wake", arena_bytes=2 * MiB)
+    tx, rx = _pair("wake", arena_bytes=2 * MiB, max_bytes=2 * MiB)  # a fixed arena
     try:
         chunk = {"x": np.zeros(300_000, dtype=np.uint8)}
         fits = tx._writer.data_bytes // (omnilink.encoded_size(chunk) + 64)
@@ -453,7 +453,7 @@ def _make_dead_leftovers():
     prefix = read_prefix()
     dead = _dead_pid()
     token = "ab" * 8
-    names = [arena_name(prefix, dead, token), f"/{prefix}-o{dead}-{token}"]
+    names = [arena_name(prefix, dead, token), f"/{prefix}-o{dead}-{token}", f"/{prefix}-e{dead}-{token}"]
     for n in names:
         posix_ipc.SharedMemory(n, posix_ipc.O_CREX, 0o600, 4096).close_fd()
     posix_ipc.Semaphore(names[0] + "-s", posix_ipc.O_CREX, 0o600, 0)
@@ -462,7 +462,7 @@ def _make_dead_leftovers():
     ch.join(seg.ROLE_RECV, "0" * 16)
     seg._PART.pack_into(ch._mm, seg._C_PART + ch.slot * seg._PART.size, dead, seg.ROLE_RECV, b"")
     ch.slot = -1
-    expected = {names[0][1:], "sem." + names[0][1:] + "-s", names[1][1:]}
+    expected = {names[0][1:], "sem." + names[0][1:] + "-s", names[1][1:], names[2][1:]}
     expected |= {ch.ctrl_name[1:], "sem." + ch.mutex_name[1:], "sem." + ch.wake_name[1:]}
     return expected
 

@@ -60,13 +60,16 @@ from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.slices import SLICED_MARK
 from omnilink.connectors.shm.names import (
+    free_shm_bytes,
     new_token,
     overflow_name,
     pid_alive,
     read_prefix,
 )
 from omnilink.connectors.shm.segments import (
+    FLAG_EXTENSION,
     FLAG_OVERFLOW,
+    PAGE,
     MUTEX_GRACE_S,
     ROLE_RECV,
     ROLE_SEND,
@@ -100,6 +103,26 @@ DEFAULT_SLICE_BYTES = 16 << 20
 #: the data path is always woken by a semaphore).
 HEARTBEAT_S = 0.25
 _MIN_ARENA_BYTES = 1 << 20
+#: Seconds an extension segment of the arena stays empty before it is given back.
+DEFAULT_SHRINK_AFTER_S = 10.0
+#: Default ``max_bytes``: this many times ``arena_bytes`` at most, and at most this share
+#: of the free space of ``/dev/shm`` when the sender opens (never below ``arena_bytes``).
+_DEFAULT_GROWTH = 8
+_DEFAULT_SHM_SHARE = 4
+
+
+def _max_bytes(arena_bytes: int, max_bytes: int | None) -> int:
+    """The arena's ceiling: ``max_bytes`` as given (warning when ``/dev/shm`` cannot hold
+    it now: ``put`` then waits for receivers instead of growing), or the default."""
+    free = free_shm_bytes()
+    if max_bytes is None:
+        return max(arena_bytes, min(_DEFAULT_GROWTH * arena_bytes, free // _DEFAULT_SHM_SHARE))
+    if max_bytes > free:
+        logger.warning(
+            "shm: max_bytes=%d but /dev/shm has only %d bytes free; the arena grows only as far "
+            "as /dev/shm allows, then put waits for receivers", max_bytes, free,
+        )
+    return max_bytes
 
 try:  # numpy arrays support weak references and make a cheap per-message exporter
     import numpy as _np
@@ -199,6 +222,25 @@ class _Releaser:
             logger.exception("shm: releasing block %d of %s failed", idx, reader.name)
 
 
+def _trim_loop(ref: weakref.ref, stop: threading.Event, shrink_after: float) -> None:
+    """Body of a sender's trimmer thread: while its arena has extension segments, give
+    back those that have been empty for ``shrink_after`` seconds. Holds the connector
+    only weakly (and only during a round), so it never keeps it alive."""
+    step = min(max(shrink_after / 4, 0.02), 1.0)
+    while not stop.wait(step):
+        conn = ref()
+        if conn is None:
+            return
+        try:
+            more = conn._trim()
+        except Exception:  # a background thread must not die silently
+            logger.exception("shm: giving back idle arena extensions failed")
+            more = True
+        del conn
+        if not more:
+            return
+
+
 def _cleanup(writer: ArenaWriter | None, chan: Channel) -> None:
     """Remove what this connector created (also run if it is garbage-collected unclosed)."""
     try:
@@ -270,6 +312,19 @@ class ShmConnector(BaseConnector):
         ones are still coming off the sender's (see "GPU payloads" below).
     slice_bytes : int
         Size of one slice (default 16 MiB).
+    max_bytes : int, optional
+        Ceiling of the arena with its extension segments. Receivers may keep the views
+        of what they got (engines keep a request's inputs for its lifetime); when those
+        fill the arena, ``put`` adds a pre-faulted extension segment (as large as the
+        arena) instead of waiting, up to ``max_bytes`` in all, and waits only beyond it
+        (backpressure). Payloads nobody has claimed yet never grow the arena: a slow
+        reader still meets backpressure at ``arena_bytes``. Default: 8 x
+        ``arena_bytes``, at most a quarter of the free space of ``/dev/shm`` when the
+        sender opens, never below ``arena_bytes``. Pass ``max_bytes=arena_bytes`` for a
+        fixed arena.
+    shrink_after : float
+        Seconds an extension segment stays empty before it is given back (default 10).
+        ``stats()`` shows ``segments``, ``bytes_mapped`` and ``bytes_held``.
 
     Raises
     ------
@@ -282,7 +337,10 @@ class ShmConnector(BaseConnector):
     Notes
     -----
     Payloads received are zero-copy views of the sender's arena. The block is handed
-    back when the last view dies, or at once by ``release(key)``.
+    back when the last view dies, or at once by ``release(key)``. A ``get_nowait`` of a
+    key that is not there takes no lock: it compares each sender's publication counter
+    with what this receiver has read, so a receiver polling in a tight loop does not
+    slow the senders down.
     """
 
     backend = "shm"
@@ -300,6 +358,8 @@ class ShmConnector(BaseConnector):
         spin_us: int = DEFAULT_SPIN_US,
         pipeline_bytes: int = DEFAULT_PIPELINE_BYTES,
         slice_bytes: int = DEFAULT_SLICE_BYTES,
+        max_bytes: int | None = None,
+        shrink_after: float = DEFAULT_SHRINK_AFTER_S,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
@@ -316,6 +376,19 @@ class ShmConnector(BaseConnector):
         Deadline(linger)  # validates: a number >= 0
         if linger is None:
             raise ConfigurationError("linger must be a number of seconds >= 0, got None")
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < arena_bytes
+        ):
+            raise ConfigurationError(
+                f"max_bytes must be an int >= arena_bytes ({arena_bytes}) or None, got {max_bytes!r}"
+            )
+        Deadline(shrink_after)  # validates: a number >= 0
+        if shrink_after is None:
+            raise ConfigurationError("shrink_after must be a number of seconds >= 0, got None")
+        if role in ("sender", "dual"):
+            max_bytes = _max_bytes(arena_bytes, max_bytes)
+        self.max_bytes = max_bytes if max_bytes is not None else arena_bytes
+        self.shrink_after = float(shrink_after)
         self.arena_bytes = arena_bytes
         self.overflow = overflow
         self.linger = linger
@@ -357,6 +430,12 @@ class ShmConnector(BaseConnector):
         self._gpu: Any = None  # the CUDA path (gpu.py), made on first use
         self.pipeline_bytes = pipeline_bytes
         self.slice_bytes = slice_bytes
+        self._grow_failed = False
+        self._trimmer: threading.Thread | None = None
+        self._trim_event = threading.Event()
+        #: the readers, as a tuple the lock-free miss check can iterate while
+        #: ``_refresh_locked`` replaces it
+        self._reader_list: tuple[ArenaReader, ...] = ()
 
     # ================================================================= sending
     def _put(self, key: str, payload: Any, deadline: Deadline, events: Any = None) -> int:
@@ -378,27 +457,29 @@ class ShmConnector(BaseConnector):
         with self._slock:
             if self._closed:
                 self._check_open()
-            # Fast path: a descriptor and a block are free without waiting.
-            off = w.alloc.alloc(n) if w.free_desc else None
+            # Fast path: a descriptor and a block of the arena are free without waiting.
+            space = w.primary
+            off = space.alloc.alloc(n) if w.free_desc else None
             if off is None:
-                off, idx = self._reserve(key, n, deadline, block=True)
+                space, off, idx = self._reserve(key, n, deadline)
             else:
                 idx = w.free_desc.pop()
+            alloc = space.alloc
             try:
-                start = w.data_offset + off
-                written = blob.write_into(w.view[start : start + n])
-                rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
+                start = space.base + off
+                written = blob.write_into(space.view[start : start + n])
+                rec = _OutRec(0, key, off, alloc.size_of(off), None, space)
                 locked = chan.lock_within(deadline)
             except BaseException:
-                w.alloc.free(off)
+                alloc.free(off)
                 w.free_desc.append(idx)
                 raise
             if not locked:
-                w.alloc.free(off)
+                alloc.free(off)
                 w.free_desc.append(idx)
                 raise self._timeout("put", key, "the channel mutex", deadline.timeout)
             try:
-                w.publish(idx, key_bytes, rec, written, 0, b"")
+                w.publish(idx, key_bytes, rec, written, space.flags, space.token)
                 chan.notify_all()
                 w.drain()
             finally:
@@ -418,7 +499,9 @@ class ShmConnector(BaseConnector):
                 return off, w.free_desc.pop()
             if not block:
                 return None
-            return self._reserve(key, n, deadline, block=True)
+            # Only the arena itself is page-locked for DMA: device payloads never go to
+            # an extension segment (they wait for room in the arena instead).
+            return self._reserve(key, n, deadline, primary_only=True)[1:]
 
     def _give_back_block(self, off: int, idx: int) -> None:
         w = self._writer
@@ -481,7 +564,7 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         with self._slock:
             self._check_open()
-            _, idx = self._reserve(key, 0, deadline, block=False)
+            idx = self._reserve_descriptor(key, deadline)
             token = new_token()
             name = overflow_name(self._prefix, self._pid, token)
             try:
@@ -507,9 +590,19 @@ class ShmConnector(BaseConnector):
         self._count(fallbacks=1)
         return written
 
-    def _reserve(self, key: str, n: int, deadline: Deadline, *, block: bool) -> tuple[int, int]:
-        """A block of ``n`` bytes (if ``block``) and a descriptor; waits while the arena is
-        full (backpressure), woken by receivers releasing blocks. Holds ``_slock``."""
+    def _reserve_descriptor(self, key: str, deadline: Deadline) -> int:
+        """A free descriptor (for an overflow segment); waits like ``_reserve``."""
+        return self._reserve(key, 0, deadline, block=False)[2]
+
+    def _reserve(
+        self, key: str, n: int, deadline: Deadline, *, block: bool = True, primary_only: bool = False
+    ) -> tuple[Any, int, int]:
+        """``(space, offset, descriptor)``: a block of ``n`` bytes (if ``block``) and a
+        descriptor. Tries the arena and its extensions, then takes back what receivers
+        released (or dead receivers held), then grows the arena by an extension segment
+        (``_grow``), and only then waits (backpressure), woken by receivers releasing
+        blocks. ``primary_only``: a block of the arena itself, never an extension.
+        Holds ``_slock``."""
         w = self._writer
         chan = self._chan
         tried_abandoned = False
@@ -518,11 +611,16 @@ class ShmConnector(BaseConnector):
                 raise ClosedError(f"shm connector on channel {self.channel!r} was closed while put waited for space")
             if w.free_desc:
                 if not block:
-                    return 0, w.free_desc.pop()
-                off = w.alloc.alloc(n)
-                if off is not None:
-                    return off, w.free_desc.pop()
+                    return None, 0, w.free_desc.pop()
+                if primary_only:
+                    off = w.primary.alloc.alloc(n)
+                    got = None if off is None else (w.primary, off)
+                else:
+                    got = w.alloc_any(n)
+                if got is not None:
+                    return got[0], got[1], w.free_desc.pop()
             expired = False
+            grow = False
             try:
                 with chan.locked(_grace(deadline)):
                     freed = w.drain()
@@ -531,18 +629,113 @@ class ShmConnector(BaseConnector):
                         tried_abandoned = True
                     if freed:
                         continue
-                    if deadline.remaining() == 0:
+                    if block and not primary_only and w.free_desc and self._may_grow(n):
+                        grow = True
+                    elif deadline.remaining() == 0:
                         expired = True  # raised below: building the error takes the mutex
                     else:
                         w.set_waiting()
             except _LockTimeout:
                 expired = True
+            if grow:
+                self._grow(n)  # on failure the next round waits: _may_grow says no now
+                continue
             if expired:
                 raise self._full_timeout(key, n, deadline)
             woke = w.wait_space(deadline.slice(HEARTBEAT_S))
             if not woke:
                 tried_abandoned = False  # heartbeat: look for dead claimers again
                 self._heartbeat()
+
+    # ------------------------------------------------------------ elastic arena
+    def _extension_size(self, n: int) -> int:
+        """Size of the next extension segment for a block of ``n`` bytes: as large as the
+        arena's data area (or the block), within what ``max_bytes`` leaves; 0 if none fits."""
+        w = self._writer
+        room = self.max_bytes - w.mapped_bytes
+        size = max(w.data_bytes, round_up(n, PAGE))
+        size = min(size, room // PAGE * PAGE)
+        return size if size >= round_up(n, PAGE) else 0
+
+    def _may_grow(self, n: int) -> bool:
+        """Whether a full arena should grow for a block of ``n`` bytes (mutex held).
+
+        Only for blocks receivers hold: if the payloads nobody has claimed yet, with this
+        one, would not fit in the arena alone, a reader is slow and ``put`` waits
+        (backpressure) instead."""
+        w = self._writer
+        if self._grow_failed or w.free_slot() < 0 or not self._extension_size(n):
+            return False
+        _held, unread = w.held_bytes()
+        return unread + round_up(n) <= w.data_bytes
+
+    def _grow(self, n: int) -> bool:
+        """Add an extension segment that fits ``n`` bytes; ``False`` if ``/dev/shm`` is
+        full (then ``put`` falls back to waiting, and stops trying to grow until an
+        extension is given back)."""
+        w = self._writer
+        size = self._extension_size(n)
+        slot = w.free_slot()
+        if not size or slot < 0:
+            return False
+        try:
+            sp = w.new_extension(size, slot)
+        except (CapacityError, TransportError) as exc:
+            self._grow_failed = True
+            logger.warning("shm channel %r: cannot grow the arena (%s); put waits for receivers instead",
+                           self.channel, exc)
+            return False
+        try:
+            with self._chan.locked():
+                w.add_extension(sp)
+        except BaseException:
+            w.drop_extension(sp)
+            raise
+        logger.info(
+            "shm channel %r: receivers hold %d blocks; arena grown by %.1f MiB to %.1f MiB in %d segments",
+            self.channel, len(w.out), size / 2**20, w.mapped_bytes / 2**20, len(w.spaces),
+        )
+        self._start_trimmer()
+        return True
+
+    def _start_trimmer(self) -> None:
+        """Start the thread that gives idle extensions back (holds ``_slock``)."""
+        if self._trimmer is None:
+            t = threading.Thread(
+                target=_trim_loop, args=(weakref.ref(self), self._trim_event, self.shrink_after),
+                name=f"omnilink-shm-trim-{self.channel}", daemon=True,
+            )
+            self._trimmer = t
+            t.start()
+
+    def _trim(self) -> bool:
+        """Give back extension segments empty for ``shrink_after`` seconds. Returns whether
+        extensions remain (the trimmer thread stops when none do)."""
+        w = self._writer
+        if not self._slock.acquire(timeout=HEARTBEAT_S):
+            return True  # a put is busy (or waiting): try again next round
+        try:
+            if self._closed or w is None:
+                return False
+            try:
+                with self._chan.locked(Deadline(HEARTBEAT_S)):
+                    w.drain()
+                    w.reclaim_abandoned()  # a receiver killed while holding blocks
+                    gone = w.retire_idle(self.shrink_after, time.monotonic())
+            except _LockTimeout:
+                return True
+            for sp in gone:
+                w.drop_extension(sp)
+            if gone:
+                self._grow_failed = False
+                logger.info("shm channel %r: gave back %d idle arena extension(s); %.1f MiB mapped",
+                            self.channel, len(gone), w.mapped_bytes / 2**20)
+            if len(w.spaces) > 1:
+                return True
+            self._trimmer = None  # under _slock: the next _grow starts a new one
+            return False
+        finally:
+            self._slock.release()
 
     def _full_timeout(self, key: str, n: int, deadline: Deadline) -> TransportError:
         w = self._writer
@@ -628,6 +821,13 @@ class ShmConnector(BaseConnector):
                 "and cannot get; open it with role='receiver' or 'dual'"
             )
         chan = self._chan
+        if not block and self._nothing_new(key):
+            if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+                self._heartbeat()  # a polling receiver still learns that its senders died
+            if self._peer_lost is None:
+                if self._closed:
+                    self._check_open()
+                raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
         while True:
             with self._rlock:
                 if self._closed:
@@ -666,6 +866,21 @@ class ShmConnector(BaseConnector):
             if time.monotonic() - self._last_beat >= HEARTBEAT_S:
                 self._heartbeat()
 
+    def _nothing_new(self, key: str) -> bool:
+        """Whether ``key`` certainly is not claimable now, decided without any lock: it is
+        not indexed, no sender joined or left, and no sender published since this
+        receiver last read its log. Every value read is one a sender writes with a single
+        aligned store; a stale one only makes this answer ``False`` (take the slow path)
+        or report a miss of a payload published a moment ago, which any receiver may."""
+        if key in self._index or self._departed:
+            return False
+        if self._chan.senders_gen() != self._known_gen:
+            return False
+        for r in self._reader_list:
+            if r.published() != r.cursor:
+                return False
+        return True
+
     def _sender_names(self) -> str:
         pids = sorted({r.pid for r in self._readers.values()})
         return f"sender pid(s) {pids}" if pids else "a sender to join the channel"
@@ -689,6 +904,7 @@ class ShmConnector(BaseConnector):
                 except Exception as exc:  # gone already (closed or died): nothing to map
                     logger.debug("shm: cannot map arena of sender %s: %s", ident, exc)
         self._known_gen = gen
+        self._reader_list = tuple(self._readers.values())
         self._index_limit = 4096 + 2 * sum(r.layout.n_desc for r in self._readers.values())
 
     def _scan_locked(self) -> None:
@@ -720,7 +936,17 @@ class ShmConnector(BaseConnector):
                     del self._index[key]
                 off, length, flags, otoken = res
                 mm = None
-                if flags & FLAG_OVERFLOW:
+                if flags & FLAG_EXTENSION:
+                    try:
+                        reader.map_extension(otoken)
+                    except Exception as exc:
+                        reader.mark_released(idx, seq, self._pid)
+                        raise PeerLostError(
+                            f"shm: the arena extension holding key {key!r} from sender pid "
+                            f"{reader.pid} is gone ({exc})"
+                        ) from exc
+                    mm = otoken
+                elif flags & FLAG_OVERFLOW:
                     try:
                         mm = reader.open_overflow(otoken)
                     except Exception as exc:
@@ -734,9 +960,13 @@ class ShmConnector(BaseConnector):
         return None
 
     def _open_payload(self, key: str, got: tuple[Any, ...]) -> Any:
+        # ``where``: None (the arena), an extension's token (bytes) or an overflow mapping
         reader, idx, seq, off, length, overflow_mm = got
         if overflow_mm is None:
             lease = reader.lease(off, length)
+            self._count(bytes_got=length)
+        elif type(overflow_mm) is bytes:
+            lease = reader.lease_extension(overflow_mm, off, length)
             self._count(bytes_got=length)
         else:
             lease = _make_lease(overflow_mm, 0, length)
@@ -835,11 +1065,31 @@ class ShmConnector(BaseConnector):
         w = self._writer
         if w is not None:
             blocks += len(w.out)
-            nbytes += w.alloc.used_bytes + w.overflow_bytes
+            nbytes += sum(sp.alloc.used_bytes for sp in list(w.spaces)) + w.overflow_bytes
         return blocks, nbytes
+
+    def _arena_stats(self) -> dict[str, int]:
+        """``segments`` and ``bytes_mapped`` of this sender's arena (with its extensions),
+        and ``bytes_held``: bytes of its blocks that receivers claimed and still view,
+        plus, for a receiver, the payloads this process still views."""
+        w = self._writer
+        held = self._releaser.counters[1] if self._recvs else 0
+        if w is None:
+            return {"segments": 0, "bytes_mapped": 0, "bytes_held": held}
+        with self._slock:
+            spaces = list(w.spaces)
+            arena_held, _unread = w.held_bytes()
+        if self._recvs:
+            # A dual connector's own views of its own arena are counted once.
+            own = sum(ref.nbytes for refs in list(self._releaser.held.values()) for ref in refs
+                      if ref.reader.pid == self._pid and ref.reader.token == self._token)
+            held -= own
+        return {"segments": len(spaces), "bytes_mapped": sum(sp.size for sp in spaces),
+                "bytes_held": arena_held + held}
 
     def _wake(self) -> None:
         """Wake a put waiting for arena space in another thread so it sees the close."""
+        self._trim_event.set()
         w = self._writer
         if w is not None:
             try:
@@ -854,6 +1104,9 @@ class ShmConnector(BaseConnector):
         if self._gpu is not None:
             # Copies finish and registrations go before any mapping is unmapped.
             self._gpu.close()
+        t = self._trimmer
+        if t is not None:
+            t.join(5.0)
         with self._rlock:
             self._readers.clear()
             self._departed.clear()
@@ -887,7 +1140,8 @@ class ShmConnector(BaseConnector):
                 w.wait_space(deadline.slice(HEARTBEAT_S))
 
     def mapping_of(self, payload_ptr: int) -> tuple[str, int, int] | None:
-        """Which of this receiver's arena mappings holds address ``payload_ptr``.
+        """Which of this receiver's arena mappings (extensions included) holds address
+        ``payload_ptr``.
 
         Returns ``(arena name, mapping start, mapping length)`` or ``None``. For tests and
         diagnostics (proving a received tensor is a view of the sender's arena).
@@ -895,9 +1149,9 @@ class ShmConnector(BaseConnector):
         with self._rlock:
             readers = list(self._readers.values())
         for r in readers:
-            start, length = r.address()
-            if start <= payload_ptr < start + length:
-                return r.name, start, length
+            for name, start, length in r.mappings():
+                if start <= payload_ptr < start + length:
+                    return name, start, length
         return None
 
 

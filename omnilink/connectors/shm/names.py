@@ -7,6 +7,7 @@ it, so that ``collect_garbage`` can tell a dead process's leftovers from a live 
     <prefix>-a<pid>-<token>      arena of a sender (shared memory segment)
     <prefix>-a<pid>-<token>-s    that sender's "space freed" semaphore (sem.<...> in /dev/shm)
     <prefix>-o<pid>-<token>      overflow segment of one payload larger than the arena
+    <prefix>-e<pid>-<token>      extension segment of a sender's arena (elastic arena)
     <prefix>-c<hash>             control segment of a channel (shared, refcounted)
     <prefix>-c<hash>-m           the channel's mutex semaphore
     <prefix>-c<hash>-w           the channel's wake-up semaphore
@@ -34,6 +35,7 @@ __all__ = [
     "HostLock",
     "arena_name",
     "channel_names",
+    "extension_name",
     "free_shm_bytes",
     "new_token",
     "overflow_name",
@@ -45,7 +47,7 @@ __all__ = [
 
 SHM_DIR = "/dev/shm"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,99}")
-_OWNED_RE = re.compile(r"-([ao])([0-9]+)-([0-9a-f]{16})(-s)?$")
+_OWNED_RE = re.compile(r"-([aoe])([0-9]+)-([0-9a-f]{16})(-s)?$")
 _CHANNEL_RE = re.compile(r"-c([0-9a-f]{24})(-m|-w)?$")
 
 
@@ -80,6 +82,11 @@ def overflow_name(prefix: str, pid: int, token: str) -> str:
     return f"/{prefix}-o{pid}-{token}"
 
 
+def extension_name(prefix: str, pid: int, token: str) -> str:
+    """Name of an extension segment of the arena of sender ``pid``."""
+    return f"/{prefix}-e{pid}-{token}"
+
+
 def channel_names(prefix: str, channel: str) -> tuple[str, str, str]:
     """(control segment, mutex semaphore, wake semaphore) names of ``channel``."""
     digest = hashlib.sha256(channel.encode("utf-8")).hexdigest()[:24]
@@ -90,8 +97,9 @@ def channel_names(prefix: str, channel: str) -> tuple[str, str, str]:
 def parse_owned_name(entry: str, prefix: str) -> tuple[str, int, str, bool, bool] | None:
     """Parse a ``/dev/shm`` entry owned by one process.
 
-    Returns ``(kind, pid, token, is_semaphore, is_sender_sem)`` with kind ``"a"`` (arena)
-    or ``"o"`` (overflow), or ``None`` when ``entry`` is not such a name under ``prefix``.
+    Returns ``(kind, pid, token, is_semaphore, is_sender_sem)`` with kind ``"a"`` (arena),
+    ``"o"`` (overflow) or ``"e"`` (extension), or ``None`` when ``entry`` is not such a
+    name under ``prefix``.
     """
     is_sem = entry.startswith("sem.")
     name = entry[4:] if is_sem else entry
@@ -101,7 +109,7 @@ def parse_owned_name(entry: str, prefix: str) -> tuple[str, int, str, bool, bool
     if m is None:
         return None
     kind, pid, token, sem_suffix = m.groups()
-    if is_sem != bool(sem_suffix) or (kind == "o" and sem_suffix):
+    if is_sem != bool(sem_suffix) or (kind != "a" and sem_suffix):
         return None
     return kind, int(pid), token, is_sem, bool(sem_suffix)
 

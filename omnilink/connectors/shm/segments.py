@@ -56,11 +56,17 @@ Arena ``<prefix>-a<pid>-<token>`` (one per sender and channel, pre-faulted)::
                                                    64 8 rel_tail (sender pops)
                                                    72 4 sender_waiting
                                                    76 4 closed
+                                                   80 8 ext_gen (bumped when the
+                                                        extension table changes)
+                        256 32 x 32 extension table, one entry per extension segment:
+                              0 4 live (1) or free (0)   8 8 size
+                              4 4 reserved              16 16 token (hex)
     4096              descriptors, n_desc x 576 bytes:
                         0  4 state               32 8 reserved bytes of the block
                         4  4 claimer pid         40 2 key length
-                        8  8 seq                 42 2 flags (1 = overflow segment)
-                        16 8 block offset        48 16 overflow token (hex)
+                        8  8 seq                 42 2 flags (1 = overflow segment,
+                        16 8 block offset              2 = extension segment)
+                                                 48 16 token (hex) of that segment
                         24 8 frame length        64 512 key (UTF-8)
     log_offset        publication log: log_len x u32, entry seq % log_len = descriptor
     rel_offset        released ring:   n_desc x u32 descriptor indices
@@ -81,6 +87,26 @@ Descriptor state machine (every arrow taken under the channel mutex)::
 A receiver learns of new payloads by reading the publication log from its cursor up to
 ``pub_seq`` (falling back to a full descriptor scan if it fell more than ``log_len``
 behind); a log entry is valid only while the descriptor's ``seq`` still equals it.
+``pub_seq`` is also what makes a miss free: a receiver that has read the log up to
+``pub_seq`` and does not have the key knows it is not there without taking the mutex
+(``published``; an aligned 8-byte load, and a stale value only delays the news to its
+next look).
+
+Extension segments (the elastic arena)
+--------------------------------------
+Receivers may keep their payloads' views for a request's lifetime, so the blocks they
+hold can fill the arena although nothing is waiting to be read. When the arena is full
+and the payloads nobody has claimed yet would still fit in it (so a slow reader is
+still met with backpressure), the sender adds an *extension segment*
+``<prefix>-e<pid>-<token>``: data only, no header, created 0600 and pre-faulted like the
+arena, up to ``max_bytes`` for the arena and its extensions together. A descriptor of a
+block in one has flag 2 and the segment's token; a receiver maps the segment the first
+time it claims such a block (under the mutex, so it still exists) and keeps the mapping
+while the segment is listed live in the extension table. An extension that has been
+empty for ``shrink_after`` seconds is given back: its table entry is cleared and
+``ext_gen`` bumped under the mutex, and its name unlinked; receivers drop their mapping
+when they next see ``ext_gen`` move. The names carry the owner's pid like the arena's,
+so ``collect_garbage`` and the reaping of a dead sender remove them too.
 """
 
 from __future__ import annotations
@@ -104,7 +130,9 @@ from omnilink.connectors.shm.names import (
     HostLock,
     arena_name,
     channel_names,
+    extension_name,
     free_shm_bytes,
+    new_token,
     overflow_name,
     pid_alive,
 )
@@ -115,6 +143,7 @@ __all__ = [
     "ArenaReader",
     "ArenaWriter",
     "Channel",
+    "Space",
     "create_segment",
     "FREE",
     "WRITTEN",
@@ -132,6 +161,7 @@ MODE = 0o600
 FREE, WRITTEN, CLAIMED, RELEASED = 0, 1, 2, 3
 ROLE_SEND, ROLE_RECV = 1, 2
 FLAG_OVERFLOW = 1
+FLAG_EXTENSION = 2
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -148,9 +178,13 @@ _PART = struct.Struct("<IB3x16s8x")  # pid, role, token
 
 # ----------------------------------------------------------------------- arena
 ARENA_MAGIC = b"OLARENA1"
-ARENA_VERSION = 1
+ARENA_VERSION = 2
 _A_HDR = struct.Struct("<8sIIQQQII")  # magic, version, pid, total, data_off, data_bytes, n_desc, log_len
-_A_PUB, _A_REL_HEAD, _A_REL_TAIL, _A_WAITING, _A_CLOSED = 48, 56, 64, 72, 76
+_A_PUB, _A_REL_HEAD, _A_REL_TAIL, _A_WAITING, _A_CLOSED, _A_EXT_GEN = 48, 56, 64, 72, 76, 80
+_A_EXT_TABLE = 256
+#: Most extension segments one arena may have at a time.
+MAX_EXTENSIONS = 32
+_EXT_ENTRY = struct.Struct("<I4xQ16s")  # live, size, token
 DESC_SIZE = 576
 MAX_KEY = 512
 _DESC = struct.Struct("<IIQQQQHH4x16s")  # state, claimer, seq, off, len, reserved, klen, flags, token
@@ -270,17 +304,17 @@ def _unlink_sem_quiet(name: str) -> bool:
 
 
 def unlink_sender_objects(prefix: str, pid: int, token: str) -> None:
-    """Remove a (dead or closed) sender's arena, semaphore and overflow segments."""
+    """Remove a dead sender's arena, semaphore, overflow and extension segments."""
     name = arena_name(prefix, pid, token)
     _unlink_quiet(name)
     _unlink_sem_quiet(name + "-s")
-    start = f"{prefix}-o{pid}-"
+    starts = (f"{prefix}-o{pid}-", f"{prefix}-e{pid}-")
     try:
         entries = os.listdir("/dev/shm")
     except OSError:
         return
     for entry in entries:
-        if entry.startswith(start):
+        if entry.startswith(starts):
             _unlink_quiet("/" + entry)
 
 
@@ -664,21 +698,57 @@ def arena_layout(arena_bytes: int, n_desc: int) -> _Layout:
     return _Layout(total, n_desc, 4 * n_desc)
 
 
+class Space:
+    """One place a sender allocates blocks in: the arena's data area or an extension
+    segment. ``view[base + off : base + off + n]`` is the block at ``off``; ``flags`` and
+    ``token`` are what its descriptors say about where it lives."""
+
+    __slots__ = ("view", "base", "alloc", "flags", "token", "name", "mm", "slot", "size", "empty_since")
+
+    def __init__(self, mm: mmap.mmap, base: int, data_bytes: int, flags: int, token: bytes, name: str,
+                 slot: int) -> None:
+        self.mm = mm
+        self.view = memoryview(mm)
+        self.base = base
+        self.alloc = Allocator(data_bytes)
+        self.flags = flags
+        self.token = token
+        self.name = name
+        self.slot = slot
+        self.size = len(mm)
+        #: ``time.monotonic()`` when its last block came back (extensions only)
+        self.empty_since: float | None = None
+
+    def unmap(self) -> None:
+        self.view.release()
+        try:
+            self.mm.close()
+        except BufferError:  # pragma: no cover - an encode still running in another thread
+            logger.warning("shm segment %s: mapping still exported at close; left to the GC", self.name)
+
+
 class _OutRec:
     """A sender's record of one descriptor it owns (process-local)."""
 
-    __slots__ = ("seq", "key", "offset", "reserved", "overflow")
+    __slots__ = ("seq", "key", "offset", "reserved", "overflow", "space")
 
-    def __init__(self, seq: int, key: str, offset: int, reserved: int, overflow: str | None) -> None:
+    def __init__(self, seq: int, key: str, offset: int, reserved: int, overflow: str | None,
+                 space: Space | None = None) -> None:
         self.seq = seq
         self.key = key
         self.offset = offset
         self.reserved = reserved
         self.overflow = overflow
+        #: the ``Space`` holding the block (``None`` for an overflow segment)
+        self.space = space
 
 
 class ArenaWriter:
-    """A sender's own arena: it alone allocates, publishes and reclaims in it."""
+    """A sender's own arena: it alone allocates, publishes and reclaims in it.
+
+    ``spaces[0]`` is the arena's data area; ``spaces[1:]`` are its extension segments
+    (see the module docstring), added by ``grow`` and given back by ``trim``.
+    """
 
     def __init__(
         self, prefix: str, pid: int, token: str, arena_bytes: int, n_desc: int, *, channel: str | None = None
@@ -702,13 +772,15 @@ class ArenaWriter:
             self.mm.close()
             _unlink_quiet(self.name)
             raise
-        self.view = memoryview(self.mm)
+        self.primary = Space(self.mm, lay.data_offset, lay.data_bytes, 0, b"", self.name, -1)
+        self.spaces: list[Space] = [self.primary]
+        self.view = self.primary.view
         self.data_offset = lay.data_offset
         self._log_offset = lay.log_offset
         self._log_len = lay.log_len
         self._rel_offset = lay.rel_offset
         self._n_desc = n_desc
-        self.alloc = Allocator(lay.data_bytes)
+        self.alloc = self.primary.alloc
         self.free_desc = list(range(n_desc - 1, -1, -1))
         self.out: dict[int, _OutRec] = {}
         self.pub_seq = 0
@@ -718,6 +790,21 @@ class ArenaWriter:
     @property
     def data_bytes(self) -> int:
         return self.layout.data_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the arena and its extension segments."""
+        return sum(sp.size for sp in self.spaces)
+
+    def alloc_any(self, n: int) -> tuple[Space, int] | None:
+        """A block of ``n`` bytes in the arena or, if it is full, in an extension."""
+        for sp in self.spaces:
+            off = sp.alloc.alloc(n)
+            if off is not None:
+                if sp.empty_since is not None:
+                    sp.empty_since = None
+                return sp, off
+        return None
 
     # ------------------------------------------------------------ under mutex
     def publish(self, idx: int, key_bytes: bytes, rec: _OutRec, length: int, flags: int, otoken: bytes) -> None:
@@ -759,7 +846,10 @@ class ArenaWriter:
             _unlink_quiet(rec.overflow)
             self.overflow_bytes -= rec.reserved
         else:
-            self.alloc.free(rec.offset)
+            sp = rec.space if rec.space is not None else self.primary
+            sp.alloc.free(rec.offset)
+            if sp.slot >= 0 and not sp.alloc.used_bytes:
+                sp.empty_since = time.monotonic()
         self.free_desc.append(idx)
         return True
 
@@ -779,6 +869,47 @@ class ArenaWriter:
                     self._reclaim(idx)
                     n += 1
         return n
+
+    def held_bytes(self) -> tuple[int, int]:
+        """(bytes of blocks receivers claimed and still hold, bytes nobody claimed yet),
+        reserved sizes of the outstanding arena and extension blocks."""
+        mm = self.mm
+        held = unread = 0
+        for idx, rec in list(self.out.items()):
+            if rec.overflow is not None:
+                continue
+            state = _U32.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)[0]
+            if state == CLAIMED:
+                held += rec.reserved
+            elif state == WRITTEN:
+                unread += rec.reserved
+        return held, unread
+
+    def add_extension(self, sp: Space) -> None:
+        """List a new extension segment in the table (mutex held)."""
+        _EXT_ENTRY.pack_into(self.mm, _A_EXT_TABLE + sp.slot * _EXT_ENTRY.size, 1, sp.size, sp.token)
+        _U64.pack_into(self.mm, _A_EXT_GEN, _U64.unpack_from(self.mm, _A_EXT_GEN)[0] + 1)
+        self.spaces.append(sp)
+
+    def retire_idle(self, idle_s: float, now: float) -> list[Space]:
+        """Unlist the extensions empty for at least ``idle_s`` seconds (mutex held); the
+        caller unlinks and unmaps the returned ones (``drop_extension``) after unlocking."""
+        gone = [sp for sp in self.spaces[1:] if sp.empty_since is not None and now - sp.empty_since >= idle_s
+                and not sp.alloc.used_bytes]
+        if gone:
+            for sp in gone:
+                _EXT_ENTRY.pack_into(self.mm, _A_EXT_TABLE + sp.slot * _EXT_ENTRY.size, 0, 0, b"")
+                self.spaces.remove(sp)
+            _U64.pack_into(self.mm, _A_EXT_GEN, _U64.unpack_from(self.mm, _A_EXT_GEN)[0] + 1)
+        return gone
+
+    def free_slot(self) -> int:
+        """A free entry of the extension table, or -1."""
+        used = {sp.slot for sp in self.spaces}
+        for i in range(MAX_EXTENSIONS):
+            if i not in used:
+                return i
+        return -1
 
     def discard(self, key: str) -> bool:
         """Drop an unclaimed (WRITTEN) payload of ours under ``key``."""
@@ -807,6 +938,19 @@ class ArenaWriter:
                 _unlink_quiet(rec.overflow)
 
     # -------------------------------------------------------------- no mutex
+    def new_extension(self, size: int, slot: int) -> Space:
+        """Create and pre-fault an extension segment of ``size`` bytes (not yet listed:
+        ``add_extension`` does that under the mutex)."""
+        token = new_token()
+        name = extension_name(self.prefix, self.pid, token)
+        mm = create_segment(name, size, f"an extension of the arena of sender pid {self.pid}")
+        return Space(mm, 0, size // ALIGN * ALIGN, FLAG_EXTENSION, token.encode("ascii"), name, slot)
+
+    @staticmethod
+    def drop_extension(sp: Space) -> None:
+        _unlink_quiet(sp.name)
+        sp.unmap()
+
     def wait_space(self, timeout: float) -> bool:
         try:
             self.sem.acquire(timeout)
@@ -815,17 +959,17 @@ class ArenaWriter:
             return False
 
     def close(self) -> None:
-        """Unlink everything this arena created; the mapping goes too."""
+        """Unlink everything this arena created; the mappings go too."""
         for rec in self.out.values():
             if rec.overflow is not None:
                 _unlink_quiet(rec.overflow)
+        for sp in self.spaces[1:]:
+            _unlink_quiet(sp.name)
+            sp.unmap()
+        del self.spaces[1:]
         _unlink_quiet(self.name)
         _unlink_sem_quiet(self.sem_name)
-        self.view.release()
-        try:
-            self.mm.close()
-        except BufferError:  # pragma: no cover - an encode still running in another thread
-            logger.warning("shm arena %s: mapping still exported at close; left to the GC", self.name)
+        self.primary.unmap()
 
 
 class ArenaReader:
@@ -855,6 +999,9 @@ class ArenaReader:
         #: a numpy uint8 view of the whole mapping, made on first use: a slice of it is
         #: the cheapest per-message exporter object (see ``lease``)
         self._bytes: Any = None
+        #: extension segments mapped so far: token -> numpy uint8 view of the mapping
+        self.extensions: dict[bytes, Any] = {}
+        self._ext_gen = 0
         try:
             self.sem = posix_ipc.Semaphore(self.name + "-s")
         except posix_ipc.ExistentialError:
@@ -874,11 +1021,59 @@ class ArenaReader:
         start = self.data_offset + offset
         return whole[start : start + length]
 
+    def published(self) -> int:
+        """The sender's publication counter, read without the mutex (see the module
+        docstring: a miss needs no lock)."""
+        return _U64.unpack_from(self.mm, _A_PUB)[0]
+
+    def map_extension(self, token: bytes) -> None:
+        """Map extension segment ``token`` if not mapped yet (mutex held: a descriptor
+        this process just claimed lives in it, so the sender cannot have retired it)."""
+        if token in self.extensions:
+            return
+        import numpy as np
+
+        name = extension_name(self.prefix, self.pid, token.rstrip(b"\0").decode("ascii"))
+        mm = open_segment(name)
+        self.extensions[token] = np.frombuffer(mm, dtype=np.uint8)
+
+    def lease_extension(self, token: bytes, offset: int, length: int) -> Any:
+        """Like ``lease``, for a block of extension segment ``token`` (mapped by
+        ``map_extension``)."""
+        return self.extensions[token][offset : offset + length]
+
+    def _prune_extensions(self) -> None:
+        """Drop the mappings of extensions the sender gave back (mutex held). The memory
+        goes once no view of it is left: none is, since a segment is given back only
+        after every block in it was released."""
+        gen = _U64.unpack_from(self.mm, _A_EXT_GEN)[0]
+        if gen == self._ext_gen:
+            return
+        self._ext_gen = gen
+        live = set()
+        for i in range(MAX_EXTENSIONS):
+            ok, _size, token = _EXT_ENTRY.unpack_from(self.mm, _A_EXT_TABLE + i * _EXT_ENTRY.size)
+            if ok:
+                live.add(token)
+        for token in [t for t in self.extensions if t not in live]:
+            del self.extensions[token]
+
     def close(self) -> None:
         """Unmap (for tests; a connector leaves its mappings to the garbage collector,
         since payload views may still use them)."""
         self._bytes = None
+        self.extensions.clear()
         self.mm.close()
+
+    def mappings(self) -> list[tuple[str, int, int]]:
+        """(name, start address, length) of the arena's and its mapped extensions'
+        mappings in this process (for tests and diagnostics)."""
+        start, length = self.address()
+        out = [(self.name, start, length)]
+        for token, whole in list(self.extensions.items()):
+            name = extension_name(self.prefix, self.pid, token.rstrip(b"\0").decode("ascii"))
+            out.append((name, whole.ctypes.data, whole.nbytes))
+        return out
 
     def address(self) -> tuple[int, int]:
         """(start address, length) of this mapping in this process (for tests)."""
@@ -894,6 +1089,8 @@ class ArenaReader:
     def scan(self, index: dict[str, list[Any]]) -> None:
         """Add payloads published since the last scan to ``index`` (key -> refs)."""
         mm = self.mm
+        if self.extensions:
+            self._prune_extensions()
         pub = _U64.unpack_from(mm, _A_PUB)[0]
         cur = self.cursor
         if pub == cur:

@@ -1,0 +1,436 @@
+"""Per-message cost of small payloads, and what a polling receiver does to the sender.
+
+Issue 15's acceptance benchmark. One run measures, side by side:
+
+======================================================  ====================  ===========
+figure                                                  backends              target
+======================================================  ====================  ===========
+one process: ``put`` + ``get_nowait`` of a 4 KiB        shm, memory,          shm p50
+payload, p50 / p99 per message                          vllm-omni-shm         <= 20 us
+two processes: 4 KiB one-way time, one message in       shm, vllm-omni-shm    p50 <= 20 us,
+flight, receiver blocking in ``get`` (vLLM-Omni's                             p99 <= 100 us
+connector has no blocking get: its receiver polls)
+two processes: 8 MiB ``put`` -> consumed, receiver      shm                   polling <=
+blocking in ``get`` against polling ``get_nowait`` in                         1.2 x blocking
+a tight loop (one-way time, and the sender's ``put``
+time alone)
+======================================================  ====================  ===========
+
+What is measured
+----------------
+- payload: the thinker -> talker dict of ``omnilink._bench.payload`` with a 4 KiB bf16
+  hidden state (two tensors: hidden [1, 2048] bf16 and 16 int64 ids, plus shape list,
+  ``meta`` dict and a speaker string); 8 MiB for the polling figure.
+- one process: one connector pair on one channel; each sample is the time of
+  ``put(key, p)`` followed by ``get_nowait(key)`` (the decoded payload is dropped, so
+  its block goes back). p50 / p99 over ``--iters`` samples after a warm-up.
+- two processes (``spawn``): one message in flight. The sender waits for a credit,
+  stamps the payload with CLOCK_MONOTONIC and puts it; the receiver takes the time
+  when ``get`` (or the polling loop) returned the decoded payload. One-way time =
+  receiver's clock - sender's stamp: encode, publication, wake-up, claim and decode
+  are inside, one direction only. The sender also records how long ``put`` took.
+- vllm-omni-shm: vLLM-Omni 0.30.0's real ``SharedMemoryConnector`` and its
+  ``OmniSerializer`` (msgpack; a fresh ``multiprocessing`` segment per message),
+  imported without vLLM: the vLLM modules its imports name (``vllm.outputs``,
+  ``vllm_omni.platforms``, ``vllm_omni.config.yaml_util``) are stubbed with empty
+  placeholders that the measured code never calls. Its receiver polls ``get``, as
+  vLLM-Omni's chunk adapter does. Needs ``pip install --no-deps vllm-omni==0.30.0``
+  (``make setup`` does it); skipped with a note otherwise.
+
+Benchmarks are hard: this machine may be shared, and a loaded machine moves these
+numbers (p99 first). Run it several times and compare figures of one run only.
+
+Usage::
+
+    python benchmarks/bench_small.py [--iters 5000] [--messages 2000] [--big-messages 40]
+                                     [--json out.jsonl] [--check] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import types
+from typing import Any
+
+SMALL = 4 << 10
+BIG = 8 << 20
+KiB = 1 << 10
+
+TARGETS = {
+    "one_process_shm_p50_us": ("<=", 20.0),
+    "two_process_shm_p50_us": ("<=", 20.0),
+    "two_process_shm_p99_us": ("<=", 100.0),
+    "poll_vs_block_ratio": ("<=", 1.2),
+}
+
+
+# ------------------------------------------------------------------ vLLM-Omni's connector
+def _load_vllm_omni_shm() -> Any:
+    """vLLM-Omni 0.30.0's ``SharedMemoryConnector`` class, loaded without vLLM."""
+    import importlib
+    import importlib.util
+
+    loaded = sys.modules.get("vllm_omni")
+    if loaded is not None:
+        root = list(loaded.__path__)[0]
+    else:
+        spec = importlib.util.find_spec("vllm_omni")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("vllm-omni is not installed: pip install --no-deps vllm-omni==0.30.0")
+        root = list(spec.submodule_search_locations)[0]
+
+    def stub(name: str, path: str | None = None, **attrs: Any) -> None:
+        if name in sys.modules:
+            return
+        mod = types.ModuleType(name)
+        if path is not None:
+            mod.__path__ = [path]  # type: ignore[attr-defined]
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+
+    # Parent packages as namespace stubs: the real submodules load, the package
+    # ``__init__`` files (which import vLLM) never run.
+    for name in ("vllm_omni", "vllm_omni.distributed", "vllm_omni.distributed.omni_connectors",
+                 "vllm_omni.entrypoints", "vllm_omni.config"):
+        stub(name, os.path.join(root, *name.split(".")[1:]))
+    # Placeholders for what the measured modules import but the measured code never calls.
+    stub("vllm", None)
+    stub("vllm.outputs", None, CompletionOutput=type("CompletionOutput", (), {}),
+         RequestOutput=type("RequestOutput", (), {}))
+    stub("vllm_omni.config.yaml_util", None, to_dict=lambda x: x)
+    stub("vllm_omni.platforms", None, current_omni_platform=None)
+    mod = importlib.import_module("vllm_omni.distributed.omni_connectors.connectors.shm_connector")
+    return mod.SharedMemoryConnector
+
+
+# ------------------------------------------------------------------ backends
+class _Omnilink:
+    """omnilink's connectors behind one small interface (key-addressed put/get)."""
+
+    def __init__(self, backend: str, channel: str, role: str, **options: Any) -> None:
+        import omnilink
+
+        self.conn = omnilink.connect(backend, channel=channel, role=role, timeout=60.0, **options)
+        self.WouldBlock = omnilink.WouldBlock
+
+    def put(self, key: str, payload: Any) -> None:
+        self.conn.put(key, payload)
+
+    def get(self, key: str) -> Any:
+        return self.conn.get(key)
+
+    def poll(self, key: str) -> Any:
+        get_nowait, would_block = self.conn.get_nowait, self.WouldBlock
+        while True:
+            try:
+                return get_nowait(key)
+            except would_block:
+                pass
+
+    def try_get(self, key: str) -> Any:
+        return self.conn.get_nowait(key)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _VllmOmni:
+    """vLLM-Omni's ``SharedMemoryConnector``: ``put(from, to, key, data)``, polled ``get``."""
+
+    def __init__(self, channel: str, role: str) -> None:
+        cls = _load_vllm_omni_shm()
+        self.conn = cls({"stage_id": 0})
+        self.prefix = "olb" + channel.replace("/", "_") + "_"
+
+    def put(self, key: str, payload: Any) -> None:
+        ok, _size, _meta = self.conn.put("0", "1", self.prefix + key, payload)
+        if not ok:
+            raise RuntimeError("vLLM-Omni SharedMemoryConnector.put failed")
+
+    def poll(self, key: str) -> Any:
+        get = self.conn.get
+        k = self.prefix + key
+        while True:
+            got = get("0", "1", k)
+            if got is not None:
+                return got[0]
+
+    get = poll
+
+    def try_get(self, key: str) -> Any:
+        got = self.conn.get("0", "1", self.prefix + key)
+        if got is None:
+            raise RuntimeError(f"vLLM-Omni: {key} not there right after put")
+        return got[0]
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _open(backend: str, channel: str, role: str) -> Any:
+    if backend == "vllm-omni-shm":
+        return _VllmOmni(channel, role)
+    return _Omnilink(backend, channel, role)
+
+
+def _pcts(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "p50_us": s[len(s) // 2] / 1e3,
+        "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] / 1e3,
+        "mean_us": statistics.fmean(s) / 1e3,
+        "samples": len(s),
+    }
+
+
+# ------------------------------------------------------------------ one process
+def one_process(backend: str, iters: int, warmup: int) -> dict[str, Any]:
+    """``put`` + ``get_nowait`` of the 4 KiB payload in one process, per message."""
+    from omnilink._bench.payload import check_payload, make_payload
+
+    chan = f"bench-small-{os.getpid()}-{backend}"
+    if backend == "vllm-omni-shm":
+        tx = rx = _VllmOmni(chan, "dual")
+    else:
+        tx = rx = _Omnilink(backend, chan, "dual")
+    payload = make_payload(SMALL)
+    clock = time.perf_counter_ns
+    samples = []
+    try:
+        got = None
+        for i in range(warmup + iters):
+            key = f"k{i}"
+            payload["ids.output"][0] = i
+            t0 = clock()
+            tx.put(key, payload)
+            got = rx.try_get(key)
+            t1 = clock()
+            if i >= warmup:
+                samples.append(t1 - t0)
+            if i % 997 == 0:
+                check_payload(got, i, SMALL)
+            got = None
+    finally:
+        tx.close()
+    return _pcts(samples)
+
+
+# ------------------------------------------------------------------ two processes
+def _sender(backend: str, chan: str, size: int, n: int, credits: Any, ready: Any, out: Any) -> None:
+    from omnilink._bench.payload import make_payload, now_ns
+
+    try:
+        tx = _open(backend, chan, "sender")
+        try:
+            payload = make_payload(size)
+            ready.wait()
+            put_ns = []
+            for j in range(n):
+                credits.acquire()
+                payload["ids.output"][0] = j
+                t0 = now_ns()
+                payload["meta"]["sent_ns"] = t0
+                tx.put(f"m{j}", payload)
+                put_ns.append(now_ns() - t0)
+            out.send(("ok", put_ns))
+            # Stay open until the receiver has everything (shm lingers on close anyway).
+            out.recv()
+        finally:
+            tx.close()
+    except BaseException as exc:  # reported to the parent, which fails the cell
+        out.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _receiver(backend: str, chan: str, size: int, n: int, mode: str, credits: Any, ready: Any, out: Any) -> None:
+    from omnilink._bench.payload import check_payload, now_ns
+
+    try:
+        rx = _open(backend, chan, "receiver")
+        try:
+            recv = rx.poll if mode == "poll" else rx.get
+            gc.disable()  # a collection inside a timed window measures the collector
+            one_way = []
+            ready.set()
+            for j in range(n):
+                p = recv(f"m{j}")
+                t = now_ns()
+                one_way.append(t - p["meta"]["sent_ns"])
+                if j % 97 == 0:
+                    check_payload(p, j, size)
+                del p
+                credits.release()
+            gc.enable()
+            out.send(("ok", one_way))
+        finally:
+            rx.close()
+    except BaseException as exc:
+        out.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def two_process(backend: str, size: int, n: int, mode: str, warmup: int) -> dict[str, Any]:
+    """One-way time of ``n`` messages of ``size`` bytes, one in flight."""
+    ctx = mp.get_context("spawn")
+    chan = f"bench-small-2p-{os.getpid()}-{backend}-{mode}-{size}"
+    credits = ctx.Semaphore(1)
+    ready = ctx.Event()
+    s_parent, s_child = ctx.Pipe()
+    r_parent, r_child = ctx.Pipe()
+    total = n + warmup
+    rx = ctx.Process(target=_receiver, args=(backend, chan, size, total, mode, credits, ready, r_child), daemon=True)
+    tx = ctx.Process(target=_sender, args=(backend, chan, size, total, credits, ready, s_child), daemon=True)
+    rx.start()
+    tx.start()
+    try:
+        limit = 300.0
+        if not r_parent.poll(limit):
+            raise RuntimeError(f"{backend} {mode}: receiver did not finish in {limit} s")
+        r_status, one_way = r_parent.recv()
+        if not s_parent.poll(limit):
+            raise RuntimeError(f"{backend} {mode}: sender did not report")
+        s_status, put_ns = s_parent.recv()
+        s_parent.send("done")
+        if r_status != "ok" or s_status != "ok":
+            raise RuntimeError(f"{backend} {mode}: receiver {r_status} {one_way if r_status != 'ok' else ''} "
+                               f"sender {s_status} {put_ns if s_status != 'ok' else ''}")
+    finally:
+        for p in (tx, rx):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    res = _pcts(one_way[warmup:])
+    put = _pcts(put_ns[warmup:])
+    res["put_p50_us"] = put["p50_us"]
+    res["put_mean_us"] = put["mean_us"]
+    return res
+
+
+# ------------------------------------------------------------------ main
+def _meets(name: str, value: float) -> bool:
+    op, bound = TARGETS[name]
+    return value >= bound if op == ">=" else value <= bound
+
+
+def _load() -> str:
+    la = os.getloadavg()
+    return f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=5000, help="one-process samples per backend (default 5000)")
+    ap.add_argument("--messages", type=int, default=2000, help="two-process 4 KiB messages (default 2000)")
+    ap.add_argument("--big-messages", type=int, default=40, help="two-process 8 MiB messages per mode (default 40)")
+    ap.add_argument("--backends", default="shm,memory,vllm-omni-shm", help="comma-separated (default all three)")
+    ap.add_argument("--quick", action="store_true", help="a few messages of each cell (for the test suite)")
+    ap.add_argument("--json", metavar="PATH", help="append the result as one JSON line to PATH")
+    ap.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.iters, args.messages, args.big_messages = 200, 50, 4
+    warm1 = max(50, args.iters // 10)
+    warm2 = max(10, args.messages // 10)
+    backends = [b for b in args.backends.split(",") if b]
+    notes: list[str] = []
+    if "vllm-omni-shm" in backends:
+        try:
+            _load_vllm_omni_shm()
+        except ImportError as exc:
+            backends.remove("vllm-omni-shm")
+            notes.append(f"vllm-omni-shm skipped: {exc}")
+
+    from omnilink._bench.machine import machine_record
+
+    info = machine_record()
+    load_before = _load()
+    res: dict[str, Any] = {"one_process": {}, "two_process": {}, "big": {}}
+    for b in backends:
+        res["one_process"][b] = one_process(b, args.iters, warm1)
+        print(f"one process, {b}: {res['one_process'][b]}", file=sys.stderr)
+    for b in backends:
+        if b == "memory":
+            continue  # in-process only
+        res["two_process"][b] = two_process(b, SMALL, args.messages, "block", warm2)
+        print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)
+    if "shm" in backends:
+        for mode in ("block", "poll"):
+            res["big"][mode] = two_process("shm", BIG, args.big_messages, mode, 2)
+            print(f"two processes 8 MiB, shm {mode}: {res['big'][mode]}", file=sys.stderr)
+    load_after = _load()
+
+    figures: dict[str, float] = {}
+    if "shm" in backends:
+        figures["one_process_shm_p50_us"] = res["one_process"]["shm"]["p50_us"]
+        figures["two_process_shm_p50_us"] = res["two_process"]["shm"]["p50_us"]
+        figures["two_process_shm_p99_us"] = res["two_process"]["shm"]["p99_us"]
+        figures["poll_vs_block_ratio"] = res["big"]["poll"]["p50_us"] / res["big"]["block"]["p50_us"]
+        figures["poll_vs_block_put_ratio"] = res["big"]["poll"]["put_p50_us"] / res["big"]["block"]["put_p50_us"]
+
+    print(f"machine: {info.get('cpu')}, {info.get('cores')} cores; load average {load_before} before, "
+          f"{load_after} after")
+    print("benchmarks are hard: a shared or loaded machine moves these numbers; repeat them.\n")
+    print("| measurement (us per message)             | " + " | ".join(f"{b:>14}" for b in backends)
+          + " | shm ratio |")
+    print("|" + "-" * 43 + "|" + "|".join("-" * 16 for _ in backends) + "|-----------|")
+
+    def row(label: str, table: dict[str, Any], field: str) -> None:
+        cells = []
+        for b in backends:
+            v = table.get(b, {}).get(field)
+            cells.append(f"{v:14.1f}" if v is not None else f"{'n/a':>14}")
+        others = [table[b][field] for b in backends if b != "shm" and b in table]
+        ratio = ""
+        if "shm" in table and others:
+            ratio = " ".join(f"{table['shm'][field] / o:.2f}" for o in others)
+        print(f"| {label:41} | " + " | ".join(cells) + f" | {ratio:>9} |")
+
+    row("1 process put+get_nowait 4 KiB, p50", res["one_process"], "p50_us")
+    row("1 process put+get_nowait 4 KiB, p99", res["one_process"], "p99_us")
+    row("2 processes one-way 4 KiB, p50", res["two_process"], "p50_us")
+    row("2 processes one-way 4 KiB, p99", res["two_process"], "p99_us")
+    if res["big"]:
+        print()
+        print("| 8 MiB put -> consumed, shm, 2 processes | receiver blocking get | receiver polling get_nowait | "
+              "poll / block |")
+        print("|---|---:|---:|---:|")
+        for label, field in (("one-way p50 (us)", "p50_us"), ("one-way p99 (us)", "p99_us"),
+                             ("sender's put p50 (us)", "put_p50_us")):
+            b, p = res["big"]["block"][field], res["big"]["poll"][field]
+            print(f"| {label} | {b:.1f} | {p:.1f} | {p / b:.2f} |")
+    print()
+    met_all = True
+    for key, (op, bound) in TARGETS.items():
+        if key in figures:
+            ok = _meets(key, figures[key])
+            met_all &= ok
+            print(f"target {key} {op} {bound:g}: {figures[key]:.2f} {'met' if ok else 'NOT met'}")
+    for note in notes:
+        print("note:", note)
+
+    if args.json:
+        record = {
+            "benchmark": "bench_small",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": info,
+            "load_average": {"before": load_before, "after": load_after},
+            "args": vars(args),
+            "figures": figures,
+            "targets": {k: {"op": op, "bound": b, "met": _meets(k, figures[k])}
+                        for k, (op, b) in TARGETS.items() if k in figures},
+            "results": res,
+            "notes": notes,
+        }
+        with open(args.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 1 if args.check and not met_all else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
