@@ -223,88 +223,118 @@ def one_process(backend: str, iters: int, warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ two processes
-def _sender(backend: str, chan: str, size: int, n: int, credits: Any, ready: Any, out: Any) -> None:
+def _send_cell(backend: str, chan: str, size: int, n: int, credits: Any, ready: Any, ctl: Any) -> None:
     from omnilink._bench.payload import make_payload, now_ns
 
+    tx = _open(backend, chan, "sender")
     try:
-        tx = _open(backend, chan, "sender")
-        try:
-            payload = make_payload(size)
-            ready.wait()
-            put_ns = []
-            for j in range(n):
-                credits.acquire()
-                payload["ids.output"][0] = j
-                t0 = now_ns()
-                payload["meta"]["sent_ns"] = t0
-                tx.put(f"m{j}", payload)
-                put_ns.append(now_ns() - t0)
-            out.send(("ok", put_ns))
-            # Stay open until the receiver has everything (shm lingers on close anyway).
-            out.recv()
-        finally:
-            tx.close()
-    except BaseException as exc:  # reported to the parent, which fails the cell
-        out.send(("error", f"{type(exc).__name__}: {exc}"))
+        payload = make_payload(size)
+        if not ready.wait(120):
+            raise RuntimeError("the receiver never opened")
+        put_ns = []
+        for j in range(n):
+            credits.acquire()
+            payload["ids.output"][0] = j
+            t0 = now_ns()
+            payload["meta"]["sent_ns"] = t0
+            tx.put(f"m{j}", payload)
+            put_ns.append(now_ns() - t0)
+        ctl.send(("ok", put_ns))
+        ctl.recv()  # stay open until the receiver has everything
+    finally:
+        tx.close()
 
 
-def _receiver(backend: str, chan: str, size: int, n: int, mode: str, credits: Any, ready: Any, out: Any) -> None:
+def _recv_cell(backend: str, chan: str, size: int, n: int, mode: str, credits: Any, ready: Any, ctl: Any) -> None:
     from omnilink._bench.payload import check_payload, now_ns
 
+    rx = _open(backend, chan, "receiver")
     try:
-        rx = _open(backend, chan, "receiver")
+        recv = rx.poll if mode == "poll" else rx.get
+        gc.disable()  # a collection inside a timed window measures the collector
+        one_way = []
+        ready.set()
+        for j in range(n):
+            p = recv(f"m{j}")
+            t = now_ns()
+            one_way.append(t - p["meta"]["sent_ns"])
+            if j % 97 == 0:
+                check_payload(p, j, size)
+            del p
+            credits.release()
+        gc.enable()
+        ctl.send(("ok", one_way))
+    finally:
+        rx.close()
+
+
+def _worker(role: str, ctl: Any, credits: Any, ready: Any) -> None:
+    """A sender or receiver process that runs the two-process cells the parent sends
+    (one process each for the whole run: spawning one per cell costs seconds)."""
+    while True:
+        cell = ctl.recv()
+        if cell is None:
+            return
+        backend, chan, size, n, mode = cell
         try:
-            recv = rx.poll if mode == "poll" else rx.get
-            gc.disable()  # a collection inside a timed window measures the collector
-            one_way = []
-            ready.set()
-            for j in range(n):
-                p = recv(f"m{j}")
-                t = now_ns()
-                one_way.append(t - p["meta"]["sent_ns"])
-                if j % 97 == 0:
-                    check_payload(p, j, size)
-                del p
-                credits.release()
-            gc.enable()
-            out.send(("ok", one_way))
-        finally:
-            rx.close()
-    except BaseException as exc:
-        out.send(("error", f"{type(exc).__name__}: {exc}"))
+            if role == "sender":
+                _send_cell(backend, chan, size, n, credits, ready, ctl)
+            else:
+                _recv_cell(backend, chan, size, n, mode, credits, ready, ctl)
+        except BaseException as exc:  # reported to the parent, which fails the cell
+            ctl.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def two_process(backend: str, size: int, n: int, mode: str, warmup: int) -> dict[str, Any]:
-    """One-way time of ``n`` messages of ``size`` bytes, one in flight."""
-    ctx = mp.get_context("spawn")
-    chan = f"bench-small-2p-{os.getpid()}-{backend}-{mode}-{size}"
-    credits = ctx.Semaphore(1)
-    ready = ctx.Event()
-    s_parent, s_child = ctx.Pipe()
-    r_parent, r_child = ctx.Pipe()
-    total = n + warmup
-    rx = ctx.Process(target=_receiver, args=(backend, chan, size, total, mode, credits, ready, r_child), daemon=True)
-    tx = ctx.Process(target=_sender, args=(backend, chan, size, total, credits, ready, s_child), daemon=True)
-    rx.start()
-    tx.start()
-    try:
+class _Pair:
+    """The two worker processes (``spawn``) and their control pipes."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.credits = ctx.Semaphore(1)
+        self.ready = ctx.Event()
+        self.tx_ctl, tx_child = ctx.Pipe()
+        self.rx_ctl, rx_child = ctx.Pipe()
+        self.procs = [ctx.Process(target=_worker, args=(role, child, self.credits, self.ready), daemon=True)
+                      for role, child in (("sender", tx_child), ("receiver", rx_child))]
+        for p in self.procs:
+            p.start()
+
+    def run(self, backend: str, size: int, n: int, mode: str) -> tuple[list[int], list[int]]:
+        chan = f"bench-small-2p-{os.getpid()}-{backend}-{mode}-{size}"
+        self.ready.clear()
+        cell = (backend, chan, size, n, mode)
+        self.rx_ctl.send(cell)
+        self.tx_ctl.send(cell)
         limit = 300.0
-        if not r_parent.poll(limit):
-            raise RuntimeError(f"{backend} {mode}: receiver did not finish in {limit} s")
-        r_status, one_way = r_parent.recv()
-        if not s_parent.poll(limit):
-            raise RuntimeError(f"{backend} {mode}: sender did not report")
-        s_status, put_ns = s_parent.recv()
-        s_parent.send("done")
+        if not self.rx_ctl.poll(limit):
+            raise RuntimeError(f"{backend} {mode}: the receiver did not finish in {limit} s")
+        r_status, one_way = self.rx_ctl.recv()
+        if not self.tx_ctl.poll(limit):
+            raise RuntimeError(f"{backend} {mode}: the sender did not report")
+        s_status, put_ns = self.tx_ctl.recv()
+        if s_status == "ok":
+            self.tx_ctl.send("close")
         if r_status != "ok" or s_status != "ok":
             raise RuntimeError(f"{backend} {mode}: receiver {r_status} {one_way if r_status != 'ok' else ''} "
                                f"sender {s_status} {put_ns if s_status != 'ok' else ''}")
-    finally:
-        for p in (tx, rx):
+        return one_way, put_ns
+
+    def close(self) -> None:
+        for ctl in (self.tx_ctl, self.rx_ctl):
+            try:
+                ctl.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def two_process(pair: _Pair, backend: str, size: int, n: int, mode: str, warmup: int) -> dict[str, Any]:
+    """One-way time of ``n`` messages of ``size`` bytes, one in flight."""
+    one_way, put_ns = pair.run(backend, size, n + warmup, mode)
     res = _pcts(one_way[warmup:])
     put = _pcts(put_ns[warmup:])
     res["put_p50_us"] = put["p50_us"]
@@ -354,15 +384,19 @@ def main(argv: list[str] | None = None) -> int:
     for b in backends:
         res["one_process"][b] = one_process(b, args.iters, warm1)
         print(f"one process, {b}: {res['one_process'][b]}", file=sys.stderr)
-    for b in backends:
-        if b == "memory":
-            continue  # in-process only
-        res["two_process"][b] = two_process(b, SMALL, args.messages, "block", warm2)
-        print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)
-    if "shm" in backends:
-        for mode in ("block", "poll"):
-            res["big"][mode] = two_process("shm", BIG, args.big_messages, mode, 2)
-            print(f"two processes 8 MiB, shm {mode}: {res['big'][mode]}", file=sys.stderr)
+    pair = _Pair()
+    try:
+        for b in backends:
+            if b == "memory":
+                continue  # in-process only
+            res["two_process"][b] = two_process(pair, b, SMALL, args.messages, "block", warm2)
+            print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)
+        if "shm" in backends:
+            for mode in ("block", "poll"):
+                res["big"][mode] = two_process(pair, "shm", BIG, args.big_messages, mode, 2)
+                print(f"two processes 8 MiB, shm {mode}: {res['big'][mode]}", file=sys.stderr)
+    finally:
+        pair.close()
     load_after = _load()
 
     figures: dict[str, float] = {}

@@ -1,0 +1,38 @@
+"""``benchmarks/bench_small.py`` in its short configuration (``--quick``): every cell runs
+(one process, two processes, the 8 MiB polling against blocking receiver), the JSON
+record carries every figure, beside the memory backend and, when installed, vLLM-Omni's
+``SharedMemoryConnector``. No figure is compared with a target: speed is measured by the
+script, not asserted in tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_small_quick(tmp_path):
+    out = tmp_path / "small.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_small.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["benchmark"] == "bench_small" and rec["machine"]["cores"]
+    backends = {"shm", "memory"}
+    if importlib.util.find_spec("vllm_omni") is not None:
+        backends.add("vllm-omni-shm")
+    assert set(rec["results"]["one_process"]) == backends
+    assert set(rec["results"]["two_process"]) == backends - {"memory"}
+    for cell in [*rec["results"]["one_process"].values(), *rec["results"]["two_process"].values(),
+                 *rec["results"]["big"].values()]:
+        assert cell["samples"] > 0 and 0 < cell["p50_us"] <= cell["p99_us"]
+    assert set(rec["results"]["big"]) == {"block", "poll"}
+    assert set(rec["figures"]) >= {"one_process_shm_p50_us", "two_process_shm_p50_us", "poll_vs_block_ratio"}
+    assert "| 1 process put+get_nowait 4 KiB, p50" in proc.stdout and "load average" in proc.stdout
