@@ -7,11 +7,12 @@ script, not asserted in tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+from tests.integration._vllm_omni_stubs import vllm_omni_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +27,7 @@ def test_bench_small_quick(tmp_path):
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["benchmark"] == "bench_small" and rec["machine"]["cores"]
     backends = {"shm", "memory"}
-    if importlib.util.find_spec("vllm_omni") is not None:
+    if vllm_omni_root() is not None:
         backends.add("vllm-omni-shm")
     assert set(rec["results"]["one_process"]) == backends
     assert set(rec["results"]["two_process"]) == backends - {"memory"}
