@@ -158,6 +158,8 @@ def connect(
     overflow: Literal["segment", "error"] = "segment",
     linger: float = ...,
     spin_us: int = ...,
+    max_bytes: int | None = None,
+    shrink_after: float = ...,
 ) -> ShmConnector: ...
 
 
