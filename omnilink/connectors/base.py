@@ -22,19 +22,24 @@ Contract (the same for every backend; ``omnilink.testing`` checks it):
 - ``discard(key)`` drops a payload nobody will read and returns whether one was there.
 - ``release(key)`` hands a received payload's transport memory back before its last
   view dies (``shm``); a no-op returning ``False`` where payloads own their memory.
+- ``await aput(...)`` / ``await aget(...)``: the same for asyncio. The event loop never
+  blocks and no thread is started per call (``aput`` runs on the connector's one put
+  thread, ``aget`` waits on its one waiter thread: ``omnilink.connectors._async``). A
+  cancelled ``aget`` has taken nothing: the payload stays for the next ``get``.
 - ``stats()`` returns ``ConnectorStats``; like every call but ``close()``, it raises
   ``ClosedError`` after close.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
-from omnilink._errors import ClosedError, ConfigurationError, TransferTimeout
+from omnilink._errors import ClosedError, ConfigurationError, TransferTimeout, WouldBlock
 from omnilink._util import Deadline, validate_channel, validate_key
 
 __all__ = ["BaseConnector", "Connector", "ConnectorStats", "Role"]
@@ -105,6 +110,10 @@ class Connector(Protocol):
 
     def get_nowait(self, key: str, /, *, device: Any = None) -> Any: ...
 
+    async def aput(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int: ...
+
+    async def aget(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any: ...
+
     def discard(self, key: str, /) -> bool: ...
 
     def release(self, key: str, /) -> bool: ...
@@ -159,6 +168,7 @@ class BaseConnector:
              "device_puts", "device_gets", "sliced"), 0
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._waiter: Any = None  # omnilink.connectors._async.ArrivalWaiter, on first aget
 
     # ----------------------------------------------------------------- hooks
     def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
@@ -188,6 +198,17 @@ class BaseConnector:
         """``segments``, ``bytes_mapped`` and ``bytes_held`` of ``stats()``; backends with
         an arena override."""
         return {}
+
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        """The keys available to ``get`` now, without taking any (for ``aget``).
+
+        Return as soon as that set holds a key not in ``known``, or after ``timeout``
+        seconds; wait on the backend's own wake-up, never by sleep-polling. Raise the
+        backend's error when no key can come any more (``PeerLostError``,
+        ``ClosedError``). Runs on the connector's one waiter thread. Backends override;
+        without it ``aget`` is refused.
+        """
+        raise NotImplementedError
 
     # ---------------------------------------------------------------- helpers
     def _check_open(self) -> None:
@@ -283,6 +304,99 @@ class BaseConnector:
         n = self._put(key, payload, self._deadline(timeout), ctx)  # type: ignore[call-arg]
         self._count(puts=1, bytes_put=n)
         return n
+
+    async def aput(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int:
+        """``put`` for asyncio: the event loop keeps running while the payload goes out.
+
+        The put runs on the connector's one put thread (the one ``put_async`` uses), so
+        puts keep their order and no thread is started per call.
+
+        Parameters
+        ----------
+        key, payload, timeout
+            As for ``put``.
+
+        Returns
+        -------
+        int
+            Encoded size of the payload in bytes.
+
+        Raises
+        ------
+        ConfigurationError, BlobEncodeError, TransferTimeout, CapacityError, PeerLostError, ClosedError
+            As ``put``. A task cancelled before its put started sends nothing; once the
+            put has started it completes (at most once, like a ``put`` that raised).
+        """
+        return await asyncio.wrap_future(self.put_async(key, payload, timeout=timeout))
+
+    async def aget(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any:
+        """``get`` for asyncio: wait for ``key`` without blocking the event loop.
+
+        Any number of tasks may wait at once, for different keys or the same one; one
+        waiter thread per connector watches the transport for all of them (see
+        ``omnilink.connectors._async``). The payload is taken on the event loop thread
+        when the task resumes, so a task cancelled while it waits has taken nothing: the
+        payload stays for the next ``get`` or ``aget``.
+
+        Parameters
+        ----------
+        key, timeout, device
+            As for ``get``.
+
+        Returns
+        -------
+        Any
+            The payload, as ``get`` returns it.
+
+        Raises
+        ------
+        TransferTimeout, PeerLostError, BlobDecodeError, ClosedError
+            As ``get``.
+        ConfigurationError
+            Bad arguments; a backend without ``_arrivals`` (a third party's).
+        """
+        self._check_open()
+        validate_key(key)
+        deadline = self._deadline(timeout)
+        loop = asyncio.get_running_loop()
+        waiter = self._arrival_waiter()
+        while True:
+            ticket = waiter.subscribe(key, loop)
+            try:
+                try:
+                    return self.get_nowait(key, device=device)
+                except WouldBlock:
+                    pass
+                from omnilink.connectors._async import await_ticket
+
+                try:
+                    error = await await_ticket(ticket, deadline.remaining())
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise self._timeout("get", key, None, deadline.timeout) from None
+                try:
+                    return self.get_nowait(key, device=device)
+                except WouldBlock:
+                    if error is not None:
+                        raise error from None
+                    if deadline.expired():
+                        raise self._timeout("get", key, None, deadline.timeout) from None
+                    # Another reader took it, or it was a wake-up for a key seen earlier.
+            finally:
+                waiter.unsubscribe(key, ticket)
+
+    def _arrival_waiter(self) -> Any:
+        if type(self)._arrivals is BaseConnector._arrivals:
+            raise ConfigurationError(
+                f"{self.backend}: aget needs the backend to implement _arrivals (see "
+                "omnilink.connectors.BaseConnector); use get in a thread instead"
+            )
+        with self._close_lock:
+            self._check_open()
+            if self._waiter is None:
+                from omnilink.connectors._async import ArrivalWaiter
+
+                self._waiter = ArrivalWaiter(self)
+            return self._waiter
 
     def get(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any:
         """Receive the payload stored under ``key``, waiting up to ``timeout`` seconds.
@@ -397,7 +511,10 @@ class BaseConnector:
                 return
             self._closed = True
             executor, self._executor = self._executor, None
+            waiter, self._waiter = self._waiter, None
         self._wake()
+        if waiter is not None:
+            waiter.close()  # wakes waiting agets (they raise ClosedError); joins its thread
         if executor is not None:
             executor.shutdown(wait=True)
         self._close()

@@ -233,6 +233,22 @@ class MemoryConnector(BaseConnector):
         # The frame was popped: only these views reference it, so they may be writable.
         return decode(frame, view_readonly=True)
 
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        if self.role == "sender":
+            raise ConfigurationError(
+                f"memory connector on channel {self.channel!r} was opened with role='sender' and cannot get"
+            )
+        chan = self._chan
+        deadline = Deadline(timeout)
+        with chan.cond:
+            while True:
+                self._raise_if_closing()
+                avail = set(chan.frames)
+                remaining = deadline.remaining()
+                if not avail <= known or not remaining:
+                    return avail
+                chan.cond.wait(remaining)
+
     def _discard(self, key: str) -> bool:
         chan = self._chan
         with chan.cond:

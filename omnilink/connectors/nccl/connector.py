@@ -953,6 +953,28 @@ class NcclConnector(BaseConnector):
                 t.record_stream(stream)
         return item.payload
 
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        if self.role == "sender":
+            raise ConfigurationError(
+                f"nccl connector on channel {self.channel!r} was opened with role='sender' and cannot get"
+            )
+        deadline = Deadline(timeout)
+        with self._cond:
+            while True:
+                if self._closing:
+                    raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+                avail = {k for k, q in self._inbox.items() if q and (q[0].done or q[0].error is not None)}
+                if not avail <= known:
+                    return avail
+                if self._link_error is not None:
+                    raise self._link_error
+                if self._peer_state is not None and not self._more_may_come():
+                    raise self._peer_error(None)
+                remaining = deadline.remaining()
+                if not remaining:
+                    return avail
+                self._cond.wait(remaining)
+
     def _more_may_come(self) -> bool:
         """After the peer closed: whether payloads it sent are still being received."""
         if self._peer_state == "lost":

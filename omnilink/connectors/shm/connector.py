@@ -881,6 +881,48 @@ class ShmConnector(BaseConnector):
                 return False
         return True
 
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        """Keys published on the channel and not yet claimed (for ``aget``): the same
+        mutex round trip and semaphore wait as ``_get``, without claiming anything."""
+        if not self._recvs:
+            raise ConfigurationError(
+                f"shm connector on channel {self.channel!r} was opened with role='sender' and cannot get"
+            )
+        chan = self._chan
+        deadline = Deadline(timeout)
+        while True:
+            gen = None
+            with self._rlock:
+                self._check_open()
+                if not chan.lock_within(deadline):
+                    return set(known)  # the mutex stayed busy all along: nothing new seen
+                try:
+                    if chan.senders_gen() != self._known_gen:
+                        self._refresh_locked()
+                    self._scan_locked()
+                    avail = set(self._index)
+                    lost = self._peer_lost
+                    if avail <= known and lost is None and deadline.remaining() != 0:
+                        gen = chan.register_waiter()
+                finally:
+                    chan.unlock()
+            if gen is None:
+                if avail <= known and lost is not None:
+                    raise PeerLostError(
+                        f"shm: nothing more can arrive on channel {self.channel!r}: {lost} and no "
+                        "live sender is left"
+                    )
+                return avail
+            woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
+            if not woke:
+                try:
+                    with chan.locked(_grace(deadline)):
+                        chan.withdraw_waiter(gen)
+                except _LockTimeout:
+                    pass
+            if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+                self._heartbeat()
+
     def _sender_names(self) -> str:
         pids = sorted({r.pid for r in self._readers.values()})
         return f"sender pid(s) {pids}" if pids else "a sender to join the channel"

@@ -520,6 +520,12 @@ class ZmqConnector(BaseConnector):
         self._count(bytes_got=size)
         return payload
 
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        receiver = self._res.receiver
+        if receiver is None:
+            raise ConfigurationError(f"zmq connector on channel {self.channel!r} has role {self.role!r}: it cannot get")
+        return receiver.arrivals(known, timeout)
+
     def _discard(self, key: str) -> bool:
         receiver = self._res.receiver
         if receiver is None:

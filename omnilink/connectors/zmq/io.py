@@ -527,6 +527,31 @@ class ReceiverLoop(_Loop):
                     wait = lost_at - now if wait is None else min(wait, lost_at - now)
                 self.cond.wait(wait)
 
+    def arrivals(self, known: set[str], timeout: float) -> set[str]:
+        """Keys ready to ``take`` now, taking none (for ``aget``): returns as soon as one
+        is not in ``known``, or after ``timeout``; raises when nothing can come any more."""
+        deadline = Deadline(timeout)
+        with self.cond:
+            while True:
+                if self.closed:
+                    raise ClosedError(f"zmq connector on channel {self.channel!r} is closed")
+                avail = set(self.index)
+                if not avail <= known:
+                    return avail
+                self._check_failed()
+                now = time.monotonic()
+                lost_at = None if self.no_peer_since is None else self.no_peer_since + self.peer_timeout
+                if lost_at is not None and now >= lost_at:
+                    raise PeerLostError(
+                        f"zmq: every sender of channel {self.channel!r} ({self.endpoint}) disconnected "
+                        f"{now - self.no_peer_since:.1f} s ago and none came back within "
+                        f"peer_timeout={self.peer_timeout} s"
+                    )
+                remaining = deadline.remaining()
+                if not remaining:
+                    return avail
+                self.cond.wait(remaining if lost_at is None else min(remaining, lost_at - now))
+
     def _consumed(self, entry: _Entry) -> None:
         self.buffered -= entry.nbytes
         if self.paused and self.buffered < self.max_buffered_bytes:
