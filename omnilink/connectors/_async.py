@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 #: Longest single wait in the backend, so the thread notices close() and new keys'
 #: owners going away; arrivals wake it at once regardless.
 WAIT_SLICE_S = 0.25
+#: A thread with nobody waiting for this long exits (and drops its reference to the
+#: connector); the next ``aget`` starts another.
+IDLE_EXIT_S = 5.0
 #: Pause after the backend raised (its error is handed to the waiting tasks, which
 #: leave); keeps a persistent error from spinning the thread while new tasks arrive.
 _ERROR_PAUSE_S = 0.05
@@ -120,7 +123,9 @@ class ArrivalWaiter:
         while True:
             with self._cond:
                 while not self._tickets and not self._closed:
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_EXIT_S) and not self._tickets:
+                        self._thread = None  # the next subscribe starts a new one
+                        return
                 if self._closed:
                     return
             error: BaseException | None = None

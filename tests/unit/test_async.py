@@ -226,3 +226,30 @@ def test_backend_without_arrivals_refuses_aget_clearly():
     with omnilink.connect("minimal-aio-test", channel="m") as conn:
         with pytest.raises(omnilink.ConfigurationError, match="_arrivals"):
             asyncio.run(conn.aget("k", timeout=1))
+
+
+def test_idle_waiter_thread_exits_and_a_new_one_starts(monkeypatch):
+    from omnilink.connectors import _async
+
+    monkeypatch.setattr(_async, "IDLE_EXIT_S", 0.1)
+    conn = omnilink.connect("memory", channel=_channel("idle"))
+
+    def waiters():
+        return [t for t in threading.enumerate() if t.name == "omnilink-memory-aget"]
+
+    try:
+        async def once(key):
+            task = asyncio.create_task(conn.aget(key, timeout=10))
+            await asyncio.sleep(0.05)
+            assert len(waiters()) == 1
+            conn.put(key, {"k": key})
+            assert await task == {"k": key}
+
+        asyncio.run(once("a"))
+        for t in waiters():
+            t.join(5)
+        assert waiters() == []
+        asyncio.run(once("b"))
+    finally:
+        conn.close()
+    assert waiters() == []
