@@ -2,7 +2,8 @@
 # The nccl backend's device run, as made on a 2x H200 machine (nvidia-h200-x2):
 # GPU tests, the conformance suite over gloo and over NCCL, and bench_nccl.py.
 #
-#   ../shared/tools/device-wheels.sh          # once, here: msgspec/posix_ipc/pyzmq wheels into .whl/
+#   (once, here) wheels of msgspec, posix_ipc and pyzmq for the device's Python in .whl/, e.g.
+#   pip download --only-binary=:all: --python-version 3.12 -d .whl msgspec posix_ipc pyzmq
 #   bash benchmarks/gpu/run_nccl_device.sh    # there, from the repository root; OUT= a results dir
 #
 # Keep NCCL_NVLS_ENABLE=0 as the machine sets it (NVLink multicast stays off).

@@ -73,7 +73,7 @@ def sender_blocks(tx) -> int:
     return tx.edge("0", "1", side="sender").stats().blocks_in_use
 
 
-# ------------------------------------------------------------------ payloads of REFERENCE
+# ------------------------------------------------------------------ payloads vLLM-Omni moves
 def thinker_to_talker():
     return stubs.thinker_payload(3)
 
