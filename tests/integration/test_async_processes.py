@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
+import signal
 
 import pytest
 import torch
@@ -143,3 +144,33 @@ def test_thousand_agets_a_third_cancelled_every_payload_exactly_once():
                 proc.join(10)
     assert proc.exitcode == 0
     assert q.get(timeout=10) == ("closed", None)
+
+
+def test_agets_of_a_killed_sender_end_in_peer_lost_not_a_hang():
+    from tests.integration import _shm_workers as W
+
+    channel = f"t{os.getpid()}-aio-lost"
+    q = CTX.Queue()
+    with omnilink.connect("shm", channel=channel, role="receiver") as rx:
+        proc = CTX.Process(target=W.slow_forever_sender, args=(channel, q), daemon=True)
+        proc.start()
+        try:
+            assert q.get(timeout=60)[0] == "ready"
+
+            async def main() -> None:
+                got = await rx.aget("k0", timeout=60)
+                W.check_payload(got, 0)
+                del got
+                waiting = [asyncio.create_task(rx.aget(f"never{i}", timeout=60)) for i in range(10)]
+                await asyncio.sleep(0.2)
+                os.kill(proc.pid, signal.SIGKILL)
+                results = await asyncio.gather(*waiting, return_exceptions=True)
+                assert all(isinstance(r, omnilink.PeerLostError) for r in results), results
+                # What it published before it died is still there.
+                W.check_payload(await rx.aget("k1", timeout=10), 1)
+
+            asyncio.run(main())
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(30)
