@@ -160,6 +160,8 @@ def connect(
     spin_us: int = ...,
     max_bytes: int | None = None,
     shrink_after: float = ...,
+    pipeline_bytes: int = ...,
+    slice_bytes: int = ...,
 ) -> ShmConnector: ...
 
 
