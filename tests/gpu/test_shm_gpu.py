@@ -151,3 +151,16 @@ def test_sigkill_with_registered_memory_leaves_dev_shm_clean(procs):
     s.join(30)
     os.unlink(ready)
     collect_garbage()
+
+
+def test_many_put_async_in_flight_arrive_in_order_and_intact(pair):
+    tx, rx = pair
+    srcs = [torch.full((1 << 20,), i, dtype=torch.uint8, device="cuda") for i in range(32)]
+    _busy(100)  # every copy waits for this; the futures must not resolve before their copy
+    futs = [tx.put_async(f"m{i}", {"x": s, "i": i}, timeout=30) for i, s in enumerate(srcs)]
+    assert not futs[-1].done()
+    assert [f.result(30) for f in futs] == [futs[0].result()] * 32
+    for i in range(32):
+        got = rx.get(f"m{i}", timeout=30, device="cuda:0")
+        assert got["i"] == i and int(got["x"].min()) == i == int(got["x"].max())
+    assert tx.stats().puts == 32 and tx.stats().device_puts == 32
