@@ -109,7 +109,9 @@ def _receiver(conn, channel: str, reply: str) -> None:
     import omnilink
 
     torch.cuda.init()
-    rx = omnilink.connect("shm", channel=channel, role="receiver")
+    # spin_us=1000: a waiting get watches its semaphore for 1 ms before sleeping (the
+    # default 200 us is shorter than one hop here, so a sleeping wake-up would be timed).
+    rx = omnilink.connect("shm", channel=channel, role="receiver", spin_us=1000)
     tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0)
     try:
         while True:
@@ -162,7 +164,7 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
     ch, reply = f"bench/gpu-{uuid.uuid4().hex[:6]}", f"bench/gpu-r-{uuid.uuid4().hex[:6]}"
     arena = max(1 << 30, 3 * max(sizes))
     tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=min(arena, 2 << 30), linger=0)
-    rx = omnilink.connect("shm", channel=reply, role="receiver")
+    rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, ch, reply), daemon=True)
     proc.start()
@@ -345,7 +347,7 @@ def main() -> int:
         rows.append(rec)
         print(line, flush=True)
     for d in devices:
-        print(f"{d}: 4 KiB one-way p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
+        print(f"{d}: 4 KiB one-way (round trip / 2, spin_us=1000) p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
               f"bytes equal: {tp[d]['ok']}")
     if ovl:
         print(f"overlap (10 steps, 4 bf16 8192^3 matmuls + 256 MiB each): matmul only {ovl['matmul_only_s'] * 1e3:.1f} ms, "

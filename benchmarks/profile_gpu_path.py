@@ -23,18 +23,20 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--cpu", action="store_true", help="CPU tensors and a host get (the baseline)")
     args = ap.parse_args()
     import torch
 
     import omnilink
 
     ch = f"prof/{uuid.uuid4().hex[:6]}"
-    x = torch.randint(0, 255, (args.size,), dtype=torch.uint8, device="cuda")
+    x = torch.randint(0, 255, (args.size,), dtype=torch.uint8, device="cpu" if args.cpu else "cuda")
+    dev = None if args.cpu else "cuda:0"
     with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0) as tx, \
             omnilink.connect("shm", channel=ch, role="receiver") as rx:
         def once(i: int) -> None:
             tx.put(f"k{i}", {"x": x, "meta": {"i": i}}, timeout=10)
-            got = rx.get(f"k{i}", timeout=10, device="cuda:0")
+            got = rx.get(f"k{i}", timeout=10, device=dev)
             del got
 
         for i in range(200):

@@ -58,6 +58,7 @@ from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
+from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
 from omnilink.connectors.shm.slices import SLICED_MARK
 from omnilink.connectors.shm.names import (
     free_shm_bytes,
@@ -447,9 +448,16 @@ class ShmConnector(BaseConnector):
             )
         blob = _prepare(payload)
         n = blob.nbytes
-        if (blob.device_bytes() and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
-            # CUDA tensors: DMA straight into the block (and large ones in slices).
-            return self._gpu_path().put(key, payload, blob, deadline, events)
+        dev_bytes = blob.device_bytes()
+        if (dev_bytes and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
+            gpu = self._gpu_path()
+            if dev_bytes >= SMALL_DEVICE_BYTES or gpu.cpu_mode or n > w.data_bytes:
+                # CUDA tensors: DMA straight into the block (and large ones in slices).
+                return gpu.put(key, payload, blob, deadline, events)
+            # Small: the fixed cost of the copy stream and its events would dominate; the
+            # write below copies on the current stream (after the producer's work) into
+            # the page-locked arena and waits for that copy: one call per tensor.
+            gpu.prepare_small_put(events)
         key_bytes = key.encode("utf-8")
         if n > w.data_bytes:
             return self._put_overflow(key, key_bytes, blob, deadline)

@@ -54,6 +54,27 @@ logger = logging.getLogger(__name__)
 
 #: Slices copied off the device and not yet published, at most.
 SLICES_IN_FLIGHT = 4
+#: Payloads with fewer device bytes skip the copy streams: the sender copies on its
+#: current stream and waits; the receiver stages through torch's pinned host cache and
+#: copies on its current stream. Below this the fixed cost per call decides, not PCIe.
+SMALL_DEVICE_BYTES = 256 << 10
+
+
+def _small(payload: Any, torch: Any) -> bool:
+    """Whether the torch tensors of ``payload`` hold fewer than SMALL_DEVICE_BYTES."""
+    total = 0
+    stack = [payload]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+            if total >= SMALL_DEVICE_BYTES:
+                return False
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return True
 
 
 class ShmGpuPath:
@@ -168,6 +189,17 @@ class ShmGpuPath:
         n = self._put_frame(key, blob, deadline, events)
         conn._count(device_puts=1)
         return n
+
+    def prepare_small_put(self, events: Any) -> None:
+        """Before the host path copies a small CUDA payload: the arena is page-locked, and
+        (put_async) this thread's current stream waits for the producer's events."""
+        self._arena()
+        if events:
+            from omnilink.cuda import cuda_ops, current_raw_stream
+
+            ops = cuda_ops()
+            for dev, ev in events:
+                ops.wait(current_raw_stream(dev.index), ev)
 
     def _put_frame(self, key: str, blob: Any, deadline: Any, events: Any, *, block: bool = True) -> int:
         """Allocate a block, write ``blob`` (device regions by DMA), publish it."""
@@ -308,10 +340,35 @@ class ShmGpuPath:
         dev = self._device(device)
         if type(payload) is dict and SLICED_MARK in payload:
             return self.gather(payload, deadline, dev)
+        self.conn._count(device_gets=1)
+        if dev.type == "cuda" and _small(payload, self._torch):
+            return self._land_small(payload, dev)
         if dev.type == "cuda":
             self._register_reader(reader)
-        self.conn._count(device_gets=1)
         return self._h2d_for(dev).submit(payload)
+
+    def _land_small(self, payload: Any, dev: Any) -> Any:
+        """A small payload: copy out of the arena into torch's pinned host cache (the block
+        is free as soon as this returns), then to the device on the current stream; torch
+        recycles the pinned memory once that copy has run."""
+        from omnilink.cuda import Event, StagePayloadHandle, current_raw_stream, map_tensors
+
+        torch = self._torch
+        tensors: list[Any] = []
+
+        def move(t: Any) -> Any:
+            if t.is_cuda:
+                d = t.to(dev, non_blocking=True)
+            else:
+                staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                staged.copy_(t)
+                d = staged.to(dev, non_blocking=True)
+            tensors.append(d)
+            return d
+
+        out = map_tensors(payload, move)
+        event = Event(dev.index).record(current_raw_stream(dev.index))
+        return StagePayloadHandle(out, event, dev, tensors)
 
     def _device(self, device: Any) -> Any:
         torch = self._torch
