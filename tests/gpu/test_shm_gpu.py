@@ -164,3 +164,15 @@ def test_many_put_async_in_flight_arrive_in_order_and_intact(pair):
         got = rx.get(f"m{i}", timeout=30, device="cuda:0")
         assert got["i"] == i and int(got["x"].min()) == i == int(got["x"].max())
     assert tx.stats().puts == 32 and tx.stats().device_puts == 32
+
+
+@pytest.mark.multigpu
+def test_cuda0_to_cuda1_through_shm(pair):
+    tx, rx = pair
+    for n in (4096, 8 << 20, 40 << 20):  # small path, DMA path, sliced path
+        x = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
+        tx.put(f"k{n}", {"x": x}, timeout=30)
+        got = rx.get(f"k{n}", timeout=30, device="cuda:1")
+        assert got["x"].device == torch.device("cuda", 1)
+        assert torch.equal(got["x"].cpu(), x.cpu())
+    assert torch.cuda.current_device() == 0  # the caller's current device is left alone
