@@ -260,6 +260,11 @@ def _cleanup(writer: ArenaWriter | None, chan: Channel) -> None:
 _gpu_ok: bool | None = None
 
 
+def _is_cuda(device: Any) -> bool:
+    """Whether ``device`` names a CUDA device (``"cuda"``, ``"cuda:1"``, a torch.device)."""
+    return str(getattr(device, "type", device)).split(":", 1)[0] == "cuda"
+
+
 def _gpu_path_available() -> bool:
     """Whether the GPU path can run (cuda-python importable); says once when it cannot."""
     global _gpu_ok
@@ -775,10 +780,14 @@ class ShmConnector(BaseConnector):
     def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
         if device is None:
             return self._get(key, deadline, block)
+        if not _is_cuda(device):
+            from omnilink.cuda import payload_to_device
+
+            return payload_to_device(self._get(key, deadline, block), device)
         return self._receive_handle(key, deadline, block, device).wait()
 
     def _receive_handle(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
-        if not _gpu_path_available():
+        if _is_cuda(device) and not _gpu_path_available():
             from omnilink.cuda import StagePayloadHandle, payload_to_device
 
             obj = payload_to_device(self._get(key, deadline, block), device)
