@@ -176,3 +176,28 @@ def test_cuda0_to_cuda1_through_shm(pair):
         assert got["x"].device == torch.device("cuda", 1)
         assert torch.equal(got["x"].cpu(), x.cpu())
     assert torch.cuda.current_device() == 0  # the caller's current device is left alone
+
+
+def test_vllm_omni_adapter_sends_cuda_payloads_and_lands_them_on_its_device():
+    import time
+
+    from omnilink.integrations.vllm_omni import OmnilinkConnector
+
+    ch = f"t/vo-{uuid.uuid4().hex[:8]}"
+    tx = OmnilinkConnector({"backend": "shm", "channel": ch, "options": {"arena_bytes": 64 << 20, "linger": 0}})
+    rx = OmnilinkConnector({"backend": "shm", "channel": ch, "device": "cuda:0"})
+    try:
+        hidden = torch.randn(256, 1024, device="cuda").to(torch.bfloat16)
+        ok, size, _ = tx.put("0", "1", "req1_0_0", {"hidden_states.output": hidden, "meta": {"finished": True}})
+        assert ok and size > hidden.numel() * 2
+        end = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < end:
+            got = rx.get("0", "1", "req1_0_0")
+        assert got is not None
+        data, _ = got
+        assert data["hidden_states.output"].is_cuda and torch.equal(data["hidden_states.output"], hidden)
+        assert data["meta"] == {"finished": True}
+    finally:
+        rx.close()
+        tx.close()

@@ -95,7 +95,8 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
 ``zero_copy``               ``True`` (default): received tensors are views of the
                             transport buffer, its block is handed back when the last view
                             dies; ``False``: copy and release at once
-``device``                  move received tensors there (e.g. ``"cuda:0"``)
+``device``                  land received tensors there (e.g. ``"cuda:0"``); with ``shm``
+                            by DMA on a copy stream, ordered before the caller's stream
 ``pending_ttl``             seconds after which unread payloads are dropped (default
                             1800; ``None``: never). vLLM-Omni fails a request that
                             waited 600 s for input, so older payloads are orphans

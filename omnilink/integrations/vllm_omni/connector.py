@@ -473,10 +473,12 @@ class _OmnilinkConnectorImpl:
         channel = self._get_channel(src, str(to_stage), get_key, metadata)
         conn = self._edge(channel, "receiver", src)
         try:
+            # device=: the backend lands the payload there itself (the shm backend through
+            # its copy controllers: stream-ordered, the host not blocked on the copy).
             if remaining is None or remaining <= 0:
-                data = conn.get_nowait(get_key)
+                data = conn.get_nowait(get_key, device=self._device)
             else:
-                data = conn.get(get_key, timeout=remaining)
+                data = conn.get(get_key, timeout=remaining, device=self._device)
         except (WouldBlock, TransferTimeout):
             self._track("receiver", channel, get_key, src)
             return None
@@ -499,11 +501,7 @@ class _OmnilinkConnectorImpl:
     def _delivered(self, channel: str, key: str, data: Any) -> tuple[Any, int]:
         self._untrack(("receiver", channel, key))
         size = encoded_size(data)
-        if self._device is not None:
-            from omnilink.cuda import payload_to_device
-
-            data = payload_to_device(data, self._device)
-        elif not self._zero_copy:
+        if self._device is None and not self._zero_copy:
             data = _owned(data)
         self._count(gets=1, bytes_got=size)
         return data, size
