@@ -96,7 +96,7 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
                             transport buffer, its block is handed back when the last view
                             dies; ``False``: copy and release at once
 ``device``                  land received tensors there (e.g. ``"cuda:0"``); with ``shm``
-                            by DMA on a copy stream, ordered before the caller's stream
+                            by DMA on a copy stream the caller's current stream waits on
 ``pending_ttl``             seconds after which unread payloads are dropped (default
                             1800; ``None``: never). vLLM-Omni fails a request that
                             waited 600 s for input, so older payloads are orphans
