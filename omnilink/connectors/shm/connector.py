@@ -152,7 +152,7 @@ class _Lease(weakref.ref):
     last view of the payload dies; ``release(key)`` runs it early. One small object per
     message: no closure, no ``weakref.finalize`` registry."""
 
-    __slots__ = ("reader", "idx", "seq", "nbytes", "key", "done")
+    __slots__ = ("reader", "idx", "seq", "nbytes", "key", "done", "since")
 
 
 class _Releaser:
@@ -179,6 +179,7 @@ class _Releaser:
         ref.nbytes = nbytes
         ref.key = key
         ref.done = False
+        ref.since = time.monotonic()
         held = self.held
         refs = held.get(key)
         if refs is None:
@@ -1114,6 +1115,23 @@ class ShmConnector(BaseConnector):
         for ref in list(refs):
             self._releaser(ref)
         return True
+
+    def held(self) -> list[tuple[str, int, float]]:
+        """The payloads this receiver still views: ``(key, bytes, seconds held)`` each.
+
+        A received payload's block goes back to its sender when the last view dies (or
+        on ``release(key)``); this says which ones are still alive, for diagnostics
+        (the vLLM-Omni adapter logs requests that hold theirs for long).
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        now = time.monotonic()
+        return [(ref.key, ref.nbytes, now - ref.since)
+                for refs in list(self._releaser.held.values()) for ref in list(refs)]
 
     # =================================================================== misc
 

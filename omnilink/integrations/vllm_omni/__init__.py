@@ -101,6 +101,9 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
                             1800; ``None``: never). vLLM-Omni fails a request that
                             waited 600 s for input, so older payloads are orphans
 ``max_tracked_keys``        bound of the per-request index (default 65536)
+``hold_warn_s``             a request that has held a received payload's views (its
+                            arena block) longer than this is logged, once (default
+                            120; ``None``: never)
 ``codec_chunk_frames``,     read by vLLM-Omni's stage processors; checked here to be
 ``codec_left_context_``     ints (>= 1, >= 0, >= 1)
 ``frames``, ``initial_``

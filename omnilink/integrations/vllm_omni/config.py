@@ -16,6 +16,9 @@ DEFAULT_CHANNEL = "vllm-omni"
 DEFAULT_PUT_TIMEOUT = 10.0
 DEFAULT_PENDING_TTL = 1800.0
 DEFAULT_MAX_TRACKED_KEYS = 65536
+#: Seconds a request may hold a received payload's views before the adapter logs it
+#: (once per request; ``None`` turns it off).
+DEFAULT_HOLD_WARN_S = 120.0
 #: Seconds between two sweeps of the per-request index (a sweep is cheap; this only
 #: keeps it off the per-call path).
 _REAP_INTERVAL = 1.0

@@ -29,12 +29,14 @@ from omnilink.integrations.vllm_omni.config import (
     _ROLES,
     CONNECTOR_NAME,
     DEFAULT_CHANNEL,
+    DEFAULT_HOLD_WARN_S,
     DEFAULT_MAX_TRACKED_KEYS,
     DEFAULT_PENDING_TTL,
     DEFAULT_PUT_TIMEOUT,
     _check_int,
     _seconds,
 )
+from omnilink.integrations.vllm_omni.holds import _HoldWatch
 from omnilink.integrations.vllm_omni.index import _Entry, _request_of, _Tracked
 from omnilink.integrations.vllm_omni.payloads import _owned, _to_wire
 
@@ -117,6 +119,7 @@ class _OmnilinkConnectorImpl:
         self._options = dict(options)
         self._put_timeout = _seconds(config, "put_timeout", DEFAULT_PUT_TIMEOUT, allow_none=True)
         self._pending_ttl = _seconds(config, "pending_ttl", DEFAULT_PENDING_TTL, allow_none=True)
+        self._holds = _HoldWatch(_seconds(config, "hold_warn_s", DEFAULT_HOLD_WARN_S, allow_none=True))
         zero_copy = config.get("zero_copy", True)
         if not isinstance(zero_copy, bool):
             raise ConfigurationError(f"OmnilinkConnector: extra['zero_copy'] must be a bool, got {zero_copy!r}")
@@ -253,6 +256,16 @@ class _OmnilinkConnectorImpl:
     def _maybe_reap(self) -> None:
         if time.monotonic() >= self._next_reap:
             self.reap_consumed()
+            self.check_holds()
+
+    def check_holds(self) -> int:
+        """Log (once per request) requests that have held a received payload's views
+        longer than ``extra['hold_warn_s']``; ``put`` and ``get`` call it about once a
+        second. Returns how many requests were reported now."""
+        with self._lock:
+            edges = [(channel, self._edge_from.get(channel, ""), conn)
+                     for (side, channel), conn in self._edges.items() if side == "receiver"]
+        return self._holds.check(edges)
 
     def reap_consumed(self) -> None:
         """Sweep the per-request index: drop what outlived ``pending_ttl``.
