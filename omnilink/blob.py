@@ -206,8 +206,17 @@ class BlobHeader(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
     tree: msgspec.Raw
 
 
+class _SplitHeader(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """The same header bytes as ``BlobHeader``, split without decoding the descriptors
+    (the decoder's plan cache is keyed by their bytes)."""
+
+    tensors: msgspec.Raw
+    tree: msgspec.Raw
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(BlobHeader)
+_SPLIT_DECODER = msgspec.msgpack.Decoder(_SplitHeader)
 _DESC_FIELDS = ("kind", "dtype", "shape", "offset", "nbytes")
 _ERR_PATH = re.compile(r"`\$\[0\](?:\[(\d+)\](?:\[(\d+)\](?:\[(\d+)\])?)?)?`$")
 _tls = threading.local()
@@ -1028,9 +1037,13 @@ def _make_views(
 
 
 def _decode_tree(header: BlobHeader, views: list[Any]) -> Any:
+    return _decode_tree_bytes(header.tree, views)
+
+
+def _decode_tree_bytes(tree: Any, views: list[Any]) -> Any:
     _tls.views = views
     try:
-        out = _TREE_DECODER.decode(header.tree)
+        out = _TREE_DECODER.decode(tree)
         _check_tree(out)
         return out
     except BlobDecodeError:
@@ -1039,6 +1052,102 @@ def _decode_tree(header: BlobHeader, views: list[Any]) -> Any:
         raise BlobDecodeError(f"malformed payload tree: {exc}") from exc
     finally:
         _tls.views = ()
+
+
+# ------------------------------------------------------------------ the plan cache
+#: Validated view recipes of descriptor lists seen before, keyed by the descriptors'
+#: exact msgpack bytes and ``data_len``: a stream of messages of the same shapes (the
+#: common case: a codec window, a hidden state per chunk) validates its descriptors
+#: once. Bounded; cleared when full.
+_PLANS: dict[tuple[bytes, int], Any] = {}
+_PLANS_MAX = 512
+
+
+def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
+    """Per-descriptor view recipes ``(kind, dtype, count, shape, offset, itemsize)`` of a
+    validated header, or ``None`` when one needs the general path (bool data is checked
+    per message, empty tensors and numpy scalars are built differently, a dtype this
+    torch build lacks is an error the general path reports)."""
+    plan = []
+    for d in header.tensors:
+        size = _ITEMSIZE_BY_CODE[d.dtype]
+        if d.dtype == _BOOL_CODE or not d.nbytes or d.kind == KIND_NUMPY_SCALAR:
+            return None
+        if d.kind == KIND_TORCH:
+            dt = _torch_dtypes()[1].get(d.dtype)
+            shape = None if len(d.shape) == 1 else tuple(d.shape)
+        else:
+            dt = _numpy_dtypes()[1].get(d.dtype)
+            shape = tuple(d.shape)
+        if dt is None:
+            return None
+        plan.append((d.kind, dt, d.nbytes // size, shape, d.offset, size))
+    _bind_frombuffer()
+    return tuple(plan)
+
+
+def _decode_planned(raw: memoryview, header_len: int, data_len: int, total: int) -> tuple[bool, Any]:
+    """Decode through the plan cache: ``(True, payload)``, or ``(False, None)`` when this
+    frame needs the general path (which then reports any error). The header's CRC, its
+    arity and the tree's item bound are checked for every frame; the descriptors'
+    validation (``_parse_header``) runs once per distinct descriptor list."""
+    (crc,) = _U32.unpack_from(raw, 12)
+    header_bytes = raw[PREFIX_SIZE : PREFIX_SIZE + header_len]
+    if zlib.crc32(header_bytes) != crc:
+        return False, None
+    try:
+        split = _SPLIT_DECODER.decode(header_bytes)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return False, None
+    key = (bytes(split.tensors), data_len)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if key in _PLANS:
+            return False, None  # known to need the general path
+        try:
+            header = _parse_header(raw, header_len, data_len)
+        except BlobDecodeError:
+            return False, None
+        plan = _plan_of(header)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+        if plan is None:
+            return False, None
+    tree = split.tree
+    if len(tree) > MAX_TREE_ITEMS:
+        _count_items(memoryview(tree), 0, len(tree), MAX_TREE_ITEMS)
+    base = total - data_len
+    views: list[Any] = []
+    append = views.append
+    for kind, dt, count, shape, off, size in plan:
+        if kind == KIND_TORCH:
+            t = _torch_frombuffer(raw, dtype=dt, count=count, offset=base + off)
+            if t.data_ptr() % size:
+                return False, None  # misaligned buffer: the general path copies
+            append(t if shape is None else t.view(shape))
+        else:
+            a = _np_frombuffer(raw, dtype=dt, count=count, offset=base + off)
+            if a.ctypes.data % size:
+                return False, None
+            append(a.reshape(shape))
+    return True, _decode_tree_bytes(tree, views)
+
+
+_torch_frombuffer: Any = None
+_np_frombuffer: Any = None
+
+
+def _bind_frombuffer() -> None:
+    """Bind the view makers (a plan names torch or numpy dtypes, so its module is
+    imported by the time a plan exists)."""
+    global _torch_frombuffer, _np_frombuffer
+    np = sys.modules.get("numpy")
+    if np is not None:
+        _np_frombuffer = np.frombuffer
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _torch_frombuffer = torch.frombuffer
 
 
 def decode(
@@ -1094,6 +1203,10 @@ def decode(
     header_len, data_len, total = _peek(raw)
     if raw.nbytes < total:
         raise BlobDecodeError(f"frame is truncated: {raw.nbytes} bytes, the prefix says {total}")
+    if not copy and not raw.readonly and max_tensors == MAX_TENSORS and max_tree_items == MAX_TREE_ITEMS:
+        done, out = _decode_planned(raw, header_len, data_len, total)
+        if done:
+            return out
     header = _parse_header(raw, header_len, data_len, max_tensors=max_tensors, max_tree_items=max_tree_items)
     if not header.tensors:
         return _decode_tree(header, [])

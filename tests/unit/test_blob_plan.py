@@ -1,0 +1,96 @@
+"""The decoder's plan cache: a descriptor list seen before skips re-validation, never a
+check. Every test decodes writable buffers (the path the transports take)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+import omnilink
+from omnilink import blob
+from omnilink._errors import BlobDecodeError
+
+
+def _writable(frame: bytes) -> bytearray:
+    return bytearray(frame)
+
+
+def _reframe(frame: bytes, header: bytes) -> bytearray:
+    """``frame`` with its header replaced by ``header`` (CRC recomputed: only the
+    decoder's own checks can catch what is wrong)."""
+    _magic, _v, _f, hlen, _crc, dlen = struct.unpack_from("<4sHHIIQ", frame, 0)
+    data = frame[len(frame) - dlen:]
+    prefix = struct.pack("<4sHHIIQ", blob.MAGIC, blob.VERSION, 0, len(header), zlib.crc32(header), dlen)
+    pad = (-(blob.PREFIX_SIZE + len(header))) % blob.FRAME_ALIGN
+    return bytearray(prefix + header + bytes(pad) + data)
+
+
+def _header(frame: bytes) -> bytes:
+    hlen = struct.unpack_from("<I", frame, 8)[0]
+    return bytes(frame[blob.PREFIX_SIZE: blob.PREFIX_SIZE + hlen])
+
+
+def test_same_shapes_reuse_one_plan_and_stay_zero_copy():
+    blob._PLANS.clear()
+    for i in range(20):
+        payload = {"h": torch.full((2, 8), float(i), dtype=torch.bfloat16), "ids": torch.arange(4) + i,
+                   "a": np.full((3,), i, dtype=np.int32), "meta": {"i": i, "t": (i, "x")}}
+        buf = _writable(omnilink.encode(payload))
+        out = omnilink.decode(buf)
+        start = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        assert start <= out["h"].data_ptr() < start + len(buf)  # a view, not a copy
+        assert out["h"].shape == (2, 8) and float(out["h"][1, 7]) == float(i)
+        assert out["ids"].tolist() == [i, i + 1, i + 2, i + 3] and out["a"].tolist() == [i] * 3
+        assert out["meta"] == {"i": i, "t": (i, "x")}
+    assert len(blob._PLANS) == 1
+
+
+def test_a_bad_descriptor_is_caught_after_a_good_plan_exists():
+    blob._PLANS.clear()
+    frame = omnilink.encode({"x": torch.arange(8, dtype=torch.float32)})
+    omnilink.decode(_writable(frame))  # the good plan is cached
+    tensors, tree = msgspec.msgpack.decode(_header(frame))
+    kind, dtype, shape, offset, nbytes = tensors[0]
+    bad = msgspec.msgpack.encode([[[kind, dtype, shape, offset, nbytes * 2]], msgspec.Raw(msgspec.msgpack.encode(tree))])
+    with pytest.raises(BlobDecodeError):
+        omnilink.decode(_reframe(frame, bad))
+    extra = msgspec.msgpack.encode([[[kind, dtype, shape, offset, nbytes]], msgspec.Raw(msgspec.msgpack.encode(tree)), 1])
+    with pytest.raises(BlobDecodeError):
+        omnilink.decode(_reframe(frame, extra))
+
+
+def test_tree_checks_run_for_every_frame():
+    blob._PLANS.clear()
+    good = omnilink.encode({"x": torch.ones(2)})
+    omnilink.decode(_writable(good))
+    tensors, _tree = msgspec.msgpack.decode(_header(good))
+    int_keys = msgspec.msgpack.encode([tensors, msgspec.Raw(msgspec.msgpack.encode({1: msgspec.msgpack.Ext(1, struct.pack("<I", 0))}))])
+    with pytest.raises(BlobDecodeError, match="keys must be str"):
+        omnilink.decode(_reframe(good, int_keys))
+    dangling = msgspec.msgpack.encode([tensors, msgspec.Raw(msgspec.msgpack.encode({"x": msgspec.msgpack.Ext(1, struct.pack("<I", 5))}))])
+    with pytest.raises(BlobDecodeError, match="references tensor 5"):
+        omnilink.decode(_reframe(good, dangling))
+
+
+def test_misaligned_writable_buffer_falls_back_to_a_copy():
+    t = torch.arange(15).to(torch.complex128)
+    frame = omnilink.encode({"a": t})
+    omnilink.decode(_writable(frame))
+    backing = bytearray(len(frame) + 8)
+    view = memoryview(backing)[8:]  # 8 mod 16: misaligned for complex128
+    view[:] = frame
+    out = omnilink.decode(view)["a"]
+    assert torch.equal(out, t) and out.data_ptr() % 16 == 0
+
+
+def test_bool_data_is_checked_every_time():
+    frame = bytearray(omnilink.encode({"b": torch.tensor([True, False, True])}))
+    assert omnilink.decode(frame)["b"].tolist() == [True, False, True]
+    frame[-3] = 7  # a byte other than 0 / 1 in the bool region
+    with pytest.raises(BlobDecodeError, match="bool"):
+        omnilink.decode(frame)
