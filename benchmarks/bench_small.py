@@ -359,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages", type=int, default=2000, help="two-process 4 KiB messages (default 2000)")
     ap.add_argument("--big-messages", type=int, default=40, help="two-process 8 MiB messages per mode (default 40)")
     ap.add_argument("--backends", default="shm,memory,vllm-omni-shm", help="comma-separated (default all three)")
+    ap.add_argument("--cells", default="one,two,big",
+                    help="which parts to run: one (one process), two (two processes, 4 KiB), big (8 MiB "
+                         "polling against blocking); default all")
     ap.add_argument("--quick", action="store_true", help="a few messages of each cell (for the test suite)")
     ap.add_argument("--json", metavar="PATH", help="append the result as one JSON line to PATH")
     ap.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
@@ -380,18 +383,19 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine_record()
     load_before = _load()
+    cells = set(args.cells.split(","))
     res: dict[str, Any] = {"one_process": {}, "two_process": {}, "big": {}}
-    for b in backends:
+    for b in backends if "one" in cells else ():
         res["one_process"][b] = one_process(b, args.iters, warm1)
         print(f"one process, {b}: {res['one_process'][b]}", file=sys.stderr)
     pair = _Pair()
     try:
-        for b in backends:
+        for b in backends if "two" in cells else ():
             if b == "memory":
                 continue  # in-process only
             res["two_process"][b] = two_process(pair, b, SMALL, args.messages, "block", warm2)
             print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)
-        if "shm" in backends:
+        if "shm" in backends and "big" in cells:
             for mode in ("block", "poll"):
                 res["big"][mode] = two_process(pair, "shm", BIG, args.big_messages, mode, 2)
                 print(f"two processes 8 MiB, shm {mode}: {res['big'][mode]}", file=sys.stderr)
@@ -400,10 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     load_after = _load()
 
     figures: dict[str, float] = {}
-    if "shm" in backends:
+    if "shm" in res["one_process"]:
         figures["one_process_shm_p50_us"] = res["one_process"]["shm"]["p50_us"]
+    if "shm" in res["two_process"]:
         figures["two_process_shm_p50_us"] = res["two_process"]["shm"]["p50_us"]
         figures["two_process_shm_p99_us"] = res["two_process"]["shm"]["p99_us"]
+    if res["big"]:
         figures["poll_vs_block_ratio"] = res["big"]["poll"]["p50_us"] / res["big"]["block"]["p50_us"]
         figures["poll_vs_block_put_ratio"] = res["big"]["poll"]["put_p50_us"] / res["big"]["block"]["put_p50_us"]
 

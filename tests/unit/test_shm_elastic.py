@@ -171,12 +171,17 @@ def test_get_nowait_miss_takes_no_lock(monkeypatch):
         def no_lock(*args, **kwargs):
             raise AssertionError("a miss took the channel mutex")
 
+        from omnilink.connectors.shm import connector as shm_connector
+
+        yields = []
         monkeypatch.setattr(chan, "lock", no_lock)
         monkeypatch.setattr(chan, "lock_within", no_lock)
+        monkeypatch.setattr(shm_connector, "_yield", lambda: yields.append(1))
         rx._last_beat = time.monotonic() + 3600  # no heartbeat due during the check
         for _ in range(100):
             with pytest.raises(omnilink.WouldBlock):
                 rx.get_nowait("b")
+        assert len(yields) == 100  # every miss gives the CPU away
         monkeypatch.undo()
         tx.put("b", {"x": np.ones(3)})
         assert rx.get_nowait("b")["x"].sum() == 3  # news is seen at once
