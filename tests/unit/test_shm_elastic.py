@@ -185,3 +185,32 @@ def test_get_nowait_miss_takes_no_lock(monkeypatch):
         monkeypatch.undo()
         tx.put("b", {"x": np.ones(3)})
         assert rx.get_nowait("b")["x"].sum() == 3  # news is seen at once
+
+
+def test_stats_does_not_wait_for_a_put_blocked_on_a_full_arena():
+    import threading
+
+    ch = _chan("stats")
+    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=1 * MiB, max_bytes=1 * MiB) as tx, \
+            omnilink.connect("shm", channel=ch, role="receiver") as rx:
+        chunk = {"x": np.zeros(CHUNK, dtype=np.uint8)}
+        n = 0
+        while True:  # fill the arena with unread payloads
+            try:
+                tx.put(f"k{n}", chunk, timeout=0.1)
+            except omnilink.TransferTimeout:
+                break
+            n += 1
+        blocked = threading.Thread(target=lambda: tx.put("late", chunk, timeout=30), daemon=True)
+        blocked.start()
+        time.sleep(0.2)  # the put is now waiting for room, holding the sender's lock
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(tx.stats()), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive() and got[0].segments == 1 and got[0].blocks_in_use == n
+        for i in range(n):  # reading frees room: the blocked put goes through
+            rx.get(f"k{i}", timeout=5)
+        blocked.join(30)
+        assert not blocked.is_alive()
+        assert rx.get("late", timeout=5)["x"].size == CHUNK

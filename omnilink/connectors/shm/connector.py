@@ -1163,9 +1163,14 @@ class ShmConnector(BaseConnector):
         held = self._releaser.counters[1] if self._recvs else 0
         if w is None:
             return {"segments": 0, "bytes_mapped": 0, "bytes_held": held}
-        with self._slock:
-            spaces = list(w.spaces)
+        # No lock: a put waiting for room holds ``_slock``, and stats() must not wait
+        # for it. The lists are copied whole (atomic under the GIL); a descriptor's state
+        # read a moment early or late only moves a block between held and not held.
+        spaces = list(w.spaces)
+        try:
             arena_held, _unread = w.held_bytes()
+        except ValueError:  # closed by another thread meanwhile: nothing is held
+            arena_held = 0
         if self._recvs:
             # A dual connector's own views of its own arena are counted once.
             own = sum(ref.nbytes for refs in list(self._releaser.held.values()) for ref in refs
