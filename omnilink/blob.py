@@ -451,10 +451,42 @@ class _Walker:
         if t is tuple:
             items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]
             return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
+        torch = self.torch
+        if torch is not None and t is torch.Tensor:
+            ref = self.plain_tensor_ref(obj)
+            if ref is not None:
+                return ref
         ref = self.array_ref(obj)
         if ref is None:
             raise _Retry
         return ref
+
+    def plain_tensor_ref(self, obj: Any) -> msgspec.msgpack.Ext | None:
+        """``tensor_ref`` of the common tensor in one call: a dense tensor of a known
+        dtype that needs no detach, conj or neg resolution and was not seen before in
+        this payload. Anything else returns ``None`` and takes ``tensor_ref``."""
+        if id(obj) in self.seen:
+            return None
+        entry = _torch_dtypes()[0].get(obj.dtype)
+        if (
+            entry is None
+            or obj.layout is not self.torch.strided
+            or obj.is_meta
+            or obj.requires_grad
+            or obj.is_neg()
+            or (entry[0] in _COMPLEX_CODES and obj.is_conj())
+        ):
+            return None
+        code, size = entry
+        shape = list(obj.shape)
+        nbytes = obj.numel() * size
+        index = len(self.descs)
+        offset = self.offset
+        self.descs.append(TensorDesc(KIND_TORCH, code, shape, offset, nbytes))
+        self.sources.append((KIND_TORCH, obj))
+        self.offset = (offset + nbytes + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+        self.seen[id(obj)] = index
+        return _TENSOR_REFS[index] if index < len(_TENSOR_REFS) else msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
 
     def walk(self, obj: Any) -> Any:
         t = type(obj)

@@ -94,3 +94,24 @@ def test_bool_data_is_checked_every_time():
     frame[-3] = 7  # a byte other than 0 / 1 in the bool region
     with pytest.raises(BlobDecodeError, match="bool"):
         omnilink.decode(frame)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12, dtype=torch.float32).view(3, 4),
+    lambda: torch.arange(12, dtype=torch.float32).view(3, 4).t(),  # non-contiguous
+    lambda: torch.ones(3, requires_grad=True),
+    lambda: torch.tensor([1 + 2j, 3 - 1j]).conj(),
+    lambda: torch.arange(4.0)._neg_view(),
+    lambda: torch.empty(0, 5, dtype=torch.bfloat16),
+    lambda: torch.tensor(7, dtype=torch.int16),
+])
+def test_encoder_fast_tensor_path_writes_the_frame_the_general_walk_writes(make):
+    t = make()
+    payload = {"a": t, "b": [t, {"c": t}], "d": torch.arange(3)}
+    walker = blob._Walker()
+    tree = walker.walk(payload)  # the general (path-tracking) walk
+    header = blob._ENCODER.encode((walker.descs, tree))
+    general = blob.PreparedBlob(header, walker.descs, walker.sources).to_bytes()
+    assert omnilink.encode(payload) == general
+    out = omnilink.decode(bytearray(general))
+    assert torch.equal(out["a"], t.detach().resolve_conj().resolve_neg()) and out["b"][0] is out["b"][1]["c"]
