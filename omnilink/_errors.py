@@ -9,6 +9,8 @@ Leaves also inherit the builtin they mean, so ``except TimeoutError`` still work
      +-- BlobDecodeError                       malformed or hostile tensor_blob
      |    +-- BlobVersionError                 well-formed frame of another version
      +-- ConfigurationError (ValueError)       bad option, name, key or channel
+     |    +-- DuplicateKeyError                put of a key still pending on the channel
+     +-- KeyConsumedError (LookupError)        get of a key this receiver already consumed
      +-- TransportError                        moving the bytes failed
      |    +-- TransferTimeout (TimeoutError)   a blocking call ran past its timeout
      |    +-- PeerLostError (ConnectionError)  the process on the other end died
@@ -37,6 +39,8 @@ __all__ = [
     "ConfigurationError",
     "CudaError",
     "DuplicateChunkError",
+    "DuplicateKeyError",
+    "KeyConsumedError",
     "OmnilinkError",
     "PeerLostError",
     "StreamFinishedError",
@@ -64,6 +68,29 @@ class BlobVersionError(BlobDecodeError):
 
 class ConfigurationError(OmnilinkError, ValueError):
     """An option, backend name, channel name or key is invalid."""
+
+
+class DuplicateKeyError(ConfigurationError):
+    """``put`` of a key that is still pending on the channel (put, not yet consumed or
+    discarded). Every backend raises it for a second put from the same sender; the first
+    payload stays deliverable. ``key`` and ``channel`` say which."""
+
+    def __init__(self, message: str, *, channel: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.channel = channel
+        self.key = key
+
+
+class KeyConsumedError(OmnilinkError, LookupError):
+    """``get`` of a key this receiver consumed (or discarded) recently, instead of a wait
+    that could only time out. Receivers remember the last ``CONSUMED_KEYS_REMEMBERED``
+    (65,536) keys they consumed; putting the key again makes it receivable again.
+    ``key`` and ``channel`` say which."""
+
+    def __init__(self, message: str, *, channel: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.channel = channel
+        self.key = key
 
 
 class TransportError(OmnilinkError):

@@ -6,10 +6,21 @@ import math
 import os
 import re
 import time
+from collections import OrderedDict
 
-from omnilink._errors import ConfigurationError
+from omnilink._errors import ConfigurationError, DuplicateKeyError, KeyConsumedError
 
-__all__ = ["Deadline", "pid_alive", "validate_channel", "validate_key", "MAX_KEY_BYTES", "MAX_CHANNEL_CHARS"]
+__all__ = [
+    "CONSUMED_KEYS_REMEMBERED",
+    "ConsumedKeys",
+    "Deadline",
+    "MAX_CHANNEL_CHARS",
+    "MAX_KEY_BYTES",
+    "duplicate_key",
+    "pid_alive",
+    "validate_channel",
+    "validate_key",
+]
 
 #: Keys are never truncated; a longer one is refused instead (serving engines that cut
 #: ids to 25 characters and keys to 56 bytes delivered one request's chunks to another).
@@ -118,3 +129,56 @@ def pid_alive(pid: int) -> bool:
     end = data.rfind(b")")
     state = data[end + 2 : end + 3]
     return state not in (b"Z", b"X")
+
+
+#: How many consumed keys a receiver remembers (see ``ConsumedKeys``).
+CONSUMED_KEYS_REMEMBERED = 1 << 16
+
+
+class ConsumedKeys:
+    """A bounded memory of the keys a receiver consumed or discarded, oldest forgotten
+    first, so that a ``get`` of one raises ``KeyConsumedError`` instead of waiting out
+    its timeout. A key put again is forgotten (it can be received again). Not
+    thread-safe: callers hold their receive lock."""
+
+    __slots__ = ("_keys", "_limit")
+
+    def __init__(self, limit: int = CONSUMED_KEYS_REMEMBERED) -> None:
+        self._keys: OrderedDict[str, str] = OrderedDict()
+        self._limit = limit
+
+    def add(self, key: str, how: str = "consumed") -> None:
+        keys = self._keys
+        keys[key] = how
+        keys.move_to_end(key)
+        if len(keys) > self._limit:
+            keys.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        self._keys.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def error(self, backend: str, channel: str, key: str, *, by: str = "this receiver") -> KeyConsumedError:
+        """The ``KeyConsumedError`` for ``key`` (which must be remembered)."""
+        how = self._keys.get(key, "consumed")
+        return KeyConsumedError(
+            f"{backend}: key {key!r} on channel {channel!r} was already {how} by {by}; "
+            "each key is delivered once (put it again to send another payload under it)",
+            channel=channel,
+            key=key,
+        )
+
+
+def duplicate_key(backend: str, channel: str, key: str) -> DuplicateKeyError:
+    """The one ``DuplicateKeyError`` every backend raises for a second put of a pending key."""
+    return DuplicateKeyError(
+        f"{backend}: key {key!r} is still pending on channel {channel!r} (put and not yet "
+        "consumed or discarded); a key can be put again only after it was consumed or discarded",
+        channel=channel,
+        key=key,
+    )

@@ -40,7 +40,7 @@ from omnilink._errors import (
     ConfigurationError,
     WouldBlock,
 )
-from omnilink._util import Deadline
+from omnilink._util import ConsumedKeys, Deadline, duplicate_key
 from omnilink.blob import decode, prepare
 from omnilink.connectors.base import BaseConnector, Role
 
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 class _Channel:
     """Shared state of one channel name: pending frames and their byte count."""
 
-    __slots__ = ("name", "capacity", "cond", "frames", "nbytes", "users")
+    __slots__ = ("name", "capacity", "cond", "frames", "nbytes", "users", "consumed")
 
     def __init__(self, name: str, capacity: int | None) -> None:
         self.name = name
@@ -61,6 +61,7 @@ class _Channel:
         self.frames: dict[str, bytearray] = {}
         self.nbytes = 0
         self.users = 0
+        self.consumed = ConsumedKeys()
 
 
 # Channel name -> shared state. A channel exists while at least one connector on it is
@@ -138,9 +139,11 @@ class MemoryConnector(BaseConnector):
     Notes
     -----
     Reusing a key that is still pending on the channel (put, not yet consumed or
-    discarded) is a ``ConfigurationError``: the second payload would otherwise replace
-    or shadow the first, and one of them would be lost. Once the key has been consumed
-    or discarded it may be used again.
+    discarded) is a ``DuplicateKeyError`` (a ``ConfigurationError``): the second payload
+    would otherwise replace or shadow the first, and one of them would be lost. Once the
+    key has been consumed or discarded it may be used again. A ``get`` of a key consumed
+    or discarded recently (the channel remembers the last 65,536) raises
+    ``KeyConsumedError`` at once instead of waiting, until the key is put again.
 
     Both ends live in one process, so there is no peer to lose: this backend never
     raises ``PeerLostError``. A ``get`` waits for a sender on the channel until its
@@ -203,6 +206,7 @@ class MemoryConnector(BaseConnector):
                 chan.cond.wait(remaining)
             chan.frames[key] = frame
             chan.nbytes += n
+            chan.consumed.forget(key)
             chan.cond.notify_all()
         return n
 
@@ -218,10 +222,13 @@ class MemoryConnector(BaseConnector):
                 self._raise_if_closing()
                 frame = chan.frames.pop(key, None)
                 if frame is not None:
+                    chan.consumed.add(key)
                     chan.nbytes -= len(frame)
                     # Room appeared: wake puts blocked on backpressure.
                     chan.cond.notify_all()
                     break
+                if key in chan.consumed:
+                    raise chan.consumed.error(self.backend, self.channel, key, by="a receiver of the channel")
                 if not block:
                     raise WouldBlock(f"memory: key {key!r} is not on channel {self.channel!r} yet")
                 remaining = deadline.remaining()
@@ -255,6 +262,7 @@ class MemoryConnector(BaseConnector):
             frame = chan.frames.pop(key, None)
             if frame is None:
                 return False
+            chan.consumed.add(key, "discarded")
             chan.nbytes -= len(frame)
             chan.cond.notify_all()
             return True
@@ -271,10 +279,7 @@ class MemoryConnector(BaseConnector):
     # ---------------------------------------------------------------- helpers
     def _check_key_free(self, key: str) -> None:
         if key in self._chan.frames:
-            raise ConfigurationError(
-                f"memory: key {key!r} is still pending on channel {self.channel!r}; "
-                "a key can be reused only after it was consumed or discarded"
-            )
+            raise duplicate_key(self.backend, self.channel, key)
 
     def _check_fits(self, key: str, n: int) -> int | None:
         capacity = self._chan.capacity

@@ -35,6 +35,8 @@ from omnilink._errors import (
     BlobEncodeError,
     ClosedError,
     ConfigurationError,
+    DuplicateKeyError,
+    KeyConsumedError,
     TransferTimeout,
     TransportError,
     WouldBlock,
@@ -227,6 +229,21 @@ def _expect_absent(rx: Any, key: str, why: str) -> None:
     _expect(TransferTimeout, f"get({key!r}, timeout={SHORT}) {why}", rx.get, key, timeout=SHORT)
 
 
+def _expect_consumed(rx: Any, key: str, why: str) -> None:
+    """``key`` was consumed by ``rx``: get_nowait and get raise ``KeyConsumedError`` naming
+    it, at once (a ``get`` that waits for its timeout instead fails the check)."""
+    for what, fn, kwargs in (
+        (f"get_nowait({key!r}) {why}", rx.get_nowait, {}),
+        (f"get({key!r}, timeout={WAIT}) {why}", rx.get, {"timeout": WAIT}),
+    ):
+        start = time.monotonic()
+        exc = _expect(KeyConsumedError, what, fn, key, **kwargs)
+        if time.monotonic() - start > BOUND:
+            raise _fail(f"{what}: KeyConsumedError came only after {time.monotonic() - start:.1f} s")
+        if getattr(exc, "key", None) != key or key not in str(exc):
+            raise _fail(f"{what}: KeyConsumedError must name the key (message and .key), got {exc!r}")
+
+
 def _marker(tx: Any, rx: Any, key: str) -> None:
     """Put and get a marker key: afterwards every earlier put of ``tx`` has arrived."""
     _round_trip(tx, rx, key, {"marker": key}, {"marker": key}, "marker")
@@ -392,18 +409,55 @@ def check_put_copies_payload(ctx: _Ctx) -> None:
 
 @_check
 def check_exactly_once(ctx: _Ctx) -> None:
-    """A key is delivered once; later gets of it see nothing (WouldBlock / TransferTimeout)."""
+    """A key is delivered once; later gets of it raise ``KeyConsumedError`` at once."""
     tx, rx, _ = ctx.pair()
     _round_trip(tx, rx, "once", _small(1), _small(1), "payload")
-    _expect_absent(rx, "once", "after the key was consumed")
+    _expect_consumed(rx, "once", "after the key was consumed")
     for k in ("once-a", "once-b"):
         _put(tx, k, _small(2))
     _get(rx, "once-b")
     _get(rx, "once-a")
-    _expect_absent(rx, "once-a", "after the key was consumed")
-    _expect_absent(rx, "once-b", "after the key was consumed")
+    _expect_consumed(rx, "once-a", "after the key was consumed")
+    _expect_consumed(rx, "once-b", "after the key was consumed")
     _round_trip(tx, rx, "once-c", _small(3), _small(3), "payload")
-    _expect_absent(rx, "once", "after the key was consumed and other traffic passed")
+    _expect_consumed(rx, "once", "after the key was consumed and other traffic passed")
+
+
+@_check
+def check_key_contract(ctx: _Ctx) -> None:
+    """One key contract for every backend: a second ``put`` of a key still pending raises
+    ``DuplicateKeyError`` (a ``ConfigurationError``) and leaves the first payload
+    deliverable; ``get`` of a consumed or discarded key raises ``KeyConsumedError`` at
+    once; a consumed key may be put again and is then delivered again."""
+    tx, rx, _ = ctx.pair()
+    _put(tx, "dup", _small(1))
+    exc = _expect(DuplicateKeyError, "second put('dup') while the first is pending", tx.put, "dup", _small(2),
+                  timeout=WAIT)
+    if not isinstance(exc, ConfigurationError) or getattr(exc, "key", None) != "dup":
+        raise _fail(f"DuplicateKeyError must be a ConfigurationError naming the key (.key), got {exc!r}")
+    fut = _call("put_async('dup') while the first is pending", tx.put_async, "dup", _small(3), timeout=WAIT)
+    try:
+        fut.result(timeout=WAIT + BOUND)
+    except DuplicateKeyError:
+        pass
+    except Exception as err:
+        raise _fail(f"put_async of a pending key: expected DuplicateKeyError from result(), got {err!r}") from err
+    else:
+        raise _fail("put_async of a pending key: result() returned instead of raising DuplicateKeyError")
+    got = _get(rx, "dup")
+    try:
+        assert_payload_equal(_small(1), got, path="payload")
+    except ConformanceError as err:
+        raise _fail(f"the rejected second put changed what the first delivered: {err}") from None
+    _expect_consumed(rx, "dup", "after it was consumed")
+    # Consumed: the key may be used again, and is delivered again.
+    _round_trip(tx, rx, "dup", _small(4), _small(4), "payload of the key put again")
+    _expect_consumed(rx, "dup", "after it was consumed a second time")
+    _put(tx, "dropped", _small(5))
+    _marker(tx, rx, "contract-marker")
+    if _call("discard('dropped')", rx.discard, "dropped") is not True:
+        raise _fail("discard of a pending key must return True")
+    _expect_consumed(rx, "dropped", "after it was discarded")
 
 
 @_check
@@ -496,7 +550,7 @@ def check_get_nowait(ctx: _Ctx) -> None:
         assert_payload_equal(_small(1), got, path="payload")
     except ConformanceError as exc:
         raise _fail(f"get_nowait delivered the wrong payload: {exc}") from None
-    _expect_absent(rx, "present", "after get_nowait consumed it")
+    _expect_consumed(rx, "present", "after get_nowait consumed it")
 
 
 @_check
@@ -593,7 +647,7 @@ def check_discard(ctx: _Ctx) -> None:
     second = _call("second discard('drop-me')", rx.discard, "drop-me")
     if second is not False:
         raise _fail(f"second discard of the same key returned {_short(second)}, expected False")
-    _expect_absent(rx, "drop-me", "after it was discarded")
+    _expect_consumed(rx, "drop-me", "after it was discarded")
     got = _get(rx, "keep-me")
     try:
         assert_payload_equal(_small(2), got, path="payload")
@@ -701,8 +755,8 @@ def check_channel_isolation(ctx: _Ctx) -> None:
             assert_payload_equal(_small(i), got, path="payload")
         except ConformanceError as exc:
             raise _fail(f"a payload crossed channels: {exc}") from None
-    _expect_absent(rx1, "same", "on the first channel after it was consumed")
-    _expect_absent(rx2, "same", "on the second channel after it was consumed")
+    _expect_consumed(rx1, "same", "on the first channel after it was consumed")
+    _expect_consumed(rx2, "same", "on the second channel after it was consumed")
 
 
 @_check

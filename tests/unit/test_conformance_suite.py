@@ -22,6 +22,7 @@ EXPECTED_CHECKS = [
     "empty_payloads",
     "put_copies_payload",
     "exactly_once",
+    "key_contract",
     "out_of_order",
     "many_in_flight",
     "get_timeout",
@@ -216,6 +217,22 @@ class ForgetsBytesGot(MemoryConnector):
         super()._count(**deltas)
 
 
+class OverwritesPendingKey(MemoryConnector):
+    """shm's old behaviour: a second put of a pending key is accepted silently."""
+
+    def _check_key_free(self, key):
+        pass
+
+
+class ForgetsConsumedKeys(MemoryConnector):
+    """A get of a consumed key waits for its timeout instead of saying it was consumed."""
+
+    def _get(self, key, deadline, block):
+        with self._chan.cond:
+            self._chan.consumed.forget(key)
+        return super()._get(key, deadline, block)
+
+
 class DiscardReturnsNone(MemoryConnector):
     def discard(self, key, /):
         super().discard(key)
@@ -239,6 +256,9 @@ class DiscardReturnsNone(MemoryConnector):
         (ReusesOneBuffer, "views_stay_valid", "changed while later payloads passed"),
         (ForgetsBytesGot, "stats", "bytes_got moved by 0"),
         (DiscardReturnsNone, "discard", "must return False"),
+        (OverwritesPendingKey, "key_contract", "expected DuplicateKeyError, but it returned"),
+        (ForgetsConsumedKeys, "key_contract", "expected KeyConsumedError, got WouldBlock"),
+        (ForgetsConsumedKeys, "exactly_once", "expected KeyConsumedError"),
     ],
 )
 def test_broken_connector_is_caught(cls, check, fragment):
