@@ -80,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, backends, /dev/shm and CUDA devices")
     info.add_argument("--json", action="store_true", help="print one JSON object")
 
-    gc = sub.add_parser("gc", help="remove shared memory left behind by dead processes")
+    gc = sub.add_parser("gc", help="remove shared memory and zmq ipc files left behind by dead processes")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     gc.add_argument("--prefix", default=None,
                     help="name prefix to look at (default: $OMNILINK_SHM_PREFIX or 'omnilink')")
@@ -277,6 +277,16 @@ def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except OmnilinkError as exc:
         print(f"omnilink gc: {exc}", file=err)
         return EXIT_FAIL
+    try:
+        from omnilink.connectors.zmq import collect_ipc_garbage
+    except ImportError:  # pyzmq missing: no zmq receivers can have left anything
+        pass
+    else:
+        try:
+            removed = removed + collect_ipc_garbage(**kwargs)
+        except OmnilinkError as exc:
+            print(f"omnilink gc: {exc}", file=err)
+            return EXIT_FAIL
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} {name}", file=out)

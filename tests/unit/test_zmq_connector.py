@@ -201,7 +201,7 @@ def test_hand_crafted_malformed_messages(ipc_dir, opened, raw_ctx):
     raw.send_multipart([b"XXXX" + bytes(60), meta])
     # ... and nothing was half-delivered: every bad key is gone after its one error.
     for key in ("missing", "count", "short", "garbage", "crc"):
-        with pytest.raises(WouldBlock):
+        with pytest.raises(omnilink.KeyConsumedError):
             rx.get_nowait(key)
     # 7. The receiver keeps working: a well-formed message from the same raw socket.
     raw.send_multipart(_forge("fine", payload, seq=6))
@@ -210,6 +210,67 @@ def test_hand_crafted_malformed_messages(ipc_dir, opened, raw_ctx):
     assert torch.equal(got["a"], payload["a"]) and torch.equal(got["b"], payload["b"])
     assert rx.health()["receiver"]["malformed"] == 2
     raw.close(linger=0)
+
+
+def test_malformed_messages_count_against_max_buffered_bytes(ipc_dir, opened, raw_ctx):
+    # The audit: bad bodies under sender-chosen keys were stored as 0-byte error
+    # entries, so a flood of them grew the receiver's memory without bound.
+    from omnilink.connectors.zmq import io as zmq_io
+
+    limit = 8 * zmq_io.ERROR_ENTRY_BYTES
+    rx = _open(opened, channel="u/flood", role="receiver", ipc_dir=ipc_dir, max_buffered_bytes=limit)
+    raw = _raw_dealer(raw_ctx, rx.endpoint)
+    payload = {"a": torch.arange(10)}
+    for i in range(8):
+        raw.send_multipart(_forge(f"bad{i}", payload, seq=i, meta=b"\x00" * 40))
+        assert _ack(raw)[:2] == (i, wire.ACK_DECODE_ERROR)
+    deadline = time.monotonic() + WAIT
+    while not rx.health()["receiver"]["paused"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # the last ack goes out just before its entry is indexed
+    health = rx.health()["receiver"]
+    assert health["buffered_bytes"] == limit and health["paused"]
+    # Paused: the next message is not read (no ack) until a get makes room.
+    raw.send_multipart(_forge("bad8", payload, seq=8, meta=b"\x00" * 40))
+    assert not raw.poll(300)
+    with pytest.raises(BlobDecodeError, match="bad magic"):
+        rx.get("bad0", timeout=WAIT)
+    assert _ack(raw)[:2] == (8, wire.ACK_DECODE_ERROR)
+    raw.close(linger=0)
+
+
+def test_error_entries_are_capped(ipc_dir, opened, raw_ctx, monkeypatch):
+    from omnilink.connectors.zmq import io as zmq_io
+
+    monkeypatch.setattr(zmq_io, "MAX_ERROR_ENTRIES", 4)
+    rx = _open(opened, channel="u/cap", role="receiver", ipc_dir=ipc_dir)
+    raw = _raw_dealer(raw_ctx, rx.endpoint)
+    for i in range(6):
+        raw.send_multipart(_forge(f"bad{i}", {"a": torch.arange(3)}, seq=i, meta=b"\x00" * 40))
+        assert _ack(raw)[:2] == (i, wire.ACK_DECODE_ERROR)
+    # Acks go out before indexing: a good message got afterwards proves all are indexed.
+    raw.send_multipart(_forge("fine", {"a": torch.arange(3)}, seq=6))
+    rx.get("fine", timeout=WAIT)
+    assert rx.health()["receiver"]["buffered_bytes"] == 4 * zmq_io.ERROR_ENTRY_BYTES
+    for i in (0, 1):  # the oldest were dropped
+        with pytest.raises(WouldBlock):
+            rx.get_nowait(f"bad{i}")
+    for i in range(2, 6):
+        with pytest.raises(BlobDecodeError):
+            rx.get_nowait(f"bad{i}")
+    raw.close(linger=0)
+
+
+def test_ipc_socket_is_private_and_gc_removes_a_dead_receivers_files(ipc_dir, opened):
+    import stat
+
+    from omnilink.connectors.zmq import collect_ipc_garbage
+
+    rx = _open(opened, channel="u/perm", role="receiver", ipc_dir=ipc_dir)
+    sock = rx.endpoint[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    # A live receiver's files are left alone.
+    assert collect_ipc_garbage(ipc_dir=ipc_dir) == []
+    assert os.path.exists(sock)
 
 
 def test_resend_is_delivered_once_and_acked_again(ipc_dir, opened, raw_ctx):
@@ -221,14 +282,14 @@ def test_resend_is_delivered_once_and_acked_again(ipc_dir, opened, raw_ctx):
     assert _ack(raw) == (9, wire.ACK_OK, "")
     assert _ack(raw) == (9, wire.ACK_OK, "")
     rx.get("once", timeout=WAIT)
-    with pytest.raises(TransferTimeout):
+    with pytest.raises(omnilink.KeyConsumedError):
         rx.get("once", timeout=0.2)
 
 
 def test_duplicate_pending_key_is_refused(ipc_dir, opened):
     tx, rx = _pair(opened, ipc_dir)
     tx.put("k", {"v": 1}, timeout=WAIT)
-    with pytest.raises(ConfigurationError, match="already waiting"):
+    with pytest.raises(omnilink.DuplicateKeyError, match="still pending"):
         tx.put("k", {"v": 2}, timeout=WAIT)
     assert rx.get("k", timeout=WAIT) == {"v": 1}
     tx.put("k", {"v": 3}, timeout=WAIT)  # consumed: the key may be used again

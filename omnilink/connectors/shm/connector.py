@@ -52,7 +52,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import Deadline, MAX_KEY_BYTES, validate_key
+from omnilink._util import ConsumedKeys, Deadline, MAX_KEY_BYTES, duplicate_key, validate_key
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role
@@ -436,6 +436,10 @@ class ShmConnector(BaseConnector):
         self._slock = threading.Lock()  # sender-local state: allocator, descriptors
         self._rlock = threading.Lock()  # receiver-local state: readers, index
         self._index: dict[str, list[Any]] = {}
+        # Sender: key -> descriptor of our latest put of it (duplicate-put check).
+        self._sent: dict[str, int] = {}
+        # Receiver: keys this connector consumed or discarded (KeyConsumedError).
+        self._consumed = ConsumedKeys()
         self._readers: dict[tuple[int, str], ArenaReader] = {}
         self._departed: list[ArenaReader] = []
         self._known_gen = -1
@@ -480,6 +484,8 @@ class ShmConnector(BaseConnector):
         with self._slock:
             if self._closed:
                 self._check_open()
+            if key in self._sent:
+                self._check_not_pending(key)
             # Fast path: a descriptor and a block of the arena are free without waiting.
             space = w.primary
             off = space.alloc.alloc(n) if w.free_desc else None
@@ -507,6 +513,7 @@ class ShmConnector(BaseConnector):
                 w.drain()
             finally:
                 chan.unlock()
+            self._remember_sent(key, idx)
         return written
 
     # -- block primitives of the GPU path (``gpu.py``): take a block, fill it outside
@@ -517,6 +524,8 @@ class ShmConnector(BaseConnector):
         w = self._writer
         with self._slock:
             self._check_open()
+            if key in self._sent:
+                self._check_not_pending(key)
             off = w.alloc.alloc(n) if w.free_desc else None
             if off is not None:
                 return off, w.free_desc.pop()
@@ -547,6 +556,7 @@ class ShmConnector(BaseConnector):
                 w.drain()
             finally:
                 chan.unlock()
+            self._remember_sent(key, idx)
 
     def _block_view(self, off: int, n: int) -> memoryview:
         w = self._writer
@@ -575,6 +585,25 @@ class ShmConnector(BaseConnector):
         devices = cuda_devices_of(payload)
         return record_producer_events(devices) if devices else None
 
+    def _check_not_pending(self, key: str) -> None:
+        """Raise ``DuplicateKeyError`` if our last put of ``key`` is still unclaimed.
+        Holds ``_slock``."""
+        if self._writer.pending(self._sent[key], key):
+            raise duplicate_key(self.backend, self.channel, key)
+        del self._sent[key]
+
+    def _remember_sent(self, key: str, idx: int) -> None:
+        """Holds ``_slock``. Entries whose descriptor moved on are pruned once the map
+        outgrows the descriptors, so it stays bounded by ``max_inflight``."""
+        sent = self._sent
+        sent[key] = idx
+        w = self._writer
+        if len(sent) > 2 * w.layout.n_desc + 64:
+            for k, i in list(sent.items()):
+                rec = w.out.get(i)
+                if rec is None or rec.key != k:
+                    del sent[k]
+
     def _put_overflow(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
         w = self._writer
         n = blob.nbytes
@@ -587,6 +616,8 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         with self._slock:
             self._check_open()
+            if key in self._sent:
+                self._check_not_pending(key)
             idx = self._reserve_descriptor(key, deadline)
             token = new_token()
             name = overflow_name(self._prefix, self._pid, token)
@@ -603,6 +634,7 @@ class ShmConnector(BaseConnector):
                     w.overflow_bytes += rec.reserved
                     chan.notify_all()
                     w.drain()
+                self._remember_sent(key, idx)
             except BaseException as exc:
                 if idx not in w.out:
                     w.free_desc.append(idx)
@@ -869,6 +901,8 @@ class ShmConnector(BaseConnector):
                     self._scan_locked()
                     got = self._claim_locked(key) if key in self._index else None
                     if got is None:
+                        if key in self._consumed:
+                            raise self._consumed.error(self.backend, self.channel, key)
                         if self._peer_lost is not None:
                             raise PeerLostError(
                                 f"shm: key {key!r} on channel {self.channel!r} can no longer "
@@ -973,6 +1007,12 @@ class ShmConnector(BaseConnector):
                     self._readers[ident] = ArenaReader(self._prefix, *ident)
                 except Exception as exc:  # gone already (closed or died): nothing to map
                     logger.debug("shm: cannot map arena of sender %s: %s", ident, exc)
+                    continue
+                if self._peer_lost is not None and pid_alive(ident[0]):
+                    # A new sender replaced the one that died: keys may arrive again.
+                    # (The heartbeat used to clear this only up to HEARTBEAT_S later, so
+                    # the first get after the replacement raised PeerLostError.)
+                    self._peer_lost = None
         self._known_gen = gen
         self._reader_list = tuple(self._readers.values())
         self._index_limit = 4096 + 2 * sum(r.layout.n_desc for r in self._readers.values())
@@ -1002,6 +1042,7 @@ class ShmConnector(BaseConnector):
             reader, idx, seq = refs.pop(0)
             res = reader.claim(idx, seq, self._pid)
             if res is not None:
+                self._consumed.add(key)
                 if not refs:
                     del self._index[key]
                 off, length, flags, otoken = res
@@ -1078,6 +1119,9 @@ class ShmConnector(BaseConnector):
             with self._slock:
                 with chan.locked():
                     if w.discard(key):
+                        if self._recvs:
+                            with self._rlock:
+                                self._consumed.add(key, "discarded")
                         return True
         if self._recvs:
             with self._rlock:
@@ -1092,6 +1136,7 @@ class ShmConnector(BaseConnector):
                             reader.mark_released(idx, seq, self._pid)
                             if not refs:
                                 del self._index[key]
+                            self._consumed.add(key, "discarded")
                             return True
                     self._index.pop(key, None)
         return False

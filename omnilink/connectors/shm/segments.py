@@ -922,6 +922,16 @@ class ArenaWriter:
                     return True
         return False
 
+    def pending(self, idx: int, key: str) -> bool:
+        """Whether descriptor ``idx`` still holds an unclaimed (WRITTEN) payload of ours
+        under ``key``. Reads one word; no mutex needed (a racing claim only makes the
+        answer a moment old, on the safe side)."""
+        rec = self.out.get(idx)
+        if rec is None or rec.key != key:
+            return False
+        state, _claimer, seq = _DESC_HEAD.unpack_from(self.mm, _DESC_OFFSET + idx * DESC_SIZE)
+        return state == WRITTEN and seq == rec.seq
+
     def unclaimed(self) -> int:
         mm = self.mm
         return sum(

@@ -11,12 +11,13 @@ This package is the public door of the backend; its modules are internal:
 ``support``    endpoint helpers, ipc directories and the translation of zmq errors
 =============  ==========================================================================
 
-Exports: ``ZmqConnector``, ``curve_keypair``. Tests may import ``wire`` and ``cma`` by
+Exports: ``ZmqConnector``, ``curve_keypair``, ``collect_ipc_garbage`` (``omnilink gc``). Tests may import ``wire`` and ``cma`` by
 their full path to check layouts; library code outside this package uses the names above.
 """
 
 from __future__ import annotations
 
 from omnilink.connectors.zmq.connector import ZmqConnector, curve_keypair
+from omnilink.connectors.zmq.support import collect_ipc_garbage
 
-__all__ = ["ZmqConnector", "curve_keypair"]
+__all__ = ["ZmqConnector", "collect_ipc_garbage", "curve_keypair"]

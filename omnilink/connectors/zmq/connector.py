@@ -115,7 +115,7 @@ from typing import Any, Iterable
 import msgspec
 
 from omnilink._errors import BlobDecodeError, ConfigurationError, OmnilinkError
-from omnilink._util import Deadline
+from omnilink._util import Deadline, duplicate_key
 from omnilink.connectors.base import BaseConnector, ConnectorStats, Role
 
 try:
@@ -475,6 +475,15 @@ class ZmqConnector(BaseConnector):
             bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             raise zmq_error(exc, "binding", channel=self.channel, endpoint=endpoint) from exc
+        if res.socket_path is not None:
+            # libzmq creates the socket file with the umask (0755 typically); only the
+            # owner may connect (the private directory already keeps others out).
+            try:
+                os.chmod(res.socket_path, 0o600)
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"zmq: cannot make the ipc socket {res.socket_path!r} private: {exc}"
+                ) from exc
         res.sockets.remove(sock)
         res.receiver = ReceiverLoop(
             ctx=res.ctx,
@@ -503,7 +512,7 @@ class ZmqConnector(BaseConnector):
             lambda waited, why: self._timeout("put", key, f"the receiver at {self.endpoint} ({why})", waited),
         )
         if status == wire.ACK_DUPLICATE_KEY:
-            raise ConfigurationError(f"zmq: {text}")
+            raise duplicate_key(self.backend, self.channel, key)
         if status == wire.ACK_DECODE_ERROR:
             raise BlobDecodeError(f"zmq: the receiver of channel {self.channel!r} rejected key {key!r}: {text}")
         if status != wire.ACK_OK:

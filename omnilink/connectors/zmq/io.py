@@ -58,7 +58,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import Deadline
+from omnilink._util import ConsumedKeys, Deadline
 from omnilink.connectors.zmq import cma
 from omnilink.connectors.zmq import wire
 from omnilink.connectors.zmq.support import zmq_error
@@ -79,6 +79,12 @@ RELEASE_GRACE_S = 5.0
 ACK_LINGER_MS = 200
 #: Messages read per poll wake-up before re-checking the pause and stop flags.
 READ_BATCH = 64
+#: Bytes a malformed message's error entry counts against ``max_buffered_bytes``: it
+#: holds no frames, but a flood of them must still push back on the sender.
+ERROR_ENTRY_BYTES = 4096
+#: Most error entries (malformed messages nobody asked for yet) the index keeps; past
+#: it the oldest is dropped (logged), so bad messages cannot grow memory without bound.
+MAX_ERROR_ENTRIES = 1024
 
 _MON_EVENTS = (
     zmq.EVENT_ACCEPTED
@@ -242,6 +248,8 @@ class ReceiverLoop(_Loop):
         self.max_buffered_bytes = max_buffered_bytes
         self.peer_timeout = peer_timeout
         self.index: dict[str, _Entry] = {}
+        self.error_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.consumed = ConsumedKeys()
         self.buffered = 0
         self.paused = False
         self.seen: collections.OrderedDict[tuple[bytes, int], tuple[int, str]] = collections.OrderedDict()
@@ -348,6 +356,10 @@ class ReceiverLoop(_Loop):
         # and the ack does not wait behind the consumer for the GIL.
         with self.cond:
             duplicate = key in self.index
+            if not duplicate:
+                # Before the ack: a get that follows the put's return must not find the
+                # key still remembered as consumed (from an earlier use of it).
+                self.consumed.forget(key)
         if duplicate:
             text = (
                 f"key {key!r} is already waiting on the receiver of channel {self.channel!r}; "
@@ -363,13 +375,32 @@ class ReceiverLoop(_Loop):
         if len(self.seen) > SEEN_WINDOW:
             self.seen.popitem(last=False)
         self._ack(identity, routing.seq, status, text)
+        if error is not None:
+            nbytes = ERROR_ENTRY_BYTES
         with self.cond:
             self.index[key] = _Entry(payload, error, nbytes, size)
             payload = None  # the index holds it now (see frames.clear() above)
+            if error is not None:
+                self._add_error_key(key)
             self.buffered += nbytes
             if self.buffered >= self.max_buffered_bytes:
                 self.paused = True
             self.cond.notify_all()
+
+    def _add_error_key(self, key: str) -> None:
+        """Under ``cond``: remember an error entry; drop the oldest past the cap."""
+        errs = self.error_keys
+        errs[key] = None
+        while len(errs) > MAX_ERROR_ENTRIES:
+            old, _ = errs.popitem(last=False)
+            entry = self.index.get(old)
+            if entry is not None and entry.error is not None:
+                del self.index[old]
+                self._consumed(entry)
+                logger.warning(
+                    "zmq: channel %r dropped the error entry of key %r (more than %d malformed "
+                    "messages waiting)", self.channel, old, MAX_ERROR_ENTRIES,
+                )
 
     def _decode(
         self, key: str, n_regions: int, frames: list[zmq.Frame]
@@ -505,9 +536,13 @@ class ReceiverLoop(_Loop):
                 entry = self.index.pop(key, None)
                 if entry is not None:
                     self._consumed(entry)
+                    self.consumed.add(key)
                     if entry.error is not None:
+                        self.error_keys.pop(key, None)
                         raise entry.error
                     return entry.payload, entry.size
+                if key in self.consumed:
+                    raise self.consumed.error("zmq", self.channel, key)
                 self._check_failed()
                 if not block:
                     raise WouldBlock(f"zmq: key {key!r} has not arrived on channel {self.channel!r}")
@@ -564,6 +599,8 @@ class ReceiverLoop(_Loop):
             if entry is None:
                 return False
             self._consumed(entry)
+            self.consumed.add(key, "discarded")
+            self.error_keys.pop(key, None)
             return True
 
     def in_use(self) -> tuple[int, int]:
@@ -956,6 +993,11 @@ class SenderLoop:
             self.pending[seq] = p
             self.outbox.append(seq)
         del parts
+        # The peer_timeout clock of this put starts no earlier than the put itself: a
+        # receiver that went away while no put was waiting (and restarted since, or is
+        # restarting) gets a full peer_timeout to be connected to again, and connection
+        # events queued meanwhile are read before the clock can run out.
+        started = time.monotonic()
         error: OmnilinkError | None = None
         while True:
             with self.cond:
@@ -974,12 +1016,17 @@ class SenderLoop:
                     )
                     break
                 now = time.monotonic()
-                lost_at = None if self.disconnected_since is None else self.disconnected_since + self.peer_timeout
+                lost_at = (
+                    None
+                    if self.disconnected_since is None
+                    else max(self.disconnected_since, started) + self.peer_timeout
+                )
                 if lost_at is not None and now >= lost_at:
                     error = PeerLostError(
                         f"zmq: the receiver of channel {self.channel!r} at {self.endpoint} disconnected "
                         f"{now - self.disconnected_since:.1f} s ago and did not come back within "
-                        f"peer_timeout={self.peer_timeout} s; put of key {key!r} not acknowledged"
+                        f"peer_timeout={self.peer_timeout} s of this put; put of key {key!r} not "
+                        "acknowledged (zmq keeps reconnecting: a later put waits for the receiver again)"
                     )
                     break
                 remaining = deadline.remaining()

@@ -27,6 +27,7 @@ from omnilink._errors import (
 
 __all__ = [
     "EndpointLock",
+    "collect_ipc_garbage",
     "default_ipc_dir",
     "ipc_paths",
     "resolve_endpoint",
@@ -217,3 +218,90 @@ def set_options(sock: zmq.Socket, options: dict[int, Any], *, channel: str, endp
             sock.setsockopt(opt, value)
         except zmq.ZMQError as exc:
             raise zmq_error(exc, f"setting socket option {opt}", channel=channel, endpoint=endpoint) from exc
+
+
+def collect_ipc_garbage(
+    *, ipc_dir: str | None = None, prefix: str | None = None, dry_run: bool = False
+) -> list[str]:
+    """Remove the ipc files (``.sock`` and ``.lock``) of zmq receivers that died.
+
+    A receiver holds an ``flock`` on its ``.lock`` file while it lives and removes both
+    files when it closes; a receiver killed with SIGKILL leaves them. A lock file whose
+    lock can be taken therefore belongs to a dead receiver: its socket file is removed,
+    then the lock file, while holding the lock (as ``EndpointLock.release`` does, so a
+    receiver starting at the same moment cannot lose its endpoint).
+
+    Parameters
+    ----------
+    ipc_dir : str, optional
+        Directory of the default ipc endpoints (default: ``default_ipc_dir()``).
+    prefix : str, optional
+        Name prefix; default ``OMNILINK_SHM_PREFIX`` or ``omnilink``.
+    dry_run : bool
+        Only report what would be removed.
+
+    Returns
+    -------
+    list of str
+        Paths removed (or that would be), sorted. A missing directory gives ``[]``.
+    """
+    base = ipc_dir or default_ipc_dir()
+    if prefix is None:
+        prefix = os.environ.get("OMNILINK_SHM_PREFIX", "omnilink")
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise ConfigurationError(f"zmq: cannot list the ipc directory {base!r}: {exc}") from exc
+    start = f"{prefix}-zmq-"
+    removed: list[str] = []
+    for name in sorted(names):
+        if not name.startswith(start):
+            continue
+        path = os.path.join(base, name)
+        if name.endswith(".lock"):
+            removed.extend(_collect_endpoint(path, dry_run))
+        elif name.endswith(".sock") and not os.path.exists(path[: -len(".sock")] + ".lock"):
+            # A socket without its lock file: its receiver died after the lock was gone
+            # (or it was never locked); nobody can be bound to it through omnilink.
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    if not dry_run:
+                        os.unlink(path)
+                    removed.append(path)
+            except FileNotFoundError:
+                pass
+    return sorted(set(removed))
+
+
+def _collect_endpoint(lock_path: str, dry_run: bool) -> list[str]:
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return []  # held: a live receiver
+        try:
+            if os.stat(lock_path).st_ino != os.fstat(fd).st_ino:
+                return []  # replaced meanwhile by a new receiver's file
+        except FileNotFoundError:
+            return []
+        out = []
+        sock = lock_path[: -len(".lock")] + ".sock"
+        try:
+            if stat.S_ISSOCK(os.lstat(sock).st_mode):
+                if not dry_run:
+                    os.unlink(sock)
+                out.append(sock)
+        except FileNotFoundError:
+            pass
+        if not dry_run:
+            os.unlink(lock_path)
+        out.append(lock_path)
+        return out
+    finally:
+        os.close(fd)
