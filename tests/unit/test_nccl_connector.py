@@ -194,12 +194,55 @@ def test_blocking_put_then_get_one_thread(store):
             assert int(rx.get(f"k{i}", timeout=WAIT)["t"][0]) == i
 
 
-def test_key_reused_while_unread_is_queued(store):
+def test_key_reused_while_unread_is_refused_and_the_link_keeps_serving(store):
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
-        tx.put("dup", {"v": 1}, timeout=WAIT)
-        tx.put("dup", {"v": 2}, timeout=WAIT)
-        assert rx.get("dup", timeout=WAIT) == {"v": 1}
-        assert rx.get("dup", timeout=WAIT) == {"v": 2}
+        tx.put("dup", {"v": 1, "t": torch.arange(5)}, timeout=WAIT)
+        with pytest.raises(omnilink.DuplicateKeyError):
+            tx.put("dup", {"v": 2, "t": torch.arange(7)}, timeout=WAIT)
+        tx.put("other", {"t": torch.ones(3)}, timeout=WAIT)
+        got = rx.get("dup", timeout=WAIT)
+        assert got["v"] == 1 and got["t"].tolist() == list(range(5))
+        with pytest.raises(omnilink.KeyConsumedError):
+            rx.get("dup", timeout=WAIT)
+        assert rx.get("other", timeout=WAIT)["t"].tolist() == [1.0, 1.0, 1.0]
+        tx.put("dup", {"v": 3}, timeout=WAIT)  # consumed: the key may be used again
+        assert rx.get("dup", timeout=WAIT) == {"v": 3}
+
+
+def test_oversized_payload_is_refused_by_the_sender(store):
+    with _open(store, "sender") as tx, _open(store, "receiver", max_message_bytes=4096) as rx:
+        with pytest.raises(omnilink.CapacityError, match="max_message_bytes=4096"):
+            tx.put("big", {"t": torch.zeros(2048)}, timeout=WAIT)
+        tx.put("small", {"t": torch.zeros(16)}, timeout=WAIT)
+        assert rx.get("small", timeout=WAIT)["t"].shape == (16,)
+
+
+def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
+    # The audit: a 64-byte envelope declaring 1 TiB reached torch.empty(1 TiB) and the
+    # link then failed with PeerLostError. A sender that ignores the receiver's limit
+    # (forged here) is refused before any allocation, with a named error.
+    from tests.blob_frames import frame, tensor_ref, tree
+
+    big = 1 << 40
+    sizes = []
+    real_empty = torch.empty
+
+    def spy_empty(*args, **kwargs):
+        sizes.extend(a for a in args if isinstance(a, int))
+        return real_empty(*args, **kwargs)
+
+    with _open(store, "sender") as tx, _open(store, "receiver", max_message_bytes=1 << 20) as rx:
+        tx.wait_connected(WAIT)
+        forged = frame([[0, 2, [big], 0, big]], tree({"t": tensor_ref(0)}), data_len=big)
+        meta = forged[: 24 + int.from_bytes(forged[8:12], "little")]
+        assert len(meta) < 64
+        env = wire.Envelope(0, "huge", meta, [wire.P2P], [])
+        monkeypatch.setattr(torch, "empty", spy_empty)
+        tx._st_send.set(f"{tx._sid}{tx._out}/h/0", wire.encode_envelope(env))
+        with pytest.raises(omnilink.CapacityError, match="max_message_bytes=1048576"):
+            rx.get("huge", timeout=WAIT)
+        monkeypatch.setattr(torch, "empty", real_empty)
+        assert big not in sizes
 
 
 def test_peer_closed_cleanly(store):

@@ -54,9 +54,19 @@ Semantics, chosen and tested:
   peer is told apart: payloads already received stay readable, later ``get`` of keys
   that can no longer come raise ``PeerLostError`` at once. A peer that hangs without
   dying is reported by the timeouts (``TransferTimeout``).
-- Reusing a key that is still unread on the receiver queues the second payload behind
-  the first (both are delivered, in order): a distributed sender cannot know what the
-  receiver has consumed without a round trip per put.
+- The key contract of every backend: a second ``put`` of a key still unread on the
+  receiver raises ``DuplicateKeyError`` and the first payload stays deliverable. The
+  sender remembers the last 65,536 keys it put; a ``put`` of one of them (only those: no
+  round trip for fresh keys) waits for the receiver's acknowledgement, which says
+  whether the key was still pending (the receiver then drops the second payload). A
+  ``get`` of a key this receiver consumed or discarded raises ``KeyConsumedError``.
+- Hostile or broken headers: the receiver validates each envelope (tensor_blob limits,
+  plan against descriptors) and checks its size against ``max_message_bytes`` before it
+  allocates anything; the sender refuses larger payloads itself (``CapacityError``,
+  from the limit the receiver published). A payload whose tensors arrived but whose
+  tree is malformed becomes a ``BlobDecodeError`` for its key and the link keeps
+  serving; an envelope the receiver cannot size (so the byte stream would lose step)
+  fails the link with that named error, never with an allocation.
 - A peer restart needs both ends to reopen the channel (the process groups are built
   once); the zmq backend is the one that reconnects.
 """
@@ -76,6 +86,7 @@ from typing import Any
 from omnilink import blob
 from omnilink._errors import (
     BlobDecodeError,
+    CapacityError,
     ClosedError,
     ConfigurationError,
     CudaError,
@@ -84,7 +95,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import Deadline, pid_alive
+from omnilink._util import CONSUMED_KEYS_REMEMBERED, ConsumedKeys, Deadline, duplicate_key, pid_alive
 from omnilink.connectors.nccl import wire
 from omnilink.connectors.base import BaseConnector, Role
 
@@ -97,6 +108,9 @@ _FOREVER = datetime.timedelta(days=3650)
 _WAKE = b"-"
 _CTL_BYE = 1
 _CTL_BYE_REPLY = 2
+_ACK_OK = b"1"
+#: Ack of a payload dropped because its key was still pending on the receiver.
+_ACK_DUPLICATE = b"D"
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -112,7 +126,7 @@ def _is_timeout(exc: BaseException) -> bool:
 class _Arrived:
     """A payload the receiver holds: ready (``payload`` set) or still in flight."""
 
-    __slots__ = ("seq", "key", "nbytes", "frame_bytes", "done", "payload", "device_tensors", "error")
+    __slots__ = ("seq", "key", "nbytes", "frame_bytes", "done", "payload", "device_tensors", "error", "duplicate")
 
     def __init__(self, seq: int, key: str, nbytes: int, frame_bytes: int) -> None:
         self.seq = seq
@@ -123,6 +137,8 @@ class _Arrived:
         self.payload: Any = None
         self.device_tensors: list[Any] = []
         self.error: BaseException | None = None
+        #: Its key was still pending: received (to keep the stream in step), then dropped.
+        self.duplicate = False
 
 
 class NcclConnector(BaseConnector):
@@ -178,6 +194,10 @@ class NcclConnector(BaseConnector):
         on NCCL links (saves a staged round trip for tiny metadata tensors), 0 on gloo.
     max_inline_bytes : int
         Bound on the inline bytes of one payload (default 1 MiB).
+    max_message_bytes : int
+        Largest payload (tensor and inline bytes) this end accepts as a receiver
+        (default 4 GiB); published to the peer, whose ``put`` refuses larger ones with
+        ``CapacityError``. A header declaring more is rejected before any allocation.
     coalesce : bool
         Post the sends/receives of one payload as one NCCL group (default True).
 
@@ -215,6 +235,7 @@ class NcclConnector(BaseConnector):
         max_pending_bytes: int = 8 << 30,
         inline_bytes: int | None = None,
         max_inline_bytes: int = 1 << 20,
+        max_message_bytes: int = 4 << 30,
         coalesce: bool = True,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
@@ -243,6 +264,7 @@ class NcclConnector(BaseConnector):
             ("max_inflight_bytes", max_inflight_bytes, 1),
             ("max_pending_bytes", max_pending_bytes, 1),
             ("max_inline_bytes", max_inline_bytes, 0),
+            ("max_message_bytes", max_message_bytes, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
@@ -254,7 +276,12 @@ class NcclConnector(BaseConnector):
         self.max_inflight_bytes = max_inflight_bytes
         self.max_pending_bytes = max_pending_bytes
         self.max_inline_bytes = max_inline_bytes
+        self.max_message_bytes = max_message_bytes
         self.coalesce = bool(coalesce)
+        # Sender: keys put recently (a repeat waits for its ack: DuplicateKeyError).
+        self._sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Receiver: keys consumed or discarded (KeyConsumedError).
+        self._consumed = ConsumedKeys()
 
         # ---------------------------------------------------------- backend / device
         if backend not in ("auto", "nccl", "gloo"):
@@ -372,7 +399,7 @@ class NcclConnector(BaseConnector):
         hello = wire.Hello(
             protocol=wire.PROTOCOL, rank=rank, world_size=world_size, role=role, backend=backend,
             device_type=dev.type, host=self._host, pid=os.getpid(), token=self._token,
-            send_window=send_window,
+            send_window=send_window, max_message_bytes=max_message_bytes,
         )
         try:
             self._st_main.set(f"hello/{rank}", wire.encode_hello(hello))
@@ -678,10 +705,17 @@ class NcclConnector(BaseConnector):
             max_inline_total=self.max_inline_bytes, key=key,
         )
         self._wait_ready(deadline, key)
+        limit = self._peer.max_message_bytes
+        if limit is not None and sp.nbytes > limit:
+            raise CapacityError(
+                f"nccl: payload of key {key!r} is {sp.nbytes} bytes, more than the "
+                f"max_message_bytes={limit} rank {self.peer_rank} accepts on channel {self.channel!r}"
+            )
         d = self._out
         pg = self._pgs[d]
         with self._send_lock:
             self._check_send_state(key)
+            repeat = key in self._sent_keys
             self._wait_window(sp.p2p_bytes, deadline, key)
             seq = self._send_seq
             env = wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline)
@@ -702,7 +736,35 @@ class NcclConnector(BaseConnector):
                             w.wait()  # the caller's stream waits for the sends: reuse is safe
                 else:
                     self._reap_q.put((works, sp.p2p))
+            sent = self._sent_keys
+            sent[key] = None
+            sent.move_to_end(key)
+            if len(sent) > CONSUMED_KEYS_REMEMBERED:
+                sent.popitem(last=False)
+            if repeat:
+                # Under the send lock, so no later put can make the receiver delete
+                # this ack before we read it.
+                self._check_repeat(key, seq, deadline)
         return sp.nbytes
+
+    def _check_repeat(self, key: str, seq: int, deadline: Deadline) -> None:
+        """Wait for the ack of a repeated key; raise DuplicateKeyError if the receiver
+        still held the earlier payload under it (it dropped this one)."""
+        ack = f"{self._sid}{self._out}/ack/{seq}"
+        try:
+            self._st_send.wait([ack], _td(deadline.remaining()))
+            value = self._st_send.get(ack)
+        except RuntimeError as exc:
+            if _is_timeout(exc):
+                raise self._timeout(
+                    "put", key, f"rank {self.peer_rank} to acknowledge a repeated key", deadline.timeout
+                ) from exc
+            raise self._translate(exc, key) from exc
+        with self._cond:
+            self._acked_upto = max(self._acked_upto, seq)
+        if value == _ACK_DUPLICATE:
+            raise duplicate_key(self.backend, self.channel, key)
+        self._check_send_state(key)
 
     def _check_send_state(self, key: str) -> None:
         if self._closing:
@@ -809,6 +871,10 @@ class NcclConnector(BaseConnector):
                 return
             if not raw:
                 continue  # a wake-up: re-check the state
+            # Everything an envelope declares is validated, and its size checked against
+            # max_message_bytes, before anything is allocated. An envelope that cannot be
+            # sized leaves no way to stay in step with the sends: it fails the link with
+            # its named error (raised to _guard), never with an allocation.
             env = wire.decode_envelope(raw)
             if env.seq != seq:
                 raise BlobDecodeError(f"nccl: envelope {seq} of channel {self.channel!r} says seq {env.seq}")
@@ -816,6 +882,12 @@ class NcclConnector(BaseConnector):
             sizes = wire.check_sizes(header, env.plan)
             nbytes = sum(sizes)
             frame = blob.peek_header(env.meta)[2]
+            if frame > self.max_message_bytes:
+                raise CapacityError(
+                    f"nccl: rank {self.peer_rank} announced key {env.key!r} of {frame} bytes on channel "
+                    f"{self.channel!r}, more than max_message_bytes={self.max_message_bytes}; nothing "
+                    "was allocated, and the link cannot continue (the sender ignored the limit)"
+                )
             item = _Arrived(seq, env.key, nbytes, frame)
             with self._cond:
                 # Backpressure: hold off while unread payloads fill the budget.
@@ -827,8 +899,12 @@ class NcclConnector(BaseConnector):
                     self._cond.wait()
                 if self._closing:
                     return
-                self._pending_bytes += nbytes
-                self._inbox.setdefault(env.key, collections.deque()).append(item)
+                if self._inbox.get(env.key):
+                    item.duplicate = True  # received below, then dropped and acked "D"
+                else:
+                    self._pending_bytes += nbytes
+                    self._inbox.setdefault(env.key, collections.deque()).append(item)
+                    self._consumed.forget(env.key)
             staged = [code == wire.STAGED for code in env.plan if code in (wire.P2P, wire.STAGED)]
             event = None
             if self._is_nccl:
@@ -884,20 +960,32 @@ class NcclConnector(BaseConnector):
                     item.error = exc if isinstance(exc, OmnilinkError) else PeerLostError(
                         f"nccl: receiving key {env.key!r} on channel {self.channel!r} failed: {exc}"
                     )
+                    self._recv_done = item.seq + 1
                     self._cond.notify_all()
                 if not isinstance(exc, OmnilinkError):
                     self._peer_gone("lost", f"receiving from rank {self.peer_rank} failed ({exc})")
                     return
-                raise
-            with self._cond:
-                item.payload = payload
-                item.done = True
-                item.device_tensors = dev_tensors
-                self._ready_count += 1
-                self._recv_done = item.seq + 1
-                self._cond.notify_all()
+                # Its bytes were all received: the stream is in step, so this bad
+                # payload is an error for its key only and the link keeps serving.
+                logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
+                payload, dev_tensors = None, []
+            else:
+                with self._cond:
+                    if item.duplicate:
+                        logger.warning(
+                            "nccl: channel %r dropped a second payload under key %r (still pending)",
+                            self.channel, item.key,
+                        )
+                    else:
+                        item.payload = payload
+                        item.done = True
+                        item.device_tensors = dev_tensors
+                        self._ready_count += 1
+                    self._recv_done = item.seq + 1
+                    self._cond.notify_all()
+            payload = dev_tensors = views = None
             try:
-                st.set(f"{self._sid}{d}/ack/{item.seq}", b"1")
+                st.set(f"{self._sid}{d}/ack/{item.seq}", _ACK_DUPLICATE if item.duplicate else _ACK_OK)
                 st.delete_key(f"{self._sid}{d}/h/{item.seq}")
                 if item.seq >= window:
                     st.delete_key(f"{self._sid}{d}/ack/{item.seq - window}")
@@ -929,8 +1017,11 @@ class NcclConnector(BaseConnector):
                     self._pending_bytes -= item.nbytes
                     if item.done:
                         self._ready_count -= 1
+                    self._consumed.add(key)
                     self._cond.notify_all()
                     break
+                if item is None and key in self._consumed:
+                    raise self._consumed.error(self.backend, self.channel, key)
                 if item is None and self._peer_state is not None and not self._more_may_come():
                     raise self._peer_error(key)
                 if self._link_error is not None:
@@ -992,6 +1083,7 @@ class NcclConnector(BaseConnector):
                 del self._inbox[key]
             self._pending_bytes -= item.nbytes
             self._ready_count -= 1
+            self._consumed.add(key, "discarded")
             self._cond.notify_all()
         return True
 

@@ -85,6 +85,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     token: str
     send_window: int
+    #: Largest payload (bytes) this end accepts as a receiver; ``None``: no limit stated.
+    max_message_bytes: int | None = None
 
 
 _ENV_ENCODER = msgspec.msgpack.Encoder()
