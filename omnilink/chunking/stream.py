@@ -34,7 +34,7 @@ from typing import Any
 
 from omnilink._errors import ChunkGapError, DuplicateChunkError, StreamFinishedError
 from omnilink.chunking.keys import chunk_key, validate_request_id, validate_stage
-from omnilink._errors import ConfigurationError, TransferTimeout, WouldBlock
+from omnilink._errors import ConfigurationError, KeyConsumedError, TransferTimeout, WouldBlock
 from omnilink._util import Deadline
 
 __all__ = ["ChunkReceiver", "ChunkSender", "accumulate", "is_finished"]
@@ -392,7 +392,7 @@ class ChunkReceiver(_ChunkStream):
             try:
                 self._ahead[nxt] = self.connector.get_nowait(self.key(nxt))
                 later = True
-            except WouldBlock:
+            except (WouldBlock, KeyConsumedError):
                 later = False
         if later:
             raise self._err(
@@ -424,14 +424,14 @@ class ChunkReceiver(_ChunkStream):
         for i in range(self._first, last + 1):
             try:
                 self.connector.get_nowait(self.key(i))
-            except WouldBlock:
+            except (WouldBlock, KeyConsumedError):  # not resent (consumed, or never there)
                 continue
             dups.append(i)
         after = sorted(i for i in self._ahead if i > last)
         try:
             self.connector.get_nowait(self.key(last + 1))
             after.append(last + 1)
-        except WouldBlock:
+        except (WouldBlock, KeyConsumedError):
             pass
         self._ahead.clear()
         if dups or after:

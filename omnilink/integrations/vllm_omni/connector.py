@@ -15,6 +15,7 @@ from omnilink.chunking import chunk_key
 from omnilink._errors import (
     ClosedError,
     ConfigurationError,
+    KeyConsumedError,
     OmnilinkError,
     PeerLostError,
     TransferTimeout,
@@ -494,6 +495,9 @@ class _OmnilinkConnectorImpl:
                 data = conn.get(get_key, timeout=remaining, device=self._device)
         except (WouldBlock, TransferTimeout):
             self._track("receiver", channel, get_key, src)
+            return None
+        except KeyConsumedError:
+            # Read already (vLLM-Omni's reads consume): "not there" for this poller.
             return None
         except PeerLostError as exc:
             self._lost(channel, get_key, src, exc)
