@@ -387,7 +387,7 @@ class _Runner:
         key = f"k{self.n}"
         w = self.tx._writer
         try:
-            self.tx.put(key, {"x": bytes(64), "s": item["payload_seed"]}, timeout=0.05)
+            self.tx.put(key, {"x": bytes(64), "s": item["payload_seed"]}, timeout=0.002)
         except omnilink.TransferTimeout:
             pass  # arena full of corrupted descriptors: the reader must still behave
         mm = w.mm
@@ -436,6 +436,17 @@ def worker(target: str, seed: int, start: int, count: int, progress: Any, out: A
     from omnilink import OmnilinkError
 
     gen = GENERATORS[target]
+    # Warm up: torch's import and first use cost ~200 MiB once; they are not the input's.
+    import numpy
+    import torch
+
+    runner.omnilink.decode(runner.omnilink.encode({"t": torch.ones(2), "a": numpy.ones(2), "s": numpy.float32(1)}))
+    for j in range(20):
+        try:
+            runner.run(gen(random.Random(f"warmup:{target}:{j}")))
+        except Exception:
+            pass
+    gc.collect()
     can_reset = _reset_peak()
     worst = (0, 0, -1)  # (peak over the bound's constant, size, index)
     max_peak = 0
@@ -444,7 +455,8 @@ def worker(target: str, seed: int, start: int, count: int, progress: Any, out: A
         rng = random.Random(f"{seed}:{target}:{i}")
         item = gen(rng)
         size = input_size(target, item)
-        gc.collect()
+        if i % 256 == 0:
+            gc.collect()
         rss0, _ = _rss()
         if can_reset:
             _reset_peak()

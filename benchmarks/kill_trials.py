@@ -1,7 +1,7 @@
 """SIGKILL trials: peers that die at a random point and come back are taken back.
 
 Three cases, each repeated ``--trials`` times (20 for the figures in the CHANGELOG; the
-default test suite runs 2 of each through ``tests/integration/test_kill_recovery.py``):
+default test suite runs 1 of each through ``tests/integration/test_kill_recovery.py``):
 
 ``zmq-before``
     A sender streams puts to a receiver process; the receiver is SIGKILLed at a random

@@ -123,7 +123,7 @@ from typing import Any, Callable
 import posix_ipc
 
 from omnilink._errors import CapacityError, ConfigurationError, TransportError
-from omnilink._util import Deadline
+from omnilink._util import MAX_KEY_BYTES, Deadline
 from omnilink.connectors.shm.alloc import ALIGN, Allocator
 from omnilink.connectors.shm.names import (
     SHM_DIR,
@@ -1113,16 +1113,40 @@ class ArenaReader:
                 d = _DESC_OFFSET + idx * DESC_SIZE
                 state, seq, klen = _DESC_SCAN.unpack_from(mm, d)
                 if state == WRITTEN and seq <= pub:
-                    _index_add(index, mm[d + 64 : d + 64 + klen].decode("utf-8"), (self, idx, seq))
+                    key = self._key_at(d, klen)
+                    if key is not None:
+                        _index_add(index, key, (self, idx, seq))
             return
         log_off = self._log_offset
+        n_desc = self._n_desc
         for s in range(cur + 1, pub + 1):
             idx = _U32.unpack_from(mm, log_off + 4 * (s % log_len))[0]
+            if idx >= n_desc:
+                self._corrupt(f"publish log entry {s} names descriptor {idx} of {n_desc}")
+                continue
             d = _DESC_OFFSET + idx * DESC_SIZE
             state, seq, klen = _DESC_SCAN.unpack_from(mm, d)
             # A log entry is valid only while its descriptor still holds that publication.
             if state == WRITTEN and seq == s:
-                _index_add(index, mm[d + 64 : d + 64 + klen].decode("utf-8"), (self, idx, seq))
+                key = self._key_at(d, klen)
+                if key is not None:
+                    _index_add(index, key, (self, idx, seq))
+
+    def _key_at(self, d: int, klen: int) -> str | None:
+        """The key of the descriptor at ``d``, or None (logged) if its bytes are not a
+        valid key: the arena is writable by any process of the user, so a corrupted
+        descriptor is skipped rather than allowed to break every receive."""
+        if not 0 < klen <= MAX_KEY_BYTES:
+            self._corrupt(f"descriptor at {d} has a key of {klen} bytes")
+            return None
+        try:
+            return self.mm[d + 64 : d + 64 + klen].decode("utf-8")
+        except UnicodeDecodeError:
+            self._corrupt(f"descriptor at {d} has a key that is not UTF-8")
+            return None
+
+    def _corrupt(self, what: str) -> None:
+        logger.warning("shm: arena %s: %s; skipped (corrupted by another process?)", self.name, what)
 
     def claim(self, idx: int, seq: int, pid: int) -> tuple[int, int, int, bytes] | None:
         """WRITTEN -> CLAIMED if the descriptor still holds publication ``seq``."""
