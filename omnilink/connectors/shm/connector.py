@@ -881,6 +881,8 @@ class ShmConnector(BaseConnector):
             )
         chan = self._chan
         if not block and self._nothing_new(key):
+            if key in self._consumed:
+                raise self._consumed.error(self.backend, self.channel, key)
             if time.monotonic() - self._last_beat >= HEARTBEAT_S:
                 self._heartbeat()  # a polling receiver still learns that its senders died
             if self._peer_lost is None:
