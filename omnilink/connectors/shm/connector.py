@@ -21,6 +21,10 @@ control segment and the descriptor state machine, and ``names`` for the names.
 
 Guarantees
 ----------
+- Key contract: a second ``put`` of a key this sender still has unclaimed raises
+  ``DuplicateKeyError``; a ``get`` of a key this receiver consumed or discarded (the
+  last 65,536) raises ``KeyConsumedError``. Two sender processes that put one key both
+  deliver (one per ``get``): no sender sees the other's keys.
 - Each key is delivered to exactly one receiver, whichever process it runs in; keys are
   consumed in any order and a missing key never stalls the others.
 - A payload published before its sender died stays readable by a receiver that had

@@ -65,6 +65,14 @@ was already waiting). ``put`` returns only after that ack arrives, so:
    dropped whole.
 5. Every wait is bounded by its timeout: ``TransferTimeout`` names the channel, the key
    and the peer endpoint.
+6. The key contract: a ``put`` of a key still waiting on the receiver is refused by it
+   (``DuplicateKeyError`` from ``put``; the first payload stays); a ``get`` of a key the
+   receiver consumed or discarded (the last 65,536) raises ``KeyConsumedError``. A
+   malformed message is an error entry for its key, counted as ``ERROR_ENTRY_BYTES``
+   against ``max_buffered_bytes`` (at most ``MAX_ERROR_ENTRIES`` kept).
+7. A receiver restarted on the same endpoint is taken back however long it was away
+   (zmq reconnects for as long as the sender is open); each ``put`` waits for it up to
+   ``peer_timeout`` from the later of its own start and the disconnection.
 
 What is NOT guaranteed
 ----------------------
