@@ -91,8 +91,8 @@ What is NOT guaranteed
   connection events: a receiver raises ``PeerLostError`` from ``get`` once *every*
   sender has been disconnected for ``peer_timeout`` seconds (after at least one
   connected); a sender raises it from ``put`` once the receiver has been disconnected
-  that long, counted from when a ``put`` first saw the disconnection (a sender reads
-  connection events only while a ``put`` waits). A peer that never connected is a
+  that long, counted from the later of the disconnection and the ``put``'s start (a
+  sender reads connection events only while a ``put`` waits). A peer that never connected is a
   ``TransferTimeout``, not a loss.
 - By reference, the receiver can read the sending process's memory (it must be
   allowed to, as for a debugger); use ``by_reference=False`` where sender and
