@@ -951,7 +951,7 @@ def _parse_header(
             raise BlobDecodeError(f"header describes {n} tensors, more than max_tensors ({max_tensors})")
     try:
         header = _HEADER_DECODER.decode(header_bytes)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise _header_error(exc) from exc
     except RecursionError as exc:
         raise BlobDecodeError("malformed header: nested too deeply") from exc

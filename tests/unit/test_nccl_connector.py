@@ -332,3 +332,14 @@ def test_bool_bytes_are_checked():
     header = wire.parse_meta(env)
     with pytest.raises(BlobDecodeError, match="bool"):
         wire.build_views(header, env.plan, [b"\x02\x00"], [], device=torch.device("cpu"))
+
+
+def test_envelope_or_hello_with_invalid_utf8_is_a_blob_decode_error():
+    # Found by benchmarks/fuzz_hostile.py: msgspec raises UnicodeDecodeError (not a
+    # msgspec error) for a str field that is not UTF-8.
+    raw = msgspec.msgpack.encode([0, "k", b"", [], []]).replace(b"\xa1k", b"\xa2\xc3\xe9")
+    with pytest.raises(omnilink.BlobDecodeError, match="malformed side-channel envelope"):
+        wire.decode_envelope(raw)
+    hello = msgspec.msgpack.encode({"role": "k"}).replace(b"\xa1k", b"\xa2\xc3\xe9")
+    with pytest.raises(omnilink.BlobDecodeError, match="malformed hello"):
+        wire.decode_hello(hello)

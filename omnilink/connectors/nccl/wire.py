@@ -108,7 +108,7 @@ def decode_hello(raw: bytes) -> Hello:
     """
     try:
         return _HELLO_DECODER.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise BlobDecodeError(f"nccl: malformed hello on the side channel: {exc}") from exc
 
 
@@ -126,7 +126,7 @@ def decode_envelope(raw: bytes) -> Envelope:
     """
     try:
         return _ENV_DECODER.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise BlobDecodeError(f"nccl: malformed side-channel envelope: {exc}") from exc
 
 
