@@ -227,3 +227,39 @@ def test_gc_bad_prefix(capsys):
     pytest.importorskip("omnilink.connectors.shm", reason="the shm backend is not in this tree")
     assert main(["gc", "--dry-run", "--prefix", "a/b"]) == 2
     assert "prefix" in capsys.readouterr().err
+
+
+def test_gc_removes_the_ipc_files_of_dead_zmq_receivers(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("zmq")
+    import socket
+
+    from omnilink.connectors.zmq.support import EndpointLock
+
+    ipc = tmp_path / "ipc"
+    ipc.mkdir(mode=0o700)
+    monkeypatch.setenv("OMNILINK_ZMQ_DIR", str(ipc))
+    prefix = os.environ["OMNILINK_SHM_PREFIX"]
+
+    def endpoint(name):
+        sock_path = ipc / f"{prefix}-zmq-{name}.sock"
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(sock_path))
+        s.close()  # the file stays, as after a SIGKILL
+        return sock_path, ipc / f"{prefix}-zmq-{name}.lock"
+
+    dead_sock, dead_lock = endpoint("dead")
+    dead_lock.write_bytes(b"")  # nobody holds its flock: the receiver died
+    live_sock, live_lock = endpoint("live")
+    held = EndpointLock(str(live_lock), channel="live")  # a live receiver's lock
+    try:
+        assert main(["gc", "--dry-run"]) == 0
+        assert f"would remove {dead_sock}" in capsys.readouterr().out
+        assert dead_sock.exists()
+        assert main(["gc"]) == 0
+        out = capsys.readouterr().out
+        assert f"removed {dead_sock}" in out and f"removed {dead_lock}" in out
+        assert not dead_sock.exists() and not dead_lock.exists()
+        assert live_sock.exists() and live_lock.exists()
+    finally:
+        held.release()
+        live_sock.unlink()
