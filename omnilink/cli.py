@@ -7,7 +7,8 @@ Subcommands
 ``omnilink info``
     Versions, backends, ``/dev/shm`` and CUDA devices.
 ``omnilink gc``
-    Remove shared-memory segments and semaphores that dead processes left behind.
+    Remove shared-memory segments and semaphores, and zmq ipc socket and lock files,
+    that dead processes left behind.
 ``omnilink --version``
     Print omnilink's version.
 
