@@ -611,6 +611,7 @@ class ReceiverLoop(_Loop):
         self.stop()
         with self.cond:
             self.index.clear()
+            self.error_keys.clear()
             self.buffered = 0
         self.pool.clear()
         helper, self.helper = self.helper, None
