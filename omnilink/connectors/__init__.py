@@ -212,6 +212,7 @@ def connect(
     max_pending_bytes: int = ...,
     inline_bytes: int | None = None,
     max_inline_bytes: int = ...,
+    max_message_bytes: int = ...,
     coalesce: bool = True,
 ) -> NcclConnector: ...
 
