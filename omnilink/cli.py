@@ -4,6 +4,10 @@ Subcommands
 -----------
 ``omnilink bench [SCENARIO]``
     Measure omnilink's transfers against what engines do today, on this machine.
+``omnilink bench pipeline``
+    Run a three-process streaming pipeline (thinker -> talker -> code2wav) per connector:
+    time to first audio, transport per chunk, bit-identical audio (its own options:
+    ``omnilink bench pipeline --help``).
 ``omnilink info``
     Versions, backends, ``/dev/shm`` and CUDA devices.
 ``omnilink gc``
@@ -52,7 +56,9 @@ def _build_parser() -> argparse.ArgumentParser:
             "omnilink shm and zmq against pickle over a fresh SharedMemory segment, msgpack "
             "with copies, a torch.multiprocessing queue and a plain memcpy (the ceiling)."
         ),
-        epilog="scenarios: " + "; ".join(f"{s.name}: {s.description}" for s in SCENARIOS.values()),
+        epilog="scenarios: " + "; ".join(f"{s.name}: {s.description}" for s in SCENARIOS.values())
+        + "; pipeline: a three-process streaming pipeline, time to first audio per connector "
+          "(omnilink bench pipeline --help)",
     )
     bench.add_argument("scenario_pos", nargs="?", metavar="SCENARIO", choices=list(SCENARIOS),
                        help=f"one of {', '.join(SCENARIOS)} (default shm-vs-pickle)")
@@ -312,9 +318,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         when interrupted.
     """
     out, err = sys.stdout, sys.stderr
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:2] == ["bench", "pipeline"]:
+        # A whole pipeline, not a transfer scenario: its own options and runner.
+        from omnilink._bench import pipeline_main
+
+        try:
+            return pipeline_main(args_list[2:], out=out, err=err)
+        except KeyboardInterrupt:
+            print("omnilink bench pipeline: interrupted", file=err)
+            return EXIT_INTERRUPTED
     parser = _build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(args_list)
     except SystemExit as exc:  # argparse has printed the message (or --help)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:

@@ -11,6 +11,9 @@ Modules
 ``runner``     the shared runner: cell loop, warm-up, repetitions, time budgets
 ``report``     text table, Markdown table, JSON lines, plot, caveats
 ``progress``   the progress line on stderr
+``pipeline``   ``omnilink bench pipeline``: a three-process streaming pipeline, time to
+               first audio per connector (its own options and runner)
+``vllm_omni_shm``  vLLM-Omni's ``SharedMemoryConnector`` loaded without vLLM (a baseline)
 
 Pickle appears here, and only here, as a *baseline being measured* (what serving
 engines do today); it is never on omnilink's data path.
@@ -26,6 +29,7 @@ _EXPORTS = {
     "machine_record": "machine", "cpu_model": "machine", "cuda_devices": "machine",
     "shm_usage": "machine", "versions": "machine",
     "Progress": "progress",
+    "pipeline_main": "pipeline",
     "PlotUnavailable": "report", "add_ratios": "report", "caveats": "report",
     "plot_title": "report", "require_matplotlib": "report", "text_table": "report",
     "write_jsonl": "report", "write_plot": "report", "read_jsonl": "report",

@@ -1,0 +1,115 @@
+"""``omnilink bench pipeline``: the three-process streaming pipeline runs over every
+connector installed here, prints every figure, and the audio is bit-identical across
+connectors. A small configuration (the figures themselves are not asserted: no timed
+assertions in tests; ``omnilink bench pipeline`` with no options measures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omnilink._bench.pipeline import CONNECTORS, PipelineConfig, _pct, probe
+
+SMALL = ["--requests", "2", "--warmup", "1", "--concurrency", "2", "--prompt-tokens", "128",
+         "--prefill-chunk", "64", "--hidden", "256", "--ffn", "256", "--decode-tokens", "6",
+         "--codebooks", "8", "--timeout", "60"]
+
+
+def _ours() -> set[str]:
+    # Names the baselines and vLLM-Omni's connector create (keys and segments of a run).
+    return {n for n in os.listdir("/dev/shm") if n.startswith("olpipe") or n.startswith("shm_olpipe")}
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "omnilink", "bench", "pipeline", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_pipeline_runs_every_installed_connector_with_identical_audio(tmp_path):
+    installed = [c for c in CONNECTORS if probe(c) is None]
+    assert {"omnilink-shm", "omnilink-zmq", "pickle-shm"} <= set(installed)
+    before = _ours()
+    out_json, out_png = tmp_path / "p.json", tmp_path / "p.png"
+    args = [*SMALL, "--json", str(out_json)]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(out_png)]
+    except ImportError:
+        out_png = None
+    r = _run(*args)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert _ours() == before, "the pipeline left shared memory behind"
+
+    report = json.loads(out_json.read_text())
+    assert [x["connector"] for x in report["results"]] == installed
+    assert report["identical"] is True
+    hashes = {x["connector"]: x["audio_sha256"] for x in report["results"]}
+    assert len(next(iter(hashes.values()))) == 3  # warm-up + 2 requests, each hashed
+    for x in report["results"]:
+        for figure in ("first_audio_ms_p50", "first_audio_ms_p99", "last_audio_ms_p50", "last_audio_ms_p99",
+                       "transport_ms_p50", "transport_ms_p99", "transport_share"):
+            assert isinstance(x[figure], float) and x[figure] >= 0, (x["connector"], figure)
+        assert x["first_audio_ms_p50"] <= x["last_audio_ms_p50"]
+        assert 0 < x["transport_share"] < 1
+        e0, e1 = x["edges"]
+        # thinker: 2 prefill chunks + 6 decoded tokens per request; all read.
+        assert e0["chunks"] == 3 * (128 // 64 + 6) and e0["unread"] == 0 and e0["bytes"] > 0
+        # talker: 24 frames per request, windows 4, 25 -> 2 windows (the second finishes).
+        assert e1["chunks"] == 3 * 2 and e1["unread"] == 0 and e1["bytes"] > 0
+        tl = x["timeline"]
+        assert tl["request"] == 1 and tl["transfers"] and all(tl["compute"][s] for s in tl["compute"])
+        assert 0 < tl["first_audio_ms"] <= tl["last_audio_ms"]
+    # Bytes on the wire are the same payloads: omnilink's blob and vLLM-Omni's msgpack
+    # differ by headers only, so the edge-0 sizes agree within 10 %.
+    sizes = [x["edges"][0]["bytes"] for x in report["results"]]
+    assert max(sizes) < 1.1 * min(sizes)
+    assert "machine:" in report["machine_line"] and "cores" in report["machine_line"]
+
+    # What it prints: progress on stderr, the table and the verdict on stdout.
+    assert "[pipeline] omnilink-shm: running" in r.stderr
+    for name in installed:
+        assert f"\n{name} " in r.stdout
+    assert "audio bit-identical across connectors" in r.stdout and ": yes" in r.stdout
+    assert "omnilink-shm vs pickle-shm: transport/chunk p50" in r.stdout
+    assert "machine: " in r.stdout
+    if out_png is not None:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cuda_without_cuda_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here; the GPU variant runs on the device")
+    r = _run("--device", "cuda", timeout=60)
+    assert r.returncode == 1
+    assert "CUDA is not available" in r.stderr and "--device cpu" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--connector", "rdma"], "unknown rdma"),
+    (["--requests", "0"], "requests must be an int >= 1"),
+    (["--codebooks", "12"], "invalid choice"),
+])
+def test_bad_options_are_usage_errors(args, message):
+    r = _run(*args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_config_validation_and_percentiles():
+    from omnilink import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="prefill-chunk"):
+        PipelineConfig(prefill_chunk=0).validate()
+    with pytest.raises(ConfigurationError, match="codebooks"):
+        PipelineConfig(codebooks=4).validate()
+    assert _pct([], 50) is None
+    assert _pct([3.0, 1.0, 2.0], 50) == 2.0
+    assert _pct([float(i) for i in range(1, 101)], 99) == 99.0
+    assert _pct([1.0, 2.0], 99) == 2.0
