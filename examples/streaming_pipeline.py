@@ -26,7 +26,7 @@ from typing import Any
 from omnilink.cli import main as omnilink_main
 
 SMALL = ["--requests", "2", "--warmup", "1", "--concurrency", "2", "--prompt-tokens", "128",
-         "--prefill-chunk", "64", "--hidden", "256", "--ffn", "256", "--decode-tokens", "6"]
+         "--prefill-chunk", "64", "--hidden", "256", "--ffn", "256", "--decode-tokens", "6", "--rounds", "1"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -108,9 +108,9 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     codec_initial_chunk: int = 4
     code2wav_dim: int = 512
     samples_per_frame: int = 960
-    requests: int = 8
+    requests: int = 6
     warmup: int = 1
-    concurrency: int = 2
+    concurrency: int = 1
     seed: int = 0
     device: str = "cpu"
     timeout: float = 60.0
@@ -787,11 +787,15 @@ class PipelineError(RuntimeError):
     """A stage failed or the run timed out (the message names the stage)."""
 
 
-def _run_all(cfg: PipelineConfig, connectors: list[str], *,
+def _run_all(cfg: PipelineConfig, connectors: list[str], *, rounds: int,
              progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Spawn the three stage processes once and run the pipeline over each connector in
-    turn (fresh channels per connector); return one summary per connector."""
+    turn, ``rounds`` times in alternation (A B C A B C ...: drift in the machine's load
+    reaches every connector alike), fresh channels per run; return one summary per
+    connector, its rounds pooled."""
     import multiprocessing as mp
+
+    plan = [c for _ in range(rounds) for c in connectors]
 
     ctx = mp.get_context("spawn")
     if any(c in ("vllm-omni-shm", "pickle-shm") for c in connectors):
@@ -800,7 +804,7 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *,
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
-    tokens = [uuid.uuid4().hex[:8] for _ in connectors]
+    tokens = [uuid.uuid4().hex[:8] for _ in plan]
     cfg_json = msgspec.json.encode(cfg)
     barrier = ctx.Barrier(3)
     done_rx, done_tx = ctx.Pipe(duplex=False)
@@ -818,14 +822,15 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *,
         for stage in STAGES:
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_stage_main, name=f"omnilink-pipeline-{stage}",
-                            args=(stage, cfg_json, list(connectors), tokens, pipes[stage], barrier, w), daemon=True)
+                            args=(stage, cfg_json, plan, tokens, pipes[stage], barrier, w), daemon=True)
             p.start()
             w.close()
             procs.append(p)
             readers.append((stage, r))
-        for connector in connectors:
-            progress(f"{connector}: running {cfg.warmup} warm-up + {cfg.requests} requests, "
-                     f"concurrency {cfg.concurrency}")
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in connectors}
+        for n, connector in enumerate(plan):
+            progress(f"{connector} (round {n // len(connectors) + 1}/{rounds}): running {cfg.warmup} warm-up + "
+                     f"{cfg.requests} requests, concurrency {cfg.concurrency}")
             t = time.perf_counter()
             # Long enough for every request's work at a crawl (plus start-up); a hang still ends.
             deadline = time.monotonic() + cfg.timeout * (3 + cfg.requests + cfg.warmup)
@@ -850,12 +855,17 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *,
                                             "without a result")
                 if time.monotonic() > deadline:
                     raise PipelineError(f"{connector}: the pipeline did not finish in time")
-            summary = _summarise(cfg, connector, results)
-            summary["wall_s"] = time.perf_counter() - t
+            raw = _measure(cfg, results)
+            raw["wall_s"] = time.perf_counter() - t
+            runs[connector].append(raw)
+            one = _combine(connector, [raw])
+            progress(f"{connector}: done in {raw['wall_s']:.1f} s; first audio p50 "
+                     f"{_fmt(one['first_audio_ms_p50'])} ms, transport/chunk p50 "
+                     f"{_fmt(one['transport_ms_p50'], '.3f')} ms")
+        for c in connectors:
+            summary = _combine(c, runs[c])
+            summary["wall_s"] = sum(r["wall_s"] for r in runs[c])
             summaries.append(summary)
-            progress(f"{connector}: done in {summary['wall_s']:.1f} s; first audio p50 "
-                     f"{_fmt(summary['first_audio_ms_p50'])} ms, transport/chunk p50 "
-                     f"{_fmt(summary['transport_ms_p50'], '.3f')} ms")
         for p in procs:
             p.join(cfg.timeout)
     finally:
@@ -897,60 +907,82 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return s[k]
 
 
-def _summarise(cfg: PipelineConfig, connector: str, results: dict[str, Any]) -> dict[str, Any]:
+def _measure(cfg: PipelineConfig, results: dict[str, Any]) -> dict[str, Any]:
+    """The raw figures of one run of one connector (measured requests only)."""
     starts = {int(k): v for k, v in results["thinker"]["starts"].items()}
     audio = {int(k): v for k, v in results["code2wav"]["audio"].items()}
-    measured = range(cfg.warmup, cfg.warmup + cfg.requests)
-    ttfa = [(audio[i]["first"] - starts[i]) * 1e3 for i in measured if audio[i]["first"] is not None]
-    ttla = [(audio[i]["last"] - starts[i]) * 1e3 for i in measured]
-    token_of = {}
-    edges: list[dict[str, Any]] = []
-    all_transport: list[float] = []
-    per_stage_transport = {s: 0.0 for s in STAGES}
+    measured = set(range(cfg.warmup, cfg.warmup + cfg.requests))
+    raw: dict[str, Any] = {
+        "ttfa": [(audio[i]["first"] - starts[i]) * 1e3 for i in sorted(measured) if audio[i]["first"] is not None],
+        "ttla": [(audio[i]["last"] - starts[i]) * 1e3 for i in sorted(measured)],
+        "edges": [],
+        "stage_transport": {s: 0.0 for s in STAGES},
+        "stage_compute": {s: sum(sp[3] - sp[2] for sp in results[s]["spans"] if sp[0] in measured)
+                          for s in STAGES},
+        "audio_sha256": {str(i): audio[i]["sha256"] for i in sorted(audio)},
+        "audio_samples": {str(i): audio[i]["samples"] for i in sorted(audio)},
+    }
     chunk_records: list[dict[str, Any]] = []
     for e, (src, dst) in enumerate((("thinker", "talker"), ("talker", "code2wav"))):
         puts = {k: (t0, t1, n) for k, t0, t1, n in results[src]["puts"]}
         gets = {k: (t0, t1) for k, t0, t1 in results[dst]["gets"]}
-        transport, put_ms, get_ms, nbytes = [], [], [], 0
+        edge: dict[str, Any] = {"transport": [], "put": [], "get": [], "chunks": 0, "bytes": 0, "unread": 0}
         for key, (p0, p1, n) in puts.items():
+            request = int(key.rsplit("_", 2)[0].rsplit("r", 1)[1])  # olpipe{token}r{index}_{stage}_{chunk}
             if key not in gets:
+                edge["unread"] += 1
                 continue
             g0, g1 = gets[key]
+            chunk_records.append({"edge": e, "request": request, "put": [p0, p1], "get": [max(g0, p1), g1]})
+            if request not in measured:
+                continue
             put_d = p1 - p0
             get_d = max(0.0, g1 - max(g0, p1))
-            transport.append((put_d + get_d) * 1e3)
-            put_ms.append(put_d * 1e3)
-            get_ms.append(get_d * 1e3)
-            per_stage_transport[src] += put_d
-            per_stage_transport[dst] += get_d
-            nbytes += n
-            request = int(key.rsplit("_", 2)[0].rsplit("r", 1)[1])  # olpipe{token}r{index}
-            chunk_records.append({"edge": e, "key": key, "request": request,
-                                  "put": [p0, p1], "get": [max(g0, p1), g1], "bytes": n})
-        all_transport.extend(transport)
+            edge["transport"].append((put_d + get_d) * 1e3)
+            edge["put"].append(put_d * 1e3)
+            edge["get"].append(get_d * 1e3)
+            edge["chunks"] += 1
+            edge["bytes"] += n
+            raw["stage_transport"][src] += put_d
+            raw["stage_transport"][dst] += get_d
+        raw["edges"].append(edge)
+    raw["timeline"] = _timeline(cfg, results, starts, audio, chunk_records)
+    return raw
+
+
+def _combine(connector: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One connector's figures over all its rounds (samples pooled)."""
+    ttfa = [v for r in runs for v in r["ttfa"]]
+    ttla = [v for r in runs for v in r["ttla"]]
+    transport = [v for r in runs for e in r["edges"] for v in e["transport"]]
+    st = {s: sum(r["stage_transport"][s] for r in runs) for s in STAGES}
+    sc = {s: sum(r["stage_compute"][s] for r in runs) for s in STAGES}
+    total = sum(st.values()) + sum(sc.values())
+    edges = []
+    for e, name in enumerate(EDGES):
+        pooled = {k: [v for r in runs for v in r["edges"][e][k]] for k in ("transport", "put", "get")}
+        first = runs[0]["edges"][e]
         edges.append({
-            "edge": EDGES[e], "chunks": len(puts), "bytes": nbytes,
-            "transport_ms_p50": _pct(transport, 50), "transport_ms_p99": _pct(transport, 99),
-            "put_ms_p50": _pct(put_ms, 50), "get_ms_p50": _pct(get_ms, 50),
-            "unread": len(set(puts) - set(gets)),
+            "edge": name, "chunks": first["chunks"], "bytes": first["bytes"],
+            "unread": sum(r["edges"][e]["unread"] for r in runs),
+            "transport_ms_p50": _pct(pooled["transport"], 50), "transport_ms_p99": _pct(pooled["transport"], 99),
+            "put_ms_p50": _pct(pooled["put"], 50), "put_ms_p99": _pct(pooled["put"], 99),
+            "get_ms_p50": _pct(pooled["get"], 50), "get_ms_p99": _pct(pooled["get"], 99),
         })
-    del token_of
-    compute = {s: sum(sp[3] - sp[2] for sp in results[s]["spans"]) for s in STAGES}
-    step_total = sum(compute.values()) + sum(per_stage_transport.values())
-    share = sum(per_stage_transport.values()) / step_total if step_total > 0 else None
+    hashes = [r["audio_sha256"] for r in runs]
     return {
         "connector": connector,
+        "rounds": len(runs),
         "first_audio_ms_p50": _pct(ttfa, 50), "first_audio_ms_p99": _pct(ttfa, 99),
         "last_audio_ms_p50": _pct(ttla, 50), "last_audio_ms_p99": _pct(ttla, 99),
-        "transport_ms_p50": _pct(all_transport, 50), "transport_ms_p99": _pct(all_transport, 99),
-        "transport_share": share,
-        "stage_transport_share": {
-            s: (per_stage_transport[s] / (per_stage_transport[s] + compute[s])
-                if per_stage_transport[s] + compute[s] > 0 else None) for s in STAGES},
+        "transport_ms_p50": _pct(transport, 50), "transport_ms_p99": _pct(transport, 99),
+        "transport_share": sum(st.values()) / total if total > 0 else None,
+        "stage_transport_share": {s: (st[s] / (st[s] + sc[s]) if st[s] + sc[s] > 0 else None) for s in STAGES},
         "edges": edges,
-        "audio_sha256": {str(i): audio[i]["sha256"] for i in sorted(audio)},
-        "audio_samples": {str(i): audio[i]["samples"] for i in sorted(audio)},
-        "timeline": _timeline(cfg, results, starts, audio, chunk_records),
+        "audio_sha256": hashes[0],
+        "rounds_identical": all(h == hashes[0] for h in hashes[1:]),
+        "audio_samples": runs[0]["audio_samples"],
+        "timeline": runs[0]["timeline"],
     }
 
 
@@ -970,7 +1002,7 @@ def _timeline(cfg: PipelineConfig, results: dict[str, Any], starts: dict[int, fl
     }
 
 
-def run_pipeline(cfg: PipelineConfig, connectors: Sequence[str], *,
+def run_pipeline(cfg: PipelineConfig, connectors: Sequence[str], *, rounds: int = 1,
                  progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run the pipeline once per connector and return the figures (see the module docstring).
 
@@ -999,9 +1031,10 @@ def run_pipeline(cfg: PipelineConfig, connectors: Sequence[str], *,
             out["unavailable"][name] = reason
             progress(f"{name}: unavailable ({reason})")
     if runnable:
-        out["results"] = _run_all(cfg, runnable, progress=progress)
+        out["results"] = _run_all(cfg, runnable, rounds=rounds, progress=progress)
     hashes = [r["audio_sha256"] for r in out["results"]]
-    out["identical"] = all(h == hashes[0] for h in hashes[1:]) if len(hashes) >= 2 else None
+    out["identical"] = (all(h == hashes[0] for h in hashes[1:]) and all(r["rounds_identical"] for r in out["results"])
+                        if len(hashes) >= 2 else None)
     return out
 
 
@@ -1138,6 +1171,8 @@ def build_parser(prog: str = "omnilink bench pipeline") -> argparse.ArgumentPars
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"unmeasured requests first (default {d.warmup})")
     p.add_argument("--concurrency", type=int, default=d.concurrency,
                    help=f"requests in flight at once (default {d.concurrency})")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs per connector, connectors alternating, samples pooled (default 3)")
     for name, help_ in (("hidden", "thinker hidden size"), ("ffn", "thinker FFN width (compute per token)"),
                         ("prompt-tokens", "prompt length"), ("prefill-chunk", "tokens per prefill chunk"),
                         ("decode-tokens", "thinker tokens decoded per request"),
@@ -1185,6 +1220,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "omnilink bench pipel
     except ConfigurationError as exc:
         print(f"{prog}: error: {exc}", file=err)
         return EXIT_USAGE
+    if args.rounds < 1:
+        print(f"{prog}: error: rounds must be an int >= 1, got {args.rounds}", file=err)
+        return EXIT_USAGE
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -1217,14 +1255,14 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "omnilink bench pipel
 
     progress(mline)
     try:
-        result = run_pipeline(cfg, connectors, progress=progress)
+        result = run_pipeline(cfg, connectors, rounds=args.rounds, progress=progress)
     except PipelineError as exc:
         if json_fh is not None:
             json_fh.close()
         print(f"{prog}: {exc}", file=err)
         return EXIT_FAIL
     print(f"omnilink bench pipeline: device {cfg.device}, {cfg.requests} requests (+{cfg.warmup} warm-up), "
-          f"concurrency {cfg.concurrency}, prompt {cfg.prompt_tokens} tokens x hidden {cfg.hidden} "
+          f"concurrency {cfg.concurrency}, {args.rounds} round(s) per connector, prompt {cfg.prompt_tokens} tokens x hidden {cfg.hidden} "
           f"(prefill chunks of {cfg.prefill_chunk}), {cfg.decode_tokens} decoded tokens, "
           f"{cfg.codebooks} codebooks", file=out)
     print(file=out)

@@ -17,7 +17,7 @@ from omnilink._bench.pipeline import CONNECTORS, PipelineConfig, _pct, probe
 
 SMALL = ["--requests", "2", "--warmup", "1", "--concurrency", "2", "--prompt-tokens", "128",
          "--prefill-chunk", "64", "--hidden", "256", "--ffn", "256", "--decode-tokens", "6",
-         "--codebooks", "8", "--timeout", "60"]
+         "--codebooks", "8", "--timeout", "60", "--rounds", "1"]
 
 
 def _ours() -> set[str]:
@@ -58,10 +58,10 @@ def test_pipeline_runs_every_installed_connector_with_identical_audio(tmp_path):
         assert x["first_audio_ms_p50"] <= x["last_audio_ms_p50"]
         assert 0 < x["transport_share"] < 1
         e0, e1 = x["edges"]
-        # thinker: 2 prefill chunks + 6 decoded tokens per request; all read.
-        assert e0["chunks"] == 3 * (128 // 64 + 6) and e0["unread"] == 0 and e0["bytes"] > 0
-        # talker: 24 frames per request, windows 4, 25 -> 2 windows (the second finishes).
-        assert e1["chunks"] == 3 * 2 and e1["unread"] == 0 and e1["bytes"] > 0
+        # Per measured request: thinker 2 prefill chunks + 6 decoded tokens; talker 24
+        # frames, windows of 4 then 25 -> 2 windows (the second finishes). All read.
+        assert e0["chunks"] == 2 * (128 // 64 + 6) and e0["unread"] == 0 and e0["bytes"] > 0
+        assert e1["chunks"] == 2 * 2 and e1["unread"] == 0 and e1["bytes"] > 0
         tl = x["timeline"]
         assert tl["request"] == 1 and tl["transfers"] and all(tl["compute"][s] for s in tl["compute"])
         assert 0 < tl["first_audio_ms"] <= tl["last_audio_ms"]
@@ -72,7 +72,7 @@ def test_pipeline_runs_every_installed_connector_with_identical_audio(tmp_path):
     assert "machine:" in report["machine_line"] and "cores" in report["machine_line"]
 
     # What it prints: progress on stderr, the table and the verdict on stdout.
-    assert "[pipeline] omnilink-shm: running" in r.stderr
+    assert "[pipeline] omnilink-shm (round 1/1): running" in r.stderr
     for name in installed:
         assert f"\n{name} " in r.stdout
     assert "audio bit-identical across connectors" in r.stdout and ": yes" in r.stdout
@@ -96,6 +96,7 @@ def test_cuda_without_cuda_is_a_clear_error():
     (["--connector", "rdma"], "unknown rdma"),
     (["--requests", "0"], "requests must be an int >= 1"),
     (["--codebooks", "12"], "invalid choice"),
+    (["--rounds", "0"], "rounds must be an int >= 1"),
 ])
 def test_bad_options_are_usage_errors(args, message):
     r = _run(*args, timeout=60)
