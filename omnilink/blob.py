@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import re
 import struct
 import sys
@@ -113,7 +114,8 @@ _INT64_MAX = (1 << 63) - 1
 _PREFIX = struct.Struct("<4sHHIIQ")
 _ZEROS = bytes(FRAME_ALIGN)
 #: Below this size a contiguous CPU tensor is written with one ctypes.memmove; above
-#: it torch's copy is used when torch has several intra-op threads to spread it over.
+#: it torch's copy is used when torch has several intra-op threads to spread it over
+#: and they leave a CPU free (see ``_parallel_copy``).
 _MEMMOVE_MAX = 1 << 20
 
 
@@ -141,6 +143,25 @@ def _torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def _parallel_copy() -> bool:
+    """Whether a large host copy should use torch's intra-op threads.
+
+    Only when there are several and they leave at least one CPU of this process free: a
+    parallel copy ends when its slowest thread does, so one that needs every CPU stalls
+    for a scheduler slice (milliseconds) whenever anything else is busy, a receiver
+    polling ``get_nowait`` for instance. Measured with benchmarks/bench_small.py on a
+    2-core VM: 8 MiB put -> consumed took 7.8 ms with torch's 2-thread copy beside one
+    busy process, 0.8-1.1 ms with one memmove."""
+    threads = _torch_threads()
+    if threads <= 1:
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return threads < cpus
 _U32 = struct.Struct("<I")
 
 _EXT_TENSOR = 1
@@ -684,10 +705,10 @@ class PreparedBlob:
                     if (
                         src.is_cpu
                         and src.is_contiguous()
-                        and (n <= _MEMMOVE_MAX or _torch_threads() == 1)
+                        and (n <= _MEMMOVE_MAX or not _parallel_copy())
                     ):
                         # One memmove: cheaper than torch's dispatch for small tensors, and
-                        # as fast as its copy for large ones unless it has threads to use.
+                        # as fast as its copy for large ones unless it has spare threads.
                         if addr is None:
                             addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
                         _memcpy(addr + start, src.data_ptr(), n)
