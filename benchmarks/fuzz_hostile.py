@@ -316,6 +316,9 @@ class _Runner:
             self.n = 0
 
     def close(self) -> None:
+        if getattr(self, "closed", False):
+            return
+        self.closed = True
         if self.target == "shm":
             self.rx.close()
             self.tx.close()
@@ -433,6 +436,9 @@ def worker(target: str, seed: int, start: int, count: int, progress: Any, out: A
 
     logging.disable(logging.CRITICAL)  # corrupted inputs log warnings by design
     runner = _Runner(target)
+    import atexit
+
+    atexit.register(runner.close)  # also when the worker dies of an exception
     from omnilink import OmnilinkError
 
     gen = GENERATORS[target]
