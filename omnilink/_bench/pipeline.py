@@ -569,8 +569,9 @@ def _thinker(cfg: PipelineConfig, token: str, out_link: Any, done_pipe: Any, spa
                     "hidden_states.output": hb,
                     "hidden_states.output_shape": torch.tensor(list(hb.shape), dtype=torch.int64),
                     "embed.prefill": x.to(torch.bfloat16),
-                    "ids.prompt": chunk,
-                    "ids.output": torch.zeros(0, dtype=torch.int64, device=chunk.device),
+                    # Token ids live on the host in engines (and stay there with --device cuda).
+                    "ids.prompt": chunk.cpu(),
+                    "ids.output": torch.zeros(0, dtype=torch.int64),
                 }
                 last_h = h[-1]
             _sync(cfg)
@@ -589,7 +590,7 @@ def _thinker(cfg: PipelineConfig, token: str, out_link: Any, done_pipe: Any, spa
             payload = {
                 "hidden_states.output": hb,
                 "hidden_states.output_shape": torch.tensor(list(hb.shape), dtype=torch.int64),
-                "ids.output": tok,
+                "ids.output": tok.cpu(),
                 "meta": {"finished": torch.tensor(step == cfg.decode_tokens - 1)},
             }
             tx.send(payload)
