@@ -94,9 +94,13 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     hidden: int = 2048
-    ffn: int = 2048
+    # Compute per step sized so the thinker's prefill chunk takes tens of ms on one CPU
+    # core, the order of a real thinker's chunk on a GPU, not the seconds a
+    # full-size model would take on a CPU: the transport then has the share it has in
+    # a served pipeline (raise --ffn for a compute-bound run).
+    ffn: int = 512
     vocab: int = 4096
-    prompt_tokens: int = 1024
+    prompt_tokens: int = 2048
     prefill_chunk: int = 256
     decode_tokens: int = 16
     talker_hidden: int = 512
@@ -744,6 +748,7 @@ def _stage_main(stage: str, cfg_json: bytes, connectors: list[str], tokens: list
                 links.append(out_link)
             barrier.wait(long_wait)
             rec: dict[str, Any] = {"stage": stage, "connector": connector}
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             if stage == "thinker":
                 starts: dict[int, float] = {}
                 _thinker(cfg, token, out_link, pipes["done_rx"], spans, starts)
@@ -754,6 +759,8 @@ def _stage_main(stage: str, cfg_json: bytes, connectors: list[str], tokens: list
                 audio: dict[int, dict[str, Any]] = {}
                 _code2wav(cfg, token, in_link, pipes["done_tx"], spans, audio)
                 rec["audio"] = audio
+            rec["cpu_s"] = time.process_time() - cpu0
+            rec["wall_s"] = time.perf_counter() - wall0
             rec["spans"] = spans
             rec["puts"] = out_link.puts if out_link is not None else []
             rec["gets"] = in_link.gets if in_link is not None else []
@@ -791,12 +798,16 @@ class PipelineError(RuntimeError):
 def _run_all(cfg: PipelineConfig, connectors: list[str], *, rounds: int,
              progress: Callable[[str], None]) -> list[dict[str, Any]]:
     """Spawn the three stage processes once and run the pipeline over each connector in
-    turn, ``rounds`` times in alternation (A B C A B C ...: drift in the machine's load
-    reaches every connector alike), fresh channels per run; return one summary per
-    connector, its rounds pooled."""
+    turn, ``rounds`` times in alternation, rotated (A B C, B C A, C A B: drift in the
+    machine's load and the position in a round reach every connector alike), fresh
+    channels per run; return one summary per connector, its rounds pooled."""
     import multiprocessing as mp
 
-    plan = [c for _ in range(rounds) for c in connectors]
+    # Round r starts at connector r (mod n): with rounds == n every connector runs once in
+    # every position, so whatever the position costs (the run after another's close, ...)
+    # reaches each connector alike.
+    n = len(connectors)
+    plan = [connectors[(r + i) % n] for r in range(rounds) for i in range(n)]
 
     ctx = mp.get_context("spawn")
     if any(c in ("vllm-omni-shm", "pickle-shm") for c in connectors):
@@ -829,8 +840,8 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *, rounds: int,
             procs.append(p)
             readers.append((stage, r))
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in connectors}
-        for n, connector in enumerate(plan):
-            progress(f"{connector} (round {n // len(connectors) + 1}/{rounds}): running {cfg.warmup} warm-up + "
+        for k, connector in enumerate(plan):
+            progress(f"{connector} (round {k // len(connectors) + 1}/{rounds}): running {cfg.warmup} warm-up + "
                      f"{cfg.requests} requests, concurrency {cfg.concurrency}")
             t = time.perf_counter()
             # Long enough for every request's work at a crawl (plus start-up); a hang still ends.
@@ -922,6 +933,10 @@ def _measure(cfg: PipelineConfig, results: dict[str, Any]) -> dict[str, Any]:
                           for s in STAGES},
         "audio_sha256": {str(i): audio[i]["sha256"] for i in sorted(audio)},
         "audio_samples": {str(i): audio[i]["samples"] for i in sorted(audio)},
+        # CPU each stage process used over the run (all requests, threads included) and
+        # the run's wall time: a transport that burns CPU while waiting slows the others.
+        "stage_cpu_s": {s: results[s]["cpu_s"] for s in STAGES},
+        "stage_wall_s": {s: results[s]["wall_s"] for s in STAGES},
     }
     chunk_records: list[dict[str, Any]] = []
     for e, (src, dst) in enumerate((("thinker", "talker"), ("talker", "code2wav"))):
@@ -979,6 +994,9 @@ def _combine(connector: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "transport_ms_p50": _pct(transport, 50), "transport_ms_p99": _pct(transport, 99),
         "transport_share": sum(st.values()) / total if total > 0 else None,
         "stage_transport_share": {s: (st[s] / (st[s] + sc[s]) if st[s] + sc[s] > 0 else None) for s in STAGES},
+        "stage_compute_s": sc,
+        "stage_cpu_s": {s: sum(r["stage_cpu_s"][s] for r in runs) for s in STAGES},
+        "stage_wall_s": {s: sum(r["stage_wall_s"][s] for r in runs) for s in STAGES},
         "edges": edges,
         "audio_sha256": hashes[0],
         "rounds_identical": all(h == hashes[0] for h in hashes[1:]),
@@ -1172,8 +1190,9 @@ def build_parser(prog: str = "omnilink bench pipeline") -> argparse.ArgumentPars
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"unmeasured requests first (default {d.warmup})")
     p.add_argument("--concurrency", type=int, default=d.concurrency,
                    help=f"requests in flight at once (default {d.concurrency})")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="runs per connector, connectors alternating, samples pooled (default 3)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="runs per connector, connectors alternating (each round rotated by one), "
+                        "samples pooled (default 4)")
     for name, help_ in (("hidden", "thinker hidden size"), ("ffn", "thinker FFN width (compute per token)"),
                         ("prompt-tokens", "prompt length"), ("prefill-chunk", "tokens per prefill chunk"),
                         ("decode-tokens", "thinker tokens decoded per request"),
