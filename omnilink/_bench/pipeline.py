@@ -808,6 +808,11 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *, rounds: int,
     # reaches each connector alike.
     n = len(connectors)
     plan = [connectors[(r + i) % n] for r in range(rounds) for i in range(n)]
+    # With several rounds, one unmeasured run first: the processes' first requests after
+    # start-up (lazy initialisation, cold caches) would otherwise count against one
+    # connector.
+    discard = 1 if rounds > 1 else 0
+    plan = plan[:discard] + plan
 
     ctx = mp.get_context("spawn")
     if any(c in ("vllm-omni-shm", "pickle-shm") for c in connectors):
@@ -841,7 +846,8 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *, rounds: int,
             readers.append((stage, r))
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in connectors}
         for k, connector in enumerate(plan):
-            progress(f"{connector} (round {k // len(connectors) + 1}/{rounds}): running {cfg.warmup} warm-up + "
+            round_name = "warm-up run" if k < discard else f"round {(k - discard) // n + 1}/{rounds}"
+            progress(f"{connector} ({round_name}): running {cfg.warmup} warm-up + "
                      f"{cfg.requests} requests, concurrency {cfg.concurrency}")
             t = time.perf_counter()
             # Long enough for every request's work at a crawl (plus start-up); a hang still ends.
@@ -869,7 +875,8 @@ def _run_all(cfg: PipelineConfig, connectors: list[str], *, rounds: int,
                     raise PipelineError(f"{connector}: the pipeline did not finish in time")
             raw = _measure(cfg, results)
             raw["wall_s"] = time.perf_counter() - t
-            runs[connector].append(raw)
+            if k >= discard:
+                runs[connector].append(raw)
             one = _combine(connector, [raw])
             progress(f"{connector}: done in {raw['wall_s']:.1f} s; first audio p50 "
                      f"{_fmt(one['first_audio_ms_p50'])} ms, transport/chunk p50 "
