@@ -354,7 +354,22 @@ def test_close_is_idempotent_and_context_manager():
 
 
 # ------------------------------------------------------------------ cleanup
-def test_sender_cleanup_frees_the_requests_pending_payloads(pair):
+def test_cleanup_is_exact_a_request_id_matches_no_chunk(pair):
+    # vLLM-Omni 0.30.0's contract: "a raw request id is not an exact key and must not
+    # match any chunks". A caller that cleans up a finished request while the next stage
+    # still has chunks to read must not take them away.
+    tx, rx = pair
+    for c in range(2):
+        assert tx.put("0", "1", chunk_key("req", 0, c), cosyvoice3())[0]
+    tx.cleanup("req")
+    rx.cleanup("req")
+    assert sender_blocks(tx) == 2
+    assert tx.health()["discarded"] == 0 and rx.health()["discarded"] == 0
+    for c in range(2):
+        assert rx.get("0", "1", chunk_key("req", 0, c)) is not None
+
+
+def test_cleanup_request_sweeps_every_chunk_of_the_request(pair):
     tx, rx = pair
     for c in range(3):
         assert tx.put("0", "1", chunk_key("req_A", 0, c), cosyvoice3())[0]
@@ -362,14 +377,14 @@ def test_sender_cleanup_frees_the_requests_pending_payloads(pair):
     edge = tx.edge("0", "1", side="sender")
     assert edge.stats().blocks_in_use == 4
     in_use = edge.stats().bytes_in_use
-    tx.cleanup("req_A")
+    assert tx.cleanup_request("req_A") == 3
     assert edge.stats().blocks_in_use == 1
     assert edge.stats().bytes_in_use < in_use
     for c in range(3):
         assert rx.get("0", "1", chunk_key("req_A", 0, c)) is None
     assert rx.get("0", "1", chunk_key("req_B", 0, 0)) is not None  # other requests untouched
-    tx.cleanup("req_A")  # idempotent
-    tx.cleanup("never-seen")
+    assert tx.cleanup_request("req_A") == 0  # idempotent
+    assert tx.cleanup_request("never-seen") == 0
     assert tx.health()["discarded"] == 3
 
 
@@ -379,11 +394,25 @@ def test_cleanup_of_an_exact_key_as_the_chunk_adapter_calls_it(pair):
         assert tx.put("0", "1", chunk_key("ext", 0, c), talker_to_code2wav())[0]
     tx.cleanup(chunk_key("ext", 0, 1))
     assert sender_blocks(tx) == 1
+    assert tx.health()["discarded"] == 1
     assert rx.get("0", "1", chunk_key("ext", 0, 0)) is not None
     assert rx.get("0", "1", chunk_key("ext", 0, 1)) is None
+    tx.cleanup(chunk_key("ext", 0, 1))  # idempotent
+    tx.cleanup("")  # never raises
+    tx.cleanup(None)
 
 
-def test_receiver_cleanup_discards_polled_and_later_chunks(pair):
+def test_receiver_cleanup_of_an_exact_key(pair):
+    tx, rx = pair
+    for c in range(2):
+        assert tx.put("0", "1", chunk_key("rk", 0, c), plain_metadata())[0]
+    rx.cleanup(chunk_key("rk", 0, 0))
+    assert rx.health()["discarded"] == 1
+    assert rx.get("0", "1", chunk_key("rk", 0, 0)) is None
+    assert rx.get("0", "1", chunk_key("rk", 0, 1)) is not None
+
+
+def test_receiver_cleanup_request_discards_polled_and_later_chunks(pair):
     tx, rx = pair
     assert tx.put("0", "1", chunk_key("abort", 0, 0), thinker_to_talker())[0]
     assert rx.get("0", "1", chunk_key("abort", 0, 0)) is not None  # chunk 0 read (and dropped)
@@ -391,7 +420,7 @@ def test_receiver_cleanup_discards_polled_and_later_chunks(pair):
     for c in range(1, 5):
         assert tx.put("0", "1", chunk_key("abort", 0, c), thinker_to_talker())[0]
     assert tx.put("0", "1", chunk_key("keep", 0, 0), thinker_to_talker())[0]
-    rx.cleanup("abort")  # the request was aborted downstream: chunks 1..4 are garbage
+    assert rx.cleanup_request("abort") == 4  # aborted downstream: chunks 1..4 are garbage
     assert rx.health()["discarded"] == 4
     # The sender gets the blocks back with its next put (it drains released blocks then).
     assert tx.put("0", "1", chunk_key("keep", 0, 1), plain_metadata())[0]
@@ -399,13 +428,25 @@ def test_receiver_cleanup_discards_polled_and_later_chunks(pair):
     assert rx.get("0", "1", chunk_key("keep", 0, 0)) is not None
 
 
-def test_receiver_cleanup_before_any_poll(pair):
+def test_receiver_cleanup_request_before_any_poll(pair):
     tx, rx = pair
     for c in range(2):
         assert tx.put("0", "1", chunk_key("early", 0, c), plain_metadata())[0]
     assert tx.put("0", "1", "early", plain_metadata())[0]  # a whole-request key
-    rx.cleanup("early")
+    assert rx.cleanup_request("early") == 3
     assert rx.health()["discarded"] == 3
+
+
+def test_abandon_get_forgets_the_polled_key_and_keeps_the_payload(pair):
+    tx, rx = pair
+    key = chunk_key("ab", 0, 0)
+    assert rx.get("0", "1", key) is None
+    assert rx.health()["pending_keys"] == 1
+    rx.abandon_get(key)
+    assert rx.health()["pending_keys"] == 0
+    assert tx.put("0", "1", key, plain_metadata())[0]
+    rx.abandon_get(key)  # a payload that arrived since is not touched
+    assert rx.get("0", "1", key) is not None
 
 
 def test_cleanup_returns_dev_shm_space_of_overflow_payloads():
@@ -418,7 +459,7 @@ def test_cleanup_returns_dev_shm_space_of_overflow_payloads():
         before = shm_entries()
         assert tx.put("0", "1", "huge_0_0", {"x": np.zeros(3 << 20, dtype=np.uint8)})[0]
         assert len(shm_entries() - before) == 1
-        tx.cleanup("huge")
+        tx.cleanup("huge_0_0")
         assert shm_entries() - before == set()
     finally:
         tx.close()

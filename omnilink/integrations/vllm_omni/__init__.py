@@ -68,16 +68,27 @@ which vLLM-Omni injects with the role). A ``put`` always opens the sending side 
 edge and a ``get`` the receiving side, whatever ``role`` says: a middle stage receives
 on one edge and sends on the next through the same adapter.
 
-Per-request bookkeeping, and what ``cleanup`` frees::
+Versions and contract: written against vLLM-Omni 0.30.0 and tested with its real
+``OmniConnectorFactory`` and ``OmniConnectorBase``. It follows 0.30.0's cleanup contract:
+``cleanup(key)`` frees exactly the payload put under ``key`` ("a raw request id is not an
+exact key and must not match any chunks"); the sweep of every chunk of a request is the
+separate method ``cleanup_request(request_id)``, which vLLM-Omni never calls and which is
+for callers that know every chunk of the request is garbage.
+
+Per-request bookkeeping, and what ``cleanup`` and ``cleanup_request`` free::
 
     put(key)       -> index[request_id] += ("sender", channel, key)
     get(key)=None  -> index[request_id] += ("receiver", channel, key)   (polled, not read)
     get(key)=data  -> index entry of key removed (consumed)
-    cleanup(rid)   -> discard every indexed key of rid (and the key rid itself); on each
+    abandon_get(k) -> the polled entry of k forgotten (the payload is left alone)
+    cleanup(key)   -> discard exactly key, wherever it is still unread on this adapter
+    cleanup_request(rid)
+                   -> discard every indexed key of rid (and the key rid itself); on each
                       receiving edge also discard the chunks {rid}_{from}_{c} that came
                       after the last one polled, while they are there
-    every second   -> entries older than ``pending_ttl``: sent payloads still unread are
-                      discarded (their consumer was failed long ago), polled ones forgotten
+    every second   -> sent keys a receiver claimed are forgotten (the backend's
+                      ``pending_keys``); entries older than ``pending_ttl``: sent payloads
+                      still unread are discarded, polled ones forgotten
 
 ``request_id`` of a key: the request id of a chunk key ``{request_id}_{from_stage}_{chunk}``
 (``omnilink.chunking.parse_chunk_key``, stage matching the edge), else the key itself.

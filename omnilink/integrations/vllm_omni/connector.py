@@ -38,7 +38,7 @@ from omnilink.integrations.vllm_omni.config import (
     _seconds,
 )
 from omnilink.integrations.vllm_omni.holds import _HoldWatch
-from omnilink.integrations.vllm_omni.index import _Entry, _request_of, _Tracked
+from omnilink.integrations.vllm_omni.index import _Entry, _request_of, _stage_of, _Tracked
 from omnilink.integrations.vllm_omni.payloads import _owned, _to_wire
 
 __all__: list[str] = []  # the package re-exports what is public
@@ -525,17 +525,67 @@ class _OmnilinkConnectorImpl:
 
     # --------------------------------------------------------------- cleanup
     def cleanup(self, request_id: str) -> None:
-        """Free every payload of ``request_id`` still pending on this adapter.
+        """Free the one payload stored under the exact key ``request_id``.
 
-        Discards (a) each key indexed for the request: sent and not read yet, or polled
-        and not read yet; (b) the key ``request_id`` itself (vLLM-Omni also passes exact
-        keys); (c) on each receiving edge, the chunks ``{request_id}_{from}_{c}`` that
-        arrived after the last one polled. Payloads already read are not touched: their
-        blocks go back when the caller drops the last view. Idempotent; a no-op after
-        ``close()``; never raises for an unknown request.
+        vLLM-Omni 0.30.0's contract (``OmniConnectorBase.cleanup``, as
+        ``SharedMemoryConnector`` implements it): the argument is the exact key given to
+        ``put``, never a request-id prefix, so ``cleanup("req")`` leaves ``req_0_0``
+        readable. The chunk adapter calls it once per chunk key of an aborted request
+        (``{external_req_id}_{stage}_{chunk}``). To free every chunk of a request, call
+        ``cleanup_request``.
+
+        The key is discarded on every edge this adapter has open where it is still
+        unread (a payload this stage sent, or one waiting for this stage). Payloads
+        already read are not touched: their blocks go back when the caller drops the last
+        view. Idempotent; a no-op after ``close()``; never raises for an unknown key.
+
+        Parameters
+        ----------
+        request_id : str
+            The exact key (the name is vLLM-Omni's).
         """
         if self._closed or not isinstance(request_id, str) or not request_id:
             return
+        key = request_id
+        stage = _stage_of(key)
+        with self._lock:
+            for entry in set(self._by_key.get(key, ())):
+                rec = self._entries.pop(entry, None)
+                if rec is not None:
+                    self._unindex_locked(entry, rec)
+            edges = list(self._edges)
+            if stage is not None and stage in self._edge_from.values():
+                # A chunk key names its sending stage: only that stage's edges hold it.
+                edges = [(side, ch) for side, ch in edges if self._edge_from.get(ch) in (None, stage)]
+        freed = sum(self._discard(side, channel, key) for side, channel in edges)
+        self._count(cleanups=1, discarded=freed)
+        if freed:
+            logger.debug("OmnilinkConnector: cleanup(%r) discarded %d payload(s)", key, freed)
+
+    def cleanup_request(self, request_id: str, /) -> int:
+        """Free every payload of request ``request_id`` still pending on this adapter.
+
+        The sweep that ``cleanup`` is not: it discards (a) each key indexed for the
+        request, sent and not read yet or polled and not read yet; (b) the key
+        ``request_id`` itself (a whole-request payload); (c) on each receiving edge, the
+        chunks ``{request_id}_{from}_{c}`` that arrived after the last one polled. Call it
+        only where every chunk of the request is garbage (the request was aborted on
+        both sides): a receiver that still has chunks to read loses them.
+
+        Payloads already read are not touched. Idempotent; a no-op after ``close()``.
+
+        Parameters
+        ----------
+        request_id : str
+            The request id (``external_req_id`` in vLLM-Omni), not a chunk key.
+
+        Returns
+        -------
+        int
+            How many payloads were discarded.
+        """
+        if self._closed or not isinstance(request_id, str) or not request_id:
+            return 0
         with self._lock:
             entries = set(self._by_rid.get(request_id, ())) | set(self._by_key.get(request_id, ()))
             records = []
@@ -569,7 +619,23 @@ class _OmnilinkConnectorImpl:
                 chunk += 1
         self._count(cleanups=1, discarded=freed)
         if freed:
-            logger.debug("OmnilinkConnector: cleanup(%r) discarded %d payload(s)", request_id, freed)
+            logger.debug("OmnilinkConnector: cleanup_request(%r) discarded %d payload(s)", request_id, freed)
+        return freed
+
+    def abandon_get(self, get_key: str) -> None:
+        """Forget that this stage polled ``get_key``; the payload itself is left alone.
+
+        vLLM-Omni calls this when it gives up waiting for a payload (its base class's
+        "retire unresolved discovery attempts"). Without it the polled key would stay in
+        the per-request index until ``pending_ttl``.
+        """
+        if self._closed or not isinstance(get_key, str):
+            return
+        with self._lock:
+            for entry in [e for e in self._by_key.get(get_key, ()) if e[0] == "receiver"]:
+                rec = self._entries.pop(entry, None)
+                if rec is not None:
+                    self._unindex_locked(entry, rec)
 
     # ---------------------------------------------------------------- health
     def health(self) -> dict[str, Any]:

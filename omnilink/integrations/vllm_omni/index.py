@@ -39,3 +39,11 @@ def _request_of(key: str, from_stage: str) -> tuple[str, str | None, int | None]
     if str(stage) != from_stage:
         return key, None, None
     return rid, from_stage, chunk
+
+
+def _stage_of(key: str) -> str | None:
+    """The sending stage a chunk key names, or ``None`` for any other key."""
+    try:
+        return str(parse_chunk_key(key)[1])
+    except ConfigurationError:
+        return None
