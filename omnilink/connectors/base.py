@@ -70,6 +70,10 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
     device_puts: int = 0
     device_gets: int = 0
     sliced: int = 0
+    #: unread payloads the transport dropped by itself because their receiver is gone or
+    #: took too long (shm: ``reclaim_after``, ``reclaim_unread``), as opposed to
+    #: ``discards`` a caller asked for
+    reclaimed: int = 0
     #: transport blocks (arena blocks, frames) currently held by this process
     blocks_in_use: int = 0
     bytes_in_use: int = 0
@@ -165,7 +169,7 @@ class BaseConnector:
         self._counter_lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "bytes_put", "bytes_got", "discards", "timeouts", "fallbacks",
-             "device_puts", "device_gets", "sliced"), 0
+             "device_puts", "device_gets", "sliced", "reclaimed"), 0
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._waiter: Any = None  # omnilink.connectors._async.ArrivalWaiter, on first aget

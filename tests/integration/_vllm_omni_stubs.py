@@ -68,6 +68,38 @@ def install() -> dict[str, Any]:
     }
 
 
+def install_shm_connector() -> type:
+    """Import vLLM-Omni's real ``SharedMemoryConnector`` class without vLLM.
+
+    Its module imports ``vllm_omni.entrypoints.stage_utils`` (which needs vLLM) only for
+    two byte helpers its ``put``/``get`` use; a stub module stands in for it, so the class
+    and its ``isinstance`` identity are the real ones (what the chunk adapter checks).
+    """
+    install()
+    root = vllm_omni_root()
+    if "vllm_omni.entrypoints.stage_utils" not in sys.modules:
+        pkg = types.ModuleType("vllm_omni.entrypoints")
+        pkg.__path__ = [os.path.join(root, "entrypoints")]  # type: ignore[attr-defined]
+        sys.modules.setdefault("vllm_omni.entrypoints", pkg)
+        utils = types.ModuleType("vllm_omni.entrypoints.stage_utils")
+
+        def _needs_vllm(*_args: Any, **_kwargs: Any) -> Any:
+            raise RuntimeError("stub: vLLM-Omni's stage_utils needs vLLM")
+
+        utils.shm_read_bytes = _needs_vllm  # type: ignore[attr-defined]
+        utils.shm_write_bytes = _needs_vllm  # type: ignore[attr-defined]
+        sys.modules["vllm_omni.entrypoints.stage_utils"] = utils
+    return importlib.import_module("vllm_omni.distributed.omni_connectors.connectors.shm_connector").SharedMemoryConnector
+
+
+def chunk_adapter_source() -> str:
+    """The text of vLLM-Omni's chunk adapter module (it imports vLLM, so it is read)."""
+    root = vllm_omni_root()
+    path = os.path.join(root, "distributed", "omni_connectors", "transfer_adapter", "chunk_transfer_adapter.py")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def create(extra: dict[str, Any]) -> Any:
     """Register omnilink with the real factory and create a connector the way vLLM-Omni
     does: ``create_connector(ConnectorSpec(name="OmnilinkConnector", extra=extra))``."""

@@ -9,6 +9,7 @@ under namespace stubs. Covers vLLM-Omni's connector contract (as
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import subprocess
@@ -490,6 +491,84 @@ def test_index_forgets_consumed_keys_when_the_backend_tells(pair):
     assert tx.health()["pending_keys"] == 3
     tx.reap_consumed()
     assert tx.health()["pending_keys"] == 2
+
+
+# ------------------------------------------------------------------ aborts and reclaim
+def test_reclaim_after_follows_the_engines_input_wait_timeout(monkeypatch):
+    monkeypatch.delenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", raising=False)
+    with make("ra-default", "sender", 0) as conn:
+        assert conn.health()["reclaim_after"] == 600.0
+    monkeypatch.setenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", "42.5")
+    with make("ra-env", "sender", 0) as conn:
+        assert conn.health()["reclaim_after"] == 42.5
+        assert conn.edge("0", "1", side="sender").reclaim_after == 42.5
+    monkeypatch.setenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", "0")  # the engine waits forever
+    with make("ra-off", "sender", 0) as conn:
+        assert conn.health()["reclaim_after"] is None
+    with make("ra-extra", "sender", 0, reclaim_after=7) as conn:
+        assert conn.health()["reclaim_after"] == 7.0
+    with make("ra-none", "sender", 0, reclaim_after=None) as conn:
+        assert conn.edge("0", "1", side="sender").reclaim_after is None
+    monkeypatch.setenv("VLLM_OMNI_INPUT_WAIT_TIMEOUT_S", "-1")
+    with pytest.raises(ValueError, match="VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"):  # the factory wraps it
+        make("ra-bad", "sender", 0)
+    with pytest.raises(ValueError, match="reclaim_after"):
+        make("ra-bad2", "sender", 0, reclaim_after="soon")
+
+
+def test_full_arena_reclaims_an_aborted_requests_unread_chunks(caplog):
+    # Request "gone" was aborted downstream after reading chunk 0; its other chunks are
+    # never read. Once they fill the arena, a live request's put reclaims the oldest of
+    # them instead of waiting on backpressure; the chunk the receiver holds stays valid.
+    opts = {"arena_bytes": 1 << 20, "max_inflight": 16}
+    tx = make("reclaim", "sender", 0, from_stage=0, to_stage=1, options=opts, reclaim_after=0, put_timeout=2.0)
+    rx = make("reclaim", "receiver", 1, from_stage=0, to_stage=1, options=opts)
+    try:
+        chunk = {"hidden_states.output": torch.ones(120 << 10, dtype=torch.bfloat16)}
+        for c in range(4):
+            assert tx.put("0", "1", chunk_key("gone", 0, c), chunk)[0]
+        held, _ = rx.get("0", "1", chunk_key("gone", 0, 0))
+        with caplog.at_level(logging.INFO, logger="omnilink.connectors.shm.connector"):
+            assert tx.put("0", "1", chunk_key("live", 0, 0), chunk)[0]
+        assert tx.health()["reclaimed"] == 1
+        assert any("'gone_0_1'" in r.getMessage() for r in caplog.records)
+        assert rx.get("0", "1", chunk_key("gone", 0, 1)) is None
+        assert rx.get("0", "1", chunk_key("live", 0, 0)) is not None
+        assert bool((held["hidden_states.output"] == 1).all())
+        del held
+    finally:
+        rx.close()
+        tx.close()
+
+
+def test_engine_abort_path_reaches_the_connector():
+    # vLLM-Omni 0.30.0's chunk adapter frees an aborted request's unread chunks only for
+    # connectors that are isinstance(SharedMemoryConnector), by exact keys on its save
+    # thread. Pin that code, then run the same calls against OmnilinkConnector.
+    src = stubs.chunk_adapter_source()
+    assert "isinstance(self.connector, SharedMemoryConnector)" in src
+    assert 'self.connector.cleanup(f"{key_prefix}_{chunk_id}")' in src
+    assert '{"cleanup_shm": (f"{external_req_id}_{self.connector.stage_id}", sender_token.num_puts)}' in src
+    shm_cls = stubs.install_shm_connector()
+    integ.register()
+    name = "abort-hook"
+    tx = make(name, "sender", 0, from_stage=0, to_stage=1)
+    rx = make(name, "receiver", 1, from_stage=0, to_stage=1)
+    try:
+        assert isinstance(tx, shm_cls)
+        assert not issubclass(shm_cls, integ.OmnilinkConnector)
+        for c in range(3):
+            assert tx.put("0", "1", chunk_key("ext", 0, c), plain_metadata())[0]
+        assert rx.get("0", "1", chunk_key("ext", 0, 0)) is not None  # read before the abort
+        key_prefix, num_puts = f"ext_{tx.stage_id}", 3  # what _queue_shm_cleanup_locked queues
+        for chunk_id in range(num_puts):  # what _send_single_request then runs
+            tx.cleanup(f"{key_prefix}_{chunk_id}")
+        assert tx.health()["discarded"] == 2  # chunk 0 was read: not touched
+        assert tx.edge("0", "1", side="sender").pending_keys() == []
+        assert rx.get("0", "1", chunk_key("ext", 0, 1)) is None
+    finally:
+        rx.close()
+        tx.close()
 
 
 # ------------------------------------------------------------------ chunk adapter + processes

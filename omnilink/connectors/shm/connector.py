@@ -344,6 +344,14 @@ class ShmConnector(BaseConnector):
     shrink_after : float
         Seconds an extension segment stays empty before it is given back (default 10).
         ``stats()`` shows ``segments``, ``bytes_mapped`` and ``bytes_held``.
+    reclaim_after : float, optional
+        Seconds after which an unread payload may be reclaimed (default ``None``: never).
+        When a ``put`` finds the arena full, before it waits for receivers it drops
+        payloads of this sender that no receiver has claimed and that were published
+        more than ``reclaim_after`` seconds ago, oldest first, only as many as the new
+        payload needs. Each is logged (key and age) and counted in ``stats().reclaimed``.
+        Set it to how long a live receiver may take to read a payload at most (an
+        engine's input wait timeout): older payloads belong to abandoned requests.
 
     Raises
     ------
@@ -361,6 +369,11 @@ class ShmConnector(BaseConnector):
     with what this receiver has read, and yields the CPU before it raises
     ``WouldBlock``, so a receiver polling in a tight loop does not slow the senders
     down.
+
+    A ``put`` that has to wait for space while every receiver it has known on the
+    channel has died raises ``PeerLostError`` instead of waiting out its timeout; the
+    unread payloads stay in the arena (a receiver that joins later may still claim them)
+    until ``reclaim_unread`` or ``reclaim_after`` drops them.
     """
 
     backend = "shm"
@@ -380,6 +393,7 @@ class ShmConnector(BaseConnector):
         slice_bytes: int = DEFAULT_SLICE_BYTES,
         max_bytes: int | None = None,
         shrink_after: float = DEFAULT_SHRINK_AFTER_S,
+        reclaim_after: float | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
@@ -394,6 +408,11 @@ class ShmConnector(BaseConnector):
             if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
                 raise ConfigurationError(f"{name} must be an int >= 4096, got {value!r}")
         Deadline(linger)  # validates: a number >= 0
+        if reclaim_after is not None and (
+            isinstance(reclaim_after, bool) or not isinstance(reclaim_after, (int, float)) or not reclaim_after >= 0
+        ):
+            raise ConfigurationError(f"reclaim_after must be a number of seconds >= 0 or None, got {reclaim_after!r}")
+        self.reclaim_after = None if reclaim_after is None else float(reclaim_after)
         if linger is None:
             raise ConfigurationError("linger must be a number of seconds >= 0, got None")
         if max_bytes is not None and (
@@ -460,6 +479,9 @@ class ShmConnector(BaseConnector):
         #: the readers, as a tuple the lock-free miss check can iterate while
         #: ``_refresh_locked`` replaces it
         self._reader_list: tuple[ArenaReader, ...] = ()
+        #: pids of other receivers this sender has seen alive / seen reaped as dead
+        self._receivers_seen: set[int] = set()
+        self._receivers_dead: set[int] = set()
 
     # ================================================================= sending
     def _put(self, key: str, payload: Any, deadline: Deadline, events: Any = None) -> int:
@@ -680,6 +702,7 @@ class ShmConnector(BaseConnector):
                     return got[0], got[1], w.free_desc.pop()
             expired = False
             grow = False
+            reclaimed: list[tuple[str, float, int]] = []
             try:
                 with chan.locked(_grace(deadline)):
                     freed = w.drain()
@@ -690,12 +713,26 @@ class ShmConnector(BaseConnector):
                         continue
                     if block and not primary_only and w.free_desc and self._may_grow(n):
                         grow = True
-                    elif deadline.remaining() == 0:
-                        expired = True  # raised below: building the error takes the mutex
                     else:
-                        w.set_waiting()
+                        if self.reclaim_after is not None:
+                            # Abandoned payloads (read past, old) go before anyone waits.
+                            need = round_up(max(n, 1)) if block else 0
+                            spaces = (w.primary,) if primary_only else tuple(w.spaces)
+                            reclaimed = w.reclaim_unread(
+                                self.reclaim_after,
+                                time.monotonic(),
+                                lambda: bool(w.free_desc) and any(sp.alloc.largest_free() >= need for sp in spaces),
+                            )
+                        if not reclaimed:
+                            if deadline.remaining() == 0:
+                                expired = True  # raised below: building the error takes the mutex
+                            else:
+                                w.set_waiting()
             except _LockTimeout:
                 expired = True
+            if reclaimed:
+                self._log_reclaimed(reclaimed, f"the arena was full (put of {key!r})")
+                continue
             if grow:
                 self._grow(n)  # on failure the next round waits: _may_grow says no now
                 continue
@@ -705,6 +742,46 @@ class ShmConnector(BaseConnector):
             if not woke:
                 tried_abandoned = False  # heartbeat: look for dead claimers again
                 self._heartbeat()
+                lost = self._receivers_lost()
+                if lost is not None:
+                    raise PeerLostError(
+                        f"shm: put of key {key!r} on channel {self.channel!r} waits for arena space, but "
+                        f"{lost} and no live receiver is left; {w.unclaimed()} unread payload(s) stay in "
+                        "the arena until reclaim_unread() (or reclaim_after) drops them"
+                    )
+
+    def _log_reclaimed(self, reclaimed: list[tuple[str, float, int]], why: str) -> None:
+        self._count(reclaimed=len(reclaimed))
+        for key, age, nbytes in reclaimed:
+            logger.info(
+                "shm: reclaimed unread payload %r on channel %r: published %.1f s ago, %d bytes (%s)",
+                key, self.channel, age, nbytes, why,
+            )
+
+    def _receivers_lost(self) -> str | None:
+        """Which receivers died, if every receiver this sender has known is gone.
+
+        Receivers are seen alive while a put waits (here) and seen dead when a heartbeat
+        reaps them. ``None`` while one is alive, or when none was ever known (a sender
+        may start before its receivers). Reporting forgets them: the next wait starts
+        afresh, so a restarted receiver is waited for again.
+        """
+        try:
+            with self._chan.locked(Deadline(1.0)):
+                parts = self._chan.participants()
+        except _LockTimeout:
+            return None
+        live = {pid for pid, role, _ in parts if role & ROLE_RECV and pid != self._pid and pid_alive(pid)}
+        if live:
+            self._receivers_seen |= live
+            self._receivers_dead -= live
+            return None
+        dead = self._receivers_seen | self._receivers_dead
+        if not dead:
+            return None
+        self._receivers_seen.clear()
+        self._receivers_dead.clear()
+        return f"receiver pid(s) {sorted(dead)} died"
 
     # ------------------------------------------------------------ elastic arena
     def _extension_size(self, n: int) -> int:
@@ -1109,6 +1186,8 @@ class ShmConnector(BaseConnector):
         except _LockTimeout:
             return
         chan.remove_reaped(reaped)
+        if self._sends:
+            self._receivers_dead.update(pid for pid, role, _ in reaped if role & ROLE_RECV)
         live_senders = [pid for pid, role, _ in parts if role & ROLE_SEND]
         if not live_senders and last_exit_dead and lost > chan.lost_baseline:
             if self._peer_lost is None:
@@ -1193,6 +1272,67 @@ class ShmConnector(BaseConnector):
         now = time.monotonic()
         return [(ref.key, ref.nbytes, now - ref.since)
                 for refs in list(self._releaser.held.values()) for ref in list(refs)]
+
+    def reclaim_unread(self, older_than: float, /) -> list[tuple[str, float]]:
+        """Drop this sender's payloads that no receiver has claimed and that were
+        published more than ``older_than`` seconds ago, oldest first.
+
+        For payloads of abandoned requests (their receiver gave up or died); pass ``0``
+        to drop every unread payload, e.g. after ``put`` raised ``PeerLostError``. A
+        payload a receiver has claimed is never touched. Each one dropped is logged with
+        its key and age and counted in ``stats().reclaimed``.
+
+        Parameters
+        ----------
+        older_than : float
+            Minimum age in seconds since publication.
+
+        Returns
+        -------
+        list of (str, float)
+            ``(key, age in seconds)`` of each payload dropped, oldest first.
+
+        Raises
+        ------
+        ConfigurationError
+            ``older_than`` is not a number >= 0, or this connector cannot send.
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        if isinstance(older_than, bool) or not isinstance(older_than, (int, float)) or not older_than >= 0:
+            raise ConfigurationError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+        w = self._writer
+        if w is None:
+            raise ConfigurationError(
+                f"shm connector on channel {self.channel!r} was opened with role='receiver' and has no arena"
+            )
+        with self._slock:
+            with self._chan.locked():
+                w.drain()
+                dropped = w.reclaim_unread(float(older_than), time.monotonic())
+        if dropped:
+            self._log_reclaimed(dropped, "reclaim_unread")
+        return [(key, age) for key, age, _ in dropped]
+
+    def pending_keys(self) -> list[str]:
+        """Keys this sender published that no receiver has claimed yet.
+
+        Lets a caller that indexes its keys (the vLLM-Omni adapter) forget the ones
+        already taken. Empty for a connector that cannot send.
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        self._check_open()
+        w = self._writer
+        if w is None:
+            return []
+        with self._slock:
+            with self._chan.locked():
+                return w.unread_keys()
 
     # =================================================================== misc
 

@@ -730,7 +730,7 @@ class Space:
 class _OutRec:
     """A sender's record of one descriptor it owns (process-local)."""
 
-    __slots__ = ("seq", "key", "offset", "reserved", "overflow", "space")
+    __slots__ = ("seq", "key", "offset", "reserved", "overflow", "space", "published")
 
     def __init__(self, seq: int, key: str, offset: int, reserved: int, overflow: str | None,
                  space: Space | None = None) -> None:
@@ -741,6 +741,8 @@ class _OutRec:
         self.overflow = overflow
         #: the ``Space`` holding the block (``None`` for an overflow segment)
         self.space = space
+        #: ``time.monotonic()`` at publication (set by ``ArenaWriter.publish``)
+        self.published = 0.0
 
 
 class ArenaWriter:
@@ -818,6 +820,9 @@ class ArenaWriter:
         mm[d + 64 : d + 64 + klen] = key_bytes
         _U32.pack_into(mm, self._log_offset + 4 * (seq % self._log_len), idx)
         _U64.pack_into(mm, _A_PUB, seq)
+        rec.published = time.monotonic()
+        # Insertion order of ``out`` is publication order (a reused descriptor is popped
+        # when reclaimed and re-inserted here): ``reclaim_unread`` relies on it.
         self.out[idx] = rec
 
     def drain(self) -> int:
@@ -931,6 +936,40 @@ class ArenaWriter:
             return False
         state, _claimer, seq = _DESC_HEAD.unpack_from(self.mm, _DESC_OFFSET + idx * DESC_SIZE)
         return state == WRITTEN and seq == rec.seq
+
+    def reclaim_unread(
+        self, older_than: float, now: float, enough: Callable[[], bool] | None = None
+    ) -> list[tuple[str, float, int]]:
+        """Drop unclaimed (WRITTEN) payloads published more than ``older_than`` seconds
+        before ``now``, oldest first, until ``enough()`` says so (``None``: all of them).
+
+        Returns ``(key, age in seconds, bytes reserved)`` of each payload dropped. A
+        payload a receiver has claimed is never touched.
+        """
+        mm = self.mm
+        cutoff = now - older_than
+        dropped: list[tuple[str, float, int]] = []
+        for idx, rec in list(self.out.items()):
+            if rec.published > cutoff:
+                break  # publication order: every later one is younger
+            state, _claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
+            if state != WRITTEN or seq != rec.seq:
+                continue
+            self._reclaim(idx)
+            dropped.append((rec.key, now - rec.published, rec.reserved))
+            if enough is not None and enough():
+                break
+        return dropped
+
+    def unread_keys(self) -> list[str]:
+        """Keys of our payloads no receiver has claimed yet."""
+        mm = self.mm
+        out = []
+        for idx, rec in self.out.items():
+            state, _claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
+            if state == WRITTEN and seq == rec.seq:
+                out.append(rec.key)
+        return out
 
     def unclaimed(self) -> int:
         mm = self.mm

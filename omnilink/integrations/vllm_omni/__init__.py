@@ -115,12 +115,39 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
 ``hold_warn_s``             a request that has held a received payload's views (its
                             arena block) longer than this is logged, once (default
                             120; ``None``: never)
+``reclaim_after``           ``shm`` only: seconds after which an unread payload may be
+                            reclaimed when the arena is full (default: the engine's
+                            ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S``, 600 when unset; ``None``
+                            or that variable at 0: never). See "Aborted requests"
 ``codec_chunk_frames``,     read by vLLM-Omni's stage processors; checked here to be
 ``codec_left_context_``     ints (>= 1, >= 0, >= 1)
 ``frames``, ``initial_``
 ``codec_chunk_frames``
 ``stage_id``, ``role``      injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
 ==========================  ===========================================================
+
+Aborted requests (a cancelled stream, a timeout, a client that went away) leave chunks
+nobody will read. Three things give their memory back:
+
+1. The engine's abort path. vLLM-Omni 0.30.0's chunk adapter calls the exact-key
+   ``cleanup`` for every chunk of an aborted request only for a ``SharedMemoryConnector``;
+   ``register`` makes this class a virtual subclass of it (where vLLM is installed), so
+   the adapter does the same for omnilink.
+2. Reclaim under pressure, with no help from the engine. When a ``put`` finds the
+   ``shm`` arena full, it first drops payloads no receiver has claimed that were published
+   more than ``reclaim_after`` seconds ago, oldest first, only as many as it needs. Each
+   is logged with its key and age and counted (``health()["reclaimed"]``, the edge's
+   ``stats().reclaimed``). A payload a receiver holds is never touched, and the default
+   age is the engine's own input wait timeout: vLLM-Omni fails a request whose stage
+   waited that long for input, so a chunk unread for longer belongs to a dead request
+   (the assumption: a live receiver reads each chunk within that time of its arrival).
+3. Receivers that died. A ``put`` that has to wait for room while every receiver of its
+   edge is dead gets ``PeerLostError`` from the backend; the adapter logs it for the
+   edge, counts it (``health()["peer_lost"]``), reclaims every unread payload of the
+   edge (their requests died with the receiver) and reports the put as failed. A
+   receiver started afterwards carries on with new requests.
+
+``pending_ttl`` stays the backstop for backends without an arena.
 
 Payloads: whatever tensor_blob carries (dicts with dotted keys such as ``codes.audio``
 and ``meta.finished``, tensors of any dtype and device, numpy arrays, plain values), plus
@@ -136,7 +163,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import ConfigurationError
 from omnilink.integrations.vllm_omni.config import _FACTORY_MODULE, CONNECTOR_NAME, import_failure
-from omnilink.integrations.vllm_omni.connector import _connector_class, _load_base
+from omnilink.integrations.vllm_omni.connector import _connector_class, _load_base, _wire_abort_cleanup
 
 if TYPE_CHECKING:  # pragma: no cover
     from omnilink.integrations.vllm_omni.connector import _OmnilinkConnectorImpl
@@ -152,6 +179,11 @@ def register(factory: Any = None) -> type:
     Idempotent: a factory that already maps ``"OmnilinkConnector"`` to this class is left
     as it is. vLLM-Omni calls this in every process at start-up through the
     ``vllm_omni.general_plugins`` entry point.
+
+    Where vLLM-Omni's ``SharedMemoryConnector`` module imports (with vLLM), this also
+    wires the engine's abort path: the class becomes a virtual subclass of
+    ``SharedMemoryConnector``, so the chunk adapter queues the exact-key ``cleanup`` of an
+    aborted request's unread chunks for it as it does for its own connector.
 
     Parameters
     ----------
@@ -184,6 +216,7 @@ def register(factory: Any = None) -> type:
             "OmnilinkConnector was built before vLLM-Omni was importable and does not subclass "
             "OmniConnectorBase; import vLLM-Omni before omnilink.integrations.vllm_omni"
         )
+    _wire_abort_cleanup(cls)
     registry = getattr(factory, "_registry", None)
     if isinstance(registry, dict) and registry.get(CONNECTOR_NAME) is cls:
         return cls

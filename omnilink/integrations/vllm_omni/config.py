@@ -19,6 +19,10 @@ DEFAULT_MAX_TRACKED_KEYS = 65536
 #: Seconds a request may hold a received payload's views before the adapter logs it
 #: (once per request; ``None`` turns it off).
 DEFAULT_HOLD_WARN_S = 120.0
+#: vLLM-Omni's environment variable (and its default, 0.30.0) bounding how long a request
+#: may wait for stage input before the scheduler fails it; 0 disables that deadline.
+INPUT_WAIT_TIMEOUT_ENV = "VLLM_OMNI_INPUT_WAIT_TIMEOUT_S"
+DEFAULT_INPUT_WAIT_TIMEOUT = 600.0
 #: Seconds between two sweeps of the per-request index (a sweep is cheap; this only
 #: keeps it off the per-call path).
 _REAP_INTERVAL = 1.0
@@ -87,3 +91,35 @@ def _seconds(extra: dict[str, Any], name: str, default: float | None, *, allow_n
             f"{' or None' if allow_none else ''}, got {value!r}"
         )
     return float(value)
+
+
+def default_reclaim_after(environ: Any = None) -> float | None:
+    """``reclaim_after`` when the stage config does not set it: the engine's input wait
+    timeout, ``VLLM_OMNI_INPUT_WAIT_TIMEOUT_S`` (600 s when unset, as in vLLM-Omni).
+
+    ``None`` (no reclaim) when it is 0: the engine then lets a request wait for its input
+    forever, so no age proves a payload abandoned.
+
+    Raises
+    ------
+    ConfigurationError
+        The variable is not a finite number >= 0 (vLLM-Omni refuses to start then too).
+    """
+    import math
+    import os
+
+    env = os.environ if environ is None else environ
+    raw = env.get(INPUT_WAIT_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_INPUT_WAIT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        # vLLM-Omni warns and falls back to its default: do the same.
+        return DEFAULT_INPUT_WAIT_TIMEOUT
+    if not math.isfinite(value) or value < 0:
+        raise ConfigurationError(
+            f"OmnilinkConnector: {INPUT_WAIT_TIMEOUT_ENV}={raw!r} must be a finite number of seconds >= 0 "
+            "(or set extra['reclaim_after'])"
+        )
+    return None if value == 0 else value

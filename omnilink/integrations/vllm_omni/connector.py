@@ -35,6 +35,7 @@ from omnilink.integrations.vllm_omni.config import (
     DEFAULT_PENDING_TTL,
     DEFAULT_PUT_TIMEOUT,
     _check_int,
+    default_reclaim_after,
     _seconds,
 )
 from omnilink.integrations.vllm_omni.holds import _HoldWatch
@@ -76,8 +77,9 @@ class _OmnilinkConnectorImpl:
         self._lost_logged: set[str] = set()
         self._overflow_warned = False
         self._counters = {"puts": 0, "gets": 0, "put_failures": 0, "bytes_put": 0, "bytes_got": 0,
-                          "cleanups": 0, "discarded": 0, "expired": 0}
+                          "cleanups": 0, "discarded": 0, "expired": 0, "peer_lost": 0}
         self._next_reap = time.monotonic() + _REAP_INTERVAL
+        self._reclaim_after: float | None = None
 
         if config is None:
             config = {}
@@ -121,6 +123,18 @@ class _OmnilinkConnectorImpl:
         self._put_timeout = _seconds(config, "put_timeout", DEFAULT_PUT_TIMEOUT, allow_none=True)
         self._pending_ttl = _seconds(config, "pending_ttl", DEFAULT_PENDING_TTL, allow_none=True)
         self._holds = _HoldWatch(_seconds(config, "hold_warn_s", DEFAULT_HOLD_WARN_S, allow_none=True))
+        if "reclaim_after" in config:
+            reclaim_after = _seconds(config, "reclaim_after", None, allow_none=True)
+        else:
+            reclaim_after = default_reclaim_after()
+        if backend == "shm":
+            # The backend with an arena reclaims unread payloads of abandoned requests
+            # itself, under pressure and only past the engine's input wait timeout.
+            self._options.setdefault("reclaim_after", reclaim_after)
+            reclaim_after = self._options["reclaim_after"]
+        else:
+            reclaim_after = None
+        self._reclaim_after = reclaim_after
         zero_copy = config.get("zero_copy", True)
         if not isinstance(zero_copy, bool):
             raise ConfigurationError(f"OmnilinkConnector: extra['zero_copy'] must be a bool, got {zero_copy!r}")
@@ -386,6 +400,10 @@ class _OmnilinkConnectorImpl:
             entry = self._track("sender", channel, put_key, src, busy=True)
             try:
                 n = conn.put(put_key, payload, timeout=self._put_timeout)
+            except PeerLostError as exc:
+                self._untrack(entry)
+                self._receivers_gone(channel, conn, exc)
+                raise
             except BaseException:
                 self._untrack(entry)
                 raise
@@ -400,6 +418,26 @@ class _OmnilinkConnectorImpl:
             return False, 0, None
         self._count(puts=1, bytes_put=n)
         return True, n, {"omnilink": {"backend": self.backend, "channel": channel, "key": put_key}, "size": n}
+
+    def _receivers_gone(self, channel: str, conn: Any, exc: PeerLostError) -> None:
+        """Every receiver of ``channel`` died: what waits for them in the arena is garbage.
+
+        The requests they were reading are failed by the engine; a receiver started
+        afterwards reads only new requests. So every unread payload of this edge is
+        reclaimed now, and the next ``put`` finds room for it.
+        """
+        self._count(peer_lost=1)
+        reclaim = getattr(conn, "reclaim_unread", None)
+        dropped = 0
+        if reclaim is not None:
+            try:
+                dropped = len(reclaim(0))
+            except OmnilinkError as err:
+                logger.warning("OmnilinkConnector: reclaiming the arena of %r failed: %s", channel, err)
+        logger.warning(
+            "OmnilinkConnector: edge %r lost its receivers (%s); reclaimed %d unread payload(s)",
+            channel, exc, dropped,
+        )
 
     # ------------------------------------------------------------------- get
     def _get_channel(self, from_stage: str, to_stage: str, get_key: str, metadata: Any) -> str:
@@ -642,8 +680,10 @@ class _OmnilinkConnectorImpl:
         """Status and counters: ``status`` (``"healthy"`` or ``"closed"``), ``backend``,
         ``role``, ``stage_id``, ``puts``, ``gets``, ``put_failures``, ``bytes_put``,
         ``bytes_got``, ``pending_keys`` (size of the per-request index), ``cleanups``,
-        ``discarded``, ``expired`` and ``edges`` (``"side:channel"`` -> the omnilink
-        connector's ``stats()`` as a dict)."""
+        ``discarded``, ``expired``, ``reclaimed`` (unread payloads the backend reclaimed
+        by itself, summed over the edges: see ``reclaim_after``), ``reclaim_after``,
+        ``peer_lost`` (puts that found every receiver of their edge dead) and ``edges``
+        (``"side:channel"`` -> the omnilink connector's ``stats()`` as a dict)."""
         import msgspec
 
         with self._lock:
@@ -652,7 +692,8 @@ class _OmnilinkConnectorImpl:
             edges = list(self._edges.items())
             closed = self._closed
         out.update(status="closed" if closed else "healthy", backend=self.backend, role=self.role,
-                   stage_id=self.stage_id, bytes_transferred=out["bytes_put"] + out["bytes_got"])
+                   stage_id=self.stage_id, bytes_transferred=out["bytes_put"] + out["bytes_got"],
+                   reclaim_after=self._reclaim_after)
         stats: dict[str, Any] = {}
         for (side, channel), conn in edges:
             try:
@@ -660,6 +701,7 @@ class _OmnilinkConnectorImpl:
             except ClosedError:
                 continue
         out["edges"] = stats
+        out["reclaimed"] = sum(int(st.get("reclaimed", 0)) for st in stats.values())
         return out
 
     # ----------------------------------------------------------------- close
@@ -714,6 +756,35 @@ class _OmnilinkConnectorImpl:
 
 
 # ------------------------------------------------------------------ class and registration
+_SHM_CONNECTOR_MODULE = "vllm_omni.distributed.omni_connectors.connectors.shm_connector"
+
+
+def _wire_abort_cleanup(cls: type) -> bool:
+    """Let vLLM-Omni's chunk adapter clean up aborted requests on ``cls`` too.
+
+    vLLM-Omni 0.30.0's ``OmniChunkTransferAdapter`` frees the unread chunks of an aborted
+    request only ``if isinstance(self.connector, SharedMemoryConnector)``: it then queues,
+    on its save thread, ``connector.cleanup(f"{external_req_id}_{stage_id}_{chunk}")`` for
+    every chunk it put. ``cls`` keeps that exact-key contract, so it is registered as a
+    virtual subclass of ``SharedMemoryConnector`` (``ABCMeta.register``: no code of that
+    class is inherited or run; ``isinstance`` answers True, which in 0.30.0 only these two
+    places ask). Returns whether it was wired; without vLLM (the module imports it) there
+    is no adapter to wire.
+    """
+    import importlib
+
+    try:
+        shm_cls = importlib.import_module(_SHM_CONNECTOR_MODULE).SharedMemoryConnector
+    except Exception as exc:  # ImportError without vLLM; anything a foreign import raises
+        logger.debug("OmnilinkConnector: vLLM-Omni's abort cleanup not wired (%s)", exc)
+        return False
+    register = getattr(shm_cls, "register", None)
+    if register is None:  # not an ABC in this vLLM-Omni version
+        return False
+    register(cls)
+    return True
+
+
 _class: type | None = None
 _class_lock = threading.Lock()
 

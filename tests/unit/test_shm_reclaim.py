@@ -1,0 +1,114 @@
+"""Reclaiming unread payloads in the ``shm`` backend: ``reclaim_after`` (under arena
+pressure, oldest first, only payloads older than the limit), ``reclaim_unread`` and
+``pending_keys``. A payload a receiver has claimed is never reclaimed."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+import omnilink
+from omnilink.connectors.shm import ShmConnector
+
+ARENA = 1 << 20  # the smallest arena: with 16 descriptors, 4 payloads of 240 KiB fill it
+N = 240 << 10
+
+
+def _payload(i: int) -> dict:
+    return {"i": i, "x": np.full(N, i % 251, dtype=np.uint8)}
+
+
+@pytest.fixture
+def channel(request):
+    return f"reclaim-{os.getpid()}-{request.node.name[:40]}"
+
+
+def _fill(tx, count: int) -> list[str]:
+    keys = [f"k{i}" for i in range(count)]
+    for i, key in enumerate(keys):
+        tx.put(key, _payload(i), timeout=5.0)
+    return keys
+
+
+def test_full_arena_reclaims_oldest_unread_payloads_only_as_needed(channel, caplog):
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        keys = _fill(tx, 4)
+        assert tx.stats().reclaimed == 0
+        with caplog.at_level(logging.INFO, logger="omnilink.connectors.shm.connector"):
+            tx.put("new", _payload(99), timeout=5.0)  # the arena is full: k0 goes
+        assert tx.stats().reclaimed == 1
+        assert any("'k0'" in r.getMessage() and "s ago" in r.getMessage() for r in caplog.records)
+        with pytest.raises(omnilink.WouldBlock):
+            rx.get_nowait("k0")
+        for i, key in enumerate(keys[1:], start=1):
+            assert int(rx.get_nowait(key)["x"][0]) == i
+        assert rx.get_nowait("new")["i"] == 99
+
+
+def test_claimed_payloads_are_never_reclaimed(channel):
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        _fill(tx, 4)
+        held = rx.get_nowait("k0")  # claimed and still viewed: a live request holds it
+        addr = held["x"].ctypes.data
+        for i in range(4, 10):  # each put reclaims an unread one, never k0
+            tx.put(f"k{i}", _payload(i), timeout=5.0)
+        assert tx.stats().reclaimed == 6
+        assert held["x"].ctypes.data == addr and int(held["x"].min()) == 0 and int(held["x"].max()) == 0
+        assert tx.stats().blocks_in_use == 4
+        del held
+
+
+def test_payloads_younger_than_the_limit_are_not_reclaimed(channel):
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=3600.0) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        keys = _fill(tx, 4)
+        with pytest.raises(omnilink.TransferTimeout):
+            tx.put("new", _payload(9), timeout=0.3)
+        assert tx.stats().reclaimed == 0
+        assert [rx.get_nowait(k)["i"] for k in keys] == [0, 1, 2, 3]
+
+
+def test_without_reclaim_after_a_full_arena_blocks(channel):
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx:
+        _fill(tx, 4)
+        with pytest.raises(omnilink.TransferTimeout):
+            tx.put("new", _payload(9), timeout=0.3)
+        assert tx.stats().reclaimed == 0
+
+
+def test_reclaim_unread_drops_unclaimed_payloads_oldest_first(channel, caplog):
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        _fill(tx, 3)
+        held = rx.get_nowait("k1")
+        assert tx.reclaim_unread(3600.0) == []
+        assert sorted(tx.pending_keys()) == ["k0", "k2"]
+        with caplog.at_level(logging.INFO, logger="omnilink.connectors.shm.connector"):
+            dropped = tx.reclaim_unread(0)
+        assert [k for k, _ in dropped] == ["k0", "k2"]
+        assert all(age >= 0 for _, age in dropped)
+        assert sum("reclaimed unread payload" in r.getMessage() for r in caplog.records) == 2
+        assert tx.stats().reclaimed == 2
+        assert tx.pending_keys() == []
+        assert held["i"] == 1
+        del held
+
+
+def test_reclaim_options_are_validated(channel):
+    for bad in (-1, "5", True, float("nan")):
+        with pytest.raises(omnilink.ConfigurationError, match="reclaim_after"):
+            ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=bad)
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx:
+        with pytest.raises(omnilink.ConfigurationError, match="older_than"):
+            tx.reclaim_unread(-1)
+    with ShmConnector(channel=channel, role="receiver") as rx:
+        with pytest.raises(omnilink.ConfigurationError, match="no arena"):
+            rx.reclaim_unread(0)
+        assert rx.pending_keys() == []
+    with pytest.raises(omnilink.ClosedError):
+        rx.pending_keys()
