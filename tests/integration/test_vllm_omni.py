@@ -517,23 +517,25 @@ def test_reclaim_after_follows_the_engines_input_wait_timeout(monkeypatch):
 
 
 def test_full_arena_reclaims_an_aborted_requests_unread_chunks(caplog):
-    # Request "gone" was aborted downstream after reading chunk 0; its other chunks are
-    # never read. Once they fill the arena, a live request's put reclaims the oldest of
-    # them instead of waiting on backpressure; the chunk the receiver holds stays valid.
+    # Request "gone" was aborted before its chunks were read; the receiver went on to
+    # the live request and holds its chunk. Once the unread chunks fill the arena, the
+    # live request's next put reclaims the oldest of them instead of waiting on
+    # backpressure; the chunk the receiver holds stays valid.
     opts = {"arena_bytes": 1 << 20, "max_inflight": 16}
     tx = make("reclaim", "sender", 0, from_stage=0, to_stage=1, options=opts, reclaim_after=0, put_timeout=2.0)
     rx = make("reclaim", "receiver", 1, from_stage=0, to_stage=1, options=opts)
     try:
         chunk = {"hidden_states.output": torch.ones(120 << 10, dtype=torch.bfloat16)}
-        for c in range(4):
+        for c in range(3):
             assert tx.put("0", "1", chunk_key("gone", 0, c), chunk)[0]
-        held, _ = rx.get("0", "1", chunk_key("gone", 0, 0))
+        assert tx.put("0", "1", chunk_key("live", 0, 0), chunk)[0]
+        held, _ = rx.get("0", "1", chunk_key("live", 0, 0))
         with caplog.at_level(logging.INFO, logger="omnilink.connectors.shm.connector"):
-            assert tx.put("0", "1", chunk_key("live", 0, 0), chunk)[0]
+            assert tx.put("0", "1", chunk_key("live", 0, 1), chunk)[0]
         assert tx.health()["reclaimed"] == 1
-        assert any("'gone_0_1'" in r.getMessage() for r in caplog.records)
-        assert rx.get("0", "1", chunk_key("gone", 0, 1)) is None
-        assert rx.get("0", "1", chunk_key("live", 0, 0)) is not None
+        assert any("'gone_0_0'" in r.getMessage() for r in caplog.records)
+        assert rx.get("0", "1", chunk_key("gone", 0, 0)) is None
+        assert rx.get("0", "1", chunk_key("live", 0, 1)) is not None
         assert bool((held["hidden_states.output"] == 1).all())
         del held
     finally:

@@ -1,6 +1,7 @@
 """Reclaiming unread payloads in the ``shm`` backend: ``reclaim_after`` (under arena
-pressure, oldest first, only payloads older than the limit), ``reclaim_unread`` and
-``pending_keys``. A payload a receiver has claimed is never reclaimed."""
+pressure, oldest first, only payloads older than the limit that the receivers have read
+past), ``reclaim_unread`` and ``pending_keys``. A payload a receiver has claimed is never
+reclaimed."""
 
 from __future__ import annotations
 
@@ -33,33 +34,55 @@ def _fill(tx, count: int) -> list[str]:
     return keys
 
 
-def test_full_arena_reclaims_oldest_unread_payloads_only_as_needed(channel, caplog):
+def test_full_arena_reclaims_overtaken_unread_payloads_oldest_first(channel, caplog):
     with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         keys = _fill(tx, 4)
+        held = rx.get_nowait("k3")  # the receiver read past k0..k2 (and holds k3)
         assert tx.stats().reclaimed == 0
         with caplog.at_level(logging.INFO, logger="omnilink.connectors.shm.connector"):
-            tx.put("new", _payload(99), timeout=5.0)  # the arena is full: k0 goes
+            tx.put("new", _payload(99), timeout=5.0)  # the arena is full: k0 goes, only k0
         assert tx.stats().reclaimed == 1
         assert any("'k0'" in r.getMessage() and "s ago" in r.getMessage() for r in caplog.records)
         with pytest.raises(omnilink.WouldBlock):
             rx.get_nowait("k0")
-        for i, key in enumerate(keys[1:], start=1):
+        for i, key in enumerate(keys[1:3], start=1):
             assert int(rx.get_nowait(key)["x"][0]) == i
         assert rx.get_nowait("new")["i"] == 99
+        assert int(held["x"][0]) == 3
+        del held
 
 
-def test_claimed_payloads_are_never_reclaimed(channel):
+def test_claimed_and_not_overtaken_payloads_are_never_reclaimed(channel):
     with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         _fill(tx, 4)
-        held = rx.get_nowait("k0")  # claimed and still viewed: a live request holds it
-        addr = held["x"].ctypes.data
-        for i in range(4, 10):  # each put reclaims an unread one, never k0
+        held0 = rx.get_nowait("k0")  # claimed and still viewed: a live request holds it
+        held3 = rx.get_nowait("k3")
+        addr = held0["x"].ctypes.data
+        for i in (4, 5):  # each put reclaims an overtaken unread one (k1, k2)
             tx.put(f"k{i}", _payload(i), timeout=5.0)
-        assert tx.stats().reclaimed == 6
-        assert held["x"].ctypes.data == addr and int(held["x"].min()) == 0 and int(held["x"].max()) == 0
-        assert tx.stats().blocks_in_use == 4
+        assert tx.stats().reclaimed == 2
+        # k4 and k5 were published after everything read so far: not reclaimed.
+        with pytest.raises(omnilink.TransferTimeout):
+            tx.put("k6", _payload(6), timeout=0.3)
+        assert tx.stats().reclaimed == 2
+        assert held0["x"].ctypes.data == addr and int(held0["x"].min()) == 0 and int(held0["x"].max()) == 0
+        assert int(held3["x"].min()) == 3 and int(held3["x"].max()) == 3
+        assert [rx.get_nowait(k)["i"] for k in ("k4", "k5")] == [4, 5]
+        del held0, held3
+
+
+def test_a_receiver_that_is_only_behind_loses_nothing(channel):
+    # Reading in publication order, however slowly, never reads past an unread payload.
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        keys = _fill(tx, 4)
+        held = rx.get_nowait("k0")
+        with pytest.raises(omnilink.TransferTimeout):
+            tx.put("new", _payload(9), timeout=0.3)
+        assert tx.stats().reclaimed == 0
+        assert [rx.get_nowait(k)["i"] for k in keys[1:]] == [1, 2, 3]
         del held
 
 
@@ -67,10 +90,12 @@ def test_payloads_younger_than_the_limit_are_not_reclaimed(channel):
     with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=3600.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         keys = _fill(tx, 4)
+        held = rx.get_nowait("k3")
         with pytest.raises(omnilink.TransferTimeout):
             tx.put("new", _payload(9), timeout=0.3)
         assert tx.stats().reclaimed == 0
-        assert [rx.get_nowait(k)["i"] for k in keys] == [0, 1, 2, 3]
+        assert [rx.get_nowait(k)["i"] for k in keys[:3]] == [0, 1, 2]
+        del held
 
 
 def test_without_reclaim_after_a_full_arena_blocks(channel):
@@ -112,3 +137,19 @@ def test_reclaim_options_are_validated(channel):
         assert rx.pending_keys() == []
     with pytest.raises(omnilink.ClosedError):
         rx.pending_keys()
+
+
+def test_receiver_key_index_forgets_payloads_it_never_read(channel):
+    # Unread payloads the sender dropped (discarded or reclaimed) leave no entry behind in
+    # a receiver's key index once their descriptor is published again: it stays as small
+    # as the arena however many go by.
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        for i in range(200):
+            tx.put(f"gone{i}", {"i": i}, timeout=5.0)
+            with pytest.raises(omnilink.WouldBlock):
+                rx.get_nowait("nothing")  # the receiver scans and indexes gone{i}
+            assert tx.discard(f"gone{i}")
+        assert len(rx._index) <= 16
+        tx.put("last", {"i": -1}, timeout=5.0)
+        assert rx.get_nowait("last")["i"] == -1

@@ -347,11 +347,16 @@ class ShmConnector(BaseConnector):
     reclaim_after : float, optional
         Seconds after which an unread payload may be reclaimed (default ``None``: never).
         When a ``put`` finds the arena full, before it waits for receivers it drops
-        payloads of this sender that no receiver has claimed and that were published
-        more than ``reclaim_after`` seconds ago, oldest first, only as many as the new
+        payloads of this sender that no receiver has claimed, that were published more
+        than ``reclaim_after`` seconds ago and that the receivers have read past (a
+        payload published after them was claimed), oldest first, only as many as the new
         payload needs. Each is logged (key and age) and counted in ``stats().reclaimed``.
         Set it to how long a live receiver may take to read a payload at most (an
-        engine's input wait timeout): older payloads belong to abandoned requests.
+        engine's input wait timeout): payloads left behind that long belong to abandoned
+        requests. A receiver that is stalled, or behind and reading in publication order,
+        has read past none of what it still has to read, so it loses nothing. One that
+        catches up on a backlog out of order (many streams side by side) must do so
+        within ``reclaim_after``.
 
     Raises
     ------
@@ -722,6 +727,7 @@ class ShmConnector(BaseConnector):
                                 self.reclaim_after,
                                 time.monotonic(),
                                 lambda: bool(w.free_desc) and any(sp.alloc.largest_free() >= need for sp in spaces),
+                                overtaken_only=True,
                             )
                         if not reclaimed:
                             if deadline.remaining() == 0:

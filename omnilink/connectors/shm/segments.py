@@ -788,6 +788,9 @@ class ArenaWriter:
         self.pub_seq = 0
         self.overflow_bytes = 0
         self.closed = False
+        #: publication time of the newest payload known to have been claimed: how far
+        #: the receivers have read (see ``reclaim_unread``)
+        self.frontier = 0.0
 
     @property
     def data_bytes(self) -> int:
@@ -836,6 +839,9 @@ class ArenaWriter:
         while tail < head:
             idx = _U32.unpack_from(mm, rel + 4 * (tail % n_desc))[0]
             tail += 1
+            rec = self.out.get(idx)
+            if rec is not None and rec.published > self.frontier:
+                self.frontier = rec.published
             if self._reclaim(idx):
                 n += 1
         _U64.pack_into(mm, _A_REL_TAIL, tail)
@@ -871,6 +877,9 @@ class ArenaWriter:
                     ok = alive[claimer] = pid_alive(claimer)
                 if not ok:
                     logger.info("shm arena %s: reclaiming block held by dead pid %d", self.name, claimer)
+                    rec = self.out[idx]
+                    if rec.published > self.frontier:
+                        self.frontier = rec.published
                     self._reclaim(idx)
                     n += 1
         return n
@@ -938,21 +947,37 @@ class ArenaWriter:
         return state == WRITTEN and seq == rec.seq
 
     def reclaim_unread(
-        self, older_than: float, now: float, enough: Callable[[], bool] | None = None
+        self,
+        older_than: float,
+        now: float,
+        enough: Callable[[], bool] | None = None,
+        *,
+        overtaken_only: bool = False,
     ) -> list[tuple[str, float, int]]:
         """Drop unclaimed (WRITTEN) payloads published more than ``older_than`` seconds
         before ``now``, oldest first, until ``enough()`` says so (``None``: all of them).
+
+        With ``overtaken_only``, only payloads published before the newest one a receiver
+        has claimed (``frontier``): the receivers read past them. A receiver that is only
+        behind, or stalled, reading in publication order, has read past none of what it
+        still has to read, however old.
 
         Returns ``(key, age in seconds, bytes reserved)`` of each payload dropped. A
         payload a receiver has claimed is never touched.
         """
         mm = self.mm
         cutoff = now - older_than
+        items = list(self.out.items())
+        states = [_DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE) for idx, _ in items]
+        if overtaken_only:
+            for (_idx, rec), (state, _claimer, seq) in zip(items, states):
+                if state in (CLAIMED, RELEASED) and seq == rec.seq and rec.published > self.frontier:
+                    self.frontier = rec.published
+            cutoff = min(cutoff, self.frontier)
         dropped: list[tuple[str, float, int]] = []
-        for idx, rec in list(self.out.items()):
-            if rec.published > cutoff:
+        for (idx, rec), (state, _claimer, seq) in zip(items, states):
+            if rec.published >= cutoff:
                 break  # publication order: every later one is younger
-            state, _claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
             if state != WRITTEN or seq != rec.seq:
                 continue
             self._reclaim(idx)
@@ -1045,6 +1070,10 @@ class ArenaReader:
         self._rel_offset = lay.rel_offset
         self._n_desc = n_desc
         self.cursor = 0
+        #: descriptor -> the key this reader last indexed for it: when the descriptor is
+        #: published again, that entry is stale (claimed elsewhere, discarded or
+        #: reclaimed) and goes, so the receiver's index stays as small as the arena
+        self.indexed: dict[int, str] = {}
         #: a numpy uint8 view of the whole mapping, made on first use: a slice of it is
         #: the cheapest per-message exporter object (see ``lease``)
         self._bytes: Any = None
@@ -1154,7 +1183,7 @@ class ArenaReader:
                 if state == WRITTEN and seq <= pub:
                     key = self._key_at(d, klen)
                     if key is not None:
-                        _index_add(index, key, (self, idx, seq))
+                        self._index_add(index, key, idx, seq)
             return
         log_off = self._log_offset
         n_desc = self._n_desc
@@ -1169,7 +1198,7 @@ class ArenaReader:
             if state == WRITTEN and seq == s:
                 key = self._key_at(d, klen)
                 if key is not None:
-                    _index_add(index, key, (self, idx, seq))
+                    self._index_add(index, key, idx, seq)
 
     def _key_at(self, d: int, klen: int) -> str | None:
         """The key of the descriptor at ``d``, or None (logged) if its bytes are not a
@@ -1186,6 +1215,19 @@ class ArenaReader:
 
     def _corrupt(self, what: str) -> None:
         logger.warning("shm: arena %s: %s; skipped (corrupted by another process?)", self.name, what)
+
+    def _index_add(self, index: dict[str, list[Any]], key: str, idx: int, seq: int) -> None:
+        old = self.indexed.get(idx)
+        if old is not None:
+            refs = index.get(old)
+            if refs:
+                kept = [r for r in refs if r[0] is not self or r[1] != idx]
+                if not kept:
+                    del index[old]
+                elif len(kept) != len(refs):
+                    refs[:] = kept
+        self.indexed[idx] = key
+        _index_add(index, key, (self, idx, seq))
 
     def claim(self, idx: int, seq: int, pid: int) -> tuple[int, int, int, bytes] | None:
         """WRITTEN -> CLAIMED if the descriptor still holds publication ``seq``."""

@@ -134,13 +134,16 @@ nobody will read. Three things give their memory back:
    ``register`` makes this class a virtual subclass of it (where vLLM is installed), so
    the adapter does the same for omnilink.
 2. Reclaim under pressure, with no help from the engine. When a ``put`` finds the
-   ``shm`` arena full, it first drops payloads no receiver has claimed that were published
-   more than ``reclaim_after`` seconds ago, oldest first, only as many as it needs. Each
-   is logged with its key and age and counted (``health()["reclaimed"]``, the edge's
-   ``stats().reclaimed``). A payload a receiver holds is never touched, and the default
-   age is the engine's own input wait timeout: vLLM-Omni fails a request whose stage
-   waited that long for input, so a chunk unread for longer belongs to a dead request
-   (the assumption: a live receiver reads each chunk within that time of its arrival).
+   ``shm`` arena full, it first drops payloads no receiver has claimed, published more
+   than ``reclaim_after`` seconds ago and read past (the receivers have since claimed a
+   payload published after them), oldest first, only as many as it needs. Each is
+   logged with its key and age and counted (``health()["reclaimed"]``, the edge's
+   ``stats().reclaimed``). A payload a receiver holds is never touched; a receiver that
+   is stalled, or behind and reading in publication order, loses nothing; and the
+   default age is the engine's own input wait timeout: vLLM-Omni fails a request whose
+   stage waited that long for input, so a chunk left behind for longer belongs to a
+   dead request (the assumption: a live receiver does not leave a chunk of a live
+   request unread for that long while it reads later ones).
 3. Receivers that died. A ``put`` that has to wait for room while every receiver of its
    edge is dead gets ``PeerLostError`` from the backend; the adapter logs it for the
    edge, counts it (``health()["peer_lost"]``), reclaims every unread payload of the
