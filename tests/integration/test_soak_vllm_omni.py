@@ -28,7 +28,7 @@ def test_short_soak_with_aborts_and_a_killed_receiver(tmp_path):
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "soak_vllm_omni.py"),
         "--requests", "120", "--max-chunks", "6", "--max-bytes", "64K", "--concurrency", "2",
-        "--arena-bytes", "3M", "--reclaim-after", "2", "--sample-interval", "0.5", "--lost-timeout", "30",
+        "--arena-bytes", "2M", "--abort-share", "0.5", "--reclaim-after", "1", "--sample-interval", "0.5", "--lost-timeout", "30",
         "--kill-receiver-at", "0.5", "--quiet", "--json", str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

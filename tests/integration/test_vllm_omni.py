@@ -521,7 +521,7 @@ def test_full_arena_reclaims_an_aborted_requests_unread_chunks(caplog):
     # the live request and holds its chunk. Once the unread chunks fill the arena, the
     # live request's next put reclaims the oldest of them instead of waiting on
     # backpressure; the chunk the receiver holds stays valid.
-    opts = {"arena_bytes": 1 << 20, "max_inflight": 16}
+    opts = {"arena_bytes": 1 << 20, "max_bytes": 1 << 20, "max_inflight": 16}
     tx = make("reclaim", "sender", 0, from_stage=0, to_stage=1, options=opts, reclaim_after=0, put_timeout=2.0)
     rx = make("reclaim", "receiver", 1, from_stage=0, to_stage=1, options=opts)
     try:

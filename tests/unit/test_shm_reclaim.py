@@ -35,7 +35,7 @@ def _fill(tx, count: int) -> list[str]:
 
 
 def test_full_arena_reclaims_overtaken_unread_payloads_oldest_first(channel, caplog):
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         keys = _fill(tx, 4)
         held = rx.get_nowait("k3")  # the receiver read past k0..k2 (and holds k3)
@@ -54,7 +54,7 @@ def test_full_arena_reclaims_overtaken_unread_payloads_oldest_first(channel, cap
 
 
 def test_claimed_and_not_overtaken_payloads_are_never_reclaimed(channel):
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         _fill(tx, 4)
         held0 = rx.get_nowait("k0")  # claimed and still viewed: a live request holds it
@@ -75,7 +75,7 @@ def test_claimed_and_not_overtaken_payloads_are_never_reclaimed(channel):
 
 def test_a_receiver_that_is_only_behind_loses_nothing(channel):
     # Reading in publication order, however slowly, never reads past an unread payload.
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16, reclaim_after=0.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         keys = _fill(tx, 4)
         held = rx.get_nowait("k0")
@@ -87,7 +87,7 @@ def test_a_receiver_that_is_only_behind_loses_nothing(channel):
 
 
 def test_payloads_younger_than_the_limit_are_not_reclaimed(channel):
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=3600.0) as tx, \
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16, reclaim_after=3600.0) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         keys = _fill(tx, 4)
         held = rx.get_nowait("k3")
@@ -99,7 +99,7 @@ def test_payloads_younger_than_the_limit_are_not_reclaimed(channel):
 
 
 def test_without_reclaim_after_a_full_arena_blocks(channel):
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx:
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16) as tx:
         _fill(tx, 4)
         with pytest.raises(omnilink.TransferTimeout):
             tx.put("new", _payload(9), timeout=0.3)
@@ -107,7 +107,7 @@ def test_without_reclaim_after_a_full_arena_blocks(channel):
 
 
 def test_reclaim_unread_drops_unclaimed_payloads_oldest_first(channel, caplog):
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx, \
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         _fill(tx, 3)
         held = rx.get_nowait("k1")
@@ -127,8 +127,8 @@ def test_reclaim_unread_drops_unclaimed_payloads_oldest_first(channel, caplog):
 def test_reclaim_options_are_validated(channel):
     for bad in (-1, "5", True, float("nan")):
         with pytest.raises(omnilink.ConfigurationError, match="reclaim_after"):
-            ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16, reclaim_after=bad)
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx:
+            ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16, reclaim_after=bad)
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16) as tx:
         with pytest.raises(omnilink.ConfigurationError, match="older_than"):
             tx.reclaim_unread(-1)
     with ShmConnector(channel=channel, role="receiver") as rx:
@@ -143,7 +143,7 @@ def test_receiver_key_index_forgets_payloads_it_never_read(channel):
     # Unread payloads the sender dropped (discarded or reclaimed) leave no entry behind in
     # a receiver's key index once their descriptor is published again: it stays as small
     # as the arena however many go by.
-    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_inflight=16) as tx, \
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16) as tx, \
             ShmConnector(channel=channel, role="receiver") as rx:
         for i in range(200):
             tx.put(f"gone{i}", {"i": i}, timeout=5.0)
