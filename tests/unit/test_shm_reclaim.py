@@ -153,3 +153,14 @@ def test_receiver_key_index_forgets_payloads_it_never_read(channel):
         assert len(rx._index) <= 16
         tx.put("last", {"i": -1}, timeout=5.0)
         assert rx.get_nowait("last")["i"] == -1
+
+
+def test_reclaim_comes_before_the_arena_grows(channel):
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=4 * ARENA, max_inflight=16,
+                      reclaim_after=0.0) as tx, ShmConnector(channel=channel, role="receiver") as rx:
+        _fill(tx, 4)
+        held = rx.get_nowait("k3")  # held blocks alone would let the arena grow
+        tx.put("new", _payload(9), timeout=5.0)
+        st = tx.stats()
+        assert (st.reclaimed, st.segments) == (1, 1)
+        del held

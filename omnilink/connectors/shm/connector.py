@@ -346,7 +346,7 @@ class ShmConnector(BaseConnector):
         ``stats()`` shows ``segments``, ``bytes_mapped`` and ``bytes_held``.
     reclaim_after : float, optional
         Seconds after which an unread payload may be reclaimed (default ``None``: never).
-        When a ``put`` finds the arena full, before it waits for receivers it drops
+        When a ``put`` finds the arena full, before it grows the arena or waits it drops
         payloads of this sender that no receiver has claimed, that were published more
         than ``reclaim_after`` seconds ago and that the receivers have read past (a
         payload published after them was claimed), oldest first, only as many as the new
@@ -716,24 +716,25 @@ class ShmConnector(BaseConnector):
                         tried_abandoned = True
                     if freed:
                         continue
-                    if block and not primary_only and w.free_desc and self._may_grow(n):
+                    if self.reclaim_after is not None:
+                        # Abandoned payloads (old, read past) go before the arena grows
+                        # or anyone waits.
+                        need = round_up(max(n, 1)) if block else 0
+                        spaces = (w.primary,) if primary_only else tuple(w.spaces)
+                        reclaimed = w.reclaim_unread(
+                            self.reclaim_after,
+                            time.monotonic(),
+                            lambda: bool(w.free_desc) and any(sp.alloc.largest_free() >= need for sp in spaces),
+                            overtaken_only=True,
+                        )
+                    if reclaimed:
+                        pass
+                    elif block and not primary_only and w.free_desc and self._may_grow(n):
                         grow = True
+                    elif deadline.remaining() == 0:
+                        expired = True  # raised below: building the error takes the mutex
                     else:
-                        if self.reclaim_after is not None:
-                            # Abandoned payloads (read past, old) go before anyone waits.
-                            need = round_up(max(n, 1)) if block else 0
-                            spaces = (w.primary,) if primary_only else tuple(w.spaces)
-                            reclaimed = w.reclaim_unread(
-                                self.reclaim_after,
-                                time.monotonic(),
-                                lambda: bool(w.free_desc) and any(sp.alloc.largest_free() >= need for sp in spaces),
-                                overtaken_only=True,
-                            )
-                        if not reclaimed:
-                            if deadline.remaining() == 0:
-                                expired = True  # raised below: building the error takes the mutex
-                            else:
-                                w.set_waiting()
+                        w.set_waiting()
             except _LockTimeout:
                 expired = True
             if reclaimed:
