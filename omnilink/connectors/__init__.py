@@ -160,6 +160,7 @@ def connect(
     spin_us: int = ...,
     max_bytes: int | None = None,
     shrink_after: float = ...,
+    reclaim_after: float | None = None,
     pipeline_bytes: int = ...,
     slice_bytes: int = ...,
 ) -> ShmConnector: ...
