@@ -164,3 +164,25 @@ def test_reclaim_comes_before_the_arena_grows(channel):
         st = tx.stats()
         assert (st.reclaimed, st.segments) == (1, 1)
         del held
+
+
+def test_pending_keys_does_not_wait_for_a_put_blocked_on_a_full_arena(channel):
+    import threading
+    import time
+
+    with ShmConnector(channel=channel, role="sender", arena_bytes=ARENA, max_bytes=ARENA, max_inflight=16) as tx, \
+            ShmConnector(channel=channel, role="receiver") as rx:
+        _fill(tx, 4)
+        blocked = threading.Thread(target=lambda: tx.put("late", _payload(9), timeout=30), daemon=True)
+        blocked.start()
+        time.sleep(0.2)  # the put now waits for room, holding the sender's lock
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(sorted(tx.pending_keys())), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive() and got == [["k0", "k1", "k2", "k3"]]
+        for i in range(4):  # reading frees room: the blocked put goes through
+            assert rx.get(f"k{i}", timeout=5)["i"] == i
+        blocked.join(30)
+        assert not blocked.is_alive()
+        assert rx.get("late", timeout=5)["i"] == 9

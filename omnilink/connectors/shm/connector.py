@@ -1337,9 +1337,10 @@ class ShmConnector(BaseConnector):
         w = self._writer
         if w is None:
             return []
-        with self._slock:
-            with self._chan.locked():
-                return w.unread_keys()
+        # The channel mutex alone: every change to the descriptors is made under it, and
+        # a put waiting for room holds ``_slock`` (this must not wait for that put).
+        with self._chan.locked():
+            return w.unread_keys()
 
     # =================================================================== misc
 

@@ -990,7 +990,7 @@ class ArenaWriter:
         """Keys of our payloads no receiver has claimed yet."""
         mm = self.mm
         out = []
-        for idx, rec in self.out.items():
+        for idx, rec in list(self.out.items()):
             state, _claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
             if state == WRITTEN and seq == rec.seq:
                 out.append(rec.key)
