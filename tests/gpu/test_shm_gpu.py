@@ -201,3 +201,19 @@ def test_vllm_omni_adapter_sends_cuda_payloads_and_lands_them_on_its_device():
     finally:
         rx.close()
         tx.close()
+
+
+def test_aget_lands_cuda_payloads_on_the_device(pair):
+    import asyncio
+
+    tx, rx = pair
+    x = torch.randn(1 << 18, device="cuda")  # 1 MiB: the DMA path
+
+    async def main():
+        waiting = asyncio.ensure_future(rx.aget("k", timeout=30, device="cuda:0"))
+        await asyncio.sleep(0.05)
+        await tx.aput("k", {"x": x}, timeout=30)
+        return await waiting
+
+    got = asyncio.run(main())
+    assert got["x"].is_cuda and torch.equal(got["x"], x)
