@@ -644,6 +644,13 @@ class PreparedBlob:
         BlobEncodeError
             ``buffer`` is read-only, not contiguous, or smaller than ``nbytes``.
         """
+        raw = self._write_head(buffer)
+        if self._descs:
+            self._write_data(raw, None)
+        return self.nbytes
+
+    def _write_head(self, buffer: Any) -> memoryview:
+        """Check ``buffer`` and write prefix, header and padding; the buffer's byte view."""
         raw = _byte_view(buffer, "encode_into", BlobEncodeError)
         if raw.readonly:
             raise BlobEncodeError("encode_into needs a writable buffer, got a read-only one")
@@ -653,9 +660,7 @@ class PreparedBlob:
         raw[:PREFIX_SIZE] = self._prefix
         raw[PREFIX_SIZE:h_end] = self._header
         raw[h_end : self.data_offset] = _ZEROS[: self.data_offset - h_end]
-        if self._descs:
-            self._write_data(raw, None)
-        return self.nbytes
+        return raw
 
     def device_bytes(self) -> int:
         """Bytes of the tensors that live on a device (not on the host)."""
@@ -675,15 +680,7 @@ class PreparedBlob:
         BlobEncodeError
             As ``write_into``.
         """
-        raw = _byte_view(buffer, "encode_into", BlobEncodeError)
-        if raw.readonly:
-            raise BlobEncodeError("encode_into needs a writable buffer, got a read-only one")
-        if raw.nbytes < self.nbytes:
-            raise BlobEncodeError(f"buffer of {raw.nbytes} bytes is too small for a {self.nbytes}-byte frame")
-        h_end = PREFIX_SIZE + self.header_len
-        raw[:PREFIX_SIZE] = self._prefix
-        raw[PREFIX_SIZE:h_end] = self._header
-        raw[h_end : self.data_offset] = _ZEROS[: self.data_offset - h_end]
+        raw = self._write_head(buffer)
         deferred: list[tuple[int, Any]] = []
         if self._descs:
             self._write_data(raw, deferred)

@@ -275,25 +275,11 @@ class AsyncD2HController:
 
     def __init__(self, device: Any = None, pool: PinnedRingPool | None = None, *,
                  pool_bytes: int = 256 << 20, priority: str = "normal") -> None:
-        import torch
-
-        from omnilink.cuda.runtime import cuda_available, sync_debug
+        from omnilink.cuda.runtime import resolve_device, sync_debug
 
         if priority not in _PRIORITIES:
             raise ConfigurationError(f"priority must be one of {_PRIORITIES}, got {priority!r}")
-        try:
-            dev = torch.device(device) if device is not None else None
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
-        if dev is None:
-            dev = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
-        if dev.type == "cuda":
-            if not cuda_available():
-                raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.type != "cpu":
-            raise ConfigurationError(f"AsyncD2HController copies from CUDA (or CPU) tensors, not {dev}")
+        dev = resolve_device(device, "AsyncD2HController")
         self.device = dev
         self.priority = priority
         self.sync = sync_debug()

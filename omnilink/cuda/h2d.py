@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from omnilink._errors import ConfigurationError, CudaError, TransferTimeout
+from omnilink._errors import ConfigurationError, TransferTimeout
 from omnilink.cuda.d2h import make_stream, map_tensors
 from omnilink.cuda.events import Completer
 
@@ -126,21 +126,11 @@ class AsyncH2DController:
     """
 
     def __init__(self, device: Any, *, priority: str = "normal") -> None:
-        import torch
+        from omnilink.cuda.runtime import resolve_device, sync_debug
 
-        from omnilink.cuda.runtime import cuda_available, sync_debug
-
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
-        if dev.type == "cuda":
-            if not cuda_available():
-                raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.type != "cpu":
-            raise ConfigurationError(f"AsyncH2DController copies to CUDA devices (or CPU), not {dev}")
+        if device is None:
+            raise ConfigurationError("AsyncH2DController needs a device (\"cuda:0\", or \"cpu\")")
+        dev = resolve_device(device, "AsyncH2DController")
         self.device = dev
         self.sync = sync_debug()
         self._stream = make_stream(dev, priority) if dev.type == "cuda" else None

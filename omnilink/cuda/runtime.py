@@ -32,6 +32,7 @@ __all__ = [
     "cuda_ops",
     "have_cuda_ops",
     "raw_stream",
+    "resolve_device",
     "cuda_available",
     "cuda_devices_of",
     "record_producer_events",
@@ -151,6 +152,37 @@ def _unregister(address: int, what: str) -> None:
         return
     if err != 0:  # pragma: no cover - a driver reset; nothing to do but say so
         logger.warning("cudaHostUnregister of %s failed with CUDA error %d", what, err)
+
+
+def resolve_device(device: Any, what: str) -> Any:
+    """``device`` as a ``torch.device`` with its index (``None``: the current CUDA device,
+    or the CPU without CUDA) for a controller named ``what``.
+
+    Raises
+    ------
+    ConfigurationError
+        Not a device string, or neither CUDA nor CPU.
+    CudaError
+        A CUDA device where CUDA is unavailable.
+    """
+    import torch
+
+    from omnilink._errors import ConfigurationError
+
+    try:
+        dev = torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
+    if dev is None:
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        if not cuda_available():
+            raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigurationError(f"{what} works with CUDA devices (or the CPU), not {dev}")
+    return dev
 
 
 def cuda_devices_of(payload: Any) -> list[Any]:
