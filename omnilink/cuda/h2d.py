@@ -22,6 +22,7 @@ complete at once: the same code path, tested on CPU.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 from omnilink._errors import ConfigurationError, TransferTimeout
@@ -43,12 +44,17 @@ class StagePayloadHandle:
     tensors on the host).
     """
 
-    def __init__(self, payload: Any, event: Any, device: Any, tensors: list[Any]) -> None:
+    def __init__(self, payload: Any, event: Any, device: Any, tensors: list[Any], *,
+                 waiter: Completer | None = None) -> None:
         self._payload = payload
         self._event = event
         self.device = device
         self._tensors = tensors
         self._complete = event is None
+        #: the completer that waits on events of ``event``'s stream (a timed
+        #: ``synchronize`` is told by it instead of polling); default a shared one
+        self._waiter = waiter
+        self._done_flag: threading.Event | None = None
 
     @property
     def event(self) -> Any:
@@ -90,21 +96,33 @@ class StagePayloadHandle:
         Raises
         ------
         TransferTimeout
-            ``timeout`` passed first (polled at 50 us steps; ``None`` waits on the event).
+            ``timeout`` passed first. (A timed wait is woken by a completer thread that
+            waits on the event; ``None`` waits on the event in this thread.)
         """
         if self._event is not None and not self._complete:
             if timeout is None:
                 self._event.synchronize()
-            else:
-                import time
-
-                end = time.monotonic() + timeout
-                while not self._event.query():
-                    if time.monotonic() >= end:
-                        raise TransferTimeout(f"host-to-device copy to {self.device} not done within {timeout} s")
-                    time.sleep(50e-6)
+            elif not self._event.query():
+                if self._done_flag is None:
+                    self._done_flag = threading.Event()
+                    (self._waiter or _shared_waiter()).submit(self._event, self._done_flag.set)
+                if not self._done_flag.wait(timeout):
+                    raise TransferTimeout(f"host-to-device copy to {self.device} not done within {timeout} s")
             self._complete = True
         return self._payload
+
+
+_waiter: Completer | None = None
+_waiter_lock = threading.Lock()
+
+
+def _shared_waiter() -> Completer:
+    """The completer of timed waits on handles that have none of their own."""
+    global _waiter
+    with _waiter_lock:
+        if _waiter is None:
+            _waiter = Completer("omnilink-h2d-timed-wait")
+        return _waiter
 
 
 class AsyncH2DController:
@@ -219,7 +237,7 @@ class AsyncH2DController:
                 on_done()
 
         self._completer.submit(event, finish)
-        return StagePayloadHandle(out, event, dev, tensors)
+        return StagePayloadHandle(out, event, dev, tensors, waiter=self._completer)
 
     def copy_into(self, pairs: list[tuple[Any, Any]], /, *, keep: Any = None) -> Any:
         """Enqueue ``dst.copy_(src)`` for each (host ``src``, device ``dst``) on the copy

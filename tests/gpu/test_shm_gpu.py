@@ -217,3 +217,16 @@ def test_aget_lands_cuda_payloads_on_the_device(pair):
 
     got = asyncio.run(main())
     assert got["x"].is_cuda and torch.equal(got["x"], x)
+
+
+def test_handle_synchronize_with_timeout_is_woken_not_polled(pair):
+    tx, rx = pair
+    x = torch.randn(1 << 20, device="cuda")  # 4 MiB: the copy-stream path
+    tx.put("k", {"x": x}, timeout=30)
+    _busy(100)
+    handle = rx.get_handle("k", timeout=30, device="cuda:0")
+    got = handle.synchronize(timeout=30)
+    assert handle.done() and torch.equal(got["x"], x)
+    tx.put("s", {"x": torch.ones(8, device="cuda")}, timeout=30)  # small path, shared waiter
+    small = rx.get_handle("s", timeout=30, device="cuda:0")
+    assert torch.equal(small.synchronize(timeout=30)["x"], torch.ones(8, device="cuda"))

@@ -1007,16 +1007,21 @@ class ShmConnector(BaseConnector):
                     chan.unlock()
                 if got is not None:
                     return got
-            # Sleep until a sender publishes (or a heartbeat's worth of time passes).
-            woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
-            if not woke:
-                try:
-                    with chan.locked(_grace(deadline)):
-                        chan.withdraw_waiter(gen)
-                except _LockTimeout:
-                    pass
-            if time.monotonic() - self._last_beat >= HEARTBEAT_S:
-                self._heartbeat()
+            self._sleep_until_published(gen, deadline)
+
+    def _sleep_until_published(self, gen: int, deadline: Deadline) -> None:
+        """Sleep until a sender publishes (or a heartbeat's worth of time passes), having
+        registered as waiter ``gen``; withdraw if not woken; beat when it is time."""
+        chan = self._chan
+        woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
+        if not woke:
+            try:
+                with chan.locked(_grace(deadline)):
+                    chan.withdraw_waiter(gen)
+            except _LockTimeout:
+                pass
+        if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+            self._heartbeat()
 
     def _nothing_new(self, key: str) -> bool:
         """Whether ``key`` certainly is not claimable now, decided without any lock: it is
@@ -1065,15 +1070,7 @@ class ShmConnector(BaseConnector):
                         "live sender is left"
                     )
                 return avail
-            woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
-            if not woke:
-                try:
-                    with chan.locked(_grace(deadline)):
-                        chan.withdraw_waiter(gen)
-                except _LockTimeout:
-                    pass
-            if time.monotonic() - self._last_beat >= HEARTBEAT_S:
-                self._heartbeat()
+            self._sleep_until_published(gen, deadline)
 
     def _sender_names(self) -> str:
         pids = sorted({r.pid for r in self._readers.values()})

@@ -211,13 +211,23 @@ class ShmGpuPath:
         off, idx = got
         try:
             ev = self._fill(blob, off, events)
+        except BaseException:
+            conn._give_back_block(off, idx)
+            raise
+        self._publish_when_copied(key, off, idx, n, ev, deadline)
+        return n
+
+    def _publish_when_copied(self, key: str, off: int, idx: int, n: int, ev: Any, deadline: Any) -> None:
+        """Wait for the copy into block ``off`` (event ``ev``), then publish it; the block
+        goes back if the copy failed."""
+        conn = self.conn
+        try:
             if ev is not None:
                 ev.synchronize()
         except BaseException:
             conn._give_back_block(off, idx)
             raise
         conn._publish_block(key, off, idx, n, deadline)
-        return n
 
     def _fill(self, blob: Any, off: int, events: Any) -> Any:
         """Write ``blob`` into the block at ``off``; return the event of its device copies."""
@@ -275,13 +285,7 @@ class ShmGpuPath:
         def complete_oldest() -> None:
             nonlocal published, total
             skey, off, idx, n, ev = pending.popleft()
-            try:
-                if ev is not None:
-                    ev.synchronize()
-            except BaseException:
-                conn._give_back_block(off, idx)
-                raise
-            conn._publish_block(skey, off, idx, n, deadline)
+            self._publish_when_copied(skey, off, idx, n, ev, deadline)
             published += 1
             total += n
 
