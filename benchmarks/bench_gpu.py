@@ -120,13 +120,13 @@ def _receiver(conn, channel: str, reply: str) -> None:
             if op == "stop":
                 return
             if op == "thr":
-                _, count, device, mode = cmd
+                _, count, device, mode, tag = cmd
                 ok = torch.ones((), dtype=torch.bool, device=device)
                 for i in range(count):
                     if mode == "omnilink":
-                        got = rx.get(f"m{i}", timeout=120, device=device)["x"]
+                        got = rx.get(f"{tag}m{i}", timeout=120, device=device)["x"]
                     elif mode == "to":  # host path, then a plain .to()
-                        got = rx.get(f"m{i}", timeout=120)["x"].to(device)
+                        got = rx.get(f"{tag}m{i}", timeout=120)["x"].to(device)
                     else:  # legacy: pickle over a fresh segment
                         seg_name, n = conn.recv()
                         seg = shared_memory.SharedMemory(name=seg_name)
@@ -142,10 +142,10 @@ def _receiver(conn, channel: str, reply: str) -> None:
                 torch.cuda.synchronize()
                 conn.send((time.perf_counter(), bool(ok)))
             elif op == "ping":
-                _, count, device = cmd
+                _, count, device, tag = cmd
                 for i in range(count):
-                    got = rx.get(f"p{i}", timeout=60, device=device)
-                    tx.put(f"q{i}", got, timeout=60)
+                    got = rx.get(f"{tag}p{i}", timeout=60, device=device)
+                    tx.put(f"{tag}q{i}", got, timeout=60)
                 conn.send("done")
     finally:
         tx.close()
@@ -179,16 +179,19 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
                 best = []
                 if mode == "legacy":
                     count = min(count, 8)
-                for _ in range(reps):
-                    parent.send(("thr", count, device, mode))
+                for rep in range(reps):
+                    # Keys are unique per run: each key is delivered once (a consumed key
+                    # is an error, not a new message).
+                    tag = f"{n}-{mode}-{rep}-"
+                    parent.send(("thr", count, device, mode, tag))
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     for i in range(count):
                         src.fill_(i % 251)
                         if mode == "omnilink":
-                            tx.put(f"m{i}", {"x": src}, timeout=120)
+                            tx.put(f"{tag}m{i}", {"x": src}, timeout=120)
                         elif mode == "to":
-                            tx.put(f"m{i}", {"x": src.cpu()}, timeout=120)
+                            tx.put(f"{tag}m{i}", {"x": src.cpu()}, timeout=120)
                         else:
                             # BASELINE BEING MEASURED: pickle of a .cpu() copy into a fresh segment.
                             data = pickle.dumps({"x": src.cpu()}, protocol=5)
@@ -204,11 +207,12 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
         x = torch.randint(0, 255, (4096,), dtype=torch.uint8, device="cuda:0")
         lat = []
         for rep in range(reps):
-            parent.send(("ping", 200, device))
+            tag = f"lat{rep}-"
+            parent.send(("ping", 200, device, tag))
             for i in range(200):
                 t0 = time.perf_counter()
-                tx.put(f"p{i}", {"x": x}, timeout=60)
-                back = rx.get(f"q{i}", timeout=60, device="cuda:0")
+                tx.put(f"{tag}p{i}", {"x": x}, timeout=60)
+                back = rx.get(f"{tag}q{i}", timeout=60, device="cuda:0")
                 torch.cuda.current_stream().synchronize()
                 lat.append((time.perf_counter() - t0) / 2)
                 if i == 0 and rep == 0:

@@ -38,23 +38,24 @@ def main() -> int:
     dev = None if args.cpu else "cuda:0"
     with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0) as tx, \
             omnilink.connect("shm", channel=ch, role="receiver") as rx:
-        def once(i: int) -> None:
-            tx.put(f"k{i}", {"x": x, "meta": {"i": i}}, timeout=10)
-            got = rx.get(f"k{i}", timeout=10, device=dev)
+        def once(i: int, phase: str) -> None:
+            # A key is delivered once: each phase uses keys of its own.
+            tx.put(f"{phase}{i}", {"x": x, "meta": {"i": i}}, timeout=10)
+            got = rx.get(f"{phase}{i}", timeout=10, device=dev)
             del got
 
         for i in range(200):
-            once(i)
+            once(i, "w")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i in range(args.n):
-            once(i)
+            once(i, "t")
         torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / args.n
         prof = cProfile.Profile()
         prof.enable()
         for i in range(args.n):
-            once(i)
+            once(i, "p")
         torch.cuda.synchronize()
         prof.disable()
     print(f"size {args.size}: {per * 1e6:.1f} us per put + device get (no profiler)")
