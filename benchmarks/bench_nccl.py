@@ -1,25 +1,37 @@
-"""The nccl connector against raw ``torch.distributed`` send/recv, GPU to GPU.
+"""The nccl connector against raw ``torch.distributed`` send/recv, side by side in one run.
 
-Benchmarks are hard: this runs two processes (rank 0 on cuda:0 sends, rank 1 on cuda:1
-receives) on one machine and reports medians of repeated rounds. In the SAME run, for
-each size, it alternates:
+Benchmarks are hard: this runs two processes on one machine (rank 0 sends, rank 1
+receives; over NCCL rank 0 is on cuda:0 and rank 1 on cuda:1, over gloo both on the
+CPU) and reports medians of repeated rounds. For each size, in the SAME run, the
+variants alternate round by round:
 
 - ``raw``       ``torch.distributed.send``/``recv`` of one bf16 tensor of SIZE bytes over
-                the default NCCL process group, received into a preallocated tensor (the
+                the default process group, received into a preallocated tensor (the
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
-                tensor, "meta": {...}}``: header on the TCPStore side channel, receive
-                into a freshly allocated tensor on cuda:1, ``get`` returns once the data
+                tensor, "meta": {...}}``: header on the connector's header socket,
+                receive into a freshly allocated tensor, ``get`` returns once the data
                 has arrived;
-- ``omnilink x8`` (256 MiB only) the same bytes as 8 tensors of SIZE/8 (one
+- ``omnilink +16 small`` (1 MiB and up) the same plus 16 small tensors of 4 KiB
+                (positions, masks, ids...), which travel together in one packed send;
+- ``omnilink x8`` (256 MiB and up) the same bytes as 8 tensors of SIZE/8 (one
                 coalesced NCCL group per payload).
 
 Each round moves ``iters`` payloads back to back and is timed on the receiver from a
-barrier to the last arrival (``torch.cuda.synchronize``); GB/s = bytes / seconds.
+barrier to the last arrival (``torch.cuda.synchronize`` on NCCL); GB/s = bytes of the
+SIZE tensor / seconds; ratio = GB/s / raw GB/s of the same size.
+
+Latency (``--latency-iters``, 4 KiB): ping-pong between the ranks, one-way = half the
+round trip, p50 over the iterations. ``raw`` waits for each receive on the host
+(``torch.cuda.synchronize`` on NCCL) before it answers, as ``get`` does.
 
 Usage::
 
-    python benchmarks/bench_nccl.py [--sizes 1MiB,64MiB,256MiB] [--rounds 5] [--json FILE]
+    python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
+        [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
+
+On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
+visible, else gloo).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -38,13 +51,16 @@ from typing import Any
 from omnilink._bench.units import format_size, parse_sizes
 
 COLS = 4096  # bf16 columns: a hidden state of width 4096
+SMALL = 16  # small tensors of the "+16 small" variant
+SMALL_BYTES = 4096
+LATENCY_BYTES = 4096
 
 
-
-
-def iters_for(nbytes: int) -> int:
-    # Enough payloads per round that one round lasts >= ~5 ms even at 400 GB/s.
-    return max(10, min(400, (2 << 30) // nbytes))
+def iters_for(nbytes: int, backend: str) -> int:
+    # Enough payloads per round that one round lasts >= ~5 ms even at 400 GB/s (NCCL);
+    # gloo moves a few GB/s at best.
+    budget = (2 << 30) if backend == "nccl" else (256 << 20)
+    return max(10, min(400, budget // nbytes))
 
 
 def free_port() -> int:
@@ -53,33 +69,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, ports: tuple[int, int], sizes: list[int], rounds: int, out: Any) -> None:
+def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
     import torch
     import torch.distributed as dist
 
     import omnilink
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2,
-        device_id=dev,
-    )
-    role = "sender" if rank == 0 else "receiver"
+    backend = opts["backend"]
+    nccl = backend == "nccl"
+    if nccl:
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2, device_id=dev,
+        )
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
-        "nccl", channel="bench/nccl", role=role, device=str(dev), master_port=ports[1], timeout=120.0,
+        "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
+        master_port=ports[1], timeout=120.0,
     )
     conn.wait_connected(120.0)
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def sync() -> None:
+        if nccl:
+            torch.cuda.synchronize(dev)
 
     def barrier() -> None:
-        dist.barrier(device_ids=[rank])
-        torch.cuda.synchronize(dev)
+        if nccl:
+            dist.barrier(device_ids=[rank])
+        else:
+            dist.barrier()
+        sync()
+
+    def rand_bf16(n: int, seed: int) -> Any:
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return torch.randn(n, device=dev, generator=g).to(torch.bfloat16)
 
     def raw_round(nbytes: int, n: int) -> float:
         buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
         if rank == 0:
-            buf.copy_(torch.randn(nbytes // 2, device=dev).to(torch.bfloat16))
+            buf.copy_(rand_bf16(nbytes // 2, nbytes))
         barrier()
         t0 = time.perf_counter()
         for _ in range(n):
@@ -87,48 +120,57 @@ def _worker(rank: int, ports: tuple[int, int], sizes: list[int], rounds: int, ou
                 dist.send(buf, dst=1)
             else:
                 dist.recv(buf, src=0)
-        torch.cuda.synchronize(dev)
+        sync()
         return time.perf_counter() - t0
 
     seq = [0]
 
-    def conn_round(nbytes: int, n: int, parts: int) -> float:
-        rows = nbytes // 2 // COLS // parts
-        if rank == 0:
-            g = torch.Generator(device=dev).manual_seed(nbytes + parts)
-            tensors = [
-                torch.randn(rows, COLS, device=dev, generator=g).to(torch.bfloat16) for _ in range(parts)
-            ]
+    def make_payload(nbytes: int, variant: str, seed: int) -> dict[str, Any]:
+        payload: dict[str, Any] = {"meta": {"finished": False}}
+        if variant == "omnilink x8":
+            rows = nbytes // 2 // COLS // 8
+            payload["hidden_states.parts"] = [rand_bf16(rows * COLS, seed + i).view(rows, COLS) for i in range(8)]
+            return payload
+        rows, rest = divmod(nbytes // 2, COLS)
+        hidden = rand_bf16(nbytes // 2, seed)
+        payload["hidden_states.output"] = hidden.view(rows, COLS) if not rest else hidden
+        if variant == "omnilink +16 small":
+            payload["small"] = [rand_bf16(SMALL_BYTES // 2, seed + 100 + i) for i in range(SMALL)]
+        return payload
+
+    def conn_round(nbytes: int, n: int, variant: str) -> float:
+        payload = make_payload(nbytes, variant, nbytes) if rank == 0 else None
         barrier()
         t0 = time.perf_counter()
         for _ in range(n):
             key = f"req{seq[0]}_0_0"
             seq[0] += 1
             if rank == 0:
-                payload = {"meta": {"finished": False}}
-                if parts == 1:
-                    payload["hidden_states.output"] = tensors[0]
-                else:
-                    payload["hidden_states.parts"] = tensors
                 conn.put(key, payload)
             else:
                 got = conn.get(key)
                 del got
-        torch.cuda.synchronize(dev)
+        sync()
         return time.perf_counter() - t0
 
-    def check(nbytes: int, parts: int) -> bool:
-        """One payload compared bit for bit with what the sender announces by raw send."""
-        rows = nbytes // 2 // COLS // parts
-        key = f"check{nbytes}-{parts}"
+    def flat_tensors(payload: dict[str, Any]) -> list[Any]:
+        ts = []
+        for name in ("hidden_states.output", "hidden_states.parts", "small"):
+            v = payload.get(name)
+            if v is not None:
+                ts.extend(v if isinstance(v, list) else [v])
+        return ts
+
+    def check(nbytes: int, variant: str) -> bool:
+        """One payload compared bit for bit with what the sender sends by raw send."""
+        key = f"check{nbytes}-{variant}"
         if rank == 0:
-            g = torch.Generator(device=dev).manual_seed(7 + nbytes + parts)
-            ts = [torch.randn(rows, COLS, device=dev, generator=g).to(torch.bfloat16) for _ in range(parts)]
-            conn.put(key, {"parts": ts})
-            for t in ts:
-                dist.send(t, dst=1)
+            payload = make_payload(nbytes, variant, 7 + nbytes)
+            conn.put(key, payload)
+            for t in flat_tensors(payload):
+                dist.send(t.contiguous(), dst=1)
             return True
-        got = conn.get(key)["parts"]
+        got = flat_tensors(conn.get(key))
         ok = True
         for t in got:
             ref = torch.empty_like(t)
@@ -136,32 +178,69 @@ def _worker(rank: int, ports: tuple[int, int], sizes: list[int], rounds: int, ou
             ok = ok and t.device == dev and torch.equal(t.view(torch.int16), ref.view(torch.int16))
         return ok
 
+    def latency(n: int) -> dict[str, list[float]]:
+        buf = torch.zeros(LATENCY_BYTES // 2, dtype=torch.bfloat16, device=dev)
+        payload = {"hidden_states.output": buf, "meta": {"finished": False}}
+        one_way: dict[str, list[float]] = {"raw": [], "omnilink": []}
+        for i in range(n + 5):  # 5 warm-up exchanges
+            for name in ("raw", "omnilink"):
+                barrier()
+                t0 = time.perf_counter()
+                if name == "raw":
+                    if rank == 0:
+                        dist.send(buf, dst=1)
+                        dist.recv(buf, src=1)
+                    else:
+                        dist.recv(buf, src=0)
+                        sync()
+                        dist.send(buf, dst=0)
+                    sync()
+                elif rank == 0:
+                    conn.put(f"ping{i}", payload)
+                    conn.get(f"pong{i}")
+                else:
+                    got = conn.get(f"ping{i}")
+                    conn.put(f"pong{i}", got)
+                if i >= 5:
+                    one_way[name].append((time.perf_counter() - t0) / 2)
+        return one_way
+
     try:
-        for nbytes in sizes:
-            n = iters_for(nbytes)
-            variants = [("omnilink", 1)] + ([("omnilink x8", 8)] if nbytes >= (256 << 20) else [])
-            ok = check(nbytes, 1) and (check(nbytes, 8) if nbytes >= (256 << 20) else True)
+        for nbytes in opts["sizes"]:
+            n = opts["iters"] or iters_for(nbytes, backend)
+            variants = ["omnilink"]
+            if nbytes >= (1 << 20):
+                variants.append("omnilink +16 small")
+            if nbytes >= (256 << 20):
+                variants.append("omnilink x8")
+            exact = {v: check(nbytes, v) for v in variants}
             raw_round(nbytes, 2)  # warm-up
-            for _, parts in variants:
-                conn_round(nbytes, 2, parts)
-            times: dict[str, list[float]] = {"raw": []}
-            for name, _ in variants:
-                times[name] = []
-            for _ in range(rounds):
+            for v in variants:
+                conn_round(nbytes, 2, v)
+            times: dict[str, list[float]] = {"raw": [], **{v: [] for v in variants}}
+            for _ in range(opts["rounds"]):
                 times["raw"].append(raw_round(nbytes, n))
-                for name, parts in variants:
-                    times[name].append(conn_round(nbytes, n, parts))
+                for v in variants:
+                    times[v].append(conn_round(nbytes, n, v))
             if rank == 1:
                 for name, ts in times.items():
                     med = statistics.median(ts)
                     results.append({
-                        "size": nbytes, "variant": name, "iters": n, "rounds": rounds,
+                        "size": nbytes, "variant": name, "iters": n, "rounds": opts["rounds"],
                         "median_s": med, "gbps": nbytes * n / med / 1e9,
                         "all_gbps": [nbytes * n / t / 1e9 for t in ts],
-                        "bit_exact": ok,
+                        "bit_exact": exact.get(name, True),
                     })
-        if rank == 1:
-            out.put(("results", results))
+        lat = latency(opts["latency_iters"]) if opts["latency_iters"] else None
+        if rank == 0 and lat is not None:
+            # The round trips are timed where they start and end: on rank 0.
+            for name, ts in lat.items():
+                results.append({
+                    "size": LATENCY_BYTES, "variant": f"latency {name}", "iters": len(ts),
+                    "p50_us": statistics.median(ts) * 1e6,
+                    "p99_us": sorted(ts)[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6,
+                })
+        out.put(("results", rank, results))
     except Exception as exc:
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
         raise
@@ -170,14 +249,18 @@ def _worker(rank: int, ports: tuple[int, int], sizes: list[int], rounds: int, ou
         dist.destroy_process_group()
 
 
-def machine() -> dict[str, Any]:
+def machine(backend: str) -> dict[str, Any]:
     import torch
 
     from omnilink._bench.machine import machine_record
 
     rec = machine_record()
-    rec["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     rec["torch"] = torch.__version__
+    rec["backend"] = backend
+    if backend != "nccl":
+        rec["gpus"] = []
+        return rec
+    rec["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     rec["cuda"] = torch.version.cuda
     try:
         v = torch.cuda.nccl.version()
@@ -199,42 +282,74 @@ def machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl with two GPUs, else gloo")
     ap.add_argument("--sizes", default="1MiB,64MiB,256MiB")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=0, help="payloads per round (default: by size)")
+    ap.add_argument("--latency-iters", type=int, default=200, help="4 KiB ping-pongs (0: skip)")
+    ap.add_argument("--timeout", type=float, default=540.0, help="seconds the whole run may take")
     ap.add_argument("--json", help="append one JSON object per cell to this file")
     args = ap.parse_args(argv)
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("bench_nccl needs two CUDA devices; this machine has", torch.cuda.device_count(), file=sys.stderr)
+    backend = args.backend or ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        print("bench_nccl --backend nccl needs two CUDA devices; this machine has",
+              torch.cuda.device_count(), "(use --backend gloo)", file=sys.stderr)
         return 2
-    sizes = parse_sizes(args.sizes)
+    opts = {
+        "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
+        "latency_iters": args.latency_iters,
+    }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = (free_port(), free_port())
-    procs = [ctx.Process(target=_worker, args=(r, ports, sizes, args.rounds, q), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
+    results: list[dict[str, Any]] = []
+    error = None
+    deadline = time.monotonic() + args.timeout
     try:
-        kind, results = q.get(timeout=540)
+        for _ in procs:
+            msg = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            if msg[0] == "error":
+                error = msg[1]
+                break
+            results.extend(msg[2])
+    except queue.Empty:
+        error = f"no result within {args.timeout} s"
     finally:
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
-    if kind == "error":
-        print("benchmark failed:", results, file=sys.stderr)
+    if error is not None:
+        print("benchmark failed:", error, file=sys.stderr)
         return 1
-    rec = machine()
-    raw = {r["size"]: r["gbps"] for r in results if r["variant"] == "raw"}
-    print(f"# nccl connector vs raw torch.distributed, {' + '.join(rec['gpus'])}, torch {rec['torch']}, "
-          f"NCCL {rec['nccl']}, driver {rec['driver']}")
-    print(f"{'size':>9} | {'variant':<12} | {'GB/s':>8} | {'ratio':>6} | bit-exact")
-    print(f"{'-' * 9}-+-{'-' * 12}-+-{'-' * 8}-+-{'-' * 6}-+-{'-' * 9}")
+    results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"]))
+    rec = machine(backend)
+    where = " + ".join(rec["gpus"]) if rec["gpus"] else f"{rec['cpu']} ({rec['cores']} cores)"
+    extra = f", NCCL {rec['nccl']}, driver {rec['driver']}" if backend == "nccl" else ""
+    print(f"# nccl connector vs raw torch.distributed send/recv over {backend}, {where}, "
+          f"torch {rec['torch']}{extra}")
+    print(f"{'size':>9} | {'variant':<20} | {'GB/s':>8} | {'ratio':>6} | bit-exact")
+    print(f"{'-' * 9}-+-{'-' * 20}-+-{'-' * 8}-+-{'-' * 6}-+-{'-' * 9}")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    raw = {r["size"]: r["gbps"] for r in results if r["variant"] == "raw"}
+    lat = {r["variant"]: r for r in results if r["variant"].startswith("latency")}
     for r in results:
-        r["ratio_vs_raw"] = r["gbps"] / raw[r["size"]]
-        print(f"{format_size(r['size']):>9} | {r['variant']:<12} | {r['gbps']:8.1f} | {r['ratio_vs_raw']:6.3f} | {r['bit_exact']}")
+        if "gbps" in r:
+            r["ratio_vs_raw"] = r["gbps"] / raw[r["size"]]
+            print(f"{format_size(r['size']):>9} | {r['variant']:<20} | {r['gbps']:8.2f} | "
+                  f"{r['ratio_vs_raw']:6.3f} | {r['bit_exact']}")
+    if lat:
+        base = lat["latency raw"]["p50_us"]
+        print(f"\n{format_size(LATENCY_BYTES)} one-way latency (half a ping-pong), p50 / p99 us:")
+        for name, r in lat.items():
+            r["ratio_vs_raw"] = r["p50_us"] / base
+            print(f"  {name.removeprefix('latency '):<9} {r['p50_us']:9.1f} / {r['p99_us']:9.1f}   "
+                  f"x{r['ratio_vs_raw']:.2f} of raw")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in results:

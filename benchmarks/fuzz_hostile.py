@@ -194,11 +194,11 @@ def nccl_input(rng: random.Random) -> bytes:
     except struct.error:
         pass
     n = rng.randrange(5)
-    plan = [rng.choice([0, 1, 2, 3, 7]) for _ in range(n)]
+    plan = [rng.choice([0, 1, 2, 3, 4, 7]) for _ in range(n)]
     inline = [bytes(rng.choice([0, 4, 8, 64])) for _ in range(rng.randrange(3))]
     env = [rng.choice([0, 0, 1, -1]), rng.choice(["k", "", "x" * 600]), meta, plan, inline]
     if rng.random() < 0.1:
-        env.append(0)
+        env.append(rng.choice([0, 1, 2, -1, 1 << 40]))
     if rng.random() < 0.05:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
     del blob

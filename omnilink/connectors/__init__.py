@@ -215,6 +215,8 @@ def connect(
     max_inline_bytes: int = ...,
     max_message_bytes: int = ...,
     coalesce: bool = True,
+    pack_bytes: int = ...,
+    header_addr: str | None = None,
 ) -> NcclConnector: ...
 
 

@@ -159,14 +159,99 @@ def test_inline_total_is_bounded(store):
             tx.put("k", [torch.zeros(256) for _ in range(3)], timeout=WAIT)
 
 
-def test_received_tensors_own_their_memory(store):
-    """Each received tensor is its own allocation, not a view of a shared buffer."""
+def test_small_tensors_travel_in_one_pack(store):
+    """Small tensors go by one transfer: on the receiver they are views of one buffer at
+    64-byte aligned offsets; a large one keeps a buffer of its own. The pack is the
+    sender's snapshot: the caller may change its tensors once put returns."""
+    a, b, big = torch.ones(1000), torch.arange(10, dtype=torch.int16), torch.randn(1 << 19)
+    expected = {"a": a.clone(), "b": b.clone(), "big": big.clone()}
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        sp = wire.plan_send({"a": a, "b": b, "big": big}, device=tx.device, nccl=False, inline_bytes=0,
+                            max_inline_total=0, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad)
+        assert sp.plan == [wire.PACK, wire.PACK, wire.P2P] and len(sp.p2p) == 2
+        assert sp.p2p[0].numel() == 4032 + 20  # a at 0, b at the next multiple of 64
+        tx.put("k", {"a": a, "b": b, "big": big}, timeout=WAIT)
+        a.fill_(7)
+        b.fill_(7)
+        got = rx.get("k", timeout=WAIT)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    pack = got["a"].untyped_storage()
+    assert got["b"].untyped_storage().data_ptr() == pack.data_ptr() and pack.nbytes() == 4052
+    assert got["b"].data_ptr() - got["a"].data_ptr() == 4032
+    assert got["big"].untyped_storage().data_ptr() != pack.data_ptr()
+    assert got["big"].untyped_storage().nbytes() == 4 << 19
+
+
+def test_packing_off_gives_each_tensor_its_buffer(store):
+    with _open(store, "sender", pack_bytes=0) as tx, _open(store, "receiver") as rx:
         tx.put("k", {"a": torch.ones(1000), "b": torch.zeros(1000)}, timeout=WAIT)
         got = rx.get("k", timeout=WAIT)
     a, b = got["a"], got["b"]
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     assert a.untyped_storage().nbytes() == 4000
+
+
+def test_one_small_tensor_is_not_packed():
+    """A pack of one would only add a copy."""
+    sp = wire.plan_send({"a": torch.ones(10), "m": {"x": 1}}, device=torch.device("cpu"), nccl=False,
+                        inline_bytes=0, max_inline_total=0, key="k", pack_bytes=1 << 20,
+                        pad=torch.zeros(64, dtype=torch.uint8))
+    assert sp.plan == [wire.P2P] and len(sp.p2p) == 1
+
+
+class _CountingStore(dist.Store):
+    """A store that counts the calls made to it (a Python ``Store`` subclass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.calls = 0
+
+    def _call(self, name, *args):
+        self.calls += 1
+        return getattr(self.inner, name)(*args)
+
+    def set(self, key, value):
+        return self._call("set", key, value)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def add(self, key, n):
+        return self._call("add", key, n)
+
+    def compare_set(self, key, expected, desired):
+        return self._call("compare_set", key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        return self._call("wait", keys) if timeout is None else self._call("wait", keys, timeout)
+
+    def check(self, keys):
+        return self._call("check", keys)
+
+    def delete_key(self, key):
+        return self._call("delete_key", key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+
+def test_the_store_serves_the_rendezvous_only():
+    """Once the link is up, payloads (headers, credits, repeated keys) never touch the
+    store: a put/get costs no store round trip."""
+    store = _CountingStore()
+    with _open(store, "sender", send_window=4) as tx, _open(store, "receiver") as rx:
+        tx.put("warm", {"t": torch.ones(3)}, timeout=WAIT)
+        rx.get("warm", timeout=WAIT)
+        before = store.calls
+        for i in range(40):  # ten times the window: credits must flow
+            tx.put(f"k{i}", {"t": torch.full((1000,), i), "u": torch.ones(3)}, timeout=WAIT)
+        for i in range(40):
+            assert int(rx.get(f"k{i}", timeout=WAIT)["t"][0]) == i
+        tx.put("k0", {"again": 1}, timeout=WAIT)  # a repeated key waits for its verdict
+        assert rx.get("k0", timeout=WAIT) == {"again": 1}
+        assert store.calls == before
 
 
 def test_backpressure_put_times_out_then_recovers(store):
@@ -238,11 +323,62 @@ def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
         assert len(meta) < 64
         env = wire.Envelope(0, "huge", meta, [wire.P2P], [])
         monkeypatch.setattr(torch, "empty", spy_empty)
-        tx._st_send.set(f"{tx._sid}{tx._out}/h/0", wire.encode_envelope(env))
+        with tx._send_lock:
+            tx._hdr_out.send(wire.encode_envelope(env))
         with pytest.raises(omnilink.CapacityError, match="max_message_bytes=1048576"):
             rx.get("huge", timeout=WAIT)
         monkeypatch.setattr(torch, "empty", real_empty)
         assert big not in sizes
+
+
+def test_credit_out_of_sequence_fails_the_link(store):
+    """A credit for a payload never sent (a broken or hostile receiver) is a named
+    error, not a corrupted window."""
+    with _open(store, "sender", send_window=1) as tx, _open(store, "receiver") as rx:
+        tx.put("a", {"t": torch.ones(3)}, timeout=WAIT)
+        rx.get("a", timeout=WAIT)
+        rx._credit_out.send(wire.encode_credit(999, False))  # the completer is idle now
+        with pytest.raises(BlobDecodeError, match="credit for payload 999"):
+            for i in range(3):
+                tx.put(f"b{i}", {"t": torch.ones(3)}, timeout=WAIT)
+        with pytest.raises(BlobDecodeError):
+            tx.put("c", {"t": torch.ones(3)}, timeout=WAIT)
+
+
+def test_header_larger_than_the_peer_accepts_is_refused_before_sending(store):
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.wait_connected(WAIT)
+        assert tx._peer_header_limit == rx.max_header_bytes
+        tx._peer_header_limit = 200  # as if the receiver had published a small bound
+        with pytest.raises(omnilink.CapacityError, match="header of key 'long'"):
+            tx.put("long", {"names": ["x" * 50] * 10}, timeout=WAIT)
+        tx.put("short", {"t": torch.ones(2)}, timeout=WAIT)
+        assert rx.get("short", timeout=WAIT)["t"].tolist() == [1.0, 1.0]
+
+
+def test_a_stranger_on_the_header_socket_is_not_heard(store):
+    """The header socket takes one peer: another process connecting to it cannot slip
+    envelopes into the stream."""
+    import zmq
+
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.put("a", {"t": torch.ones(2)}, timeout=WAIT)
+        assert rx.get("a", timeout=WAIT)["t"].tolist() == [1.0, 1.0]
+        endpoint = rx._hdr_in.getsockopt(zmq.LAST_ENDPOINT).decode()
+        ctx = zmq.Context()
+        try:
+            stranger = ctx.socket(zmq.PAIR)
+            stranger.setsockopt(zmq.LINGER, 0)
+            stranger.connect(endpoint)
+            forged = wire.encode_envelope(wire.Envelope(1, "forged", b"", [], []))
+            stranger.send(forged)
+            tx.put("b", {"t": torch.zeros(2)}, timeout=WAIT)
+            assert rx.get("b", timeout=WAIT)["t"].tolist() == [0.0, 0.0]
+            with pytest.raises(TransferTimeout):
+                rx.get("forged", timeout=0.3)
+            stranger.close()
+        finally:
+            ctx.term()
 
 
 def test_peer_closed_cleanly(store):
@@ -321,7 +457,7 @@ def test_envelope_that_disagrees_with_its_header(changes, match):
 
 
 def test_garbage_envelope_is_decode_error():
-    with pytest.raises(BlobDecodeError, match="malformed side-channel envelope"):
+    with pytest.raises(BlobDecodeError, match="malformed header-channel envelope"):
         wire.decode_envelope(b"\x93\x01")
     with pytest.raises(BlobDecodeError, match="malformed hello"):
         wire.decode_hello(msgspec.msgpack.encode({"protocol": "x"}))
@@ -338,7 +474,7 @@ def test_envelope_or_hello_with_invalid_utf8_is_a_blob_decode_error():
     # Found by benchmarks/fuzz_hostile.py: msgspec raises UnicodeDecodeError (not a
     # msgspec error) for a str field that is not UTF-8.
     raw = msgspec.msgpack.encode([0, "k", b"", [], []]).replace(b"\xa1k", b"\xa2\xc3\xe9")
-    with pytest.raises(omnilink.BlobDecodeError, match="malformed side-channel envelope"):
+    with pytest.raises(omnilink.BlobDecodeError, match="malformed header-channel envelope"):
         wire.decode_envelope(raw)
     hello = msgspec.msgpack.encode({"role": "k"}).replace(b"\xa1k", b"\xa2\xc3\xe9")
     with pytest.raises(omnilink.BlobDecodeError, match="malformed hello"):

@@ -3,8 +3,11 @@
 Tensor bytes travel by point-to-point ``send``/``recv`` of a process group (NCCL between
 GPUs, gloo between CPUs, so CI runs the same code), received straight into fresh tensors
 on the receiver's device. The header of each payload (its tensor_blob meta, see
-``omnilink.connectors.nccl.wire``) travels on a side channel: the torch.distributed
-store (a ``TCPStore``) both ends share, keyed by sequence number. Nothing is pickled.
+``omnilink.connectors.nccl.wire``) travels on a channel made for messages: a ZeroMQ
+``PAIR`` socket per direction, and the receiver's credits come back on another. The
+torch.distributed store (a ``TCPStore``) both ends share serves the rendezvous only:
+hellos, rank claims, the process groups' own setup and the two socket addresses,
+exchanged once. Nothing is pickled.
 
 One channel links exactly two ranks. Each connector builds its own process groups over
 the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
@@ -13,19 +16,32 @@ group), so it never disturbs the application's own torch.distributed setup::
     rank 0 (e.g. sender, cuda:0)                      rank 1 (e.g. receiver, cuda:1)
     ----------------------------                      ------------------------------
     put(key, payload)                                 poster thread
-      window: wait ack/<seq-W> (store)                  store.get(h/<seq>)  (blocks)
-      store.set(h/<seq>, envelope) ---- TCPStore ---->  allocate tensors on cuda:1
-      pg.send(t0), pg.send(t1) ... ===== NCCL ======>   pg.recv(t0), pg.recv(t1) ...
+      window: credits read only near its limit          header socket recv (blocks)
+      header socket send(envelope) ---- zmq PAIR --->   allocate tensors on cuda:1
+      pg.send(pack), pg.send(t0) ... === NCCL =====>    pg.recv(pack), pg.recv(t0) ...
       (coalesced into one NCCL group)                   (coalesced), event on a side stream
       caller's stream waits for the sends             completer thread
                                                         event.synchronize() / work.wait()
                                                         inbox[key] = payload; notify
-      ack/<seq> <------------------ TCPStore -------   store.set(ack/<seq>)
+      credit socket (read lazily) <---- zmq PAIR ----   credit "0..seq received" (batched)
                                                       get(key): Condition wait, no polling
+
+Why a socket and not a header tensor sent by the process group ahead of the data (the
+other design considered): on NCCL such a header would queue on the same stream behind
+the previous payload's bytes, and the receiver would have to copy it to the host and
+synchronize before it could size and post the next receive, so every payload would pay
+a device round trip with the pipe drained; and headers have no fixed size (trees, keys,
+inline host data), which would need a fixed maximum plus an overflow path. On the
+socket, headers reach the receiver's host while earlier payloads are still on the
+wire, so it posts receive ``i+1`` before ``i`` lands; a send is a few microseconds and
+never a round trip; any size goes; and pyzmq is a dependency already. The sockets are
+``ipc://`` (abstract namespace, no file) when both ends share a host, else ``tcp://`` on
+``header_addr``; each end binds the sockets it reads (at most one peer each, so no one
+else can join) and the first message on each must be the session's id.
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
-     put: envelope written      poster: recv posted        completer: data arrived
+     put: header sent           poster: recv posted        completer: data arrived
     ----------------------> ANNOUNCED -------------> IN FLIGHT ----------------> READY
                                                                         get / discard |
                                                                      (consumed) <-----+
@@ -40,14 +56,24 @@ Semantics, chosen and tested:
   (one memcpy) because gloo reads it whenever the receiver is ready. Host tensors on an
   NCCL link ride inside the envelope when small (``inline_bytes``) and are otherwise
   staged through the device (copied up, sent, copied back to host on the receiver).
+- Small tensors travel together: those of at most ``pack_bytes`` that would each need a
+  transfer (device tensors on NCCL, host ones on gloo) are copied into one buffer on
+  the sender (one kernel on NCCL; on gloo it is the snapshot) and sent by one send when
+  there are two or more; the receiver gets them by one recv into one buffer and returns
+  views of it (the buffer lives as long as any of them). Large tensors keep their own
+  zero-copy transfer.
 - The receiver posts receives eagerly from its own thread, so a ``put`` followed by a
   ``get`` in one thread never deadlocks and out-of-order ``get`` works.
-- Flow control: at most ``send_window`` payloads (and ``max_inflight_bytes``) are
-  announced and not yet fully received; ``put`` waits for an acknowledgement (a store
-  key, woken by the store) up to its timeout, then raises ``TransferTimeout`` having
-  sent nothing. The receiver stops taking new payloads while the ones it holds unread
-  exceed ``max_pending_bytes`` (backpressure, as a full shm arena); one payload larger
-  than that is still taken when nothing else is held.
+- Flow control by credits, not acknowledgements: at most ``send_window`` payloads (and
+  ``max_inflight_bytes``) are announced and not yet fully received. Send/recv pairs are
+  matched in order, so no payload needs an answer of its own: the receiver sends
+  "payloads 0..seq received" after a batch (an eighth of the window or of the in-flight
+  bytes) or when it has nothing more in hand, and the sender reads the credits only
+  when it gets within half of a limit. A ``put`` that finds no room waits for credits
+  (woken by the socket) up to its timeout, then raises ``TransferTimeout`` having sent
+  nothing. The receiver stops taking new payloads while the ones it holds unread exceed
+  ``max_pending_bytes`` (backpressure, as a full shm arena); one payload larger than
+  that is still taken when nothing else is held.
 - Peer death: a third, gloo process group carries only a "goodbye" message; its one
   outstanding receive fails at once when the peer's process dies (the TCP connection
   drops), so waiters get ``PeerLostError`` instead of hanging. A clean ``close`` of the
@@ -56,17 +82,21 @@ Semantics, chosen and tested:
   dying is reported by the timeouts (``TransferTimeout``).
 - The key contract of every backend: a second ``put`` of a key still unread on the
   receiver raises ``DuplicateKeyError`` and the first payload stays deliverable. The
-  sender remembers the last 65,536 keys it put; a ``put`` of one of them (only those: no
-  round trip for fresh keys) waits for the receiver's acknowledgement, which says
-  whether the key was still pending (the receiver then drops the second payload). A
-  ``get`` of a key this receiver consumed or discarded raises ``KeyConsumedError``.
-- Hostile or broken headers: the receiver validates each envelope (tensor_blob limits,
-  plan against descriptors) and checks its size against ``max_message_bytes`` before it
-  allocates anything; the sender refuses larger payloads itself (``CapacityError``,
-  from the limit the receiver published). A payload whose tensors arrived but whose
-  tree is malformed becomes a ``BlobDecodeError`` for its key and the link keeps
-  serving; an envelope the receiver cannot size (so the byte stream would lose step)
-  fails the link with that named error, never with an allocation.
+  sender remembers the last 65,536 keys it put; a ``put`` of one of them (only those:
+  nothing to wait for on fresh keys) flags its header REPEAT and waits for the
+  receiver's credit of that very payload, whose verdict says whether the key was still
+  pending (the receiver then drops the second payload). A ``get`` of a key this
+  receiver consumed or discarded raises ``KeyConsumedError``.
+- Hostile or broken headers: the header socket refuses messages larger than the bound
+  the receiver published (``max_header_bytes``, enforced by ZeroMQ before any
+  allocation; the sender refuses larger ones itself with ``CapacityError``). The
+  receiver validates each envelope (tensor_blob limits, plan against descriptors) and
+  checks its size against ``max_message_bytes`` before it allocates anything; the
+  sender refuses larger payloads itself (``CapacityError``, from the limit the receiver
+  published). A payload whose tensors arrived but whose tree is malformed becomes a
+  ``BlobDecodeError`` for its key and the link keeps serving; an envelope the receiver
+  cannot size (so the byte stream would lose step), a stranger on a socket or a credit
+  out of sequence fails the link with that named error, never with an allocation.
 - A peer restart needs both ends to reopen the channel (the process groups are built
   once); the zmq backend is the one that reconnects.
 """
@@ -76,12 +106,15 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import math
 import os
 import queue
 import secrets
 import socket
 import threading
 from typing import Any
+
+import zmq
 
 from omnilink import blob
 from omnilink._errors import (
@@ -108,9 +141,9 @@ _FOREVER = datetime.timedelta(days=3650)
 _WAKE = b"-"
 _CTL_BYE = 1
 _CTL_BYE_REPLY = 2
-_ACK_OK = b"1"
-#: Ack of a payload dropped because its key was still pending on the receiver.
-_ACK_DUPLICATE = b"D"
+#: Room on the header socket beyond the tensor_blob header and the inline bytes: the
+#: key, the plan and msgpack's framing of up to ``blob.MAX_TENSORS`` inline parts.
+_HEADER_SLACK = 1 << 20
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -121,6 +154,50 @@ def _is_timeout(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower()
+
+
+def _poll_ms(seconds: float | None) -> int:
+    return -1 if seconds is None else max(0, math.ceil(seconds * 1000))
+
+
+class _Waker:
+    """An in-process socket pair that wakes one thread blocked in a zmq poll.
+
+    ``wake`` may be called from any thread (and after ``close``); ``rx`` is polled and
+    drained by the one thread that waits on it at a time.
+    """
+
+    def __init__(self, ctx: Any, name: str) -> None:
+        self._lock = threading.Lock()
+        self.rx = ctx.socket(zmq.PAIR)
+        self.rx.setsockopt(zmq.LINGER, 0)
+        self.rx.bind(f"inproc://{name}")
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.setsockopt(zmq.LINGER, 0)
+        self._tx.connect(f"inproc://{name}")
+        self._closed = False
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already queued
+
+    def drain(self) -> None:
+        try:
+            while True:
+                self.rx.recv(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._tx.close(0)
+            self.rx.close(0)
 
 
 class _Arrived:
@@ -135,6 +212,7 @@ class _Arrived:
         self.frame_bytes = frame_bytes
         self.done = False
         self.payload: Any = None
+        #: The device buffers the payload's tensors are views of.
         self.device_tensors: list[Any] = []
         self.error: BaseException | None = None
         #: Its key was still pending: received (to keep the stream in step), then dropped.
@@ -182,7 +260,8 @@ class NcclConnector(BaseConnector):
     connect_timeout : float
         Seconds the link setup waits for the peer (default 60).
     send_window : int
-        Most payloads announced and not yet fully received (default 64).
+        Most payloads announced and not yet fully received (default 64). Also
+        published to the peer, which batches its credits by an eighth of it.
     max_inflight_bytes : int
         Most bytes announced and not yet fully received (default 4 GiB); one payload
         larger than this still goes when nothing else is in flight.
@@ -200,6 +279,15 @@ class NcclConnector(BaseConnector):
         ``CapacityError``. A header declaring more is rejected before any allocation.
     coalesce : bool
         Post the sends/receives of one payload as one NCCL group (default True).
+    pack_bytes : int
+        Tensors of at most this size that would each need a transfer of their own
+        (device tensors on NCCL, host ones on gloo) travel together, copied into one
+        buffer and sent by one send, when a payload has two or more (default 1 MiB;
+        0 turns packing off). On the receiver they are views of one buffer.
+    header_addr : str, optional
+        Address (IP or host name) this end binds its header sockets on when the peer is
+        on another host. Default: the local address that routes to the ``TCPStore``'s
+        host, else this host name's address. Unused on one host (``ipc://`` then).
 
     Raises
     ------
@@ -237,6 +325,8 @@ class NcclConnector(BaseConnector):
         max_inline_bytes: int = 1 << 20,
         max_message_bytes: int = 4 << 30,
         coalesce: bool = True,
+        pack_bytes: int = 1 << 20,
+        header_addr: str | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         import torch
@@ -265,6 +355,7 @@ class NcclConnector(BaseConnector):
             ("max_pending_bytes", max_pending_bytes, 1),
             ("max_inline_bytes", max_inline_bytes, 0),
             ("max_message_bytes", max_message_bytes, 1),
+            ("pack_bytes", pack_bytes, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
@@ -278,6 +369,12 @@ class NcclConnector(BaseConnector):
         self.max_inline_bytes = max_inline_bytes
         self.max_message_bytes = max_message_bytes
         self.coalesce = bool(coalesce)
+        self.pack_bytes = pack_bytes
+        if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
+            raise ConfigurationError(f"nccl: header_addr must be a host name or IP address, got {header_addr!r}")
+        self.header_addr = header_addr
+        #: Largest header message accepted on the header socket (ZeroMQ refuses more).
+        self.max_header_bytes = blob.PREFIX_SIZE + blob.MAX_HEADER_BYTES + max_inline_bytes + _HEADER_SLACK
         # Sender: keys put recently (a repeat waits for its ack: DuplicateKeyError).
         self._sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Receiver: keys consumed or discarded (KeyConsumedError).
@@ -328,6 +425,9 @@ class NcclConnector(BaseConnector):
         if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
             raise ConfigurationError(f"nccl: inline_bytes must be an int >= 0, got {inline_bytes!r}")
         self.inline_bytes = min(inline_bytes, max_inline_bytes)
+        # Zero bytes between packed tensors; made by a blocking copy, so it is ready on
+        # every stream.
+        self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8).to(dev) if pack_bytes else None
 
         # ----------------------------------------------------------------- store
         self._owned_store = None
@@ -380,8 +480,12 @@ class NcclConnector(BaseConnector):
         self._send_seq = 0
         self._inflight: collections.deque[tuple[int, int]] = collections.deque()
         self._inflight_bytes = 0
-        self._acked_upto = -1
-        self._post_seq = 0
+        self._acked_upto = -1  # payloads 0.._acked_upto credited by the receiver
+        # Repeated keys waiting for the receiver's verdict: seq -> duplicate (or None).
+        self._verdicts: dict[int, bool | None] = {}
+        self._credit_authed = False
+        self._lazy_count = send_window // 2  # below these, put reads no credits
+        self._lazy_bytes = max_inflight_bytes // 2
         self._posted = 0  # payloads whose receives were posted
         self._bye_lock = threading.Lock()
         self._bye_sent = False
@@ -394,12 +498,24 @@ class NcclConnector(BaseConnector):
         self._reap_q: queue.Queue[Any] = queue.Queue()
         self._done_q: queue.Queue[Any] = queue.Queue()
         self._side_stream: Any = None
+        # ZeroMQ: the header channel (out: we send headers; in: we receive them) and the
+        # credits coming back; each socket is used by one thread at a time.
+        self._zctx: Any = None
+        self._hdr_out: Any = None  # under _send_lock
+        self._credit_in: Any = None  # under _send_lock
+        self._hdr_in: Any = None  # poster thread
+        self._credit_out: Any = None  # completer thread
+        self._post_waker: _Waker | None = None
+        self._credit_waker: _Waker | None = None
+        self._credit_poller: Any = None
+        self._peer_header_limit: int | None = None
 
         self._claim()
         hello = wire.Hello(
             protocol=wire.PROTOCOL, rank=rank, world_size=world_size, role=role, backend=backend,
             device_type=dev.type, host=self._host, pid=os.getpid(), token=self._token,
             send_window=send_window, max_message_bytes=max_message_bytes,
+            max_header_bytes=self.max_header_bytes, max_inflight_bytes=max_inflight_bytes,
         )
         try:
             self._st_main.set(f"hello/{rank}", wire.encode_hello(hello))
@@ -478,9 +594,8 @@ class NcclConnector(BaseConnector):
 
     # ================================================================ link setup
     def _setup(self) -> None:
-        # Client of the blocking waits of the receive path (the hello now, envelopes
-        # later): a TCPStore client serialises its calls, so each blocking waiter has
-        # its own and everything that never blocks shares ``_st_main``.
+        # A store client of our own for the blocking waits of the setup (a TCPStore
+        # client serialises its calls); everything that never blocks shares ``_st_main``.
         st = self._st_post = self._store()
         deadline = Deadline(self.connect_timeout)
         peer_key = f"hello/{self.peer_rank}"
@@ -517,6 +632,7 @@ class NcclConnector(BaseConnector):
             break
         self._check_peer(peer)
         self._peer = peer
+        self._peer_header_limit = peer.max_header_bytes
         tokens = sorted((self._hello.token, peer.token))
         self._sid = f"s/{tokens[0]}-{tokens[1]}/"
         same_host = peer.host == self._host
@@ -535,6 +651,7 @@ class NcclConnector(BaseConnector):
         # From here on both ends take the same steps (each waits for the other): they
         # run to the end even if close() was called meanwhile, so the peer is never left
         # waiting, and close() then says goodbye on the control group.
+        self._open_sockets(st, deadline, same_host)
         self._ctl_pg = self._make_gloo(f"{self._sid}ctl/", same_host)
         for d in dirs:
             if self._is_nccl:
@@ -557,12 +674,97 @@ class NcclConnector(BaseConnector):
         if self._in in self._pgs:
             self._spawn(self._post_loop, "poster")
             self._spawn(self._done_loop, "completer")
-        if self._out in self._pgs:
-            self._st_send = self._store()
-            if not self._is_nccl:
-                self._spawn(self._reap_loop, "reaper")
+        if self._out in self._pgs and not self._is_nccl:
+            self._spawn(self._reap_loop, "reaper")
         self._st_wake = self._st_main
         self._ready.set()
+
+    def _open_sockets(self, st: Any, deadline: Deadline, same_host: bool) -> None:
+        """Bind the sockets this end reads, trade addresses through the store (once),
+        connect the sockets it writes, and send the session id first on each."""
+        ctx = self._zctx = zmq.Context()
+        sending = self._out in self._dirs
+        receiving = self._in in self._dirs
+        if same_host:
+            base = f"ipc://@omnilink-nccl-{self._token}-{self.rank}"
+        else:
+            base = f"tcp://{self._bind_address()}"
+
+        def bind(name: str, limit: int | None) -> tuple[Any, str]:
+            s = ctx.socket(zmq.PAIR)
+            s.setsockopt(zmq.LINGER, 0)
+            # Unbounded queues: the send window bounds what is ever queued.
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            if limit is not None:
+                s.setsockopt(zmq.MAXMSGSIZE, limit)
+            s.bind(f"{base}-{name}" if same_host else f"{base}:*")
+            return s, s.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+        mine = {"h": "", "c": ""}
+        if receiving:
+            self._hdr_in, mine["h"] = bind("h", self.max_header_bytes)
+            self._post_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-post")
+        if sending:
+            self._credit_in, mine["c"] = bind("c", max(wire.CREDIT_SIZE, len(self._sid)))
+            self._credit_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-credit")
+            self._credit_poller = zmq.Poller()
+            self._credit_poller.register(self._credit_in, zmq.POLLIN)
+            self._credit_poller.register(self._credit_waker.rx, zmq.POLLIN)
+        st.set(f"{self._sid}zmq/{self.rank}", wire.encode_endpoints(mine))
+        peer_key = f"{self._sid}zmq/{self.peer_rank}"
+        try:
+            st.wait([peer_key], _td(deadline.remaining()))
+        except RuntimeError as exc:
+            if _is_timeout(exc):
+                raise PeerLostError(
+                    f"nccl: rank {self.peer_rank} of channel {self.channel!r} did not publish its "
+                    f"header sockets within connect_timeout={self.connect_timeout} s"
+                ) from exc
+            raise
+        theirs = wire.decode_endpoints(st.get(peer_key))
+        sid = self._sid.encode()
+
+        def connect(endpoint: str, what: str) -> Any:
+            if not endpoint.startswith(("ipc://@omnilink-nccl-", "tcp://")):
+                raise ConfigurationError(
+                    f"nccl: rank {self.peer_rank} of channel {self.channel!r} published no usable "
+                    f"{what} socket ({endpoint!r})"
+                )
+            s = ctx.socket(zmq.PAIR)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(endpoint)
+            s.send(sid)
+            return s
+
+        if sending:
+            self._hdr_out = connect(theirs["h"], "header")
+        if receiving:
+            self._credit_out = connect(theirs["c"], "credit")
+
+    def _bind_address(self) -> str:
+        """The local address the peer on another host can reach (see ``header_addr``)."""
+        if self.header_addr is not None:
+            return self.header_addr
+        store = self._base_store
+        host = getattr(store, "host", None)
+        port = getattr(store, "port", None)
+        if isinstance(host, str) and isinstance(port, int):
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                    probe.connect((host, port))  # no packet: just the route's source address
+                    return probe.getsockname()[0]
+            except OSError:
+                pass
+        try:
+            return socket.gethostbyname(self._host)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"nccl: cannot tell which address of this host the peer of channel {self.channel!r} "
+                f"can reach ({exc}); pass header_addr="
+            ) from exc
 
     def _check_peer(self, peer: wire.Hello) -> None:
         me = self._hello
@@ -675,24 +877,18 @@ class NcclConnector(BaseConnector):
         self._wake_all()
 
     def _wake_all(self) -> None:
-        """Wake threads blocked in store waits (poster, window) by setting their keys."""
-        st = getattr(self, "_st_wake", None)
-        if st is None:
-            return
-        try:
-            if self._in in self._pgs and (self._closing or self._peer_state == "lost"):
-                st.set(f"{self._sid}{self._in}/h/{self._post_seq}", b"")
-            if self._out in self._pgs:
-                with self._cond:
-                    oldest = self._inflight[0][0] if self._inflight else None
-                if oldest is not None and (self._closing or self._peer_state is not None):
-                    st.set(f"{self._sid}{self._out}/ack/{oldest}", b"")
-        except RuntimeError:
-            pass  # the store died with the peer: the waiters got that error already
+        """Wake threads blocked on the sockets (poster, puts waiting for credits)."""
+        for waker in (self._post_waker, self._credit_waker):
+            if waker is not None:
+                waker.wake()
+
+    def _wake(self) -> None:
+        self._wake_all()
 
     def _peer_error(self, key: str | None) -> PeerLostError:
         what = f" (key {key!r} can no longer arrive)" if key is not None else ""
         return PeerLostError(f"nccl: {self._peer_reason}{what}")
+
 
     # ==================================================================== sending
     def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
@@ -702,7 +898,7 @@ class NcclConnector(BaseConnector):
             )
         sp = wire.plan_send(
             payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
-            max_inline_total=self.max_inline_bytes, key=key,
+            max_inline_total=self.max_inline_bytes, key=key, pack_bytes=self.pack_bytes, pad=self._pad,
         )
         self._wait_ready(deadline, key)
         limit = self._peer.max_message_bytes
@@ -711,62 +907,69 @@ class NcclConnector(BaseConnector):
                 f"nccl: payload of key {key!r} is {sp.nbytes} bytes, more than the "
                 f"max_message_bytes={limit} rank {self.peer_rank} accepts on channel {self.channel!r}"
             )
-        d = self._out
-        pg = self._pgs[d]
+        pg = self._pgs[self._out]
         with self._send_lock:
             self._check_send_state(key)
             repeat = key in self._sent_keys
-            self._wait_window(sp.p2p_bytes, deadline, key)
             seq = self._send_seq
-            env = wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline)
+            raw = wire.encode_envelope(
+                wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline, wire.FLAG_REPEAT if repeat else 0)
+            )
+            hlimit = self._peer_header_limit
+            if hlimit is not None and len(raw) > hlimit:
+                raise CapacityError(
+                    f"nccl: the header of key {key!r} is {len(raw)} bytes, more than the "
+                    f"{hlimit} rank {self.peer_rank} accepts on channel {self.channel!r} "
+                    "(a huge tree or too much inline data; lower inline_bytes)"
+                )
+            self._wait_window(sp.p2p_bytes, deadline, key)
+            if repeat:
+                self._verdicts[seq] = None
             try:
-                self._st_send.set(f"{self._sid}{d}/h/{seq}", wire.encode_envelope(env))
-            except RuntimeError as exc:
+                self._hdr_out.send(raw, zmq.NOBLOCK, copy=len(raw) < 65536)
+            except zmq.ZMQError as exc:
+                self._verdicts.pop(seq, None)
                 raise self._translate(exc, key) from exc
             self._send_seq = seq + 1
-            with self._cond:
-                self._inflight.append((seq, sp.p2p_bytes))
-                self._inflight_bytes += sp.p2p_bytes
+            self._inflight.append((seq, sp.p2p_bytes))
+            self._inflight_bytes += sp.p2p_bytes
             if sp.p2p:
-                works = self._post(pg, sp.p2p, send=True)
                 if self._is_nccl:
                     torch = self._torch
                     with torch.cuda.device(self.device):
+                        works = self._post(pg, sp.p2p, send=True)
                         for w in works:
                             w.wait()  # the caller's stream waits for the sends: reuse is safe
                 else:
-                    self._reap_q.put((works, sp.p2p))
+                    self._reap_q.put((self._post(pg, sp.p2p, send=True), sp.p2p))
             sent = self._sent_keys
             sent[key] = None
             sent.move_to_end(key)
             if len(sent) > CONSUMED_KEYS_REMEMBERED:
                 sent.popitem(last=False)
             if repeat:
-                # Under the send lock, so no later put can make the receiver delete
-                # this ack before we read it.
+                # Under the send lock: the credits are read here only.
                 self._check_repeat(key, seq, deadline)
         return sp.nbytes
 
     def _check_repeat(self, key: str, seq: int, deadline: Deadline) -> None:
-        """Wait for the ack of a repeated key; raise DuplicateKeyError if the receiver
-        still held the earlier payload under it (it dropped this one)."""
-        ack = f"{self._sid}{self._out}/ack/{seq}"
+        """Wait for the credit of a repeated key's payload; raise DuplicateKeyError if the
+        receiver still held the earlier payload under it (it dropped this one)."""
         try:
-            self._st_send.wait([ack], _td(deadline.remaining()))
-            value = self._st_send.get(ack)
-        except RuntimeError as exc:
-            if _is_timeout(exc):
-                raise self._timeout(
-                    "put", key, f"rank {self.peer_rank} to acknowledge a repeated key", deadline.timeout
-                ) from exc
-            raise self._translate(exc, key) from exc
-        with self._cond:
-            self._acked_upto = max(self._acked_upto, seq)
-        if value == _ACK_DUPLICATE:
+            while self._acked_upto < seq:
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    raise self._timeout(
+                        "put", key, f"rank {self.peer_rank} to acknowledge a repeated key", deadline.timeout
+                    )
+                self._await_credits(remaining, key)
+            duplicate = self._verdicts.get(seq)
+        finally:
+            self._verdicts.pop(seq, None)
+        if duplicate:
             raise duplicate_key(self.backend, self.channel, key)
-        self._check_send_state(key)
 
-    def _check_send_state(self, key: str) -> None:
+    def _check_send_state(self, key: str | None) -> None:
         if self._closing:
             raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
         if self._link_error is not None:
@@ -775,50 +978,79 @@ class NcclConnector(BaseConnector):
             raise self._peer_error(None)
 
     def _wait_window(self, nbytes: int, deadline: Deadline, key: str) -> None:
-        """Block until the payload fits the send window (acks come through the store)."""
-        while True:
-            with self._cond:
-                while self._inflight and self._inflight[0][0] <= self._acked_upto:
-                    _, b = self._inflight.popleft()
-                    self._inflight_bytes -= b
-                if not self._inflight or (
-                    len(self._inflight) < self.send_window
-                    and self._inflight_bytes + nbytes <= self.max_inflight_bytes
-                ):
-                    return
-                oldest = self._inflight[0][0]
+        """Block until the payload fits the send window (credits come on the socket)."""
+        inflight = self._inflight
+        if len(inflight) < self._lazy_count and self._inflight_bytes + nbytes <= self._lazy_bytes:
+            return  # far from the limits: the credits can wait in the socket
+        self._read_credits(key)
+        while inflight and (
+            len(inflight) >= self.send_window or self._inflight_bytes + nbytes > self.max_inflight_bytes
+        ):
             remaining = deadline.remaining()
             if remaining == 0.0:
                 raise self._timeout("put", key, f"rank {self.peer_rank} to receive earlier payloads", deadline.timeout)
+            self._await_credits(remaining, key)
+
+    def _await_credits(self, timeout: float | None, key: str | None) -> None:
+        """Wait (up to ``timeout``) for a credit or a wake-up, then read what came."""
+        try:
+            events = dict(self._credit_poller.poll(_poll_ms(timeout)))
+        except zmq.ZMQError as exc:
+            raise self._translate(exc, key) from exc
+        if self._credit_waker.rx in events:
+            self._credit_waker.drain()
+        self._read_credits(key)
+        self._check_send_state(key)
+
+    def _read_credits(self, key: str | None) -> None:
+        """Take every credit waiting on the socket (never blocks; under ``_send_lock``)."""
+        sock = self._credit_in
+        inflight = self._inflight
+        while True:
             try:
-                self._st_send.wait([f"{self._sid}{self._out}/ack/{oldest}"], _td(remaining))
-            except RuntimeError as exc:
-                if _is_timeout(exc):
-                    raise self._timeout(
-                        "put", key, f"rank {self.peer_rank} to receive earlier payloads", deadline.timeout
-                    ) from exc
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
                 raise self._translate(exc, key) from exc
-            self._check_send_state(key)
-            with self._cond:
-                self._acked_upto = max(self._acked_upto, oldest)
+            try:
+                if not self._credit_authed:
+                    if raw != self._sid.encode():
+                        raise BlobDecodeError(
+                            f"nccl: the first message on the credit socket of channel {self.channel!r} "
+                            "is not this session's id (another process connected to it)"
+                        )
+                    self._credit_authed = True
+                    continue
+                seq, duplicate = wire.decode_credit(raw)
+                if not self._acked_upto < seq < self._send_seq:
+                    raise BlobDecodeError(
+                        f"nccl: credit for payload {seq} on channel {self.channel!r}, expected one in "
+                        f"{self._acked_upto + 1}..{self._send_seq - 1}"
+                    )
+            except BlobDecodeError as exc:
+                self._fail_link(exc, "credit")
+                raise
+            self._acked_upto = seq
+            if seq in self._verdicts:
+                self._verdicts[seq] = duplicate
+            while inflight and inflight[0][0] <= seq:
+                self._inflight_bytes -= inflight.popleft()[1]
 
     def _post(self, pg: Any, tensors: list[Any], *, send: bool) -> list[Any]:
-        """Post one send/recv per tensor, as one NCCL group where the backend can."""
+        """Post one send/recv per tensor, as one NCCL group where the backend can (the
+        caller has made the link's device current)."""
         op = pg.send if send else pg.recv
         peer = self.peer_rank
         try:
-            if self._is_nccl:
-                torch = self._torch
-                with torch.cuda.device(self.device):
-                    if self.coalesce and len(tensors) > 1:
-                        pg._start_coalescing()
-                        try:
-                            for t in tensors:
-                                op([t], peer, 0)
-                        finally:
-                            work = pg._end_coalescing()
-                        return [work]
-                    return [op([t], peer, 0) for t in tensors]
+            if self._is_nccl and self.coalesce and len(tensors) > 1:
+                pg._start_coalescing()
+                try:
+                    for t in tensors:
+                        op([t], peer, 0)
+                finally:
+                    work = pg._end_coalescing()
+                return [work]
             return [op([t], peer, 0) for t in tensors]
         except RuntimeError as exc:
             raise self._translate(exc, None) from exc
@@ -850,27 +1082,51 @@ class NcclConnector(BaseConnector):
     def _post_loop(self) -> None:
         """Read envelopes in sequence order and post their receives (eagerly)."""
         torch = self._torch
-        st = self._st_post
-        d = self._in
-        pg = self._pgs[d]
+        sock = self._hdr_in
+        waker = self._post_waker
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(waker.rx, zmq.POLLIN)
+        pg = self._pgs[self._in]
+        dev = self.device
+        uint8 = torch.uint8
+        if self._is_nccl:
+            # This thread's own device and stream (thread-local in torch), set once: the
+            # receives' buffers come from the side stream, which waits for the receives.
+            torch.cuda.set_device(dev)
+            torch.cuda.set_stream(self._side_stream)
+        sid = self._sid.encode()
+        authed = False
         seq = 0
         while True:
             self._post_seq = seq
-            with self._cond:
-                total = self._recv_total
+            total = self._recv_total
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return
             try:
-                raw = st.get(f"{self._sid}{d}/h/{seq}")
-            except RuntimeError as exc:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                try:
+                    if waker.rx in dict(poller.poll()):
+                        waker.drain()
+                except zmq.ZMQError:
+                    if self._closing:
+                        return
+                    raise
+                continue
+            except zmq.ZMQError as exc:
                 if self._closing:
                     return
-                if _is_timeout(exc):
-                    continue
-                self._peer_gone("lost", f"the store of channel {self.channel!r} went away ({exc})")
+                self._peer_gone("lost", f"the header socket of channel {self.channel!r} failed ({exc})")
                 return
-            if not raw:
-                continue  # a wake-up: re-check the state
+            if not authed:
+                if raw != sid:
+                    raise BlobDecodeError(
+                        f"nccl: the first message on the header socket of channel {self.channel!r} is "
+                        "not this session's id (another process connected to it)"
+                    )
+                authed = True
+                continue
             # Everything an envelope declares is validated, and its size checked against
             # max_message_bytes, before anything is allocated. An envelope that cannot be
             # sized leaves no way to stay in step with the sends: it fails the link with
@@ -900,42 +1156,50 @@ class NcclConnector(BaseConnector):
                 if self._closing:
                     return
                 if self._inbox.get(env.key):
-                    item.duplicate = True  # received below, then dropped and acked "D"
+                    item.duplicate = True  # received below, then dropped with its verdict
                 else:
                     self._pending_bytes += nbytes
                     self._inbox.setdefault(env.key, collections.deque()).append(item)
                     self._consumed.forget(env.key)
-            staged = [code == wire.STAGED for code in env.plan if code in (wire.P2P, wire.STAGED)]
             event = None
             if self._is_nccl:
-                with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream):
-                    bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-                    works = self._post(pg, bufs, send=False) if bufs else []
-                    for w in works:
-                        w.wait()  # the side stream waits for the receives
+                bufs = [torch.empty(n, dtype=uint8, device=dev) for n in sizes]
+                works = self._post(pg, bufs, send=False) if bufs else []
+                for w in works:
+                    w.wait()  # the side stream waits for the receives
+                item.device_tensors = bufs
+                if wire.STAGED in env.plan:
+                    # Host data staged through the device: back to (pinned) host memory
+                    # on the side stream, after the receives.
                     host_bufs = []
-                    for buf, is_staged in zip(bufs, staged):
-                        if is_staged:
-                            h = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+                    for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
+                        if staged:
+                            h = torch.empty(buf.numel(), dtype=uint8, pin_memory=True)
                             h.copy_(buf, non_blocking=True)
-                            host_bufs.append(h)
-                        else:
-                            host_bufs.append(buf)
-                    event = torch.cuda.Event()
-                    event.record(self._side_stream)
-                bufs = host_bufs
+                            buf = h
+                        host_bufs.append(buf)
+                    item.device_tensors = [b for b in host_bufs if b.is_cuda]
+                    bufs = host_bufs
+                event = torch.cuda.Event()
+                event.record()
             else:
-                bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+                bufs = [torch.empty(n, dtype=uint8) for n in sizes]
                 works = self._post(pg, bufs, send=False) if bufs else []
             self._done_q.put((item, env, header, bufs, works, event))
             seq += 1
             self._posted = seq
 
     def _done_loop(self) -> None:
-        """Wait for each payload's data in order, build it, acknowledge it."""
-        st = self._st_main
-        d = self._in
-        window = self._peer.send_window
+        """Wait for each payload's data in order, build it, credit it."""
+        sock = self._credit_out
+        peer = self._peer
+        # Credits go in batches: an eighth of the sender's window (count and bytes), at
+        # once for a repeated key's verdict, and whenever nothing more is in hand.
+        every = max(1, peer.send_window // 8)
+        every_bytes = max(1, (peer.max_inflight_bytes or self.max_inflight_bytes) // 8)
+        owed = owed_bytes = 0
+        if self._is_nccl:
+            self._torch.cuda.set_device(self.device)
         while True:
             entry = self._done_q.get()
             if entry is None:
@@ -944,15 +1208,10 @@ class NcclConnector(BaseConnector):
             try:
                 if event is not None:
                     event.synchronize()
-                    with self._torch.cuda.device(self.device):
-                        for w in works:
-                            w.wait()  # already complete: raises if NCCL aborted it
-                else:
-                    for w in works:
-                        w.wait()
+                for w in works:
+                    w.wait()  # gloo: the data is here; NCCL: already complete, raises if aborted
                 views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
                 payload = wire.decode_tree(header, views)
-                dev_tensors = [v for v in views if getattr(v, "is_cuda", False)]
             except BaseException as exc:
                 if self._closing:
                     return
@@ -960,6 +1219,7 @@ class NcclConnector(BaseConnector):
                     item.error = exc if isinstance(exc, OmnilinkError) else PeerLostError(
                         f"nccl: receiving key {env.key!r} on channel {self.channel!r} failed: {exc}"
                     )
+                    item.device_tensors = []
                     self._recv_done = item.seq + 1
                     self._cond.notify_all()
                 if not isinstance(exc, OmnilinkError):
@@ -968,7 +1228,6 @@ class NcclConnector(BaseConnector):
                 # Its bytes were all received: the stream is in step, so this bad
                 # payload is an error for its key only and the link keeps serving.
                 logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
-                payload, dev_tensors = None, []
             else:
                 with self._cond:
                     if item.duplicate:
@@ -976,22 +1235,30 @@ class NcclConnector(BaseConnector):
                             "nccl: channel %r dropped a second payload under key %r (still pending)",
                             self.channel, item.key,
                         )
+                        item.device_tensors = []
                     else:
                         item.payload = payload
                         item.done = True
-                        item.device_tensors = dev_tensors
                         self._ready_count += 1
                     self._recv_done = item.seq + 1
                     self._cond.notify_all()
-            payload = dev_tensors = views = None
-            try:
-                st.set(f"{self._sid}{d}/ack/{item.seq}", _ACK_DUPLICATE if item.duplicate else _ACK_OK)
-                st.delete_key(f"{self._sid}{d}/h/{item.seq}")
-                if item.seq >= window:
-                    st.delete_key(f"{self._sid}{d}/ack/{item.seq - window}")
-            except RuntimeError:
-                if not self._closing and self._peer_state is None:
-                    self._peer_gone("lost", f"the store of channel {self.channel!r} went away")
+            payload = views = bufs = entry = None
+            owed += 1
+            owed_bytes += item.nbytes
+            if (
+                item.duplicate
+                or env.flags & wire.FLAG_REPEAT
+                or owed >= every
+                or owed_bytes >= every_bytes
+                or self._done_q.empty()
+            ):
+                try:
+                    sock.send(wire.encode_credit(item.seq, item.duplicate), zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    if not self._closing and self._peer_state is None:
+                        self._peer_gone("lost", f"the credit socket of channel {self.channel!r} failed ({exc})")
+                    return
+                owed = owed_bytes = 0
 
     def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
         if self.role == "sender":
@@ -1091,6 +1358,7 @@ class NcclConnector(BaseConnector):
         with self._cond:
             return (self._ready_count, self._pending_bytes)
 
+
     # ==================================================================== closing
     def close(self) -> None:
         """Close the link; idempotent.
@@ -1109,18 +1377,23 @@ class NcclConnector(BaseConnector):
         super().close()
 
     def _linger(self, deadline: Deadline) -> None:
-        with self._send_lock:
+        remaining = deadline.remaining()
+        if not self._send_lock.acquire(timeout=-1 if remaining is None else remaining):
+            logger.warning("nccl: closing channel %r while a put still waits", self.channel)
+            return
+        try:
             last = self._send_seq - 1
-        while last > self._acked_upto and self._peer_state is None:
-            remaining = deadline.remaining()
-            if remaining == 0.0:
-                logger.warning("nccl: closing channel %r with payloads not yet received", self.channel)
-                return
-            try:
-                self._st_send.wait([f"{self._sid}{self._out}/ack/{last}"], _td(remaining))
-            except RuntimeError:
-                return
-            self._acked_upto = max(self._acked_upto, last)
+            self._read_credits(None)
+            while last > self._acked_upto and self._peer_state is None:
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    logger.warning("nccl: closing channel %r with payloads not yet received", self.channel)
+                    return
+                self._await_credits(remaining, None)
+        except OmnilinkError as exc:
+            logger.debug("nccl: closing channel %r: %r", self.channel, exc)
+        finally:
+            self._send_lock.release()
 
     def _close(self) -> None:
         setup = self._threads[0]
@@ -1164,7 +1437,37 @@ class NcclConnector(BaseConnector):
             self._inbox.clear()
             self._pending_bytes = 0
             self._ready_count = 0
+        self._close_sockets(stuck)
         self._release_claim()
         if not stuck:
             self._pgs.clear()
             self._ctl_pg = None
+
+    def _close_sockets(self, stuck: list[str]) -> None:
+        """Close the ZeroMQ sockets whose users are done, then the context if all are."""
+        if self._zctx is None:
+            return
+        left = []
+        for waker in (self._post_waker, self._credit_waker):
+            if waker is not None:
+                waker.close()
+        if self._send_lock.acquire(timeout=2.0):
+            try:
+                for s in (self._hdr_out, self._credit_in):
+                    if s is not None:
+                        s.close(0)
+            finally:
+                self._send_lock.release()
+        else:
+            left.append("sender")
+        for sock, thread in ((self._hdr_in, "poster"), (self._credit_out, "completer")):
+            if sock is not None:
+                if any(thread in name for name in stuck):
+                    left.append(thread)
+                else:
+                    sock.close(0)
+        if left:
+            logger.debug("nccl: sockets of %r left to the garbage collector (still in use: %s)", self.channel, left)
+            return
+        self._zctx.term()
+        self._zctx = None

@@ -1,33 +1,49 @@
-"""What the ``nccl`` backend puts on its side channel, and how it rebuilds a payload.
+"""What the ``nccl`` backend sends on its header channel, and how it rebuilds a payload.
 
 The header of a payload never travels with its tensor bytes. It is a small msgpack
-*envelope* written to the torch.distributed store; the bytes travel by point-to-point
+*envelope* sent on the link's header channel (a ZeroMQ ``PAIR`` socket, see
+``omnilink.connectors.nccl.connector``); the bytes travel by point-to-point
 ``send``/``recv`` of the process group. The envelope embeds the payload's tensor_blob
 ``meta`` (prefix + ``BlobHeader``: descriptors and payload tree, see ``omnilink.blob``),
 made by ``omnilink.blob.prepare`` without copying a single tensor byte, so the nccl
 backend speaks the project's one wire format for everything but the data region::
 
-    store key  <channel-prefix>/<src>to<dst>/h/<seq>
-    value      msgpack array  [seq, key, meta, plan, inline]
-                 seq     u64    position in the sender's stream (0, 1, 2, ...)
-                 key     str    the payload's key
-                 meta    bytes  tensor_blob prefix + header (tensor i = descriptor i)
-                 plan    [u8]   how tensor i travels, one code per descriptor:
-                                  0 EMPTY   no bytes (numel == 0)
-                                  1 P2P     its own send/recv, straight into a tensor
-                                            on the receiver's device
-                                  2 STAGED  host data on an nccl link: copied to the
-                                            sender's device, sent, copied back to host
-                                  3 INLINE  small host data carried in ``inline``
-                 inline  [bytes] the INLINE tensors' bytes, in descriptor order
+    header message  msgpack array  [seq, key, meta, plan, inline, flags]
+      seq     u64     position in the sender's stream (0, 1, 2, ...)
+      key     str     the payload's key
+      meta    bytes   tensor_blob prefix + header (tensor i = descriptor i)
+      plan    [u8]    how tensor i travels, one code per descriptor:
+                        0 EMPTY   no bytes (numel == 0)
+                        1 P2P     its own send/recv, straight into a tensor on the
+                                  receiver's device
+                        2 STAGED  host data on an nccl link: copied to the sender's
+                                  device, sent, copied back to host
+                        3 INLINE  small host data carried in ``inline``
+                        4 PACK    a small tensor carried in the payload's pack: one
+                                  buffer holding every PACK tensor, sent by one
+                                  send and received by one recv
+      inline  [bytes] the INLINE tensors' bytes, in descriptor order
+      flags   u8      bit 0 REPEAT: the sender put this key recently and waits for
+                      the receiver's verdict (a duplicate or not) on this payload
 
-The receiver posts one ``recv`` per P2P/STAGED descriptor, in descriptor order, right
-after reading the envelope; the sender posts the matching ``send``s right after writing
-it, so both ends issue the operations in the same order (what NCCL requires).
+    pack layout     PACK tensors in descriptor order, each at the next multiple of
+                    64 bytes (``FRAME_ALIGN``: any dtype's view is aligned); the pack
+                    is as long as the end of its last tensor; padding bytes are zero
+
+    credit message  8-byte little-endian i64  ``seq``: payloads 0..seq fully received
+                    + 1 byte verdict  ``1``: payload ``seq`` was dropped because its key
+                    was still pending on the receiver (``DuplicateKeyError``), else 0
+
+Both ends derive the list of transfers of one payload from the envelope alone: the
+pack first (if any PACK tensor), then one transfer per P2P/STAGED descriptor in
+descriptor order. The receiver posts the ``recv``s right after reading the envelope,
+the sender posts the matching ``send``s right after sending it, so both ends issue the
+operations in the same order (what NCCL requires).
 """
 
 from __future__ import annotations
 
+import struct
 import warnings
 from typing import Any
 
@@ -37,43 +53,64 @@ from omnilink import blob
 from omnilink._errors import BlobDecodeError, ConfigurationError
 
 __all__ = [
+    "CREDIT_SIZE",
     "EMPTY",
+    "FLAG_REPEAT",
     "INLINE",
     "P2P",
+    "PACK",
+    "PACK_MAX_BYTES",
     "STAGED",
+    "Endpoints",
     "Envelope",
     "Hello",
     "SendPlan",
     "build_views",
     "check_sizes",
+    "decode_credit",
+    "decode_endpoints",
     "decode_envelope",
     "decode_hello",
     "decode_tree",
+    "encode_credit",
+    "encode_endpoints",
     "encode_envelope",
     "encode_hello",
+    "pack_layout",
     "parse_meta",
     "plan_send",
+    "staged_transfers",
 ]
 
-EMPTY, P2P, STAGED, INLINE = 0, 1, 2, 3
-_PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE"}
+EMPTY, P2P, STAGED, INLINE, PACK = 0, 1, 2, 3, 4
+_PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE", PACK: "PACK"}
+FLAG_REPEAT = 1
+_FLAGS_KNOWN = FLAG_REPEAT
 
-#: Version of this side-channel protocol; both ends must speak the same one.
-PROTOCOL = 1
+#: Version of this header protocol; both ends must speak the same one.
+PROTOCOL = 2
+
+#: Most bytes one payload's pack holds; further small tensors get their own transfer
+#: (the pack costs the sender a copy and the receiver one buffer shared by its views).
+PACK_MAX_BYTES = 64 << 20
+
+_CREDIT = struct.Struct("<qB")
+CREDIT_SIZE = _CREDIT.size
 
 
 class Envelope(msgspec.Struct, array_like=True, frozen=True):
-    """The side-channel record of one payload (see the module docstring)."""
+    """The header-channel record of one payload (see the module docstring)."""
 
     seq: int
     key: str
     meta: bytes
     plan: list[int]
     inline: list[bytes]
+    flags: int = 0
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True):
-    """What each end publishes about itself before the link is built."""
+    """What each end publishes about itself in the store before the link is built."""
 
     protocol: int
     rank: int
@@ -87,11 +124,47 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     send_window: int
     #: Largest payload (bytes) this end accepts as a receiver; ``None``: no limit stated.
     max_message_bytes: int | None = None
+    #: Largest header message this end accepts as a receiver; ``None``: no limit stated.
+    max_header_bytes: int | None = None
+    #: Most bytes this end keeps announced and not yet received as a sender.
+    max_inflight_bytes: int | None = None
+
+
+class Endpoints(msgspec.Struct, frozen=True):
+    """The addresses of the sockets one end binds, traded once through the store."""
+
+    #: Where the peer sends headers to this end ("" if this end does not receive).
+    h: str
+    #: Where the peer sends credits to this end ("" if this end does not send).
+    c: str
 
 
 _ENV_ENCODER = msgspec.msgpack.Encoder()
 _ENV_DECODER = msgspec.msgpack.Decoder(Envelope)
 _HELLO_DECODER = msgspec.msgpack.Decoder(Hello)
+_ENDPOINTS_DECODER = msgspec.msgpack.Decoder(Endpoints)
+_MAX_ENDPOINT = 512
+
+
+def encode_endpoints(endpoints: dict[str, str]) -> bytes:
+    return _ENV_ENCODER.encode(Endpoints(**endpoints))
+
+
+def decode_endpoints(raw: bytes) -> dict[str, str]:
+    """Decode the peer's socket addresses.
+
+    Raises
+    ------
+    BlobDecodeError
+        Not an address record, or an address longer than 512 characters.
+    """
+    try:
+        ep = _ENDPOINTS_DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+        raise BlobDecodeError(f"nccl: malformed socket addresses in the store: {exc}") from exc
+    if len(ep.h) > _MAX_ENDPOINT or len(ep.c) > _MAX_ENDPOINT:
+        raise BlobDecodeError("nccl: a socket address in the store is longer than 512 characters")
+    return {"h": ep.h, "c": ep.c}
 
 
 def encode_hello(hello: Hello) -> bytes:
@@ -109,15 +182,15 @@ def decode_hello(raw: bytes) -> Hello:
     try:
         return _HELLO_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-        raise BlobDecodeError(f"nccl: malformed hello on the side channel: {exc}") from exc
+        raise BlobDecodeError(f"nccl: malformed hello in the store: {exc}") from exc
 
 
 def encode_envelope(env: Envelope) -> bytes:
     return _ENV_ENCODER.encode(env)
 
 
-def decode_envelope(raw: bytes) -> Envelope:
-    """Decode an envelope read from the store.
+def decode_envelope(raw: Any) -> Envelope:
+    """Decode an envelope received on the header channel.
 
     Raises
     ------
@@ -125,9 +198,32 @@ def decode_envelope(raw: bytes) -> Envelope:
         The bytes are not an envelope of this protocol.
     """
     try:
-        return _ENV_DECODER.decode(raw)
+        env = _ENV_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-        raise BlobDecodeError(f"nccl: malformed side-channel envelope: {exc}") from exc
+        raise BlobDecodeError(f"nccl: malformed header-channel envelope: {exc}") from exc
+    if env.flags & ~_FLAGS_KNOWN or env.flags < 0:
+        raise BlobDecodeError(f"nccl: envelope of key {env.key!r} has unknown flags {env.flags:#x}")
+    return env
+
+
+def encode_credit(seq: int, duplicate: bool) -> bytes:
+    return _CREDIT.pack(seq, 1 if duplicate else 0)
+
+
+def decode_credit(raw: bytes) -> tuple[int, bool]:
+    """Decode a credit message: ``(seq, duplicate)``.
+
+    Raises
+    ------
+    BlobDecodeError
+        Not a credit message (wrong length or verdict byte).
+    """
+    if len(raw) != CREDIT_SIZE:
+        raise BlobDecodeError(f"nccl: credit message of {len(raw)} bytes, expected {CREDIT_SIZE}")
+    seq, verdict = _CREDIT.unpack(raw)
+    if verdict > 1 or seq < 0:
+        raise BlobDecodeError(f"nccl: malformed credit message (seq {seq}, verdict {verdict})")
+    return seq, verdict == 1
 
 
 class SendPlan:
@@ -140,8 +236,9 @@ class SendPlan:
     inline : list[bytes]
         Bytes of the INLINE descriptors.
     p2p : list[Any]
-        For each P2P/STAGED descriptor, in order, a flat uint8 tensor to send (on the
-        connector's device). On gloo these are snapshots the caller cannot touch.
+        The transfers, in order: the pack (if any) then, for each P2P/STAGED descriptor,
+        a flat uint8 tensor to send (on the connector's device). On gloo these are
+        snapshots the caller cannot touch.
     nbytes : int
         tensor_blob frame size of the payload (what ``put`` returns).
     """
@@ -157,13 +254,28 @@ class SendPlan:
         self.p2p_bytes = sum(int(t.numel()) for t in p2p)
 
 
-def _flat_bytes(torch: Any, t: Any) -> Any:
+def _align(n: int) -> int:
+    return (n + blob.FRAME_ALIGN - 1) // blob.FRAME_ALIGN * blob.FRAME_ALIGN
+
+
+def _flat_bytes(t: Any, uint8: Any) -> Any:
     """A contiguous 1-D uint8 view of ``t`` (one copy only if ``t`` is strided)."""
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(-1).view(uint8) if t.dim() else t.reshape(1).view(uint8)
 
 
-def plan_send(payload: Any, *, device: Any, nccl: bool, inline_bytes: int, max_inline_total: int, key: str) -> SendPlan:
+def plan_send(
+    payload: Any,
+    *,
+    device: Any,
+    nccl: bool,
+    inline_bytes: int,
+    max_inline_total: int,
+    key: str,
+    pack_bytes: int = 0,
+    pad: Any = None,
+) -> SendPlan:
     """Walk ``payload`` and decide how each tensor travels.
 
     Parameters
@@ -174,6 +286,13 @@ def plan_send(payload: Any, *, device: Any, nccl: bool, inline_bytes: int, max_i
         True when the data path is NCCL (it moves device memory only).
     inline_bytes : int
         Host tensors and arrays of at most this many bytes ride inside the envelope.
+    pack_bytes : int
+        Tensors of at most this many bytes that would get a transfer of their own
+        travel together in the pack (device tensors on NCCL, host ones on gloo), when
+        there are at least two of them.
+    pad : torch.Tensor, optional
+        ``FRAME_ALIGN`` zero bytes on ``device`` (padding between packed tensors);
+        needed when ``pack_bytes`` is set.
 
     Raises
     ------
@@ -185,20 +304,20 @@ def plan_send(payload: Any, *, device: Any, nccl: bool, inline_bytes: int, max_i
     """
     import torch
 
+    uint8 = torch.uint8
     prepared = blob.prepare(payload)
     descs = prepared._descs
     sources = prepared._sources
     plan: list[int] = []
     inline: list[bytes] = []
-    p2p: list[Any] = []
+    singles: list[Any] = []  # (descriptor index, flat tensor) of own transfers
+    packable: list[tuple[int, Any]] = []
     inline_total = 0
+    cuda_link = device.type == "cuda"
     for i, (d, (kind, src)) in enumerate(zip(descs, sources)):
         if kind == blob.KIND_TORCH:
             dev = src.device
-            on_link_device = dev == device or (
-                dev.type == device.type == "cuda" and dev.index == device.index
-            )
-            if dev.type != "cpu" and not on_link_device:
+            if dev.type != "cpu" and not (cuda_link and dev.type == "cuda" and dev.index == device.index):
                 raise ConfigurationError(
                     f"nccl: tensor {i} of payload {key!r} is on {dev}, but this connector "
                     f"moves tensors of {device}"
@@ -208,11 +327,12 @@ def plan_send(payload: Any, *, device: Any, nccl: bool, inline_bytes: int, max_i
             host = dev.type == "cpu"
         else:
             host = True
-        if d.nbytes == 0:
+        nbytes = d.nbytes
+        if nbytes == 0:
             plan.append(EMPTY)
             continue
-        if host and d.nbytes <= inline_bytes:
-            inline_total += d.nbytes
+        if host and nbytes <= inline_bytes:
+            inline_total += nbytes
             if inline_total > max_inline_total:
                 raise ConfigurationError(
                     f"nccl: payload {key!r} carries more than {max_inline_total} bytes of small "
@@ -224,20 +344,55 @@ def plan_send(payload: Any, *, device: Any, nccl: bool, inline_bytes: int, max_i
         if not host:
             # Device tensor on the link's device: sent straight from the caller's memory
             # (NCCL orders the send after the caller's stream; the process group keeps
-            # the tensor alive until the send is done).
+            # the tensor alive until the send is done), or packed when small.
+            flat = _flat_bytes(src, uint8)
             plan.append(P2P)
-            p2p.append(_flat_bytes(torch, src))
+            (packable if nbytes <= pack_bytes else singles).append((i, flat))
             continue
         flat = _host_flat(torch, kind, src)
         if nccl:
             # NCCL moves device memory only: stage host data through the device.
             plan.append(STAGED)
-            p2p.append(flat.to(device, non_blocking=False))
+            singles.append((i, flat.to(device, non_blocking=False)))
         else:
-            # Gloo reads the buffer whenever the receiver is ready, possibly after put
-            # returned: send a private snapshot so the caller may reuse its tensors.
             plan.append(P2P)
-            p2p.append(flat.clone() if _shares_memory(flat, src) else flat)
+            if nbytes <= pack_bytes:
+                packable.append((i, flat))
+            else:
+                # Gloo reads the buffer whenever the receiver is ready, possibly after
+                # put returned: send a private snapshot so the caller may reuse it.
+                singles.append((i, flat.clone() if _shares_memory(flat, src) else flat))
+    p2p: list[Any] = []
+    packed: set[int] = set()
+    if len(packable) >= 2:
+        parts: list[Any] = []
+        end = 0
+        for i, flat in packable:
+            n = int(flat.numel())
+            start = _align(end)
+            if start + n > PACK_MAX_BYTES:
+                continue
+            if start > end:
+                parts.append(pad[: start - end])
+            parts.append(flat)
+            end = start + n
+            packed.add(i)
+        if len(packed) >= 2:
+            # One copy of the small tensors into one buffer: one transfer for them all.
+            p2p.append(torch.cat(parts))
+            for i in packed:
+                plan[i] = PACK
+        else:
+            packed.clear()
+    for i, flat in packable:
+        if i not in packed:
+            if not nccl and _shares_memory(flat, sources[i][1]):
+                flat = flat.clone()  # a private snapshot, as for the other gloo sends
+            singles.append((i, flat))
+    if packable:
+        singles.sort(key=lambda item: item[0])
+    p2p.extend(t for _, t in singles)
+    return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
     return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
 
 
@@ -255,7 +410,7 @@ def _shares_memory(flat: Any, src: Any) -> bool:
 
 def _host_flat(torch: Any, kind: int, src: Any) -> Any:
     if kind == blob.KIND_TORCH:
-        return _flat_bytes(torch, src)
+        return _flat_bytes(src, torch.uint8)
     import numpy as np
 
     a = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
@@ -269,7 +424,7 @@ def _host_bytes(kind: int, src: Any) -> bytes:
     if kind == blob.KIND_TORCH:
         import torch
 
-        return _flat_bytes(torch, src).numpy().tobytes()
+        return _flat_bytes(src, torch.uint8).numpy().tobytes()
     import numpy as np
 
     return np.ascontiguousarray(src).tobytes()
@@ -321,18 +476,45 @@ def parse_meta(env: Envelope) -> blob.BlobHeader:
     return header
 
 
+def pack_layout(header: blob.BlobHeader, plan: list[int]) -> tuple[list[int], int]:
+    """Offsets of the PACK descriptors in the pack (in descriptor order) and its size."""
+    offsets: list[int] = []
+    end = 0
+    for code, d in zip(plan, header.tensors):
+        if code == PACK:
+            start = _align(end)
+            offsets.append(start)
+            end = start + d.nbytes
+    return offsets, end
+
+
+def check_sizes(header: blob.BlobHeader, plan: list[int]) -> list[int]:
+    """Byte counts of the transfers of a payload, in the order they are received: the
+    pack (if any PACK descriptor), then one per P2P/STAGED descriptor."""
+    sizes = [d.nbytes for code, d in zip(plan, header.tensors) if code in (P2P, STAGED)]
+    _offsets, pack = pack_layout(header, plan)
+    return [pack, *sizes] if pack else sizes
+
+
+def staged_transfers(plan: list[int]) -> list[bool]:
+    """For each transfer of ``check_sizes``, whether it carries STAGED host data."""
+    flags = [code == STAGED for code in plan if code in (P2P, STAGED)]
+    return [False, *flags] if PACK in plan else flags
+
+
 def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], received: list[Any], *, device: Any) -> list[Any]:
     """One object per descriptor, from the received buffers and the inline parts.
 
-    ``received`` holds, in order, the uint8 tensor each P2P/STAGED descriptor was
-    received into (STAGED ones already copied back to host). Device tensors are views
-    of their own receive buffer; host data is a view of its buffer or inline part.
+    ``received`` holds the uint8 tensors of the transfers, in the order of
+    ``check_sizes`` (STAGED ones already copied back to host). Device tensors are views
+    of their own receive buffer (PACK ones: of the pack); host data is a view of its
+    buffer or a copy of its inline part.
 
     Raises
     ------
     BlobDecodeError
-        A dtype this build does not have, bool bytes other than 0/1 in host data, or a
-        P2P numpy array on a link whose device is not the host.
+        A dtype this build does not have, bool bytes other than 0/1 in host data, or
+        host data (a numpy array, a STAGED tensor) in device memory.
     """
     import numpy as np
     import torch
@@ -342,6 +524,9 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
     views: list[Any] = []
     it_recv = iter(received)
     it_inline = iter(inline)
+    offsets, pack_size = pack_layout(header, plan)
+    pack = next(it_recv) if pack_size else None
+    it_offsets = iter(offsets)
     bool_code = blob.DTYPE_CODES["bool"][0]
     for i, (code, d) in enumerate(zip(plan, header.tensors)):
         if d.kind == blob.KIND_TORCH:
@@ -363,13 +548,17 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
             region = np.frombuffer(bytearray(next(it_inline)), dtype=np.uint8)
             buf = None
         else:
-            buf = next(it_recv)
+            if code == PACK:
+                start = next(it_offsets)
+                buf = pack[start: start + d.nbytes]
+            else:
+                buf = next(it_recv)
             if buf.device.type != "cpu":
-                if d.kind != blob.KIND_TORCH or code != P2P:
+                if d.kind != blob.KIND_TORCH or code == STAGED:
                     raise BlobDecodeError(
                         f"tensor {i}: host data ({_PLAN_NAMES[code]}) arrived in device memory"
                     )
-                # A device tensor: a view of its own receive buffer. Its bool bytes came
+                # A device tensor: a view of its receive buffer. Its bool bytes came
                 # from a torch bool tensor on the peer; checking them would cost a device
                 # reduction and a host sync per tensor.
                 views.append(buf.view(dt).view(d.shape))
@@ -389,9 +578,3 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
 def decode_tree(header: blob.BlobHeader, views: list[Any]) -> Any:
     """The payload tree of ``header`` with tensor references replaced by ``views``."""
     return blob._decode_tree(header, views)
-
-
-def check_sizes(header: blob.BlobHeader, plan: list[int]) -> list[int]:
-    """Byte counts of the P2P/STAGED descriptors, in the order they are received."""
-    return [d.nbytes for code, d in zip(plan, header.tensors) if code in (P2P, STAGED)]
-
