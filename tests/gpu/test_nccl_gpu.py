@@ -2,8 +2,9 @@
 
 Two processes, one per GPU, move payloads of several bf16 tensors; the receiver's copy
 lives on cuda:1 and equals the sender's bit for bit. In one process, two connectors
-(cuda:0 and cuda:1) check the stream contract of ``put``, staging of host data, and the
-device-mismatch errors.
+(cuda:0 and cuda:1) check the stream contract of ``put``, staging of host data, the
+packing of small device tensors into one transfer, many payloads through a small credit
+window got in any order, and the device-mismatch errors.
 """
 
 from __future__ import annotations
@@ -127,3 +128,62 @@ def test_gloo_link_refuses_cuda_tensors():
             tx.put("k", {"t": torch.ones(2, device="cuda:0")}, timeout=WAIT)
         tx.put("k", {"t": torch.ones(2)}, timeout=WAIT)
         assert torch.equal(rx.get("k", timeout=WAIT)["t"], torch.ones(2))
+
+
+@pytest.mark.multigpu
+def test_small_device_tensors_arrive_packed(gpu_pair):
+    """Small device tensors travel in one pack: on cuda:1 they are views of one buffer
+    at 64-byte aligned offsets, bit-exact, and the sender may overwrite its tensors on
+    its stream right after put; a large tensor keeps its own buffer."""
+    tx, rx = gpu_pair
+    g = torch.Generator(device="cuda:0").manual_seed(5)
+    small = {
+        "pos": torch.arange(37, device="cuda:0"),
+        "mask": torch.rand(3, 5, device="cuda:0", generator=g) > 0.5,
+        "emb": torch.randn(7, 33, device="cuda:0", generator=g).to(torch.bfloat16),
+        "strided": torch.randn(40, 24, device="cuda:0", generator=g).t(),
+        "scalar": torch.tensor(2.5, device="cuda:0"),
+    }
+    big = torch.randn(1 << 20, device="cuda:0", generator=g)  # 4 MiB: a transfer of its own
+    expected = {name: t.cpu() for name, t in small.items()} | {"big": big.cpu()}
+    tx.put("packed", dict(small, big=big, meta={"n": 1}), timeout=WAIT)
+    for t in small.values():
+        t.zero_()
+    got = rx.get("packed", timeout=WAIT)
+    base = got["pos"].untyped_storage().data_ptr()
+    for name in small:
+        t = got[name]
+        assert t.device == torch.device("cuda:1") and t.dtype == expected[name].dtype
+        assert t.shape == expected[name].shape
+        assert torch.equal(_bits(t), _bits(expected[name])), name
+        assert t.untyped_storage().data_ptr() == base, f"{name} is not in the pack"
+        assert (t.data_ptr() - base) % 64 == 0
+    assert torch.equal(_bits(got["big"]), _bits(expected["big"]))
+    assert got["big"].untyped_storage().data_ptr() != base
+    assert got["meta"] == {"n": 1}
+
+
+@pytest.mark.multigpu
+def test_many_payloads_small_window_any_order():
+    """Hundreds of payloads through a window of 4 (credits keep flowing), got in
+    reverse order, each bit-exact; repeated unread key refused, consumed key refused."""
+    store = dist.HashStore()
+    with omnilink.connect("nccl", channel="gpu/window", role="sender", device="cuda:0", store=store,
+                          send_window=4) as tx, \
+         omnilink.connect("nccl", channel="gpu/window", role="receiver", device="cuda:1", store=store) as rx:
+        sizes = [4096, 1 << 20, 64, 3 << 20]
+        count = 200
+        for i in range(count):
+            n = sizes[i % len(sizes)] // 4
+            tx.put(f"k{i}", {"t": torch.full((n,), float(i), device="cuda:0"),
+                             "ids": torch.arange(i % 9 + 1, device="cuda:0")}, timeout=WAIT)
+        with pytest.raises(omnilink.DuplicateKeyError):
+            tx.put("k5", {"t": torch.zeros(1, device="cuda:0")}, timeout=WAIT)
+        for i in reversed(range(count)):
+            got = rx.get(f"k{i}", timeout=WAIT)
+            n = sizes[i % len(sizes)] // 4
+            assert got["t"].device == torch.device("cuda:1") and got["t"].shape == (n,)
+            assert bool((got["t"] == float(i)).all()), i
+            assert torch.equal(got["ids"].cpu(), torch.arange(i % 9 + 1))
+        with pytest.raises(omnilink.KeyConsumedError):
+            rx.get("k5", timeout=WAIT)

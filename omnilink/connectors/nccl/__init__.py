@@ -4,8 +4,9 @@ This package is the public door of the backend; its modules are internal:
 
 =============  ==========================================================================
 ``connector``  ``NcclConnector``: its own two-rank process groups (NCCL on GPUs, gloo on
-               CPU), the control thread, put / get
-``wire``       the header envelope that travels beside the tensors and its validation
+               CPU), the header and credit sockets, the receiving threads, put / get
+``wire``       the header envelope and credit that travel beside the tensors, the pack
+               layout of small tensors, and their validation
 =============  ==========================================================================
 
 Exports: ``NcclConnector``.

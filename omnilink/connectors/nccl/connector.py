@@ -560,6 +560,8 @@ class NcclConnector(BaseConnector):
         try:
             self._st_main.compare_set(f"claim/{self.rank}", me, "")
             self._st_main.delete_key(f"hello/{self.rank}")
+            if self._sid:
+                self._st_main.delete_key(f"{self._sid}zmq/{self.rank}")
         except RuntimeError:
             pass  # the store went away with the peer that hosted it
 
@@ -1448,24 +1450,22 @@ class NcclConnector(BaseConnector):
         if self._zctx is None:
             return
         left = []
-        for waker in (self._post_waker, self._credit_waker):
-            if waker is not None:
-                waker.close()
         if self._send_lock.acquire(timeout=2.0):
             try:
-                for s in (self._hdr_out, self._credit_in):
+                for s in (self._hdr_out, self._credit_in, self._credit_waker):
                     if s is not None:
-                        s.close(0)
+                        s.close()
             finally:
                 self._send_lock.release()
         else:
             left.append("sender")
-        for sock, thread in ((self._hdr_in, "poster"), (self._credit_out, "completer")):
-            if sock is not None:
-                if any(thread in name for name in stuck):
-                    left.append(thread)
-                else:
-                    sock.close(0)
+        for thread, parts in (("poster", (self._hdr_in, self._post_waker)), ("completer", (self._credit_out,))):
+            if any(f"-{thread}-" in name for name in stuck):
+                left.append(thread)
+                continue
+            for s in parts:
+                if s is not None:
+                    s.close()
         if left:
             logger.debug("nccl: sockets of %r left to the garbage collector (still in use: %s)", self.channel, left)
             return

@@ -1,0 +1,41 @@
+"""``benchmarks/bench_nccl.py`` in a short configuration over gloo (CPU): every cell runs
+(raw send/recv and the connector side by side, the packed variant, the 4 KiB ping-pong),
+the payloads are checked bit for bit and the JSON records carry the ratios. No figure is
+compared with a target: speed is measured by the script, not asserted in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_nccl_gloo_short(tmp_path):
+    out = tmp_path / "nccl.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_nccl.py"), "--backend", "gloo",
+         "--sizes", "64KiB,1MiB", "--rounds", "1", "--iters", "3", "--latency-iters", "5",
+         "--timeout", "240", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    cells = {(r["size"], r["variant"]): r for r in recs}
+    assert set(cells) == {
+        (64 << 10, "raw"), (64 << 10, "omnilink"),
+        (1 << 20, "raw"), (1 << 20, "omnilink"), (1 << 20, "omnilink +16 small"),
+        (4096, "latency raw"), (4096, "latency omnilink"),
+    }
+    for r in recs:
+        assert r["scenario"] == "nccl-vs-raw" and r["machine"]["backend"] == "gloo"
+        assert r["ratio_vs_raw"] > 0
+        if "gbps" in r:
+            assert r["bit_exact"] is True and r["gbps"] > 0 and r["iters"] == 3
+        else:
+            assert 0 < r["p50_us"] <= r["p99_us"] and r["iters"] == 5
+    assert cells[(1 << 20, "raw")]["ratio_vs_raw"] == 1.0
+    assert "| omnilink +16 small" in proc.stdout and "one-way latency" in proc.stdout
