@@ -11,6 +11,10 @@ What it measures (needs CUDA; one GPU, and cuda:0 -> cuda:1 when there are two):
 3. two processes, sender tensors on cuda:0, receiver ``get(..., device="cuda:k")``
    through the shm backend: GB/s at each size with several messages in flight, bytes
    checked on the receiver's GPU; 4 KiB one-way latency (round trip / 2, both copies);
+   beside the raw floor of the same topology: a ring of 8 registered ``/dev/shm``
+   slots, D2H in one process and H2D in the other with cuda-python calls and POSIX
+   semaphores, nothing of omnilink (two processes sharing one GPU pay its context
+   switches in both);
 4. the paths omnilink replaces, same processes and sizes: the legacy one (``.cpu()``,
    pickle, a fresh segment, ``.cuda()``), and omnilink's host path with plain ``.to()``
    at both ends;
@@ -96,6 +100,152 @@ def d2h_controller(sizes: list[int], reps: int) -> dict[int, float]:
         mm.close()
     finally:
         posix_ipc.unlink_shared_memory(name)
+    return out
+
+
+# =================================================================== raw floor, two processes
+# The same topology with nothing of omnilink: a ring of slots in a registered /dev/shm
+# file, D2H into a slot in one process, H2D out of it in the other, POSIX semaphores
+# for the hand-off, cuda-python calls only. Two processes sharing one GPU pay the
+# GPU's context switches here too: this is the floor of any host-staged path.
+def _raw_rx(conn, shm_name: str, sems: tuple[str, str], slot: int, slots: int, index: int) -> None:
+    import mmap
+
+    import posix_ipc
+    import torch
+
+    from omnilink.cuda import HostRegistration, cuda_ops
+
+    ops = cuda_ops()
+    rt = ops.rt
+    torch.cuda.set_device(index)
+    fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR)
+    mm = mmap.mmap(fd, slot * slots)
+    os.close(fd)
+    host = torch.frombuffer(mm, dtype=torch.uint8)
+    reg = HostRegistration(host.data_ptr(), slot * slots, what="raw ring")
+    filled, free = (posix_ipc.Semaphore(n) for n in sems)
+    stream = ops.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "stream")
+    dst = [torch.empty(slot, dtype=torch.uint8, device=f"cuda:{index}") for _ in range(slots)]
+    evs = [ops.check(rt.cudaEventCreateWithFlags(ops.flags), "event") for _ in range(slots)]
+    base = host.data_ptr()
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            _, count, n, mode = cmd
+            for i in range(count):
+                filled.acquire()
+                k = i % slots
+                if mode == "stream":
+                    ops.memcpy(dst[k].data_ptr(), base + k * slot, n, stream)
+                    ops.check(rt.cudaEventRecord(evs[k], stream), "record")
+                    if i:  # the previous slot goes back once its copy is done
+                        ops.check(rt.cudaEventSynchronize(evs[(i - 1) % slots]), "sync")
+                        free.release()
+                else:  # ping: land it, send it back through the same slot
+                    ops.memcpy(dst[k].data_ptr(), base + k * slot, n, stream)
+                    ops.memcpy(base + k * slot, dst[k].data_ptr(), n, stream)
+                    ops.check(rt.cudaStreamSynchronize(stream), "sync")
+                    free.release()
+            if mode == "stream":
+                ops.check(rt.cudaStreamSynchronize(stream), "sync")
+                free.release()
+            conn.send(time.perf_counter())
+    finally:
+        ops.check(rt.cudaStreamSynchronize(stream), "sync")
+        for e in evs:
+            rt.cudaEventDestroy(e)
+        rt.cudaStreamDestroy(stream)
+        reg.close()
+        del host
+        mm.close()
+
+
+def raw_two_process(sizes: list[int], rx_index: int, count_for, reps: int) -> dict:
+    """GB/s of the raw ring at each size (several in flight) and the 4 KiB one-way
+    latency of a raw ping-pong (round trip / 2), sender on cuda:0."""
+    import mmap
+
+    import posix_ipc
+    import torch
+
+    from omnilink.cuda import HostRegistration, cuda_ops
+
+    ops = cuda_ops()
+    rt = ops.rt
+    slot, slots = max(sizes), 8
+    tag = uuid.uuid4().hex[:8]
+    shm_name = f"omnilink-bench-raw-{tag}"
+    sems = (f"/omnilink-bench-rawf-{tag}", f"/omnilink-bench-raww-{tag}")
+    fd = os.open(f"/dev/shm/{shm_name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, slot * slots)
+    mm = mmap.mmap(fd, slot * slots)
+    os.close(fd)
+    filled = posix_ipc.Semaphore(sems[0], posix_ipc.O_CREX, mode=0o600)
+    free = posix_ipc.Semaphore(sems[1], posix_ipc.O_CREX, mode=0o600, initial_value=slots)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_rx, args=(child, shm_name, sems, slot, slots, rx_index), daemon=True)
+    proc.start()
+    out: dict = {"stream": {}}
+    host = torch.frombuffer(mm, dtype=torch.uint8)
+    host.fill_(0)  # pre-fault
+    reg = HostRegistration(host.data_ptr(), slot * slots, what="raw ring")
+    base = host.data_ptr()
+    try:
+        torch.cuda.set_device(0)
+        raw = int(torch.cuda.current_stream().cuda_stream)
+        for n in sizes:
+            src = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+            count = count_for(n)
+            best = []
+            for _ in range(reps):
+                parent.send(("go", count, n, "stream"))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(count):
+                    free.acquire()
+                    src.fill_(i % 251)  # the same loop shape as omnilink's sender
+                    ops.memcpy(base + (i % slots) * slot, src.data_ptr(), n, raw)
+                    ops.check(rt.cudaStreamSynchronize(raw), "sync")
+                    filled.release()
+                best.append(count * n / (parent.recv() - t0) / 1e9)
+            out["stream"][n] = statistics.median(best)
+        n = 4096
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
+        lat = []
+        for rep in range(reps):
+            for _ in range(slots):  # take every credit: now a release means "sent back"
+                free.acquire()
+            parent.send(("go", 200, n, "ping"))
+            for i in range(200):
+                t0 = time.perf_counter()
+                ops.memcpy(base, src.data_ptr(), n, raw)
+                ops.check(rt.cudaStreamSynchronize(raw), "sync")
+                filled.release()
+                free.acquire()  # the peer landed it and sent it back
+                ops.memcpy(src.data_ptr(), base, n, raw)
+                ops.check(rt.cudaStreamSynchronize(raw), "sync")
+                lat.append((time.perf_counter() - t0) / 2)
+            parent.recv()
+            for _ in range(slots):
+                free.release()
+        lat = sorted(lat[20:])
+        out["lat_p50_us"] = lat[len(lat) // 2] * 1e6
+        out["lat_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        parent.send(("stop",))
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        reg.close()
+        del host
+        mm.close()
+        os.unlink(f"/dev/shm/{shm_name}")
+        filled.unlink()
+        free.unlink()
     return out
 
 
@@ -331,10 +481,11 @@ def main() -> int:
 
     devices = ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else [])
     tp = {d: two_process(big, d, count_for, args.reps) for d in devices}
+    floor = {d: raw_two_process(big, int(d.split(":")[1]), count_for, args.reps) for d in devices}
     ovl = None if args.skip_overlap else overlap(10, 256 * MiB)
     rows = []
     print(f"\n{'size':>8} | {'d2h pin':>8} {'h2d pin':>8} {'d2h page':>8} | {'ctl d2h':>8} {'ctl/raw':>7} | "
-          + " | ".join(f"{d}: omnilink   .to()  legacy  x slower-pin" for d in devices))
+          + " | ".join(f"{d}: omnilink   .to()  legacy  x slower-pin  raw-2proc  x raw-2proc" for d in devices))
     for n in sizes:
         slower = min(ceil["d2h-pinned"][n], ceil["h2d-pinned"][n])
         line = (f"{_fmt(n):>8} | {ceil['d2h-pinned'][n]:8.1f} {ceil['h2d-pinned'][n]:8.1f} "
@@ -346,12 +497,16 @@ def main() -> int:
         for d in devices:
             r = tp[d]
             o, t2, lg = r["omnilink"].get(n), r["to"].get(n), r["legacy"].get(n)
-            line += (f"{d}: {o or 0:8.1f} {t2 or 0:7.1f} {lg or 0:7.2f} {(o or 0) / slower:6.2f}x | ")
-            rec[d] = {"omnilink": o, "to": t2, "legacy": lg, "ratio_slower_pinned": (o or 0) / slower}
+            fl = floor[d]["stream"].get(n)
+            line += (f"{d}: {o or 0:8.1f} {t2 or 0:7.1f} {lg or 0:7.2f} {(o or 0) / slower:6.2f}x "
+                     f"{fl or 0:10.1f} {(o or 0) / fl if fl else 0:8.2f}x | ")
+            rec[d] = {"omnilink": o, "to": t2, "legacy": lg, "ratio_slower_pinned": (o or 0) / slower,
+                      "raw_two_process": fl, "ratio_raw_two_process": (o or 0) / fl if fl else None}
         rows.append(rec)
         print(line, flush=True)
     for d in devices:
         print(f"{d}: 4 KiB one-way (round trip / 2, spin_us=1000) p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
+              f"raw two-process floor p50 {floor[d]['lat_p50_us']:.1f} us, p99 {floor[d]['lat_p99_us']:.1f} us; "
               f"bytes equal: {tp[d]['ok']}")
     if ovl:
         print(f"overlap (10 steps, 4 bf16 8192^3 matmuls + 256 MiB each): matmul only {ovl['matmul_only_s'] * 1e3:.1f} ms, "
@@ -362,6 +517,7 @@ def main() -> int:
             for r in rows:
                 f.write(json.dumps({"machine": machine, **{k: v for k, v in r.items()}}) + "\n")
             f.write(json.dumps({"machine": machine, "latency": {d: [tp[d]["lat_p50_us"], tp[d]["lat_p99_us"]] for d in devices},
+                                "latency_raw_two_process": {d: [floor[d]["lat_p50_us"], floor[d]["lat_p99_us"]] for d in devices},
                                 "overlap": ovl, "bytes_equal": all(tp[d]["ok"] for d in devices)}) + "\n")
     return 0 if all(tp[d]["ok"] for d in devices) else 2
 

@@ -2,18 +2,21 @@
 
 How one ``submit`` runs (all in the caller's thread, none of it waits)::
 
-    allocate the device tensors (caching allocator, on the copy stream)
-    copy stream: copy_(non_blocking=True) from the host views (an arena block)
-    record the copy's event                         completer thread: event completes ->
-    return StagePayloadHandle  -------------------> drop the host views (the arena block
-                                                    goes back to its sender), on_done()
+    run the callbacks of earlier copies that have completed (reap: no thread hand-off)
+    allocate the device tensors (caching allocator, from the caller's current stream)
+    copy stream: after the caller's stream; cudaMemcpyAsync from the host views
+    record the copy's event                         completer thread (after a 1 ms lag,
+    return StagePayloadHandle  -------------------> for what nobody reaped): event done
+                                                    -> drop the host views (the arena
+                                                    block goes back to its sender)
     handle.wait(stream): stream waits on the event (the host does not)
 
-The device tensors are allocated while the copy stream is current, so the caching
-allocator ties them to that stream; ``wait(stream)`` records them on the consumer's
-stream too, so their memory is not reused before the consumer's work on them has run.
-The host block is released only once its copy has completed, by the completer thread,
-never by making the caller wait.
+The device tensors come from the caller's current stream; ``wait(stream)`` on another
+stream records them there too, so their memory is not reused before the consumer's
+work on them has run. The host block is released only once its copy has completed --
+by the next ``submit`` that finds it done, or by the completer thread -- never by
+making the caller wait. ``on_current_stream=True`` (small payloads) copies on the
+caller's stream itself: no cross-stream ordering to pay for.
 
 Without CUDA (``device="cpu"``) the "copy" is a synchronous ``clone`` and the handle is
 complete at once: the same code path, tested on CPU.
@@ -31,6 +34,9 @@ from omnilink.cuda.events import Completer
 
 __all__ = ["AsyncH2DController", "StagePayloadHandle"]
 
+#: How long the completer thread leaves completed copies to the submitting thread.
+REAP_LAG_S = 0.001
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,8 +51,10 @@ class StagePayloadHandle:
     """
 
     def __init__(self, payload: Any, event: Any, device: Any, tensors: list[Any], *,
-                 waiter: Completer | None = None) -> None:
+                 waiter: Completer | None = None, stream: int | None = None) -> None:
         self._payload = payload
+        #: raw handle of the stream the copy ran on: waiting there is a no-op
+        self._copy_stream = stream
         self._event = event
         self.device = device
         self._tensors = tensors
@@ -80,11 +88,12 @@ class StagePayloadHandle:
 
             ops = cuda_ops()
             raw = current_raw_stream(self.device.index) if stream is None else raw_stream(stream)
-            prev = ops.swap_device(self.device.index)
-            try:
-                ops.wait(raw, self._event)
-            finally:
-                ops.restore_device(prev)
+            if raw != self._copy_stream:
+                prev = ops.swap_device(self.device.index)
+                try:
+                    ops.wait(raw, self._event)
+                finally:
+                    ops.restore_device(prev)
             if stream is not None:
                 for t in self._tensors:
                     t.record_stream(stream)
@@ -158,13 +167,15 @@ class AsyncH2DController:
             self._ops = cuda_ops()  # CudaError with the pip hint when cuda-python is missing
             self._raw = int(self._stream.cuda_stream)
             self._index = dev.index
-        self._completer = Completer(f"omnilink-h2d-{dev}")
+        # Lagged: each submit reaps the copies that completed, in the caller's thread.
+        self._completer = Completer(f"omnilink-h2d-{dev}", lag=REAP_LAG_S)
 
     @property
     def stream(self) -> Any:
         return self._stream
 
-    def submit(self, payload: Any, /, *, keep: Any = None, on_done: Callable[[], None] | None = None) -> StagePayloadHandle:
+    def submit(self, payload: Any, /, *, keep: Any = None, on_done: Callable[[], None] | None = None,
+               on_current_stream: bool = False) -> StagePayloadHandle:
         """Start copying ``payload``'s torch tensors to the device; return at once.
 
         Parameters
@@ -176,7 +187,12 @@ class AsyncH2DController:
             Held until the copy has completed, then dropped (the received payload whose
             views keep its transport block alive).
         on_done : callable, optional
-            Called on the completer thread once the copy has completed.
+            Called once the copy has completed (on the completer thread, or in a later
+            ``submit``'s thread that finds it done).
+        on_current_stream : bool
+            Copy on the caller's current stream instead of the copy stream: for small
+            payloads, where the cross-stream ordering costs more than the copy; the
+            tensors are then ready for that stream with no wait at all.
 
         Returns
         -------
@@ -194,13 +210,18 @@ class AsyncH2DController:
         from omnilink.cuda.runtime import Event, current_raw_stream, record_producer_events
 
         ops, raw, idx = self._ops, self._raw, self._index
+        self._completer.reap()
         sources: list[Any] = []
         prev = ops.swap_device(idx)
         try:
-            # The device memory comes from the caller's current stream (the consumer's):
-            # the copy waits for what that stream queued before, so a block the allocator
-            # recycled is not overwritten while an earlier kernel still reads it.
-            ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+            if on_current_stream:
+                raw = current_raw_stream(idx)
+            else:
+                # The device memory comes from the caller's current stream (the
+                # consumer's): the copy waits for what that stream queued before, so a
+                # block the allocator recycled is not overwritten while an earlier
+                # kernel still reads it.
+                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
 
             def move(t: Any) -> Any:
                 if t.device == dev:
@@ -212,7 +233,7 @@ class AsyncH2DController:
                 if t.is_cuda:
                     # On another GPU (a sender's device payload, say): after its producer.
                     ops.wait(raw, record_producer_events([t.device])[0][1])
-                    with torch.cuda.stream(self._stream):
+                    with torch.cuda.stream(torch.cuda.ExternalStream(raw, device=dev)):
                         d.copy_(t, non_blocking=True)
                 elif n:
                     src = t if t.is_contiguous() else t.contiguous()
@@ -237,7 +258,7 @@ class AsyncH2DController:
                 on_done()
 
         self._completer.submit(event, finish)
-        return StagePayloadHandle(out, event, dev, tensors, waiter=self._completer)
+        return StagePayloadHandle(out, event, dev, tensors, waiter=self._completer, stream=raw)
 
     def copy_into(self, pairs: list[tuple[Any, Any]], /, *, keep: Any = None) -> Any:
         """Enqueue ``dst.copy_(src)`` for each (host ``src``, device ``dst``) on the copy
@@ -253,6 +274,7 @@ class AsyncH2DController:
         from omnilink.cuda.runtime import Event, current_raw_stream
 
         ops, raw, idx = self._ops, self._raw, self._index
+        self._completer.reap()
         prev = ops.swap_device(idx)
         try:
             ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))

@@ -15,8 +15,10 @@ Receiver (``get(key, device="cuda:k")`` / ``get_handle``)::
 
     claim + decode: zero-copy views of the sender's arena, through our own mapping,
     page-locked once per sender arena (first CUDA get from it)
-    AsyncH2DController: copy on its own stream, StagePayloadHandle; the arena block
-    is released by the controller's completer thread once the copy has completed
+    AsyncH2DController: copy on its own stream (payloads under SMALL_DEVICE_BYTES: on
+    the caller's current stream), StagePayloadHandle; the arena block is released
+    once the copy has completed: by the next get that finds it done (no thread
+    hand-off while messages stream), or by the controller's completer thread
     get(): handle.wait() = the caller's current stream waits on the copy's event
 
 The host never blocks in ``get`` for the copy, and ``put`` returns once the bytes are
@@ -55,8 +57,8 @@ logger = logging.getLogger(__name__)
 #: Slices copied off the device and not yet published, at most.
 SLICES_IN_FLIGHT = 4
 #: Payloads with fewer device bytes skip the copy streams: the sender copies on its
-#: current stream and waits; the receiver stages through torch's pinned host cache and
-#: copies on its current stream. Below this the fixed cost per call decides, not PCIe.
+#: current stream and waits; the receiver copies out of its page-locked mapping on its
+#: current stream. Below this the fixed cost per call decides, not PCIe.
 SMALL_DEVICE_BYTES = 256 << 10
 
 
@@ -345,34 +347,12 @@ class ShmGpuPath:
         if type(payload) is dict and SLICED_MARK in payload:
             return self.gather(payload, deadline, dev)
         self.conn._count(device_gets=1)
-        if dev.type == "cuda" and _small(payload, self._torch):
-            return self._land_small(payload, dev)
-        if dev.type == "cuda":
-            self._register_reader(reader)
-        return self._h2d_for(dev).submit(payload)
-
-    def _land_small(self, payload: Any, dev: Any) -> Any:
-        """A small payload: copy out of the arena into torch's pinned host cache (the block
-        is free as soon as this returns), then to the device on the current stream; torch
-        recycles the pinned memory once that copy has run."""
-        from omnilink.cuda import Event, StagePayloadHandle, current_raw_stream, map_tensors
-
-        torch = self._torch
-        tensors: list[Any] = []
-
-        def move(t: Any) -> Any:
-            if t.is_cuda:
-                d = t.to(dev, non_blocking=True)
-            else:
-                staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                staged.copy_(t)
-                d = staged.to(dev, non_blocking=True)
-            tensors.append(d)
-            return d
-
-        out = map_tensors(payload, move)
-        event = Event(dev.index).record(current_raw_stream(dev.index))
-        return StagePayloadHandle(out, event, dev, tensors)
+        if dev.type != "cuda":
+            return self._h2d_for(dev).submit(payload)
+        self._register_reader(reader)
+        # Small payloads copy on the caller's current stream: the copy stream's ordering
+        # (two events, a cross-stream wait) costs more than the copy itself.
+        return self._h2d_for(dev).submit(payload, on_current_stream=_small(payload, self._torch))
 
     def _device(self, device: Any) -> Any:
         torch = self._torch
