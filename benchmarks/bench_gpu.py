@@ -39,6 +39,8 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MiB = 1 << 20
+#: extra options of the sending shm connector (``--slice-bytes``)
+SENDER_OPTS: dict = {}
 
 
 def _fmt(n: int) -> str:
@@ -313,7 +315,8 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
     ctx = mp.get_context("spawn")
     ch, reply = f"bench/gpu-{uuid.uuid4().hex[:6]}", f"bench/gpu-r-{uuid.uuid4().hex[:6]}"
     arena = max(1 << 30, 3 * max(sizes))
-    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=min(arena, 2 << 30), linger=0)
+    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=min(arena, 2 << 30), linger=0,
+                          **SENDER_OPTS)
     rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, ch, reply), daemon=True)
@@ -460,6 +463,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-overlap", action="store_true")
+    ap.add_argument("--slice-bytes", default=None, help="the sender's slice_bytes (default: the connector's)")
     args = ap.parse_args()
     import torch
 
@@ -469,6 +473,8 @@ def main() -> int:
         print("bench_gpu: needs a CUDA device; none is present", file=sys.stderr)
         return 1
     sizes = parse_sizes(args.sizes)
+    if args.slice_bytes:
+        SENDER_OPTS["slice_bytes"] = parse_sizes(args.slice_bytes)[0]
     big = [s for s in sizes if s >= MiB]
     machine = {"gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count()}

@@ -121,7 +121,11 @@ def wake_floor(n: int) -> dict:
 
 
 # ------------------------------------------------------------------ 3. omnilink ping-pong
-def _ol_peer(ch: str, reply: str, size: int, n: int, device: str, q) -> None:
+def _ol_peer(ch: str, reply: str, size: int, n: int, device: str, q, profile: bool = False) -> None:
+    import cProfile
+    import io
+    import pstats
+
     import torch
 
     import omnilink
@@ -130,8 +134,11 @@ def _ol_peer(ch: str, reply: str, size: int, n: int, device: str, q) -> None:
     rx = omnilink.connect("shm", channel=ch, role="receiver", spin_us=1000)
     tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0)
     t_get, t_put = [], []
+    prof = cProfile.Profile() if profile else None
     try:
         for i in range(n):
+            if prof is not None and i == 100:
+                prof.enable()
             t0 = time.perf_counter()
             got = rx.get(f"p{i}", timeout=60, device=device)
             t1 = time.perf_counter()
@@ -141,14 +148,23 @@ def _ol_peer(ch: str, reply: str, size: int, n: int, device: str, q) -> None:
             if i >= 100:
                 t_get.append(t1 - t0)
                 t_put.append(t2 - t1)
-        q.put({"peer_get_incl_wait_us": _med(t_get), "peer_put_us": _med(t_put)})
+        out = {"peer_get_incl_wait_us": _med(t_get), "peer_put_us": _med(t_put)}
+        if prof is not None:
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+            out["profile"] = buf.getvalue()
+        q.put(out)
         time.sleep(1)
     finally:
         tx.close()
         rx.close()
 
 
-def omnilink_two_process(size: int, n: int, device: str, peer_device: str) -> dict:
+def omnilink_two_process(size: int, n: int, device: str, peer_device: str, profile: bool = False) -> dict:
+    import cProfile
+    import pstats
+
     import torch
 
     import omnilink
@@ -159,14 +175,17 @@ def omnilink_two_process(size: int, n: int, device: str, peer_device: str) -> di
     q = ctx.Queue()
     tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=64 << 20, linger=0)
     rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000)
-    p = ctx.Process(target=_ol_peer, args=(ch, reply, size, n + 100, peer_device, q))
+    p = ctx.Process(target=_ol_peer, args=(ch, reply, size, n + 100, peer_device, q, profile))
     p.start()
     try:
         torch.cuda.set_device(torch.device(device))
         x = torch.randint(0, 255, (size,), dtype=torch.uint8, device=device)
         rt, tp, tg = [], [], []
         ok = True
+        prof = cProfile.Profile() if profile else None
         for i in range(n + 100):
+            if prof is not None and i == 100:
+                prof.enable()
             t0 = time.perf_counter()
             tx.put(f"p{i}", {"x": x}, timeout=60)
             t1 = time.perf_counter()
@@ -180,7 +199,14 @@ def omnilink_two_process(size: int, n: int, device: str, peer_device: str) -> di
                 rt.append((t2 - t0) / 2)
                 tp.append(t1 - t0)
                 tg.append(t2 - t1)
+        if prof is not None:
+            prof.disable()
+            print("--- omnilink ping-pong, this side (put + get + sync)")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         peer = q.get(timeout=120)
+        if "profile" in peer:
+            print("--- omnilink ping-pong, the peer (get + put)")
+            print(peer.pop("profile"))
         p.join(60)
         return {"one_way_p50_us": _med(rt), "one_way_p99_us": _p99(rt), "put_us": _med(tp),
                 "get_incl_wait_and_sync_us": _med(tg), "bytes_equal": ok, **peer}
@@ -269,7 +295,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--peer-device", default=None, help="the other process's device (default: --device)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="cProfile the bulk receiver")
+    ap.add_argument("--profile", action="store_true", help="cProfile the bulk receiver and both sides of the ping-pong")
     ap.add_argument("--only", default="raw,omnilink,bulk", help="parts to run: raw,omnilink,bulk")
     args = ap.parse_args()
     import torch
@@ -289,7 +315,7 @@ def main() -> int:
         res["raw_two_process_gpu"] = {"stream_1MiB_GBps": floor["stream"][1 << 20],
                                       "4KiB_one_way_p50_us": floor["lat_p50_us"], "p99_us": floor["lat_p99_us"]}
     if "omnilink" in only:
-        res["omnilink_two_process"] = omnilink_two_process(args.size, args.n, args.device, peer)
+        res["omnilink_two_process"] = omnilink_two_process(args.size, args.n, args.device, peer, args.profile)
     if "bulk" in only:
         res[f"bulk_{args.bulk_size}"] = bulk(args.bulk_size, args.bulk_count, args.device, args.profile)
     if args.json:
