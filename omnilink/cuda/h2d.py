@@ -31,6 +31,15 @@ from typing import Any, Callable
 from omnilink._errors import ConfigurationError, TransferTimeout
 from omnilink.cuda.d2h import make_stream, map_tensors
 from omnilink.cuda.events import Completer
+from omnilink.cuda.runtime import (
+    Event,
+    cuda_ops,
+    current_raw_stream,
+    raw_stream,
+    record_producer_events,
+    resolve_device,
+    sync_debug,
+)
 
 __all__ = ["AsyncH2DController", "StagePayloadHandle"]
 
@@ -84,8 +93,6 @@ class StagePayloadHandle:
         another stream they are also recorded there, for the caching allocator.
         """
         if self._event is not None:
-            from omnilink.cuda.runtime import cuda_ops, current_raw_stream, raw_stream
-
             ops = cuda_ops()
             raw = current_raw_stream(self.device.index) if stream is None else raw_stream(stream)
             if raw != self._copy_stream:
@@ -153,8 +160,6 @@ class AsyncH2DController:
     """
 
     def __init__(self, device: Any, *, priority: str = "normal") -> None:
-        from omnilink.cuda.runtime import resolve_device, sync_debug
-
         if device is None:
             raise ConfigurationError("AsyncH2DController needs a device (\"cuda:0\", or \"cpu\")")
         dev = resolve_device(device, "AsyncH2DController")
@@ -162,8 +167,6 @@ class AsyncH2DController:
         self.sync = sync_debug()
         self._stream = make_stream(dev, priority) if dev.type == "cuda" else None
         if self._stream is not None:
-            from omnilink.cuda.runtime import cuda_ops
-
             self._ops = cuda_ops()  # CudaError with the pip hint when cuda-python is missing
             self._raw = int(self._stream.cuda_stream)
             self._index = dev.index
@@ -207,8 +210,6 @@ class AsyncH2DController:
             if on_done is not None:
                 self._completer.submit(None, on_done)
             return StagePayloadHandle(out, None, dev, [])
-        from omnilink.cuda.runtime import Event, current_raw_stream, record_producer_events
-
         ops, raw, idx = self._ops, self._raw, self._index
         self._completer.reap()
         sources: list[Any] = []
@@ -271,8 +272,6 @@ class AsyncH2DController:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
-        from omnilink.cuda.runtime import Event, current_raw_stream
-
         ops, raw, idx = self._ops, self._raw, self._index
         self._completer.reap()
         prev = ops.swap_device(idx)

@@ -42,6 +42,7 @@ from omnilink._errors import BlobDecodeError, ConfigurationError, CudaError, Tra
 from omnilink.blob import prepare
 from omnilink.connectors.shm.slices import (
     ABORT,
+    SLICED_MARK,
     PLACEHOLDER,
     build_head,
     fill_placeholders,
@@ -93,6 +94,8 @@ class ShmGpuPath:
         self._arena_reg: Any = None
         self._arena_t: Any = None
         self._reader_regs: dict[int, tuple[Any, Any]] = {}
+        #: parsed ``device=`` strings of get (``"cuda:0"`` -> torch.device)
+        self._devices: dict[str, Any] = {}
         #: test hook: treat CPU tensors as device tensors (the CPU-only CI runs the
         #: slicing logic this way)
         self.cpu_mode = False
@@ -341,9 +344,11 @@ class ShmGpuPath:
     # ================================================================ receiving
     def land(self, payload: Any, reader: Any, deadline: Any, device: Any) -> Any:
         """Start copying a received payload to ``device``; a ``StagePayloadHandle``."""
-        from omnilink.connectors.shm.slices import SLICED_MARK
-
-        dev = self._device(device)
+        dev = self._devices.get(device) if isinstance(device, str) else None
+        if dev is None:
+            dev = self._device(device)
+            if isinstance(device, str) and dev.index is not None and ":" in device:
+                self._devices[device] = dev  # explicit index: the same device every call
         if type(payload) is dict and SLICED_MARK in payload:
             return self.gather(payload, deadline, dev)
         self.conn._count(device_gets=1)
