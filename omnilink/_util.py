@@ -16,6 +16,7 @@ __all__ = [
     "Deadline",
     "MAX_CHANNEL_CHARS",
     "MAX_KEY_BYTES",
+    "NO_WAIT",
     "duplicate_key",
     "pid_alive",
     "validate_channel",
@@ -50,6 +51,18 @@ class Deadline:
         self.timeout = timeout
         self._end = None if timeout is None else time.monotonic() + timeout
 
+    @classmethod
+    def after(cls, timeout: float | None) -> Deadline:
+        """``Deadline(timeout)`` for a ``timeout`` validated before (a connector's own
+        option): the per-call hot path skips the checks. ``None`` gives the one shared
+        deadline that never expires (a deadline is immutable, so sharing is safe)."""
+        if timeout is None:
+            return _FOREVER
+        d = object.__new__(cls)
+        d.timeout = timeout
+        d._end = time.monotonic() + timeout
+        return d
+
     def remaining(self) -> float | None:
         """Seconds left (never negative), or ``None`` for no deadline."""
         if self._end is None:
@@ -63,6 +76,11 @@ class Deadline:
         """Seconds to wait in one step: the remaining time capped at ``at_most``."""
         left = self.remaining()
         return at_most if left is None else min(left, at_most)
+
+
+_FOREVER = Deadline(None)
+#: The deadline of a call that must not wait (``get_nowait``): already expired, shared.
+NO_WAIT = Deadline(0.0)
 
 
 def validate_key(key: object) -> str:

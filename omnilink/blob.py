@@ -270,6 +270,15 @@ _torch_tables: tuple[dict[Any, tuple[int, int]], dict[int, Any]] | None = None
 _numpy_tables: tuple[dict[Any, tuple[int, int]], dict[int, Any]] | None = None
 
 
+#: torch dtype -> (code, itemsize), filled with ``_torch_dtypes`` (empty until then)
+_TORCH_CODES: dict[Any, tuple[int, int]] = {}
+#: ``[torch.strided]`` once torch is in use
+_STRIDED: list[Any] = [None]
+#: ``(dtype, torch.Size, offset) -> (TensorDesc, next offset)`` for the encoder's tensors
+_DESC_CACHE: dict[tuple[Any, Any, int], tuple[TensorDesc, int]] = {}
+_DESC_CACHE_MAX = 1024
+
+
 def _torch_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
     global _torch_tables
     if _torch_tables is None:
@@ -282,6 +291,8 @@ def _torch_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
             if isinstance(dt, torch.dtype):
                 to_code[dt] = (code, size)
                 from_code[code] = dt
+        _STRIDED[0] = torch.strided
+        _TORCH_CODES.update(to_code)
         _torch_tables = (to_code, from_code)
     return _torch_tables
 
@@ -311,20 +322,22 @@ def _check_tree(obj: Any) -> None:
         return
     stack = [obj]
     pop, push = stack.pop, stack.append
+    nested = _NESTED_TYPES
     while stack:
         o = pop()
         if type(o) is dict:
-            for k, v in o.items():
+            for k in o:
                 if type(k) is not str:
                     raise BlobDecodeError(
                         f"payload tree: dict key {k!r} of type {type(k).__name__} (keys must be str)"
                     )
-                if type(v) in _NESTED:
-                    push(v)
-        else:
-            for v in o:
-                if type(v) in _NESTED:
-                    push(v)
+            o = o.values()
+        for v in o:
+            if type(v) in nested:
+                push(v)
+
+
+_NESTED_TYPES = frozenset(_NESTED)
 
 
 # msgpack lead bytes -> (bytes of the length field, fixed extra bytes) for the items the
@@ -439,17 +452,20 @@ class _Retry(Exception):
 class _Walker:
     """Turns a payload into a msgpack-ready tree plus the list of tensors it holds."""
 
-    __slots__ = ("torch", "np", "sources", "descs", "seen", "offset", "path")
+    __slots__ = ("torch", "tensor", "np", "sources", "descs", "seen", "offset", "path", "on_device")
 
     def __init__(self) -> None:
         # A payload can only hold torch tensors if torch is already imported.
-        self.torch = sys.modules.get("torch")
+        torch = self.torch = sys.modules.get("torch")
+        self.tensor = None if torch is None else torch.Tensor
         self.np = sys.modules.get("numpy")
         self.sources: list[tuple[int, Any]] = []
         self.descs: list[TensorDesc] = []
         self.seen: dict[int, int] = {}
         self.offset = 0
         self.path: list[Any] = []
+        #: whether a torch tensor of the payload is not on the host (``device_bytes``)
+        self.on_device = False
 
     def fail(self, what: str) -> BlobEncodeError:
         return BlobEncodeError(f"{_path_str(self.path)}: {what}")
@@ -465,15 +481,20 @@ class _Walker:
             for k, v in obj.items():
                 if type(k) is not str:
                     raise _Retry
-                out[k] = v if type(v) in _SCALARS else self.fast(v)
+                tv = type(v)
+                if tv in _SCALARS:
+                    out[k] = v
+                elif tv is self.tensor:
+                    out[k] = self.plain_tensor_ref(v) or self.fast(v)
+                else:
+                    out[k] = self.fast(v)
             return out
         if t is list:
             return [v if type(v) in _SCALARS else self.fast(v) for v in obj]
         if t is tuple:
             items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]
             return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
-        torch = self.torch
-        if torch is not None and t is torch.Tensor:
+        if t is self.tensor:
             ref = self.plain_tensor_ref(obj)
             if ref is not None:
                 return ref
@@ -485,29 +506,52 @@ class _Walker:
     def plain_tensor_ref(self, obj: Any) -> msgspec.msgpack.Ext | None:
         """``tensor_ref`` of the common tensor in one call: a dense tensor of a known
         dtype that needs no detach, conj or neg resolution and was not seen before in
-        this payload. Anything else returns ``None`` and takes ``tensor_ref``."""
-        if id(obj) in self.seen:
+        this payload. Anything else returns ``None`` and takes ``tensor_ref``.
+
+        The descriptor of a (dtype, shape, offset) seen before is reused from a small
+        cache (``TensorDesc`` is immutable): a stream of same-shaped messages builds
+        none."""
+        seen = self.seen
+        oid = id(obj)
+        if oid in seen:
             return None
-        entry = _torch_dtypes()[0].get(obj.dtype)
+        dtype = obj.dtype
+        entry = _TORCH_CODES.get(dtype)
+        if entry is None:
+            if _TORCH_CODES:
+                return None
+            entry = _torch_dtypes()[0].get(dtype)  # first torch payload: fill the table
+            if entry is None:
+                return None
         if (
-            entry is None
-            or obj.layout is not self.torch.strided
+            obj.layout is not _STRIDED[0]
             or obj.is_meta
             or obj.requires_grad
             or obj.is_neg()
             or (entry[0] in _COMPLEX_CODES and obj.is_conj())
         ):
             return None
-        code, size = entry
-        shape = list(obj.shape)
-        nbytes = obj.numel() * size
-        index = len(self.descs)
+        if not obj.is_cpu:
+            self.on_device = True
+        shape = obj.shape
         offset = self.offset
-        self.descs.append(TensorDesc(KIND_TORCH, code, shape, offset, nbytes))
+        ck = (dtype, shape, offset)
+        hit = _DESC_CACHE.get(ck)
+        if hit is None:
+            code, size = entry
+            nbytes = obj.numel() * size
+            hit = (TensorDesc(KIND_TORCH, code, list(shape), offset, nbytes),
+                   (offset + nbytes + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1))
+            if len(_DESC_CACHE) >= _DESC_CACHE_MAX:
+                _DESC_CACHE.clear()
+            _DESC_CACHE[ck] = hit
+        descs = self.descs
+        index = len(descs)
+        descs.append(hit[0])
         self.sources.append((KIND_TORCH, obj))
-        self.offset = (offset + nbytes + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
-        self.seen[id(obj)] = index
-        return _TENSOR_REFS[index] if index < len(_TENSOR_REFS) else msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
+        self.offset = hit[1]
+        seen[oid] = index
+        return _TENSOR_REFS[index] if index < 256 else msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
 
     def walk(self, obj: Any) -> Any:
         t = type(obj)
@@ -562,6 +606,8 @@ class _Walker:
         if index is None:
             if kind == KIND_TORCH:
                 code, size, shape, src = self.torch_source(obj)
+                if not src.is_cpu:
+                    self.on_device = True
             else:
                 code, size, shape, src = self.numpy_source(obj)
             numel = math.prod(shape)
@@ -616,17 +662,22 @@ class PreparedBlob:
         Lengths of the header and of the data region.
     """
 
-    __slots__ = ("_prefix", "_header", "_descs", "_sources", "data_offset", "data_len", "header_len", "nbytes")
+    __slots__ = ("_prefix", "_header", "_descs", "_sources", "_on_device", "data_offset", "data_len", "header_len",
+                 "nbytes")
 
-    def __init__(self, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]]) -> None:
+    def __init__(
+        self, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool = True
+    ) -> None:
         self._header = header
         self._descs = descs
         self._sources = sources
-        self.header_len = len(header)
-        self.data_len = descs[-1].offset + descs[-1].nbytes if descs else 0
-        self.data_offset = _align(PREFIX_SIZE + self.header_len)
-        self.nbytes = self.data_offset + self.data_len
-        self._prefix = _PREFIX.pack(MAGIC, VERSION, 0, self.header_len, zlib.crc32(header), self.data_len)
+        #: False when the walk saw that no torch tensor lives off the host
+        self._on_device = on_device
+        self.header_len = header_len = len(header)
+        self.data_len = data_len = descs[-1].offset + descs[-1].nbytes if descs else 0
+        self.data_offset = data_offset = (PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+        self.nbytes = data_offset + data_len
+        self._prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
 
     @property
     def meta(self) -> bytes:
@@ -649,6 +700,29 @@ class PreparedBlob:
             self._write_data(raw, None)
         return self.nbytes
 
+    def write_at(self, view: memoryview, start: int, address: int, /) -> int:
+        """Write the whole frame at ``view[start:]``; return ``nbytes``.
+
+        ``write_into`` for a transport that writes into memory it maps itself (the shm
+        arena): ``view`` is a writable 1-D byte memoryview of the whole mapping and
+        ``address`` the address of its first byte, which the transport looks up once
+        instead of per frame. The bytes are the same as ``write_into``'s.
+
+        Raises
+        ------
+        BlobEncodeError
+            ``view`` is read-only, or the frame does not fit between ``start`` and its end.
+        """
+        n = self.nbytes
+        if view.readonly or start < 0 or start + n > view.nbytes:
+            raise BlobEncodeError(f"a {n}-byte frame does not fit at {start} in a writable {view.nbytes}-byte view")
+        d0 = start + self.data_offset
+        h_end = start + PREFIX_SIZE + self.header_len
+        view[start:d0] = self._prefix + self._header + _ZEROS[: d0 - h_end]
+        if self._descs:
+            self._write_data(view, None, d0, address)
+        return n
+
     def _write_head(self, buffer: Any) -> memoryview:
         """Check ``buffer`` and write prefix, header and padding; the buffer's byte view."""
         raw = _byte_view(buffer, "encode_into", BlobEncodeError)
@@ -664,6 +738,8 @@ class PreparedBlob:
 
     def device_bytes(self) -> int:
         """Bytes of the tensors that live on a device (not on the host)."""
+        if not self._on_device:
+            return 0
         return sum(d.nbytes for d, (k, src) in zip(self._descs, self._sources)
                    if k == KIND_TORCH and not src.is_cpu)
 
@@ -686,11 +762,18 @@ class PreparedBlob:
             self._write_data(raw, deferred)
         return deferred
 
-    def _write_data(self, raw: memoryview, deferred: list[tuple[int, Any]] | None) -> None:
-        base = self.data_offset
-        addr = None
+    def _write_data(
+        self, raw: memoryview, deferred: list[tuple[int, Any]] | None, base: int | None = None,
+        addr: int | None = None,
+    ) -> None:
+        """Write every tensor's bytes (and the padding after each) into ``raw``, whose
+        data region starts at ``base`` (default: the frame starts at ``raw[0]``);
+        ``addr``: the address of ``raw[0]`` when the caller knows it."""
+        if base is None:
+            base = self.data_offset
         torch_dst = None
         data_end = base + self.data_len
+        memmove = ctypes.memmove
         for desc, (kind, src) in zip(self._descs, self._sources):
             start = base + desc.offset
             n = desc.nbytes
@@ -708,7 +791,10 @@ class PreparedBlob:
                         # as fast as its copy for large ones unless it has spare threads.
                         if addr is None:
                             addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-                        _memcpy(addr + start, src.data_ptr(), n)
+                        if n <= _MEMMOVE_MAX:
+                            memmove(addr + start, src.data_ptr(), n)
+                        else:
+                            _memcpy(addr + start, src.data_ptr(), n)
                     else:
                         if torch_dst is None:
                             import torch
@@ -728,9 +814,11 @@ class PreparedBlob:
                             src.shape
                         )[...] = src
             # Padding is zeroed so frames are deterministic (no stale bytes leak out).
-            pad_end = min(_align(end), data_end)
-            if pad_end > end:
-                raw[end:pad_end] = _ZEROS[: pad_end - end]
+            pad = -n & (FRAME_ALIGN - 1)
+            if pad:
+                pad_end = min(end + pad, data_end)
+                if pad_end > end:
+                    raw[end:pad_end] = _ZEROS[: pad_end - end]
 
     def to_bytes(self) -> bytes:
         buf = bytearray(self.nbytes)
@@ -798,7 +886,7 @@ def prepare(payload: Any, /) -> PreparedBlob:
     if len(header) > MAX_TREE_ITEMS:
         # Only a tree of more bytes than the item limit can hold more items than it.
         _check_tree_items(memoryview(header), MAX_TREE_ITEMS, BlobEncodeError)
-    return PreparedBlob(header, walker.descs, walker.sources)
+    return PreparedBlob(header, walker.descs, walker.sources, walker.on_device)
 
 
 def _check_tree_items(header: memoryview, budget: int, exc_type: type[Exception]) -> None:
@@ -1125,6 +1213,7 @@ def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
             return None
         if d.kind == KIND_TORCH:
             dt = _torch_dtypes()[1].get(d.dtype)
+            # ``view(*shape)`` parses its arguments faster than ``view(shape)``
             shape = None if len(d.shape) == 1 else tuple(d.shape)
         else:
             dt = _numpy_dtypes()[1].get(d.dtype)
@@ -1175,7 +1264,7 @@ def _decode_planned(raw: memoryview, header_len: int, data_len: int, total: int)
             t = _torch_frombuffer(raw, dtype=dt, count=count, offset=base + off)
             if t.data_ptr() % size:
                 return False, None  # misaligned buffer: the general path copies
-            append(t if shape is None else t.view(shape))
+            append(t if shape is None else t.view(*shape) if shape else t.view(shape))
         else:
             a = _np_frombuffer(raw, dtype=dt, count=count, offset=base + off)
             if a.ctypes.data % size:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 import msgspec
 
 from omnilink._errors import ClosedError, ConfigurationError, TransferTimeout, WouldBlock
-from omnilink._util import Deadline, validate_channel, validate_key
+from omnilink._util import NO_WAIT, Deadline, validate_channel, validate_key
 
 __all__ = ["BaseConnector", "Connector", "ConnectorStats", "Role"]
 
@@ -224,6 +224,14 @@ class BaseConnector:
             for name, delta in deltas.items():
                 self._counters[name] += delta
 
+    def _count_op(self, op: str, nbytes_name: str, nbytes: int) -> None:
+        """``_count(**{op: 1, nbytes_name: nbytes})`` without the keyword dict (once per
+        message)."""
+        with self._counter_lock:
+            counters = self._counters
+            counters[op] += 1
+            counters[nbytes_name] += nbytes
+
     def _timeout(self, op: str, key: str | None, peer: str | None, waited: float | None) -> TransferTimeout:
         """Build (and count) the ``TransferTimeout`` for an operation that waited too long."""
         self._count(timeouts=1)
@@ -237,7 +245,9 @@ class BaseConnector:
         )
 
     def _deadline(self, timeout: float | None) -> Deadline:
-        return Deadline(self.timeout if timeout is None else timeout)
+        if timeout is None:
+            return Deadline.after(self.timeout)  # validated when the connector opened
+        return Deadline(timeout)
 
     # ------------------------------------------------------------- public API
     def put(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int:
@@ -270,10 +280,11 @@ class BaseConnector:
         PeerLostError, ClosedError
             The peer died; the connector was closed.
         """
-        self._check_open()
+        if self._closed:
+            self._check_open()
         validate_key(key)
         n = self._put(key, payload, self._deadline(timeout))
-        self._count(puts=1, bytes_put=n)
+        self._count_op("puts", "bytes_put", n)
         return n
 
     def put_async(
@@ -439,9 +450,10 @@ class BaseConnector:
 
     def get_nowait(self, key: str, /, *, device: Any = None) -> Any:
         """Like ``get`` but raise ``WouldBlock`` at once if ``key`` is not there yet."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         validate_key(key)
-        obj = self._receive(key, Deadline(0.0), False, device)
+        obj = self._receive(key, NO_WAIT, False, device)
         self._count(gets=1)
         return obj
 

@@ -46,6 +46,7 @@ import threading
 import time
 import weakref
 from threading import get_ident
+from time import perf_counter_ns as _clock
 from typing import Any
 
 from omnilink._errors import (
@@ -56,7 +57,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import ConsumedKeys, Deadline, MAX_KEY_BYTES, duplicate_key, validate_key
+from omnilink._util import NO_WAIT, ConsumedKeys, Deadline, MAX_KEY_BYTES, duplicate_key, validate_key
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role
@@ -101,6 +102,8 @@ DEFAULT_LINGER_S = 5.0
 #: ``spin_us``): long enough to cover a sender that encodes and publishes right after the
 #: receiver started waiting, short enough to cost little CPU when nothing comes.
 DEFAULT_SPIN_US = 200
+#: The spin adapts (see ``spin_us``) up to this many times ``spin_us``.
+SPIN_GROWTH = 10
 #: CUDA payloads with at least this many device bytes travel in slices (see gpu.py).
 DEFAULT_PIPELINE_BYTES = 16 << 20
 DEFAULT_SLICE_BYTES = 16 << 20
@@ -323,8 +326,12 @@ class ShmConnector(BaseConnector):
         Microseconds a waiting ``get`` watches the wake semaphore before sleeping on it
         (default 200; 0 sleeps at once). Waking a sleeping process costs tens to hundreds
         of microseconds on virtual machines; a payload published within the spin is
-        picked up in about one. The cost is up to ``spin_us`` of CPU per ``get`` that
-        has to wait.
+        picked up in about one. The spin adapts: when payloads have lately arrived a
+        little after it ended, it grows to twice their typical wait, up to
+        ``SPIN_GROWTH`` (10) x ``spin_us``; when they come later than that, or not at
+        all, it falls back to ``spin_us``. The spinning thread yields the CPU at every
+        look (``sched_yield``), so it only takes time no other runnable thread wants.
+        The cost is up to the current spin of CPU per ``get`` that has to wait.
     pipeline_bytes : int
         Payloads holding at least this many bytes of CUDA tensors (default 16 MiB) are
         sent in slices, so the receiver copies early slices to its device while later
@@ -437,7 +444,10 @@ class ShmConnector(BaseConnector):
         self.overflow = overflow
         self.linger = linger
         self.spin_us = spin_us
-        self._spin_ns = spin_us * 1000
+        self._spin_ns = spin_us * 1000  # the spin now (adaptive, see _adapt_spin)
+        self._spin_min_ns = spin_us * 1000
+        self._spin_max_ns = spin_us * 1000 * SPIN_GROWTH
+        self._arrival_ns = spin_us * 1000  # typical wait until a wake-up (EWMA)
         self._prefix = read_prefix()
         self._pid = os.getpid()
         self._token = new_token()
@@ -466,6 +476,7 @@ class ShmConnector(BaseConnector):
         self._index: dict[str, list[Any]] = {}
         # Sender: key -> descriptor of our latest put of it (duplicate-put check).
         self._sent: dict[str, int] = {}
+        self._sent_limit = 2 * max_inflight + 64
         # Receiver: keys this connector consumed or discarded (KeyConsumedError).
         self._consumed = ConsumedKeys()
         self._readers: dict[tuple[int, str], ArenaReader] = {}
@@ -526,8 +537,7 @@ class ShmConnector(BaseConnector):
                 idx = w.free_desc.pop()
             alloc = space.alloc
             try:
-                start = space.base + off
-                written = blob.write_into(space.view[start : start + n])
+                written = blob.write_at(space.view, space.base + off, space.addr)
                 rec = _OutRec(0, key, off, alloc.size_of(off), None, space)
                 locked = chan.lock_within(deadline)
             except BaseException:
@@ -628,8 +638,8 @@ class ShmConnector(BaseConnector):
         outgrows the descriptors, so it stays bounded by ``max_inflight``."""
         sent = self._sent
         sent[key] = idx
-        w = self._writer
-        if len(sent) > 2 * w.layout.n_desc + 64:
+        if len(sent) > self._sent_limit:
+            w = self._writer
             for k, i in list(sent.items()):
                 rec = w.out.get(i)
                 if rec is None or rec.key != k:
@@ -900,8 +910,29 @@ class ShmConnector(BaseConnector):
         return sum(1 for pid, role, _ in parts if role & ROLE_RECV and pid != self._pid and pid_alive(pid))
 
     # =============================================================== receiving
+    # ``get``/``get_nowait`` are BaseConnector's, except that the payload is counted
+    # (``gets``, ``bytes_got``) where it is opened, in one step.
+    def get(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any:
+        if self._closed:
+            self._check_open()
+        validate_key(key)
+        if device is None:
+            return self._get(key, self._deadline(timeout), True)
+        return self._receive(key, self._deadline(timeout), True, device)
+
+    def get_nowait(self, key: str, /, *, device: Any = None) -> Any:
+        if self._closed:
+            self._check_open()
+        validate_key(key)
+        if device is None:
+            return self._get(key, NO_WAIT, False)
+        return self._receive(key, NO_WAIT, False, device)
+
+    get.__doc__ = BaseConnector.get.__doc__
+    get_nowait.__doc__ = BaseConnector.get_nowait.__doc__
+
     def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
-        payload = self._open_payload(key, self._claim_wait(key, deadline, block))
+        payload = self._open_payload(key, self._claim_wait(key, deadline, block), count_get=True)
         if type(payload) is dict and SLICED_MARK in payload:
             # A payload sent in slices (CUDA tensors): gather it on the host.
             return self._gpu_path().gather(payload, deadline, None).synchronize()
@@ -923,7 +954,7 @@ class ShmConnector(BaseConnector):
             obj = payload_to_device(self._get(key, deadline, block), device)
             return StagePayloadHandle(obj, None, device, [])
         got = self._claim_wait(key, deadline, block)
-        payload = self._open_payload(key, got)
+        payload = self._open_payload(key, got, count_get=True)
         return self._gpu_path().land(payload, got[0], deadline, device)
 
     def get_handle(self, key: str, /, *, device: Any, timeout: float | None = None) -> Any:
@@ -956,9 +987,7 @@ class ShmConnector(BaseConnector):
         """
         self._check_open()
         validate_key(key)
-        handle = self._receive_handle(key, self._deadline(timeout), True, device)
-        self._count(gets=1)
-        return handle
+        return self._receive_handle(key, self._deadline(timeout), True, device)
 
     def _claim_wait(self, key: str, deadline: Deadline, block: bool) -> tuple[Any, ...]:
         """Claim ``key`` (waiting up to ``deadline`` when ``block``): the claim record."""
@@ -1013,7 +1042,11 @@ class ShmConnector(BaseConnector):
         """Sleep until a sender publishes (or a heartbeat's worth of time passes), having
         registered as waiter ``gen``; withdraw if not woken; beat when it is time."""
         chan = self._chan
-        woke = chan.wait(deadline.slice(HEARTBEAT_S), self._spin_ns)
+        spin = self._spin_ns
+        t0 = _clock()
+        woke = chan.wait(deadline.slice(HEARTBEAT_S), spin)
+        if spin:
+            self._adapt_spin(_clock() - t0 if woke else self._spin_max_ns * 4)
         if not woke:
             try:
                 with chan.locked(_grace(deadline)):
@@ -1022,6 +1055,16 @@ class ShmConnector(BaseConnector):
                 pass
         if time.monotonic() - self._last_beat >= HEARTBEAT_S:
             self._heartbeat()
+
+    def _adapt_spin(self, waited_ns: int) -> None:
+        """Fold one wait (``waited_ns`` until the wake-up) into the typical wait and set
+        the next spin: twice that, within [``spin_us``, ``SPIN_GROWTH`` x ``spin_us``],
+        or ``spin_us`` alone when payloads typically come later than the ceiling (a
+        longer spin would only burn CPU)."""
+        hi = self._spin_max_ns
+        typical = self._arrival_ns = (3 * self._arrival_ns + min(waited_ns, 4 * hi)) >> 2
+        want = 2 * typical
+        self._spin_ns = want if self._spin_min_ns < want <= hi else self._spin_min_ns
 
     def _nothing_new(self, key: str) -> bool:
         """Whether ``key`` certainly is not claimable now, decided without any lock: it is
@@ -1157,24 +1200,35 @@ class ShmConnector(BaseConnector):
         del self._index[key]
         return None
 
-    def _open_payload(self, key: str, got: tuple[Any, ...]) -> Any:
+    def _open_payload(self, key: str, got: tuple[Any, ...], *, count_get: bool = False) -> Any:
+        """Decode a claimed payload (zero-copy views, tracked by a lease); counts its
+        bytes, and with ``count_get`` the ``get`` too (a slice of a sliced payload is
+        not one)."""
         # ``where``: None (the arena), an extension's token (bytes) or an overflow mapping
         reader, idx, seq, off, length, overflow_mm = got
         if overflow_mm is None:
-            lease = reader.lease(off, length)
-            self._count(bytes_got=length)
+            whole = reader._bytes
+            if whole is None:
+                lease = reader.lease(off, length)
+            else:
+                start = reader.data_offset + off
+                lease = whole[start : start + length]
         elif type(overflow_mm) is bytes:
             lease = reader.lease_extension(overflow_mm, off, length)
-            self._count(bytes_got=length)
         else:
             lease = _make_lease(overflow_mm, 0, length)
-            self._count(bytes_got=length, fallbacks=1)
+            self._count(fallbacks=1)
         ref = self._releaser.track(lease, reader, idx, seq, length, key)
         try:
-            return _decode(lease)
+            payload = _decode(lease)
         except BaseException:
             self._releaser(ref)
             raise
+        if count_get:
+            self._count_op("gets", "bytes_got", length)
+        else:
+            self._count(bytes_got=length)
+        return payload
         # ``lease`` goes out of scope here: from now on only the payload's views keep it.
 
     def _heartbeat(self) -> None:

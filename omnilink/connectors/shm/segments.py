@@ -111,6 +111,7 @@ so ``collect_garbage`` and the reaping of a dead sender remove them too.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -200,6 +201,7 @@ _LOCK_SLICE_S = 0.2
 #: holder for a while; a dead holder is detected and taken over regardless).
 MUTEX_GRACE_S = 5.0
 _MUTEX_SPIN_NS = 20_000
+_sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
 def _shm_error(what: str, exc: BaseException) -> TransportError:
@@ -597,6 +599,9 @@ class Channel:
                         pass
                 if perf_counter_ns() >= end:
                     break
+                # Let any other runnable thread of this CPU go first: the spin only
+                # takes time nobody else wants (the sender may be waiting for a core).
+                _sched_yield()
             timeout = max(0.0, timeout - spin_ns / 1e9)
         try:
             sem.acquire(timeout)
@@ -703,12 +708,17 @@ class Space:
     segment. ``view[base + off : base + off + n]`` is the block at ``off``; ``flags`` and
     ``token`` are what its descriptors say about where it lives."""
 
-    __slots__ = ("view", "base", "alloc", "flags", "token", "name", "mm", "slot", "size", "empty_since")
+    __slots__ = ("view", "base", "alloc", "flags", "token", "name", "mm", "slot", "size", "empty_since", "addr")
 
     def __init__(self, mm: mmap.mmap, base: int, data_bytes: int, flags: int, token: bytes, name: str,
                  slot: int) -> None:
         self.mm = mm
         self.view = memoryview(mm)
+        #: address of the mapping's first byte, looked up once (``PreparedBlob.write_at``);
+        #: the ctypes probe is dropped at once so the mapping can still be closed
+        probe = ctypes.c_char.from_buffer(mm)
+        self.addr = ctypes.addressof(probe)
+        del probe
         self.base = base
         self.alloc = Allocator(data_bytes)
         self.flags = flags
@@ -757,6 +767,7 @@ class ArenaWriter:
     ) -> None:
         lay = arena_layout(arena_bytes, n_desc)
         self.layout = lay
+        self.data_bytes = lay.data_bytes
         self.prefix = prefix
         self.pid = pid
         self.token = token
@@ -791,10 +802,6 @@ class ArenaWriter:
         #: publication time of the newest payload known to have been claimed: how far
         #: the receivers have read (see ``reclaim_unread``)
         self.frontier = 0.0
-
-    @property
-    def data_bytes(self) -> int:
-        return self.layout.data_bytes
 
     @property
     def mapped_bytes(self) -> int:
@@ -1187,18 +1194,30 @@ class ArenaReader:
             return
         log_off = self._log_offset
         n_desc = self._n_desc
+        indexed = self.indexed
+        u32, scan = _U32.unpack_from, _DESC_SCAN.unpack_from
         for s in range(cur + 1, pub + 1):
-            idx = _U32.unpack_from(mm, log_off + 4 * (s % log_len))[0]
+            idx = u32(mm, log_off + 4 * (s % log_len))[0]
             if idx >= n_desc:
                 self._corrupt(f"publish log entry {s} names descriptor {idx} of {n_desc}")
                 continue
             d = _DESC_OFFSET + idx * DESC_SIZE
-            state, seq, klen = _DESC_SCAN.unpack_from(mm, d)
+            state, seq, klen = scan(mm, d)
             # A log entry is valid only while its descriptor still holds that publication.
             if state == WRITTEN and seq == s:
                 key = self._key_at(d, klen)
-                if key is not None:
-                    self._index_add(index, key, idx, seq)
+                if key is None:
+                    continue
+                old = indexed.get(idx)
+                if old is not None and old in index:
+                    self._index_add(index, key, idx, seq)  # drops the stale entry first
+                    continue
+                indexed[idx] = key
+                refs = index.get(key)
+                if refs is None:
+                    index[key] = [(self, idx, seq)]
+                else:
+                    refs.append((self, idx, seq))
 
     def _key_at(self, d: int, klen: int) -> str | None:
         """The key of the descriptor at ``d``, or None (logged) if its bytes are not a
@@ -1208,7 +1227,7 @@ class ArenaReader:
             self._corrupt(f"descriptor at {d} has a key of {klen} bytes")
             return None
         try:
-            return self.mm[d + 64 : d + 64 + klen].decode("utf-8")
+            return str(self.mm[d + 64 : d + 64 + klen], "utf-8")
         except UnicodeDecodeError:
             self._corrupt(f"descriptor at {d} has a key that is not UTF-8")
             return None
@@ -1237,7 +1256,8 @@ class ArenaReader:
         if state != WRITTEN or dseq != seq:
             return None
         _II.pack_into(mm, d, CLAIMED, pid)
-        self._notify_sender()
+        if _U32.unpack_from(mm, _A_WAITING)[0]:
+            self._notify_sender()
         return off, length, flags, otoken
 
     def still_written(self, idx: int, seq: int) -> bool:
@@ -1255,7 +1275,8 @@ class ArenaReader:
         head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
         _U32.pack_into(mm, self._rel_offset + 4 * (head % self._n_desc), idx)
         _U64.pack_into(mm, _A_REL_HEAD, head + 1)
-        self._notify_sender()
+        if _U32.unpack_from(mm, _A_WAITING)[0]:
+            self._notify_sender()
 
     def _notify_sender(self) -> None:
         if _U32.unpack_from(self.mm, _A_WAITING)[0]:
