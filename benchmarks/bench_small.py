@@ -44,6 +44,7 @@ Usage::
 
     python benchmarks/bench_small.py [--iters 5000] [--messages 2000] [--big-messages 40]
                                      [--json out.jsonl] [--check] [--quick]
+    python benchmarks/bench_small.py --profile 25 [--iters 20000]   # where the time goes
 """
 
 from __future__ import annotations
@@ -222,6 +223,40 @@ def one_process(backend: str, iters: int, warmup: int) -> dict[str, Any]:
     return _pcts(samples)
 
 
+def profile_one_process(iters: int, top: int) -> str:
+    """cProfile of the shm one-process loop (``put`` + ``get_nowait``, payload dropped):
+    Python calls per message and the ``top`` functions by own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    from omnilink._bench.payload import make_payload
+
+    rx = tx = _Omnilink("shm", f"bench-small-prof-{os.getpid()}", "dual")
+    payload = make_payload(SMALL)
+    put, get = tx.put, rx.try_get
+    try:
+        for i in range(max(200, iters // 10)):
+            put(f"w{i}", payload)
+            get(f"w{i}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(iters):
+            put(f"p{i}", payload)
+            get(f"p{i}")
+        prof.disable()
+    finally:
+        tx.close()
+    stats = pstats.Stats(prof)
+    calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
+    out = io.StringIO()
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+    return f"Python calls per message: {calls / iters:.1f}\n" + "\n".join(lines[start:])
+
+
 # ------------------------------------------------------------------ two processes
 def _send_cell(backend: str, chan: str, size: int, n: int, credits: Any, ready: Any, ctl: Any) -> None:
     from omnilink._bench.payload import make_payload, now_ns
@@ -365,7 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few messages of each cell (for the test suite)")
     ap.add_argument("--json", metavar="PATH", help="append the result as one JSON line to PATH")
     ap.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
+    ap.add_argument("--profile", type=int, metavar="N", default=0,
+                    help="only profile the shm one-process loop (cProfile) and print its top N lines")
     args = ap.parse_args(argv)
+    if args.profile:
+        print(profile_one_process(args.iters, args.profile))
+        return 0
     if args.quick:
         args.iters, args.messages, args.big_messages = 200, 50, 4
     warm1 = max(50, args.iters // 10)

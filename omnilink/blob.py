@@ -525,13 +525,14 @@ class _Walker:
                 return None
         if (
             obj.layout is not _STRIDED[0]
-            or obj.is_meta
             or obj.requires_grad
             or obj.is_neg()
             or (entry[0] in _COMPLEX_CODES and obj.is_conj())
         ):
             return None
-        if not obj.is_cpu:
+        if not obj.is_cpu:  # a host tensor is never a meta tensor: one look for both
+            if obj.is_meta:
+                return None
             self.on_device = True
         shape = obj.shape
         offset = self.offset
