@@ -381,6 +381,43 @@ def test_a_stranger_on_the_header_socket_is_not_heard(store):
             ctx.term()
 
 
+def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypatch):
+    """A payload is built as soon as its receives are posted (its header is enough), but
+    get_nowait says WouldBlock until its bytes have landed, get waits for them, aget
+    too, and a get that times out meanwhile takes nothing."""
+    import asyncio
+
+    gate = threading.Event()
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.wait_connected(WAIT)
+        real_post = tx._post
+
+        def held_post(pg, tensors, *, send):
+            gate.wait(WAIT)  # the header is out; the bytes wait
+            return real_post(pg, tensors, send=send)
+
+        monkeypatch.setattr(tx, "_post", held_post)
+        putter = threading.Thread(target=tx.put, args=("k", {"t": torch.arange(1000)}), kwargs={"timeout": WAIT})
+        putter.start()
+        try:
+            with rx._cond:
+                assert rx._cond.wait_for(lambda: rx._inbox.get("k") and rx._inbox["k"][0].done, WAIT)
+            with pytest.raises(omnilink.WouldBlock, match="still arriving"):
+                rx.get_nowait("k")
+            with pytest.raises(TransferTimeout):
+                rx.get("k", timeout=0.2)
+
+            async def take():
+                return await rx.aget("k", timeout=WAIT)
+
+            threading.Timer(0.2, gate.set).start()
+            got = asyncio.run(take())
+        finally:
+            gate.set()
+            putter.join(WAIT)
+        assert torch.equal(got["t"], torch.arange(1000))
+
+
 def test_peer_closed_cleanly(store):
     """Payloads sent before the peer closed stay readable; a key that can no longer come
     is PeerLostError at once instead of a timeout."""

@@ -200,10 +200,34 @@ class _Waker:
             self.rx.close(0)
 
 
+class _Landed:
+    """When the receives of a gloo payload have landed, with a CUDA event's two methods.
+
+    Set by the completer, the one thread that waits on the gloo works (a gloo receive's
+    ``wait`` may not be called twice).
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def query(self) -> bool:
+        return self._event.is_set()
+
+    def synchronize(self) -> None:
+        self._event.wait()
+
+
 class _Arrived:
     """A payload the receiver holds: ready (``payload`` set) or still in flight."""
 
-    __slots__ = ("seq", "key", "nbytes", "frame_bytes", "done", "payload", "device_tensors", "error", "duplicate")
+    __slots__ = (
+        "seq", "key", "nbytes", "frame_bytes", "done", "payload", "device_tensors", "error", "duplicate", "event",
+    )
 
     def __init__(self, seq: int, key: str, nbytes: int, frame_bytes: int) -> None:
         self.seq = seq
@@ -217,6 +241,10 @@ class _Arrived:
         self.error: BaseException | None = None
         #: Its key was still pending: received (to keep the stream in step), then dropped.
         self.duplicate = False
+        #: Set when the payload was ready as soon as its receives were posted
+        #: (``wire.early_ready``): a CUDA event recorded after them, or ``_WorksDone``;
+        #: ``get`` waits for it.
+        self.event: Any = None
 
 
 class NcclConnector(BaseConnector):
@@ -425,9 +453,10 @@ class NcclConnector(BaseConnector):
         if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
             raise ConfigurationError(f"nccl: inline_bytes must be an int >= 0, got {inline_bytes!r}")
         self.inline_bytes = min(inline_bytes, max_inline_bytes)
-        # Zero bytes between packed tensors; made by a blocking copy, so it is ready on
-        # every stream.
-        self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8).to(dev) if pack_bytes else None
+        # Zero bytes between packed tensors, ready before any stream reads them.
+        self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8, device=dev) if pack_bytes else None
+        if self._pad is not None and self._is_nccl:
+            torch.cuda.synchronize(dev)
 
         # ----------------------------------------------------------------- store
         self._owned_store = None
@@ -1187,12 +1216,35 @@ class NcclConnector(BaseConnector):
             else:
                 bufs = [torch.empty(n, dtype=uint8) for n in sizes]
                 works = self._post(pg, bufs, send=False) if bufs else []
+            if not item.duplicate and wire.early_ready(header, env.plan, nccl=self._is_nccl):
+                # Building the payload's views and tree needs none of its bytes: it is
+                # ready now, and get waits for its receives itself (the completer,
+                # which credits the sender, is not in the way).
+                self._ready_early(item, env, header, bufs, event if event is not None else _Landed())
             self._done_q.put((item, env, header, bufs, works, event))
             seq += 1
             self._posted = seq
 
+    def _ready_early(self, item: _Arrived, env: wire.Envelope, header: Any, bufs: list[Any], landed: Any) -> None:
+        try:
+            views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
+            payload = wire.decode_tree(header, views)
+        except OmnilinkError as exc:
+            logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
+            with self._cond:
+                item.error = exc
+                item.device_tensors = []
+                self._cond.notify_all()
+            return
+        with self._cond:
+            item.event = landed
+            item.payload = payload
+            item.done = True
+            self._ready_count += 1
+            self._cond.notify_all()
+
     def _done_loop(self) -> None:
-        """Wait for each payload's data in order, build it, credit it."""
+        """Wait for each payload's data in order, build it (unless the poster did), credit it."""
         sock = self._credit_out
         peer = self._peer
         # Credits go in batches: an eighth of the sender's window (count and bytes), at
@@ -1207,21 +1259,30 @@ class NcclConnector(BaseConnector):
             if entry is None:
                 return
             item, env, header, bufs, works, event = entry
+            early = item.done or item.error is not None
             try:
-                if event is not None:
-                    event.synchronize()
-                for w in works:
-                    w.wait()  # gloo: the data is here; NCCL: already complete, raises if aborted
-                views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
-                payload = wire.decode_tree(header, views)
+                try:
+                    if event is not None:
+                        event.synchronize()
+                    for w in works:
+                        w.wait()  # gloo: the data is here; NCCL: already complete, raises if aborted
+                finally:
+                    if isinstance(item.event, _Landed):
+                        with self._cond:
+                            item.event.set()  # a get waiting for it checks the link state
+                            self._cond.notify_all()
+                if not early:
+                    views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
+                    payload = wire.decode_tree(header, views)
             except BaseException as exc:
                 if self._closing:
                     return
                 with self._cond:
-                    item.error = exc if isinstance(exc, OmnilinkError) else PeerLostError(
-                        f"nccl: receiving key {env.key!r} on channel {self.channel!r} failed: {exc}"
-                    )
-                    item.device_tensors = []
+                    if not early:
+                        item.error = exc if isinstance(exc, OmnilinkError) else PeerLostError(
+                            f"nccl: receiving key {env.key!r} on channel {self.channel!r} failed: {exc}"
+                        )
+                        item.device_tensors = []
                     self._recv_done = item.seq + 1
                     self._cond.notify_all()
                 if not isinstance(exc, OmnilinkError):
@@ -1231,19 +1292,25 @@ class NcclConnector(BaseConnector):
                 # payload is an error for its key only and the link keeps serving.
                 logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
             else:
-                with self._cond:
-                    if item.duplicate:
-                        logger.warning(
-                            "nccl: channel %r dropped a second payload under key %r (still pending)",
-                            self.channel, item.key,
-                        )
-                        item.device_tensors = []
-                    else:
-                        item.payload = payload
-                        item.done = True
-                        self._ready_count += 1
+                if early:
                     self._recv_done = item.seq + 1
-                    self._cond.notify_all()
+                    if self._peer_state is not None:
+                        with self._cond:
+                            self._cond.notify_all()  # a get may wait for what the peer sent
+                else:
+                    with self._cond:
+                        if item.duplicate:
+                            logger.warning(
+                                "nccl: channel %r dropped a second payload under key %r (still pending)",
+                                self.channel, item.key,
+                            )
+                            item.device_tensors = []
+                        else:
+                            item.payload = payload
+                            item.done = True
+                            self._ready_count += 1
+                        self._recv_done = item.seq + 1
+                        self._cond.notify_all()
             payload = views = bufs = entry = None
             owed += 1
             owed_bytes += item.nbytes
@@ -1279,7 +1346,22 @@ class NcclConnector(BaseConnector):
                     raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
                 q = self._inbox.get(key)
                 item = q[0] if q else None
-                if item is not None and (item.done or item.error is not None):
+                landing = item is not None and item.event is not None and not item.event.query()
+                if landing and not block:
+                    raise WouldBlock(f"nccl: key {key!r} is still arriving on channel {self.channel!r}")
+                if landing and not isinstance(item.event, _Landed):
+                    # A CUDA event: wait for the bytes outside the lock, then look again.
+                    self._cond.release()
+                    try:
+                        item.event.synchronize()
+                    except RuntimeError as exc:
+                        raise PeerLostError(
+                            f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}"
+                        ) from exc
+                    finally:
+                        self._cond.acquire()
+                    continue
+                if not landing and item is not None and (item.done or item.error is not None):
                     q.popleft()
                     if not q:
                         del self._inbox[key]
@@ -1291,6 +1373,7 @@ class NcclConnector(BaseConnector):
                     break
                 if item is None and key in self._consumed:
                     raise self._consumed.error(self.backend, self.channel, key)
+                # (A gloo payload landing: the completer notifies when it has.)
                 if item is None and self._peer_state is not None and not self._more_may_come():
                     raise self._peer_error(key)
                 if self._link_error is not None:
@@ -1303,6 +1386,9 @@ class NcclConnector(BaseConnector):
                 self._cond.wait(remaining)
         if item.error is not None:
             raise item.error
+        if item.event is not None and self._peer_state == "lost" and item.seq >= self._recv_done:
+            # Its receives ended because the link was aborted, not because its bytes came.
+            raise self._peer_error(key)
         self._count(bytes_got=item.frame_bytes)
         if item.device_tensors:
             torch = self._torch
@@ -1319,21 +1405,39 @@ class NcclConnector(BaseConnector):
                 f"nccl connector on channel {self.channel!r} was opened with role='sender' and cannot get"
             )
         deadline = Deadline(timeout)
-        with self._cond:
-            while True:
+        while True:
+            arriving = None
+            with self._cond:
                 if self._closing:
                     raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
-                avail = {k for k, q in self._inbox.items() if q and (q[0].done or q[0].error is not None)}
+                avail = set()
+                for k, q in self._inbox.items():
+                    item = q[0] if q else None
+                    if item is None or not (item.done or item.error is not None):
+                        continue
+                    if item.event is not None and not item.event.query():
+                        if k not in known and (arriving is None or item.seq < arriving.seq):
+                            arriving = item
+                        continue
+                    avail.add(k)
                 if not avail <= known:
                     return avail
                 if self._link_error is not None:
                     raise self._link_error
-                if self._peer_state is not None and not self._more_may_come():
+                if self._peer_state is not None and not self._more_may_come() and arriving is None:
                     raise self._peer_error(None)
                 remaining = deadline.remaining()
                 if not remaining:
                     return avail
-                self._cond.wait(remaining)
+                if arriving is None:
+                    self._cond.wait(remaining)
+                    continue
+            # A payload whose bytes are still on the wire: its event says when (this is
+            # the waiter thread, which may block; later payloads land after it).
+            try:
+                arriving.event.synchronize()
+            except RuntimeError:
+                pass  # the link failed: the state says so on the next turn
 
     def _more_may_come(self) -> bool:
         """After the peer closed: whether payloads it sent are still being received."""

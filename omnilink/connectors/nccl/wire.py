@@ -72,6 +72,7 @@ __all__ = [
     "decode_envelope",
     "decode_hello",
     "decode_tree",
+    "early_ready",
     "encode_credit",
     "encode_endpoints",
     "encode_envelope",
@@ -494,6 +495,19 @@ def check_sizes(header: blob.BlobHeader, plan: list[int]) -> list[int]:
     sizes = [d.nbytes for code, d in zip(plan, header.tensors) if code in (P2P, STAGED)]
     _offsets, pack = pack_layout(header, plan)
     return [pack, *sizes] if pack else sizes
+
+
+def early_ready(header: blob.BlobHeader, plan: list[int], *, nccl: bool) -> bool:
+    """Whether the payload can be built before its bytes arrive: no host data that must
+    come back from the device (STAGED), and on gloo no received host bool data (whose
+    bytes ``build_views`` checks)."""
+    bool_code = blob.DTYPE_CODES["bool"][0]
+    for code, d in zip(plan, header.tensors):
+        if code == STAGED:
+            return False
+        if not nccl and code in (P2P, PACK) and d.dtype == bool_code:
+            return False
+    return True
 
 
 def staged_transfers(plan: list[int]) -> list[bool]:
