@@ -20,11 +20,13 @@ group), so it never disturbs the application's own torch.distributed setup::
       header socket send(envelope) ---- zmq PAIR --->   allocate tensors on cuda:1
       pg.send(pack), pg.send(t0) ... === NCCL =====>    pg.recv(pack), pg.recv(t0) ...
       (coalesced into one NCCL group)                   (coalesced), event on a side stream
-      caller's stream waits for the sends             completer thread
+      caller's stream waits for the sends               views + tree built from the header:
+                                                        inbox[key] = payload (bytes landing)
+                                                      get(key): Condition wait, then the
+                                                        event (no polling, no hand-off)
+                                                      completer thread
                                                         event.synchronize() / work.wait()
-                                                        inbox[key] = payload; notify
       credit socket (read lazily) <---- zmq PAIR ----   credit "0..seq received" (batched)
-                                                      get(key): Condition wait, no polling
 
 Why a socket and not a header tensor sent by the process group ahead of the data (the
 other design considered): on NCCL such a header would queue on the same stream behind
@@ -41,10 +43,14 @@ else can join) and the first message on each must be the session's id.
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
-     put: header sent           poster: recv posted        completer: data arrived
-    ----------------------> ANNOUNCED -------------> IN FLIGHT ----------------> READY
-                                                                        get / discard |
-                                                                     (consumed) <-----+
+     put: header sent        poster: receives posted             bytes landed
+    -----------------> ANNOUNCED ----------------> IN FLIGHT -------------------> READY
+                                                   (listed at once when its views   |
+                                                    need none of its bytes: get     |
+                                                    then waits for them; else built |
+                                                    by the completer once landed)   |
+                                                                  get / discard     |
+                                                               (consumed) <---------+
 
 Semantics, chosen and tested:
 
@@ -63,7 +69,13 @@ Semantics, chosen and tested:
   views of it (the buffer lives as long as any of them). Large tensors keep their own
   zero-copy transfer.
 - The receiver posts receives eagerly from its own thread, so a ``put`` followed by a
-  ``get`` in one thread never deadlocks and out-of-order ``get`` works.
+  ``get`` in one thread never deadlocks and out-of-order ``get`` works. A payload whose
+  tensors can be built without its bytes (device data on NCCL; on gloo anything but
+  bool data, whose bytes are checked; never host data staged through the device) is
+  listed as soon as its receives are posted, and ``get`` waits for its bytes itself (a
+  CUDA event recorded after the receives): ``get`` still returns once they have landed,
+  ``get_nowait`` says ``WouldBlock`` until then, but no thread hand-off stands between
+  the arrival and the caller. The completer only confirms arrivals and credits them.
 - Flow control by credits, not acknowledgements: at most ``send_window`` payloads (and
   ``max_inflight_bytes``) are announced and not yet fully received. Send/recv pairs are
   matched in order, so no payload needs an answer of its own: the receiver sends
@@ -707,7 +719,6 @@ class NcclConnector(BaseConnector):
             self._spawn(self._done_loop, "completer")
         if self._out in self._pgs and not self._is_nccl:
             self._spawn(self._reap_loop, "reaper")
-        self._st_wake = self._st_main
         self._ready.set()
 
     def _open_sockets(self, st: Any, deadline: Deadline, same_host: bool) -> None:
