@@ -205,17 +205,9 @@ def _cmd_bench(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 # ---------------------------------------------------------------------------- info
 def _backend_status() -> dict[str, str | None]:
     """Each registered backend and ``None`` if it loads, else the reason it does not."""
-    from omnilink._errors import OmnilinkError
-    from omnilink.connectors import backend_factory, available_backends
+    from omnilink.connectors import available_backends, backend_unavailable
 
-    status: dict[str, str | None] = {}
-    for name in available_backends():
-        try:
-            backend_factory(name)
-            status[name] = None
-        except OmnilinkError as exc:
-            status[name] = str(exc)
-    return status
+    return {name: backend_unavailable(name) for name in available_backends()}
 
 
 def _info_record() -> dict[str, Any]:

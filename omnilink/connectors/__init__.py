@@ -7,7 +7,12 @@ Third parties either call ``register_backend`` or declare, in their ``pyproject.
     [project.entry-points."omnilink.connectors"]
     mybackend = "mypkg.connector:MyConnector"
 
-The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``), whose
+A backend that needs something a process may lack (``cuda_ipc``: a CUDA device and
+cuda-python) has a ``unavailable_reason()`` on its factory; ``backend_unavailable(name)``
+returns that reason (``omnilink info`` shows it), and ``connect`` raises it as an error.
+
+The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
+``cuda_ipc/``), whose
 ``__init__`` is its door; ``memory.py`` (the in-process reference backend) and
 ``base.py`` (the ``Connector`` protocol, ``BaseConnector`` and ``ConnectorStats`` that
 every backend shares) sit here.
@@ -28,6 +33,7 @@ from omnilink._errors import ConfigurationError, OmnilinkError
 from omnilink.connectors.base import BaseConnector, Connector, ConnectorStats, Role
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only: no import cost
+    from omnilink.connectors.cuda_ipc import CudaIpcConnector
     from omnilink.connectors.memory import MemoryConnector
     from omnilink.connectors.nccl import NcclConnector
     from omnilink.connectors.shm import ShmConnector
@@ -39,6 +45,7 @@ __all__ = [
     "ConnectorStats",
     "available_backends",
     "backend_factory",
+    "backend_unavailable",
     "connect",
     "register_backend",
 ]
@@ -52,6 +59,7 @@ _BUILTIN: dict[str, str] = {
     "shm": "omnilink.connectors.shm:ShmConnector",
     "zmq": "omnilink.connectors.zmq:ZmqConnector",
     "nccl": "omnilink.connectors.nccl:NcclConnector",
+    "cuda_ipc": "omnilink.connectors.cuda_ipc:CudaIpcConnector",
 }
 _registered: dict[str, Callable[..., Connector] | str] = {}
 _lock = threading.Lock()
@@ -127,6 +135,26 @@ def backend_factory(name: str, /) -> Callable[..., Connector]:
         ) from exc
     except AttributeError as exc:
         raise ConfigurationError(f"backend {name!r}: {target} does not exist") from exc
+
+
+def backend_unavailable(name: str, /) -> str | None:
+    """Why backend ``name`` cannot be used in this process, or ``None`` when it can.
+
+    The reason is the load error, or what the backend's ``unavailable_reason()`` says
+    (``cuda_ipc`` without a CUDA device or cuda-python). Never initialises CUDA.
+    """
+    try:
+        factory = backend_factory(name)
+    except OmnilinkError as exc:
+        return str(exc)
+    probe = getattr(factory, "unavailable_reason", None)
+    if not callable(probe):
+        return None
+    try:
+        reason = probe()
+    except Exception as exc:  # a third party's probe: report, never raise
+        return f"{type(exc).__name__}: {exc}"
+    return None if reason is None else str(reason)
 
 
 # One overload per built-in backend, so IDEs and type checkers see each backend's options
@@ -218,6 +246,23 @@ def connect(
     pack_bytes: int = ...,
     header_addr: str | None = None,
 ) -> NcclConnector: ...
+
+
+@overload
+def connect(
+    backend: Literal["cuda_ipc"],
+    /,
+    *,
+    channel: str,
+    role: Role = "dual",
+    timeout: float | None = None,
+    device: Any = None,
+    pool_bytes: int = ...,
+    event_slots: int = ...,
+    max_blocks: int = ...,
+    arena_bytes: int = ...,
+    linger: float = ...,
+) -> CudaIpcConnector: ...
 
 
 @overload

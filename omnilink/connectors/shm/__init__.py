@@ -13,7 +13,10 @@ This package is the public door of the backend; its modules are internal:
 ``gc``         ``collect_garbage``: what ``omnilink gc`` runs for this backend
 =============  ==========================================================================
 
-Exports: ``ShmConnector``, ``collect_garbage``, ``DEFAULT_ARENA_BYTES``. Tests may import
+Exports: ``ShmConnector``, ``collect_garbage``, ``DEFAULT_ARENA_BYTES``; for the
+``cuda_ipc`` backend, which keeps its pool directory under this backend's naming and
+garbage-collection rules: ``SHM_DIR``, ``HostLock``, ``arena_name``, ``read_prefix``,
+``pid_alive``, ``create_segment``, ``open_segment``, ``unlink_segment``. Tests may import
 the internal modules by their full path (``omnilink.connectors.shm.alloc``) to check
 layouts and the allocator; library code outside this package uses the names above.
 """
@@ -22,5 +25,20 @@ from __future__ import annotations
 
 from omnilink.connectors.shm.connector import DEFAULT_ARENA_BYTES, ShmConnector
 from omnilink.connectors.shm.gc import collect_garbage
+from omnilink.connectors.shm.names import SHM_DIR, HostLock, arena_name, pid_alive, read_prefix
+from omnilink.connectors.shm.segments import _unlink_quiet as unlink_segment
+from omnilink.connectors.shm.segments import create_segment, open_segment
 
-__all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector", "collect_garbage"]
+__all__ = [
+    "DEFAULT_ARENA_BYTES",
+    "SHM_DIR",
+    "HostLock",
+    "ShmConnector",
+    "arena_name",
+    "collect_garbage",
+    "create_segment",
+    "open_segment",
+    "pid_alive",
+    "read_prefix",
+    "unlink_segment",
+]

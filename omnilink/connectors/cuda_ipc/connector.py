@@ -1,0 +1,905 @@
+"""``CudaIpcConnector``: the ``cuda_ipc`` backend (see the package docstring for the design)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from omnilink._errors import (
+    BlobDecodeError,
+    CapacityError,
+    ConfigurationError,
+    KeyConsumedError,
+    OmnilinkError,
+    PeerLostError,
+    TransferTimeout,
+    WouldBlock,
+)
+from omnilink._util import Deadline
+from omnilink.blob import DTYPE_CODES, encoded_size
+from omnilink.connectors.base import BaseConnector, Role
+from omnilink.connectors.cuda_ipc.blocks import ALIGN, BlockAllocator, round_up
+from omnilink.connectors.cuda_ipc.directory import (
+    ACK_GEN,
+    CLEAN_GEN,
+    EVENTS_GEN,
+    GEN,
+    RECV_PID,
+    RING_HEAD,
+    RING_TAIL,
+    SENDER_PID,
+    SNAP_HEAD,
+    STATE,
+    STATE_CLOSED,
+    STATE_OPEN,
+    WANT_GEN,
+    POOL_BYTES,
+    DEVICE,
+    Directory,
+    find_directories,
+)
+from omnilink.connectors.shm import HostLock, ShmConnector, pid_alive, read_prefix, unlink_segment
+
+__all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector"]
+
+logger = logging.getLogger(__name__)
+
+#: Default size of the receiver's device pool.
+DEFAULT_POOL_BYTES = 256 << 20
+DEFAULT_EVENT_SLOTS = 128
+DEFAULT_MAX_BLOCKS = 4096
+#: The inner shm connector carries descriptors and CPU parts only: a small arena.
+DEFAULT_ARENA_BYTES = 16 << 20
+#: Seconds between liveness checks of the other side.
+HEARTBEAT_S = 0.25
+#: Most dimensions and tensors a manifest may name (bounded before use).
+MAX_NDIM = 64
+MAX_TENSORS = 1 << 16
+_INT64_MAX = (1 << 63) - 1
+
+#: Same-process shortcuts: a process cannot open its own IPC handles, so a sender whose
+#: receiver lives in the same process (``role="dual"``, or two connectors of one
+#: process) uses the pointer and events directly.
+_LOCAL_POOLS: dict[str, int] = {}
+_LOCAL_EVENTS: dict[tuple[str, int], list[Any]] = {}
+#: directories a connector of this process is attached to as the sender
+_LOCAL_SENDERS: set[str] = set()
+_local_lock = threading.Lock()
+
+
+def _dtype_tables() -> tuple[dict[Any, int], dict[int, Any]]:
+    import torch
+
+    by_dtype: dict[Any, int] = {}
+    by_code: dict[int, Any] = {}
+    for name, (code, _) in DTYPE_CODES.items():
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            by_dtype[dt] = code
+            by_code[code] = dt
+    return by_dtype, by_code
+
+
+_tables: tuple[dict[Any, int], dict[int, Any]] | None = None
+
+
+def _dtypes() -> tuple[dict[Any, int], dict[int, Any]]:
+    global _tables
+    if _tables is None:
+        _tables = _dtype_tables()
+    return _tables
+
+
+_Inner = ShmConnector
+
+
+# --------------------------------------------------------------------- receiver side
+class _Pool:
+    """The receiver's pool: its memory, its directory, and the blocks live views hold.
+
+    Shared by the leases of one connector; it holds only what a free takes (not the
+    connector), so views may outlive ``close()``: the pool memory is freed when the
+    connector is closed and the last view is gone, whichever comes last.
+    """
+
+    def __init__(self, ops: Any, directory: Directory, index: int, ptr: int, nbytes: int) -> None:
+        self.ops = ops
+        self.dir = directory
+        self.index = index
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.lock = threading.Lock()
+        #: offset -> length of blocks this process holds (views alive, or their last
+        #: reader's stream not yet past them)
+        self.held: dict[int, int] = {}
+        self.by_key: dict[str, list[Any]] = {}
+        self.closed = False
+        self.freed = False
+
+    def track(self, lease: Any, key: str, offset: int, length: int) -> Any:
+        with self.lock:
+            self.held[offset] = length
+            fin = weakref.finalize(lease, self.release, key, offset, length)
+            self.by_key.setdefault(key, []).append(fin)
+        return fin
+
+    def hold(self, offset: int, length: int) -> None:
+        with self.lock:
+            self.held[offset] = length
+
+    def release(self, key: str | None, offset: int, length: int) -> None:
+        """The last view of a block died (or ``release(key)``): hand it back once the
+        work queued on this thread's stream (its last reader) is past it."""
+        if key is not None:
+            with self.lock:
+                fins = self.by_key.get(key)
+                if fins is not None:
+                    fins[:] = [f for f in fins if f.alive]
+                    if not fins:
+                        del self.by_key[key]
+        try:
+            self.ops.after_use(self.index, lambda: self.push(offset, length))
+        except Exception:  # pragma: no cover - interpreter teardown
+            logger.debug("cuda_ipc: deferred free failed; freeing now", exc_info=True)
+            self.push(offset, length)
+
+    def push(self, offset: int, length: int) -> None:
+        with self.lock:
+            if self.held.pop(offset, None) is None:
+                return
+            if not self.closed:
+                if not self.dir.push_free(offset, length):  # pragma: no cover - bounded by the sender
+                    logger.error("cuda_ipc: released ring full; block at %d lost until the sender restarts", offset)
+            elif not self.held:
+                self._free_locked()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if not self.held:
+                self._free_locked()
+
+    def _free_locked(self) -> None:
+        if self.freed:
+            return
+        self.freed = True
+        try:
+            self.ops.free_pool(self.index, self.ptr)
+        except Exception:  # pragma: no cover - driver teardown
+            logger.warning("cuda_ipc: freeing the device pool failed", exc_info=True)
+        self.dir.close()
+
+
+# ----------------------------------------------------------------------- sender side
+class _Attachment:
+    """A sender's view of one receiver's pool: the mapped memory, its events, the
+    allocator, the slots in use."""
+
+    __slots__ = ("dir", "gen", "alloc", "ptr", "opened", "index", "events", "rec", "next_slot",
+                 "seq", "sent", "by_block", "receiver_pid", "pool_bytes", "ring_cap")
+
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[int, int, int]] = {}
+        self.by_block: dict[int, str] = {}
+        self.next_slot = 0
+        self.seq = 0
+
+
+class CudaIpcConnector(BaseConnector):
+    """Same-host transfer of CUDA tensors through a device pool the receiver owns.
+
+    Parameters
+    ----------
+    channel : str
+        Channel name; one receiver and one sender at a time per channel.
+    role : {"sender", "receiver", "dual"}
+        ``dual`` is both ends in one connector.
+    timeout : float, optional
+        Default seconds for blocking calls (``None``: no limit).
+    device : str or torch.device, optional
+        Receiver: the device of its pool (default: the current CUDA device).
+    pool_bytes : int
+        Receiver: size of the device pool (default 256 MiB); the most device bytes one
+        payload may hold, and what all payloads in flight and still viewed share.
+    event_slots : int
+        Receiver: how many interprocess events the sender creates (once, on attach).
+        With more payloads unread than this, slots are recorded again: still correct,
+        but a late reader may then also wait for newer copies.
+    max_blocks : int
+        Receiver: the most payloads in flight or viewed at once (released ring size).
+    arena_bytes : int
+        Size of the shm arena that carries descriptors and CPU tensors.
+    linger : float
+        Sender: seconds ``close()`` waits for unread descriptors (as shm's ``linger``).
+
+    Raises
+    ------
+    CudaError
+        This process has no CUDA device or no cuda-python (the message says which).
+    ConfigurationError
+        Bad options; a second live receiver (or sender) on the channel.
+    """
+
+    backend = "cuda_ipc"
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this process cannot use the backend (no CUDA, no cuda-python), or ``None``."""
+        from omnilink.connectors.cuda_ipc.ops import cuda_ipc_unavailable
+
+        return cuda_ipc_unavailable()
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+        device: Any = None,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        event_slots: int = DEFAULT_EVENT_SLOTS,
+        max_blocks: int = DEFAULT_MAX_BLOCKS,
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        linger: float = 5.0,
+    ) -> None:
+        super().__init__(channel=channel, role=role, timeout=timeout)
+        for name, value, lo, hi in (("pool_bytes", pool_bytes, 1 << 20, 1 << 46),
+                                    ("event_slots", event_slots, 1, 4096),
+                                    ("max_blocks", max_blocks, 1, 1 << 20)):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigurationError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+        self.pool_bytes = round_up(pool_bytes)
+        self.event_slots = event_slots
+        self.max_blocks = max_blocks
+        self._sends = role in ("sender", "dual")
+        self._recvs = role in ("receiver", "dual")
+        self._prefix = read_prefix()
+        self._pid = os.getpid()
+        self._ops = self._make_ops()
+        self._tx: _Attachment | None = None
+        self._tx_lock = threading.RLock()
+        self._pool: _Pool | None = None
+        self._rx_events: tuple[int, list[Any], bool] | None = None  # (gen, events, opened)
+        self._rx_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._inner: _Inner | None = None
+        try:
+            self._inner = _Inner(channel=f"{channel}/cuda-ipc", role=role, arena_bytes=arena_bytes,
+                                 linger=linger)
+            if self._recvs:
+                self._open_pool(device)
+        except BaseException:
+            self._close()
+            raise
+
+    @staticmethod
+    def _make_ops() -> Any:
+        """The device operations (``CudaDeviceOps``); the test suite overrides this with
+        a host-memory double."""
+        from omnilink.connectors.cuda_ipc.ops import CudaDeviceOps
+
+        return CudaDeviceOps()
+
+    def _start_thread(self, target: Any, name: str) -> None:
+        ref = weakref.ref(self)
+        t = threading.Thread(target=target, args=(ref, self._stop), name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    # ---------------------------------------------------------------- receiver
+    def _open_pool(self, device: Any) -> None:
+        ops = self._ops
+        index = ops.device_index(device)
+        with HostLock():
+            for pid, name in find_directories(self._prefix, self.channel):
+                if pid_alive(pid):
+                    raise ConfigurationError(
+                        f"cuda_ipc: channel {self.channel!r} already has a receiver (pid {pid}); "
+                        "one receiver per channel"
+                    )
+                unlink_segment(name)
+            ptr, handle = ops.alloc_pool(index, self.pool_bytes)
+            try:
+                d = Directory.create(self._prefix, self.channel, device=index, uuid=ops.device_uuid(index),
+                                     pool_bytes=self.pool_bytes, nslots=self.event_slots,
+                                     ring_cap=self.max_blocks, mem_handle=handle)
+            except BaseException:
+                ops.free_pool(index, ptr)
+                raise
+        with _local_lock:
+            _LOCAL_POOLS[d.name] = ptr
+        self._pool = _Pool(ops, d, index, ptr, self.pool_bytes)
+        self._start_thread(_receiver_loop, f"omnilink-cuda-ipc-rx-{self.channel}")
+
+    def _answer_attach(self) -> None:
+        """A new sender asked what this receiver still holds (its allocator starts from
+        that); runs on the receiver's heartbeat thread."""
+        pool = self._pool
+        if pool is None:
+            return
+        d = pool.dir
+        want = d.get(WANT_GEN)
+        if want == d.get(ACK_GEN):
+            return
+        with pool.lock:
+            d.write_held(sorted(pool.held.items()))
+            d.set(SNAP_HEAD, d.get(RING_HEAD))
+        d.set(ACK_GEN, want)
+
+    def _slot_events(self, gen: int) -> list[Any]:
+        pool = self._pool
+        assert pool is not None
+        with self._rx_lock:
+            cached = self._rx_events
+            if cached is not None and cached[0] == gen:
+                return cached[1]
+            if cached is not None and cached[2]:
+                self._ops.destroy_events(pool.index, cached[1])
+            self._rx_events = None
+            d = pool.dir
+            if d.get(EVENTS_GEN) != gen:
+                raise PeerLostError(f"cuda_ipc: the sender on channel {self.channel!r} has not published "
+                                    "its events")
+            with _local_lock:
+                local = _LOCAL_EVENTS.get((d.name, gen))
+            if local is not None:
+                events, opened = local, False
+            else:
+                events = self._ops.open_events(pool.index, [d.slot_handle(i) for i in range(d.nslots)])
+                opened = True
+            self._rx_events = (gen, events, opened)
+            return events
+
+    def _parse(self, key: str, m: Any) -> tuple[int, int, int, int, int, list[tuple[int, Any, int, int, tuple[int, ...]]]]:
+        """Validate a manifest before anything of it is used (a hostile sender cannot
+        make the receiver read outside its pool or build a view that lies about its size)."""
+        pool = self._pool
+        assert pool is not None
+
+        def bad(why: str) -> BlobDecodeError:
+            return BlobDecodeError(f"cuda_ipc: key {key!r}: invalid device manifest: {why}")
+
+        def is_int(x: Any, lo: int = 0, hi: int = _INT64_MAX) -> bool:
+            return type(x) is int and lo <= x <= hi
+
+        if not isinstance(m, list) or len(m) != 6:
+            raise bad("not a 6-item list")
+        gen, seq, slot, block, total, entries = m
+        if not (is_int(gen, 1) and is_int(seq, 1) and is_int(slot, 0, pool.dir.nslots - 1)):
+            raise bad("generation, sequence or event slot out of range")
+        if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0 and block + total <= pool.nbytes):
+            raise bad(f"block [{block}, +{total}) is not inside the {pool.nbytes}-byte pool")
+        if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_TENSORS:
+            raise bad("tensor list missing or too long")
+        _, by_code = _dtypes()
+        out = []
+        seen: set[int] = set()
+        for e in entries:
+            if not isinstance(e, list) or not 4 <= len(e) <= 4 + MAX_NDIM:
+                raise bad("tensor entry is not [ordinal, dtype, offset, nbytes, *shape]")
+            ordinal, code, off, nbytes = e[:4]
+            shape = tuple(e[4:])
+            if not is_int(ordinal, 0, MAX_TENSORS) or ordinal in seen:
+                raise bad(f"tensor ordinal {ordinal!r} invalid or repeated")
+            seen.add(ordinal)
+            dt = by_code.get(code) if type(code) is int else None
+            if dt is None:
+                raise bad(f"unknown dtype code {code!r}")
+            if not (is_int(off) and is_int(nbytes) and off + nbytes <= total) or not all(is_int(s) for s in shape):
+                raise bad(f"tensor {ordinal}: region [{off!r}, +{nbytes!r}) or shape {shape!r} invalid")
+            numel = 1
+            for s in shape:
+                numel *= s
+            itemsize = DTYPE_CODES[str(dt).removeprefix("torch.")][1]
+            if numel * itemsize != nbytes:
+                raise bad(f"tensor {ordinal}: {nbytes} bytes for shape {shape} of {dt}")
+            if off % itemsize:
+                raise bad(f"tensor {ordinal}: offset {off} not aligned to its dtype")
+            out.append((ordinal, dt, off, nbytes, shape))
+        return gen, seq, slot, block, total, out
+
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        if not self._recvs:
+            raise ConfigurationError(
+                f"cuda_ipc connector on channel {self.channel!r} was opened with role='sender' and cannot get"
+            )
+        inner = self._inner
+        assert inner is not None
+        try:
+            obj = inner.get(key, timeout=deadline.remaining()) if block else inner.get_nowait(key)
+        except TransferTimeout:
+            raise self._timeout("get", key, "a sender", deadline.timeout) from None
+        if not isinstance(obj, dict) or set(obj) != {"m", "h", "n"} or type(obj["n"]) is not int:
+            raise BlobDecodeError(f"cuda_ipc: key {key!r}: not a cuda_ipc message")
+        m, host, size = obj["m"], obj["h"], obj["n"]
+        if m is None:
+            self._count(bytes_got=size)
+            return host
+        pool = self._pool
+        assert pool is not None
+        gen, seq, slot, blk, total, entries = self._parse(key, m)
+        d = pool.dir
+        pool.hold(blk, total)
+        from omnilink.cuda import map_tensors
+
+        counter = [0]
+        used = [0]
+        views: dict[int, Any] = {}
+
+        def put_back(t: Any) -> Any:
+            i = counter[0]
+            counter[0] += 1
+            v = views.get(i)
+            if v is None:
+                return t
+            if t.numel() != 0 or t.dtype != v.dtype:
+                raise BlobDecodeError(f"cuda_ipc: key {key!r}: tensor {i} of the manifest does not match its placeholder")
+            used[0] += 1
+            return v
+
+        try:
+            base, lease = self._ops.view(pool.ptr + blk, total, pool.index)
+            for ordinal, dt, off, nbytes, shape in entries:
+                views[ordinal] = base[off:off + nbytes].view(dt).view(shape)
+            del base
+            fin = pool.track(lease, key, blk, total)
+            del lease
+        except BaseException:
+            views.clear()
+            pool.release(None, blk, total)
+            raise
+        try:
+            # map_tensors' walker is a reference cycle that keeps put_back (and what its
+            # closure holds) until the garbage collector runs: empty the dict it sees.
+            try:
+                out = map_tensors(host, put_back)
+            finally:
+                n_views = len(views)
+                views.clear()
+            if used[0] != n_views:
+                raise BlobDecodeError(f"cuda_ipc: key {key!r}: the manifest names tensors the payload does not hold")
+            if d.get(CLEAN_GEN) != gen:  # the sender's copies may still run: order after them
+                sp = d.get(SENDER_PID)
+                if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not pid_alive(sp))):
+                    raise PeerLostError(
+                        f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
+                        "its device copy could be confirmed; the payload is lost"
+                    )
+                self._ops.wait(pool.index, self._slot_events(gen)[slot])
+                d.set_done_seq(slot, seq)  # the wait is queued: the sender may record the slot again
+        except BaseException:
+            out = None
+            fin()  # no view was handed out: free the block now (after this stream)
+            raise
+        self._count(bytes_got=size, device_gets=1)
+        return out
+
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        inner = self._inner
+        if inner is None:
+            self._check_open()
+        assert inner is not None
+        return inner._arrivals(known, timeout)
+
+    def _discard(self, key: str) -> bool:
+        inner = self._inner
+        assert inner is not None
+        if not self._recvs:
+            dropped = inner.discard(key)
+            if dropped:
+                with self._tx_lock:
+                    tx = self._tx
+                    got = tx.sent.pop(key, None) if tx is not None else None
+                    if tx is not None and got is not None:
+                        blk, slot, seq = got
+                        tx.by_block.pop(blk, None)
+                        tx.alloc.free(blk)
+                        tx.dir.set_done_seq(slot, seq)
+            return dropped
+        try:
+            obj = inner.get_nowait(key)
+        except (WouldBlock, KeyConsumedError):
+            return False
+        m = obj.get("m") if isinstance(obj, dict) else None
+        pool = self._pool
+        if m is not None and pool is not None:
+            try:
+                gen, seq, slot, blk, total, _ = self._parse(key, m)
+            except BlobDecodeError:
+                logger.warning("cuda_ipc: discarded key %r carried an invalid manifest", key)
+                return True
+            pool.hold(blk, total)
+            if pool.dir.get(GEN) == gen:
+                pool.dir.set_done_seq(slot, seq)
+            pool.push(blk, total)  # never viewed: no reader to wait for
+        return True
+
+    def release(self, key: str, /) -> bool:
+        """Hand the pool blocks (and shm blocks) of a payload received under ``key`` back
+        now; its tensors must not be used afterwards. See ``BaseConnector.release``."""
+        self._check_open()
+        from omnilink._util import validate_key
+
+        validate_key(key)
+        done = False
+        pool = self._pool
+        if pool is not None:
+            with pool.lock:
+                fins = pool.by_key.pop(key, [])
+            for fin in fins:
+                if fin.alive:
+                    fin()
+                    done = True
+        inner = self._inner
+        if inner is not None and self._recvs:
+            done = inner.release(key) or done
+        return done
+
+    # ------------------------------------------------------------------ sender
+    def _put(self, key: str, payload: Any, deadline: Deadline, ctx: Any = None) -> int:
+        if not self._sends:
+            raise ConfigurationError(
+                f"cuda_ipc connector on channel {self.channel!r} was opened with role='receiver' "
+                "and cannot put; open it with role='sender' or 'dual'"
+            )
+        inner = self._inner
+        assert inner is not None
+        from omnilink.cuda import map_tensors
+
+        ops = self._ops
+        picked: list[tuple[int, Any]] = []
+        counter = [0]
+        torch = None
+
+        def pick(t: Any) -> Any:
+            nonlocal torch
+            i = counter[0]
+            counter[0] += 1
+            if not ops.is_device_tensor(t):
+                return t
+            if torch is None:
+                import torch as _torch
+
+                torch = _torch
+            picked.append((i, t))
+            return torch.empty(0, dtype=t.dtype)
+
+        # What put returns (the Connector contract): the payload's tensor_blob size.
+        size = encoded_size(payload)
+        host = map_tensors(payload, pick)
+        # map_tensors' walker is a reference cycle that keeps pick's closure until the
+        # garbage collector runs: hand the tensors over to a list it does not see.
+        picked, chosen = [], picked
+        if not chosen:
+            inner.put(key, {"m": None, "h": host, "n": size}, timeout=deadline.remaining())
+            return size
+        by_dtype, _ = _dtypes()
+        entries: list[list[int]] = []
+        items: list[tuple[int, Any]] = []
+        off = 0
+        for ordinal, t in chosen:
+            code = by_dtype.get(t.dtype)
+            if code is None:
+                from omnilink._errors import BlobEncodeError
+
+                raise BlobEncodeError(f"cuda_ipc: tensor {ordinal} has dtype {t.dtype}, which omnilink cannot carry")
+            t = t.detach()
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            n = t.numel() * t.element_size()
+            off = round_up(off)
+            entries.append([ordinal, code, off, n, *t.shape])
+            items.append((off, t))
+            off += n
+        total = round_up(max(off, 1))
+        with self._tx_lock:
+            self._check_open()
+            tx = self._attached(deadline)
+            if total > tx.pool_bytes:
+                raise CapacityError(
+                    f"cuda_ipc: payload {key!r} holds {total} device bytes; the receiver's pool is "
+                    f"{tx.pool_bytes} bytes (raise the receiver's pool_bytes)"
+                )
+            blk = self._alloc(tx, key, total, deadline)
+            slot = self._take_slot(tx)
+            tx.seq += 1
+            seq = tx.seq
+            try:
+                ops.copy_in(tx.index, [(tx.ptr + blk + o, t) for o, t in items], tx.events[slot])
+            except BaseException:
+                tx.alloc.free(blk)
+                raise
+            tx.rec[slot] = seq
+            tx.dir.set_rec_seq(slot, seq)
+            manifest = [tx.gen, seq, slot, blk, total, entries]
+            try:
+                inner.put(key, {"m": manifest, "h": host, "n": size}, timeout=deadline.remaining())
+            except BaseException:
+                # Never published: nobody will wait on the slot or read the block; a later
+                # copy into it runs after this one (same copy stream).
+                tx.dir.set_done_seq(slot, seq)
+                tx.alloc.free(blk)
+                raise
+            tx.sent[key] = (blk, slot, seq)
+            tx.by_block[blk] = key
+        self._count(device_puts=1)
+        return size
+
+    def _lost(self, tx: _Attachment) -> str | None:
+        d = tx.dir
+        if d.get(STATE) != STATE_OPEN:
+            return "closed"
+        if tx.receiver_pid != self._pid and not pid_alive(tx.receiver_pid):
+            return "died"
+        return None
+
+    def _peer_lost(self, why: str, key: str | None) -> PeerLostError:
+        with self._tx_lock:
+            tx, self._tx = self._tx, None
+            pid = tx.receiver_pid if tx is not None else 0
+            if tx is not None:
+                self._detach(tx, clean=False)
+        return PeerLostError(
+            f"cuda_ipc: the receiver (pid {pid}) on channel {self.channel!r} {why}; this sender closed "
+            "its handles to its pool"
+        )
+
+    def _attached(self, deadline: Deadline) -> _Attachment:
+        tx = self._tx
+        if tx is not None:
+            why = self._lost(tx)
+            if why is None:
+                return tx
+            raise self._peer_lost(why, None)
+        return self._attach(deadline)
+
+    def _attach(self, deadline: Deadline) -> _Attachment:
+        """Find the channel's receiver, map its pool, create and publish the events."""
+        ops = self._ops
+        delay = 0.001
+        while True:
+            found = [(pid, name) for pid, name in find_directories(self._prefix, self.channel)
+                     if pid == self._pid or pid_alive(pid)]
+            if found:
+                try:
+                    d = Directory.open(found[0][1])
+                except Exception:  # gone meanwhile, or not yet complete
+                    d = None
+                if d is not None and d.get(STATE) == STATE_OPEN:
+                    break
+                if d is not None:
+                    d.close()
+            if deadline.expired():
+                raise self._timeout("put (waiting for a cuda_ipc receiver to open its pool)", None,
+                                    "a receiver", deadline.timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        tx = _Attachment()
+        try:
+            with HostLock():
+                sp = d.get(SENDER_PID)
+                with _local_lock:
+                    mine = d.name in _LOCAL_SENDERS
+                if (sp and sp != self._pid and pid_alive(sp)) or (sp == self._pid and mine):
+                    raise ConfigurationError(
+                        f"cuda_ipc: channel {self.channel!r} already has a sender (pid {sp}); one sender per channel"
+                    )
+                with _local_lock:
+                    _LOCAL_SENDERS.add(d.name)
+                old = d.get(GEN)
+                gen = old + 1
+                d.set(SENDER_PID, self._pid)
+                d.set(GEN, gen)
+                if old:
+                    d.set(WANT_GEN, gen)
+            tx.dir, tx.gen = d, gen
+            tx.receiver_pid = d.get(RECV_PID)
+            tx.pool_bytes = d.get(POOL_BYTES)
+            tx.ring_cap = d.ring_cap
+            tx.alloc = BlockAllocator(tx.pool_bytes)
+            if old:  # a sender was here before: start from what the receiver still holds
+                while d.get(ACK_GEN) != gen:
+                    if self._lost(tx) is not None:
+                        raise PeerLostError(f"cuda_ipc: the receiver on channel {self.channel!r} is gone")
+                    if deadline.expired():
+                        raise self._timeout("put (waiting for the receiver to list the blocks it holds)",
+                                            None, "the receiver", deadline.timeout)
+                    time.sleep(0.001)
+                for off, length in d.read_held():
+                    if not tx.alloc.reserve(off, length):
+                        logger.warning("cuda_ipc: receiver holds an invalid block [%d, +%d)", off, length)
+                d.set(RING_TAIL, d.get(SNAP_HEAD))
+            else:
+                d.set(RING_TAIL, d.get(RING_HEAD))
+            tx.index = ops.index_of_uuid(d.uuid(), d.get(DEVICE))
+            with _local_lock:
+                local = _LOCAL_POOLS.get(d.name) if tx.receiver_pid == self._pid else None
+            if local is not None:
+                tx.ptr, tx.opened = local, False
+            else:
+                tx.ptr, tx.opened = ops.open_pool(tx.index, d.mem_handle()), True
+            created = ops.create_events(tx.index, d.nslots)
+            tx.events = [ev for ev, _ in created]
+            tx.rec = [0] * d.nslots
+            for i, (_, handle) in enumerate(created):
+                d.set_slot_handle(i, handle)
+                d.set_done_seq(i, 0)
+                d.set_rec_seq(i, 0)
+            with _local_lock:
+                _LOCAL_EVENTS[(d.name, gen)] = tx.events
+            d.set(EVENTS_GEN, gen)
+        except BaseException:
+            if getattr(tx, "ptr", None) is not None and tx.opened:
+                try:
+                    ops.close_pool(tx.index, tx.ptr)
+                except Exception:  # pragma: no cover
+                    logger.debug("cuda_ipc: close_pool failed", exc_info=True)
+            if d.get(SENDER_PID) == self._pid and d.get(GEN) == getattr(tx, "gen", -1):
+                d.set(SENDER_PID, 0)
+                with _local_lock:
+                    _LOCAL_SENDERS.discard(d.name)
+            d.close()
+            raise
+        self._tx = tx
+        if not any(t.name.startswith("omnilink-cuda-ipc-tx") for t in self._threads):
+            self._start_thread(_sender_loop, f"omnilink-cuda-ipc-tx-{self.channel}")
+        logger.debug("cuda_ipc: sender attached to %s (generation %d)", d.name, gen)
+        return tx
+
+    def _drain(self, tx: _Attachment) -> None:
+        for off, _length in tx.dir.drain_frees():
+            key = tx.by_block.pop(off, None)
+            if key is not None:
+                tx.sent.pop(key, None)
+            try:
+                tx.alloc.free(off)
+            except KeyError:
+                logger.warning("cuda_ipc: the receiver freed an unknown block at %d", off)
+
+    def _wait_room(self, tx: _Attachment, key: str, deadline: Deadline, what: str) -> None:
+        why = self._lost(tx)
+        if why is not None:
+            raise self._peer_lost(why, key)
+        self._check_open()
+        if deadline.expired():
+            raise self._timeout(f"put ({what})", key, "the receiver", deadline.timeout)
+        time.sleep(0.0005)
+
+    def _alloc(self, tx: _Attachment, key: str, total: int, deadline: Deadline) -> int:
+        while True:
+            self._drain(tx)
+            if tx.alloc.blocks < tx.ring_cap:
+                blk = tx.alloc.alloc(total)
+                if blk is not None:
+                    return blk
+            self._wait_room(tx, key, deadline, "the receiver's pool is full")
+
+    def _take_slot(self, tx: _Attachment) -> int:
+        """A slot whose last record the receiver has already waited on (or discarded);
+        when every slot is still awaited, the next one in turn. Recording a slot again
+        is always correct: all records are on one copy stream, so a receiver whose wait
+        comes after the new record waits for a later point of that stream (its own copy
+        is done by then); it may only wait longer. Free slots keep that from happening
+        while fewer than ``event_slots`` payloads are unread."""
+        n = len(tx.events)
+        d = tx.dir
+        start = tx.next_slot
+        for k in range(n):
+            i = (start + k) % n
+            if d.done_seq(i) >= tx.rec[i]:
+                tx.next_slot = (i + 1) % n
+                return i
+        tx.next_slot = (start + 1) % n
+        return start
+
+    def _detach(self, tx: _Attachment, *, clean: bool) -> None:
+        ops = self._ops
+        d = tx.dir
+        try:
+            if clean:
+                ops.synchronize(tx.index)
+                if d.get(GEN) == tx.gen:
+                    d.set(CLEAN_GEN, tx.gen)
+            ops.drain()
+            if tx.opened:
+                ops.close_pool(tx.index, tx.ptr)
+        except OmnilinkError:
+            logger.warning("cuda_ipc: closing the pool handle failed", exc_info=True)
+        finally:
+            with _local_lock:
+                _LOCAL_EVENTS.pop((d.name, tx.gen), None)
+            ops.destroy_events(tx.index, tx.events)
+            if d.get(SENDER_PID) == self._pid and d.get(GEN) == tx.gen:
+                d.set(SENDER_PID, 0)
+            with _local_lock:
+                _LOCAL_SENDERS.discard(d.name)
+            d.close()
+
+    def _watch_receiver(self) -> None:
+        """Heartbeat of a sender: a receiver that died takes its pool with it; close our
+        handle to it now, not at the next put."""
+        with self._tx_lock:
+            tx = self._tx
+            if tx is None:
+                return
+            why = self._lost(tx)
+        if why is not None:
+            logger.warning("cuda_ipc: receiver (pid %d) on channel %r %s; closing its pool handle",
+                           tx.receiver_pid, self.channel, why)
+            self._peer_lost(why, None)
+
+    # ----------------------------------------------------------------- common
+    def _in_use(self) -> tuple[int, int]:
+        blocks = nbytes = 0
+        tx = self._tx
+        if tx is not None:
+            blocks += tx.alloc.blocks
+            nbytes += tx.alloc.used_bytes
+        pool = self._pool
+        if pool is not None and not self._sends:
+            with pool.lock:
+                blocks += len(pool.held)
+                nbytes += sum(pool.held.values())
+        return blocks, nbytes
+
+    def _wake(self) -> None:
+        self._stop.set()
+
+    def _close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(5)
+        self._threads.clear()
+        with self._tx_lock:
+            tx, self._tx = self._tx, None
+        if tx is not None:
+            self._detach(tx, clean=True)
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            d = pool.dir
+            d.set(STATE, STATE_CLOSED)
+            unlink_segment(d.name)
+            with _local_lock:
+                _LOCAL_POOLS.pop(d.name, None)
+            with self._rx_lock:
+                cached, self._rx_events = self._rx_events, None
+            if cached is not None and cached[2]:
+                self._ops.destroy_events(pool.index, cached[1])
+            pool.close()
+
+
+def _receiver_loop(ref: Any, stop: threading.Event) -> None:
+    while not stop.wait(0.02):
+        conn = ref()
+        if conn is None:
+            return
+        try:
+            conn._answer_attach()
+        except Exception:  # pragma: no cover - keep the heartbeat alive
+            logger.debug("cuda_ipc: receiver heartbeat failed", exc_info=True)
+        del conn
+
+
+def _sender_loop(ref: Any, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        conn = ref()
+        if conn is None:
+            return
+        try:
+            conn._watch_receiver()
+        except Exception:  # pragma: no cover - keep the heartbeat alive
+            logger.debug("cuda_ipc: sender heartbeat failed", exc_info=True)
+        del conn

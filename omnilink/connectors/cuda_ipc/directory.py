@@ -1,0 +1,210 @@
+"""The pool directory: one small shared-memory segment per channel, created by the receiver.
+
+Byte layout (little-endian, every field 8-byte aligned)::
+
+    0    magic "OLCIPC01"
+    8    receiver pid                      receiver writes once
+    16   state (1 open, 2 closed)          receiver
+    24   pool device index (receiver's numbering)
+    32   pool bytes
+    40   event slots                       (nslots)
+    48   ring capacity                     (max blocks in flight)
+    56   sender generation                 sender (each attaching sender: previous + 1)
+    64   sender pid                        sender
+    72   want_gen                          sender: "tell me what you hold" (attach)
+    80   ack_gen                           receiver: the held list below is for want_gen
+    88   snap_head                         receiver: ring head when the held list was taken
+    96   held count                        receiver
+    104  clean_gen                         sender: its close() waited for every copy
+    112  ring head                         receiver (frees pushed)
+    120  ring tail                         sender (frees drained)
+    128  pool IPC memory handle (64 bytes) receiver
+    192  events_gen                        sender: the event handles are those of this gen
+    200  pool device UUID (16 bytes)       receiver (the sender maps it to its numbering)
+    256  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
+    ...  released ring: capacity x [offset u64 | length u64]
+    ...  held list:     capacity x [offset u64 | length u64]
+
+One writer per field (noted above), so no field needs a lock across processes: x86-64
+stores are seen in program order, and each entry of the ring is written before the head
+that publishes it. The segment is named like an arena of the receiver
+(``<prefix>-a<pid>-<token>``, token derived from the channel name), so the shm backend's
+garbage collector (``omnilink gc``, every connector's start-up) removes it once the
+receiver's pid is dead, and a sender finds it by listing ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+from typing import Any
+
+from omnilink._errors import ConfigurationError
+from omnilink.connectors.shm import SHM_DIR, arena_name, create_segment, open_segment
+
+__all__ = ["Directory", "directory_token", "find_directories"]
+
+MAGIC = b"OLCIPC01"
+HANDLE_BYTES = 64
+_U64 = struct.Struct("<Q")
+_PAIR = struct.Struct("<QQ")
+_HEADER = 256
+_SLOT = HANDLE_BYTES + 16
+
+STATE_OPEN = 1
+STATE_CLOSED = 2
+
+# field offsets
+RECV_PID, STATE, DEVICE, POOL_BYTES, NSLOTS, RING_CAP = 8, 16, 24, 32, 40, 48
+GEN, SENDER_PID, WANT_GEN, ACK_GEN, SNAP_HEAD, HELD_COUNT, CLEAN_GEN = 56, 64, 72, 80, 88, 96, 104
+RING_HEAD, RING_TAIL, MEM_HANDLE, EVENTS_GEN, UUID = 112, 120, 128, 192, 200
+
+#: Bounds checked when a directory is opened (a hostile or corrupt segment cannot make a
+#: sender map or index past its end).
+MAX_SLOTS = 4096
+MAX_RING = 1 << 20
+
+
+def directory_token(channel: str) -> str:
+    """The 16 hex digits that name ``channel``'s directory (from its SHA-256)."""
+    return hashlib.sha256(("cuda_ipc:" + channel).encode("utf-8")).hexdigest()[:16]
+
+
+def find_directories(prefix: str, channel: str) -> list[tuple[int, str]]:
+    """``[(receiver pid, posix name)]`` of the directories of ``channel`` in ``/dev/shm``."""
+    token = directory_token(channel)
+    pattern = re.compile(re.escape(prefix) + r"-a([0-9]+)-" + token + "$")
+    out = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = pattern.fullmatch(entry)
+        if m is not None:
+            out.append((int(m.group(1)), "/" + entry))
+    return out
+
+
+def _size(nslots: int, ring_cap: int) -> int:
+    n = _HEADER + nslots * _SLOT + 2 * ring_cap * _PAIR.size
+    return (n + 4095) // 4096 * 4096
+
+
+class Directory:
+    """A mapped pool directory (see the module docstring for the layout)."""
+
+    __slots__ = ("mm", "name", "nslots", "ring_cap", "_slots", "_ring", "_held")
+
+    def __init__(self, mm: Any, name: str) -> None:
+        self.mm = mm
+        self.name = name
+        if len(mm) < _HEADER or bytes(mm[0:8]) != MAGIC:
+            raise ConfigurationError(f"cuda_ipc: {name} is not a pool directory")
+        self.nslots = self.get(NSLOTS)
+        self.ring_cap = self.get(RING_CAP)
+        if not (1 <= self.nslots <= MAX_SLOTS and 1 <= self.ring_cap <= MAX_RING) or len(mm) < _size(
+            self.nslots, self.ring_cap
+        ):
+            raise ConfigurationError(f"cuda_ipc: pool directory {name} has an invalid layout")
+        self._slots = _HEADER
+        self._ring = _HEADER + self.nslots * _SLOT
+        self._held = self._ring + self.ring_cap * _PAIR.size
+
+    @classmethod
+    def create(
+        cls, prefix: str, channel: str, *, device: int, uuid: bytes, pool_bytes: int,
+        nslots: int, ring_cap: int, mem_handle: bytes,
+    ) -> Directory:
+        name = arena_name(prefix, os.getpid(), directory_token(channel))
+        mm = create_segment(name, _size(nslots, ring_cap), "the cuda_ipc pool directory")
+        for off, value in ((RECV_PID, os.getpid()), (DEVICE, device), (POOL_BYTES, pool_bytes),
+                           (NSLOTS, nslots), (RING_CAP, ring_cap)):
+            _U64.pack_into(mm, off, value)
+        mm[MEM_HANDLE:MEM_HANDLE + HANDLE_BYTES] = mem_handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
+        mm[UUID:UUID + 16] = uuid.ljust(16, b"\0")[:16]
+        _U64.pack_into(mm, STATE, STATE_OPEN)
+        mm[0:8] = MAGIC  # last: a directory is valid once its magic is there
+        return cls(mm, name)
+
+    @classmethod
+    def open(cls, name: str) -> Directory:
+        return cls(open_segment(name), name)
+
+    # ------------------------------------------------------------------ fields
+    def get(self, off: int) -> int:
+        return _U64.unpack_from(self.mm, off)[0]
+
+    def set(self, off: int, value: int) -> None:
+        _U64.pack_into(self.mm, off, value)
+
+    def mem_handle(self) -> bytes:
+        return bytes(self.mm[MEM_HANDLE:MEM_HANDLE + HANDLE_BYTES])
+
+    def uuid(self) -> bytes:
+        return bytes(self.mm[UUID:UUID + 16])
+
+    # ------------------------------------------------------------------- slots
+    def slot_handle(self, i: int) -> bytes:
+        o = self._slots + i * _SLOT
+        return bytes(self.mm[o:o + HANDLE_BYTES])
+
+    def set_slot_handle(self, i: int, handle: bytes) -> None:
+        o = self._slots + i * _SLOT
+        self.mm[o:o + HANDLE_BYTES] = handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
+
+    def rec_seq(self, i: int) -> int:
+        return _U64.unpack_from(self.mm, self._slots + i * _SLOT + HANDLE_BYTES)[0]
+
+    def set_rec_seq(self, i: int, seq: int) -> None:
+        _U64.pack_into(self.mm, self._slots + i * _SLOT + HANDLE_BYTES, seq)
+
+    def done_seq(self, i: int) -> int:
+        return _U64.unpack_from(self.mm, self._slots + i * _SLOT + HANDLE_BYTES + 8)[0]
+
+    def set_done_seq(self, i: int, seq: int) -> None:
+        _U64.pack_into(self.mm, self._slots + i * _SLOT + HANDLE_BYTES + 8, seq)
+
+    # -------------------------------------------------------------------- ring
+    def push_free(self, offset: int, length: int) -> bool:
+        """Receiver: publish a freed block; ``False`` when the ring is full (cannot happen
+        while the sender keeps at most ``ring_cap`` blocks out)."""
+        head, tail = self.get(RING_HEAD), self.get(RING_TAIL)
+        if head - tail >= self.ring_cap:
+            return False
+        _PAIR.pack_into(self.mm, self._ring + (head % self.ring_cap) * _PAIR.size, offset, length)
+        self.set(RING_HEAD, head + 1)  # after the entry: publishes it
+        return True
+
+    def drain_frees(self) -> list[tuple[int, int]]:
+        """Sender: every freed block published since the last drain."""
+        head, tail = self.get(RING_HEAD), self.get(RING_TAIL)
+        if head == tail:
+            return []
+        if head - tail > self.ring_cap or head < tail:
+            raise ConfigurationError(f"cuda_ipc: pool directory {self.name}: corrupt released ring")
+        out = [_PAIR.unpack_from(self.mm, self._ring + (i % self.ring_cap) * _PAIR.size)
+               for i in range(tail, head)]
+        self.set(RING_TAIL, head)
+        return out
+
+    # -------------------------------------------------------------------- held
+    def write_held(self, blocks: list[tuple[int, int]]) -> None:
+        n = min(len(blocks), self.ring_cap)
+        for i, (off, length) in enumerate(blocks[:n]):
+            _PAIR.pack_into(self.mm, self._held + i * _PAIR.size, off, length)
+        self.set(HELD_COUNT, n)
+
+    def read_held(self) -> list[tuple[int, int]]:
+        n = self.get(HELD_COUNT)
+        if n > self.ring_cap:
+            raise ConfigurationError(f"cuda_ipc: pool directory {self.name}: corrupt held list")
+        return [_PAIR.unpack_from(self.mm, self._held + i * _PAIR.size) for i in range(n)]
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):  # pragma: no cover - a view still exported
+            pass

@@ -1,0 +1,298 @@
+"""``CudaDeviceOps``: every CUDA call of the ``cuda_ipc`` backend, in one small object.
+
+The connector never calls CUDA itself; it calls these methods, so the whole control
+plane (allocation, frees, event slots, manifests, the key contract) runs unchanged over a
+host-memory test double in the test suite. Calls go through cuda-python
+(``cuda.bindings.runtime``) via ``omnilink.cuda.cuda_ops()``; handles cross processes as
+their 64 raw bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from omnilink._errors import CudaError
+from omnilink.cuda import CUDA_INSTALL_HINT, Completer, Event, cuda_available, cuda_ops, current_raw_stream
+
+__all__ = ["CudaDeviceOps", "cuda_ipc_unavailable"]
+
+logger = logging.getLogger(__name__)
+
+#: cudaErrorPeerAccessAlreadyEnabled: enabling twice is not an error for us.
+_PEER_ALREADY_ENABLED = 704
+
+
+def cuda_ipc_unavailable() -> str | None:
+    """Why this process cannot use the ``cuda_ipc`` backend, or ``None`` if it can."""
+    if not cuda_available():
+        return "CUDA is not available in this process (torch.cuda.is_available() is False)"
+    try:
+        cuda_ops()
+    except CudaError as exc:
+        return f"{exc} (the cuda_ipc backend calls the CUDA IPC API through cuda-python; {CUDA_INSTALL_HINT})"
+    return None
+
+
+def _handle_bytes(handle: Any) -> bytes:
+    raw = handle.reserved
+    if isinstance(raw, (bytes, bytearray)):
+        return bytes(raw)
+    return bytes((int(x) & 0xFF) for x in raw)
+
+
+class _Lease:
+    """Exposes one pool block as a CUDA array (``__cuda_array_interface__`` v3, bytes)."""
+
+    __slots__ = ("ptr", "nbytes", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"version": 3, "typestr": "|u1", "shape": (self.nbytes,), "data": (self.ptr, False),
+                "strides": None, "stream": None}
+
+
+class CudaDeviceOps:
+    """The real device operations (see the module docstring).
+
+    Raises
+    ------
+    CudaError
+        CUDA or cuda-python is missing (the message says which and what to install).
+    """
+
+    #: what ``stats()`` and logs call this path
+    name = "cuda"
+
+    def __init__(self) -> None:
+        reason = cuda_ipc_unavailable()
+        if reason is not None:
+            raise CudaError(f"cuda_ipc: {reason}")
+        import torch
+
+        self._torch = torch
+        self._ops = cuda_ops()
+        self.rt = self._ops.rt
+        self._streams: dict[int, Any] = {}
+        self._peers: set[tuple[int, int]] = set()
+
+
+    # ----------------------------------------------------------------- helpers
+    def _check(self, res: Any, what: str) -> Any:
+        return self._ops.check(res if isinstance(res, tuple) else (res,), what)
+
+    def _on(self, index: int) -> int:
+        return self._ops.swap_device(index)
+
+    def _completer_get(self) -> Completer:
+        return _completer()
+
+    def is_device_tensor(self, t: Any) -> bool:
+        return bool(t.is_cuda)
+
+    def device_index(self, device: Any) -> int:
+        """The CUDA device index of ``device`` (``None``: the current device)."""
+        torch = self._torch
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if dev.type != "cuda":
+            raise CudaError(f"cuda_ipc: the pool lives on a CUDA device, not {dev}")
+        if dev.index is None:
+            return torch.cuda.current_device()
+        if not 0 <= dev.index < torch.cuda.device_count():
+            raise CudaError(f"cuda_ipc: no device {dev} (this process sees {torch.cuda.device_count()})")
+        return dev.index
+
+    def device_uuid(self, index: int) -> bytes:
+        try:
+            u = self._torch.cuda.get_device_properties(index).uuid
+            return bytes.fromhex(str(u).replace("-", "").removeprefix("GPU"))[:16]
+        except Exception:  # pragma: no cover - an old torch without uuid
+            return b""
+
+    def index_of_uuid(self, uuid: bytes, fallback: int) -> int:
+        if uuid.strip(b"\0"):
+            for i in range(self._torch.cuda.device_count()):
+                if self.device_uuid(i) == uuid:
+                    return i
+            raise CudaError("cuda_ipc: the receiver's pool device is not visible to this process "
+                            "(check CUDA_VISIBLE_DEVICES)")
+        return fallback
+
+    # ------------------------------------------------------------ pool memory
+    def alloc_pool(self, index: int, nbytes: int) -> tuple[int, bytes]:
+        """Receiver: ``cudaMalloc`` the pool on device ``index``; (pointer, IPC handle)."""
+        prev = self._on(index)
+        try:
+            ptr = int(self._check(self.rt.cudaMalloc(nbytes), f"cudaMalloc of the {nbytes}-byte pool"))
+            try:
+                handle = self._check(self.rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+            except BaseException:
+                self.rt.cudaFree(ptr)
+                raise
+        finally:
+            self._ops.restore_device(prev)
+        return ptr, _handle_bytes(handle)
+
+    def free_pool(self, index: int, ptr: int) -> None:
+        prev = self._on(index)
+        try:
+            self._check(self.rt.cudaFree(ptr), "cudaFree of the pool")
+        finally:
+            self._ops.restore_device(prev)
+
+    def open_pool(self, index: int, handle: bytes) -> int:
+        """Sender: map the receiver's pool once (peer access enabled lazily by CUDA)."""
+        h = self.rt.cudaIpcMemHandle_t()
+        h.reserved = handle
+        prev = self._on(index)
+        try:
+            return int(self._check(self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess),
+                                   "cudaIpcOpenMemHandle"))
+        finally:
+            self._ops.restore_device(prev)
+
+    def close_pool(self, index: int, ptr: int) -> None:
+        prev = self._on(index)
+        try:
+            self._check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+        finally:
+            self._ops.restore_device(prev)
+
+    # ----------------------------------------------------------------- events
+    def create_events(self, index: int, n: int) -> list[tuple[Any, bytes]]:
+        """Sender: ``n`` interprocess events on the pool's device, with their handles."""
+        rt = self.rt
+        out = []
+        prev = self._on(index)
+        try:
+            for _ in range(n):
+                ev = self._check(rt.cudaEventCreateWithFlags(rt.cudaEventInterprocess | rt.cudaEventDisableTiming),
+                                 "cudaEventCreateWithFlags(interprocess)")
+                out.append((ev, _handle_bytes(self._check(rt.cudaIpcGetEventHandle(ev), "cudaIpcGetEventHandle"))))
+        finally:
+            self._ops.restore_device(prev)
+        return out
+
+    def open_events(self, index: int, handles: list[bytes]) -> list[Any]:
+        """Receiver: open a sender's event handles once."""
+        out = []
+        prev = self._on(index)
+        try:
+            for raw in handles:
+                h = self.rt.cudaIpcEventHandle_t()
+                h.reserved = raw
+                out.append(self._check(self.rt.cudaIpcOpenEventHandle(h), "cudaIpcOpenEventHandle"))
+        finally:
+            self._ops.restore_device(prev)
+        return out
+
+    def destroy_events(self, index: int, events: list[Any]) -> None:
+        for ev in events:
+            try:
+                self.rt.cudaEventDestroy(ev)
+            except Exception:  # pragma: no cover - teardown
+                logger.debug("cudaEventDestroy failed", exc_info=True)
+
+    # ------------------------------------------------------------------ copies
+    def _copy_stream(self, index: int) -> int:
+        s = self._streams.get(index)
+        if s is None:
+            s = self._streams[index] = self._torch.cuda.Stream(device=index)
+        return int(s.cuda_stream)
+
+    def _enable_peer(self, a: int, b: int) -> None:
+        """Peer access both ways between ``a`` and ``b`` (imported memory reaches another
+        GPU at peer speed only when this process enabled it)."""
+        for src, dst in ((a, b), (b, a)):
+            if (src, dst) in self._peers:
+                continue
+            can = self._check(self.rt.cudaDeviceCanAccessPeer(src, dst), "cudaDeviceCanAccessPeer")
+            if can:
+                prev = self._on(src)
+                try:
+                    err = self.rt.cudaDeviceEnablePeerAccess(dst, 0)[0]
+                finally:
+                    self._ops.restore_device(prev)
+                if int(err) not in (0, _PEER_ALREADY_ENABLED):
+                    raise CudaError(f"cudaDeviceEnablePeerAccess({src} -> {dst}) failed: {err}")
+            else:
+                logger.warning("cuda_ipc: cuda:%d cannot access cuda:%d as a peer; copies between them "
+                               "go through the host", src, dst)
+            self._peers.add((src, dst))
+
+    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any) -> None:
+        """Copy each ``(dst pointer, contiguous tensor)`` into the pool on the copy stream
+        of device ``index``, after everything the caller queued on the tensors' current
+        streams; record ``event`` (the slot's interprocess event) after the copies; make
+        the caller's current streams wait for them. The host does not block; the tensors
+        are kept alive until the copies are done."""
+        ops = self._ops
+        stream = self._copy_stream(index)
+        devices = sorted({t.device.index for _, t in items})
+        for d in devices:
+            if d != index and (index, d) not in self._peers:
+                self._enable_peer(index, d)
+            ops.wait(stream, ops.ordering_event(d).record(current_raw_stream(d)))
+        prev = self._on(index)
+        try:
+            for dst, t in items:
+                n = t.numel() * t.element_size()
+                if n:
+                    ops.memcpy(dst, t.data_ptr(), n, stream)
+            self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
+        finally:
+            ops.restore_device(prev)
+        done = Event(index).record(stream)
+        for d in devices:
+            ops.wait(current_raw_stream(d), done)
+        keep = [t for _, t in items]
+        self._completer_get().submit(done, keep.clear)
+
+    def wait(self, index: int, event: Any) -> None:
+        """Receiver: the caller's current stream on ``index`` waits for ``event``."""
+        self._check(self.rt.cudaStreamWaitEvent(current_raw_stream(index), event, 0), "cudaStreamWaitEvent")
+
+    def view(self, ptr: int, nbytes: int, index: int) -> tuple[Any, Any]:
+        """A uint8 tensor over ``[ptr, ptr + nbytes)`` of device ``index`` and the lease
+        object whose death means no view is left."""
+        lease = _Lease(ptr, nbytes)
+        return self._torch.as_tensor(lease, device=self._torch.device("cuda", index)), lease
+
+    def after_use(self, index: int, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the work queued so far on ``index``'s current stream (the
+        last reader of a freed block) has run."""
+        try:
+            ev = Event(index).record(current_raw_stream(index))
+        except Exception:  # pragma: no cover - interpreter or driver teardown
+            ev = None
+        self._completer_get().submit(ev, callback)
+
+    def synchronize(self, index: int) -> None:
+        """Block until the copy stream of ``index`` has finished (close only)."""
+        s = self._streams.get(index)
+        if s is not None:
+            s.synchronize()
+
+    def drain(self) -> None:
+        """Wait until every deferred callback queued so far has run."""
+        if _shared is not None:
+            _shared.drain()
+
+
+_shared: Completer | None = None
+_shared_lock = threading.Lock()
+
+
+def _completer() -> Completer:
+    """The process's one completion thread of this backend (frees and source releases
+    run there once their events complete; views may outlive any connector)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Completer("omnilink-cuda-ipc")
+        return _shared

@@ -1,0 +1,174 @@
+"""TEST DOUBLE (never offered to users): the ``cuda_ipc`` backend over host memory.
+
+``HostDeviceOps`` stands in for ``omnilink.connectors.cuda_ipc.ops.CudaDeviceOps`` so the
+backend's whole control plane (pool directory, allocation and frees, event slots,
+manifests, the key contract, faults) runs on a CPU-only machine:
+
+- the "device pool" is a ``memfd`` mapped in the receiver; its "IPC handle" is
+  ``b"<pid>:<fd>"``, opened by another process through ``/proc/<pid>/fd/<fd>`` (same user)
+  and mapped there: two processes really share it, and nothing lands in ``/dev/shm``;
+- every torch tensor counts as a "device" tensor, so all of a payload's tensors take the
+  pool path; copies are ``ctypes.memmove`` (synchronous: the event semantics collapse to
+  "done at record time"), and each event counts its records and waits so tests can check
+  the slot protocol;
+- views are made through ``__array_interface__`` instead of ``__cuda_array_interface__``.
+
+``HostCudaIpc`` is the connector class wired to it; ``register()`` registers it as the
+backend ``"cuda_ipc_host"`` for tests that go through ``omnilink.connect``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from omnilink.connectors.cuda_ipc import CudaIpcConnector
+
+HANDLE = 64
+
+
+class HostEvent:
+    """A stand-in for an interprocess event: counts what happened to it."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.records = 0
+        self.waits = 0
+
+
+class _Holder:
+    """Makes a lease's bytes an ndarray (host memory: ``__array_interface__``)."""
+
+    def __init__(self, lease: Any, ptr: int, nbytes: int) -> None:
+        self.lease = lease
+        self.__array_interface__ = {"version": 3, "typestr": "|u1", "shape": (nbytes,),
+                                    "data": (ptr, False)}
+
+
+class _Lease:
+    __slots__ = ("ptr", "nbytes", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+
+class HostDeviceOps:
+    """Host-memory double of ``CudaDeviceOps`` (same methods, same contracts)."""
+
+    name = "host-double"
+    #: every instance's pools and mappings, for tests that inspect them
+    pools: dict[int, tuple[int, mmap.mmap, Any]] = {}
+    lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.opened: dict[int, tuple[mmap.mmap, Any]] = {}
+        self.copies = 0
+        self.waits: list[HostEvent] = []
+        self.after_use_calls = 0
+
+    def is_device_tensor(self, t: Any) -> bool:
+        return True
+
+    def device_index(self, device: Any) -> int:
+        return 0
+
+    def device_uuid(self, index: int) -> bytes:
+        return b""
+
+    def index_of_uuid(self, uuid: bytes, fallback: int) -> int:
+        return fallback
+
+    def alloc_pool(self, index: int, nbytes: int) -> tuple[int, bytes]:
+        fd = os.memfd_create("omnilink-test-pool", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+        anchor = ctypes.c_char.from_buffer(mm)
+        ptr = ctypes.addressof(anchor)
+        with self.lock:
+            self.pools[ptr] = (fd, mm, anchor)
+        return ptr, f"{os.getpid()}:{fd}".encode().ljust(HANDLE, b"\0")
+
+    def free_pool(self, index: int, ptr: int) -> None:
+        with self.lock:
+            fd, mm, anchor = self.pools.pop(ptr)
+        del anchor
+        mm.close()
+        os.close(fd)
+
+    def open_pool(self, index: int, handle: bytes) -> int:
+        pid, fd = handle.rstrip(b"\0").decode().split(":")
+        with open(f"/proc/{pid}/fd/{fd}", "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 0)
+        anchor = ctypes.c_char.from_buffer(mm)
+        ptr = ctypes.addressof(anchor)
+        self.opened[ptr] = (mm, anchor)
+        return ptr
+
+    def close_pool(self, index: int, ptr: int) -> None:
+        mm, anchor = self.opened.pop(ptr)
+        del anchor
+        mm.close()
+
+    def create_events(self, index: int, n: int) -> list[tuple[Any, bytes]]:
+        out = []
+        for i in range(n):
+            name = f"ev-{os.getpid()}-{id(self)}-{i}".encode()
+            out.append((HostEvent(name), name.ljust(HANDLE, b"\0")))
+        return out
+
+    def open_events(self, index: int, handles: list[bytes]) -> list[Any]:
+        return [HostEvent(h.rstrip(b"\0")) for h in handles]
+
+    def destroy_events(self, index: int, events: list[Any]) -> None:
+        pass
+
+    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any) -> None:
+        for dst, t in items:
+            n = t.numel() * t.element_size()
+            if n:
+                ctypes.memmove(dst, t.data_ptr(), n)
+        event.records += 1
+        self.copies += 1
+
+    def wait(self, index: int, event: Any) -> None:
+        event.waits += 1
+        self.waits.append(event)
+
+    def view(self, ptr: int, nbytes: int, index: int) -> tuple[Any, Any]:
+        lease = _Lease(ptr, nbytes)
+        return torch.from_numpy(np.asarray(_Holder(lease, ptr, nbytes))), lease
+
+    def after_use(self, index: int, callback: Callable[[], None]) -> None:
+        self.after_use_calls += 1
+        callback()
+
+    def synchronize(self, index: int) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+
+class HostCudaIpc(CudaIpcConnector):
+    """The ``cuda_ipc`` connector over ``HostDeviceOps`` (tests only)."""
+
+    @staticmethod
+    def _make_ops() -> Any:
+        return HostDeviceOps()
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        return None
+
+
+def register() -> None:
+    import omnilink
+
+    omnilink.register_backend("cuda_ipc_host", HostCudaIpc, replace=True)

@@ -1,0 +1,391 @@
+"""The ``cuda_ipc`` backend's control plane on the CPU, over its host-memory test double
+(``tests.cuda_ipc_double``): allocator, released ring, zero-copy views, frees and
+backpressure, event slots, hostile manifests, the key contract, one receiver and one
+sender per channel, and the faults of either side (in-process and with SIGKILL)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+import omnilink
+from omnilink import (
+    BlobDecodeError,
+    CapacityError,
+    ConfigurationError,
+    CudaError,
+    DuplicateKeyError,
+    KeyConsumedError,
+    PeerLostError,
+    TransferTimeout,
+)
+from omnilink.connectors import backend_unavailable
+from omnilink.connectors.cuda_ipc.blocks import BlockAllocator
+from omnilink.connectors.cuda_ipc.directory import find_directories
+from omnilink.connectors.shm import ShmConnector, collect_garbage, read_prefix
+from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps
+from tests.procs import start_process
+
+
+def _chan() -> str:
+    return f"t/cipc-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def pair():
+    ch = _chan()
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
+    tx = HostCudaIpc(channel=ch, role="sender", linger=0)
+    yield tx, rx
+    tx.close()
+    rx.close()
+
+
+def _pool_range(rx) -> tuple[int, int]:
+    return rx._pool.ptr, rx._pool.ptr + rx._pool.nbytes
+
+
+# ---------------------------------------------------------------- allocator, ring
+def test_allocator_first_fit_reserve_and_coalesce():
+    a = BlockAllocator(4096)
+    x, y, z = a.alloc(1), a.alloc(300), a.alloc(256)
+    assert (x, y, z) == (0, 256, 768)  # 256-aligned, rounded up
+    assert a.alloc(4096) is None
+    a.free(y)
+    assert a.alloc(512) == 256  # first fit into the hole
+    a.free(256)
+    a.free(x)
+    a.free(z)
+    assert a.alloc(4096) == 0 and a.blocks == 1  # fully coalesced
+    a.free(0)
+    assert a.reserve(1024, 100) and not a.reserve(1024, 1) and not a.reserve(1000, 10)
+    assert a.alloc(1024) == 0 and a.alloc(2048) == 1280
+    with pytest.raises(KeyError):
+        a.free(512)
+
+
+def test_released_ring_round_trip_and_bound(pair):
+    tx, rx = pair
+    d = rx._pool.dir
+    assert d.drain_frees() == []
+    for i in range(d.ring_cap):
+        assert d.push_free(i * 256, 256)
+    assert not d.push_free(0, 256)  # full: never overwrites an undrained entry
+    got = d.drain_frees()
+    assert got == [(i * 256, 256) for i in range(d.ring_cap)] and d.drain_frees() == []
+
+
+# -------------------------------------------------------------- the data path
+def test_round_trip_zero_copy_views_and_free_on_last_view(pair):
+    tx, rx = pair
+    g = torch.Generator().manual_seed(3)
+    payload = {"h": torch.randn(64, 33, generator=g).to(torch.bfloat16), "ids": torch.arange(7),
+               "strided": torch.randn(8, 5, generator=g).t(), "meta": {"done": True, "n": [1, 2]},
+               "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5)}
+    n = tx.put("k", payload, timeout=5)
+    assert n == omnilink.encoded_size(payload)
+    got = rx.get("k", timeout=5)
+    lo, hi = _pool_range(rx)
+    for name in ("h", "ids", "strided", "scalar"):
+        assert torch.equal(got[name], payload[name]) and got[name].dtype == payload[name].dtype
+        assert lo <= got[name].data_ptr() < hi, f"{name} is not a view of the pool"
+        assert got[name].data_ptr() % 256 == 0
+    assert got["meta"] == {"done": True, "n": [1, 2]} and got["empty"].shape == (0, 4)
+    assert rx.stats().device_gets == 1 and tx.stats().device_puts == 1 and rx.stats().bytes_got == n
+    keep = got["h"][3:5]  # a user slice keeps the block
+    del got
+    assert rx.stats().blocks_in_use == 1
+    del keep
+    assert rx.stats().blocks_in_use == 0
+    tx.put("k2", {"x": torch.ones(3)}, timeout=5)  # the sender drains the free on its next put
+    assert tx.stats().blocks_in_use == 1
+
+
+def test_source_overwritten_after_put_arrives_intact(pair):
+    tx, rx = pair
+    src = torch.arange(1000, dtype=torch.int32)
+    tx.put("k", {"x": src}, timeout=5)
+    src.fill_(-1)
+    assert torch.equal(rx.get("k", timeout=5)["x"], torch.arange(1000, dtype=torch.int32))
+
+
+def test_receiver_waits_on_the_slot_event_and_marks_it_done(pair):
+    tx, rx = pair
+    for i in range(3):
+        tx.put(f"k{i}", {"x": torch.full((4,), i)}, timeout=5)
+    d = rx._pool.dir
+    assert [d.rec_seq(s) for s in range(4)] == [1, 2, 3, 0]
+    got = rx.get("k1", timeout=5)
+    ops: HostDeviceOps = rx._ops
+    assert ops.waits[-1].name == tx._tx.events[1].name  # the wait is on k1's slot's event
+    assert d.done_seq(1) == 2 and d.done_seq(0) == 0
+    # slots free again are preferred: slot 1 is reused before 0 and 2 are recorded again
+    tx.put("k3", {"x": torch.zeros(1)}, timeout=5)
+    tx.put("k4", {"x": torch.zeros(1)}, timeout=5)
+    assert [d.rec_seq(s) for s in range(4)] == [1, 5, 3, 4]
+    # more unread payloads than slots: the next one in turn is recorded again, correct
+    # (one copy stream) and nothing blocks
+    tx.put("k5", {"x": torch.full((2,), 5)}, timeout=5)
+    assert sum(d.rec_seq(s) == 6 for s in range(4)) == 1
+    del got
+    for k in ("k0", "k2", "k3", "k4", "k5"):
+        rx.get(k, timeout=5)
+
+
+def test_pool_full_is_backpressure_then_capacity_error(pair):
+    tx, rx = pair
+    blob = torch.zeros(3 << 20, dtype=torch.uint8)
+    tx.put("a", {"x": blob}, timeout=5)
+    with pytest.raises(TransferTimeout, match="pool is full"):
+        tx.put("b", {"x": blob}, timeout=0.2)
+    got = rx.get("a", timeout=5)
+    del got
+    tx.put("b", {"x": blob}, timeout=5)  # the free came back through the ring
+    with pytest.raises(CapacityError, match="pool_bytes"):
+        tx.put("huge", {"x": torch.zeros(5 << 20, dtype=torch.uint8)}, timeout=1)
+    rx.get("b", timeout=5)
+
+
+def test_key_contract_discard_and_release_free_pool_blocks(pair):
+    tx, rx = pair
+    tx.put("dup", {"x": torch.ones(8)}, timeout=5)
+    with pytest.raises(DuplicateKeyError):
+        tx.put("dup", {"x": torch.ones(8)}, timeout=5)
+    assert tx.stats().blocks_in_use == 1  # the refused put gave its block back
+    assert rx.discard("dup") is True and rx.discard("dup") is False
+    with pytest.raises(KeyConsumedError):
+        rx.get("dup", timeout=1)
+    assert rx.stats().blocks_in_use == 0
+    tx.put("rel", {"x": torch.ones(8)}, timeout=5)
+    got = rx.get("rel", timeout=5)
+    assert rx.release("rel") is True and rx.stats().blocks_in_use == 0
+    del got
+    tx.put("z", {"x": torch.ones(2)}, timeout=5)
+    assert tx.stats().blocks_in_use == 1
+    rx.get("z", timeout=5)
+
+
+def test_sender_side_discard_frees_its_block(pair):
+    tx, rx = pair
+    tx.put("gone", {"x": torch.ones(8)}, timeout=5)
+    assert tx.discard("gone") is True
+    assert tx.stats().blocks_in_use == 0
+
+
+def test_host_only_payloads_take_the_shm_path(pair):
+    tx, rx = pair
+    assert tx.put("m", {"a": 1, "b": "two"}, timeout=5) == omnilink.encoded_size({"a": 1, "b": "two"})
+    assert rx.get("m", timeout=5) == {"a": 1, "b": "two"}
+    assert tx.stats().device_puts == 0
+
+
+# ---------------------------------------------------------------- hostile input
+def _raw_sender(rx):
+    return ShmConnector(channel=f"{rx.channel}/cuda-ipc", role="sender", arena_bytes=1 << 20, linger=0)
+
+
+_PH = torch.empty(0, dtype=torch.float32)
+_GOOD = [1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]]
+
+
+@pytest.mark.parametrize("manifest,host", [
+    ("not a list", {"x": _PH}),
+    ([1, 1, 0, 0, 256], {"x": _PH}),
+    ([1, 1, 99, 0, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),            # slot out of range
+    ([1, 1, 0, 4 << 20, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),       # block outside the pool
+    ([1, 1, 0, 100, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),           # block misaligned
+    ([1, 1, 0, 0, -256, [[0, 9, 0, 16, 4]]], {"x": _PH}),            # negative size
+    ([1, 1, 0, 0, 256, [[0, 9, 0, 12, 4]]], {"x": _PH}),             # nbytes != numel*itemsize
+    ([1, 1, 0, 0, 256, [[0, 9, 248, 16, 4]]], {"x": _PH}),           # region past the block
+    ([1, 1, 0, 0, 256, [[0, 99, 0, 16, 4]]], {"x": _PH}),            # unknown dtype
+    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, 4], [0, 9, 0, 16, 4]]], {"x": _PH, "y": _PH}),  # repeated ordinal
+    ([1, 1, 0, 0, 256, [[0, 9, 2, 16, 4]]], {"x": _PH}),             # misaligned for the dtype
+    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, True]]], {"x": _PH}),          # bool is not a dim
+    ([1, 1, 0, 0, 256, [[0, 9, 0, 4] + [1] * 65]], {"x": _PH}),      # too many dims
+    ([1, 1, 0, 0, 256, [[3, 9, 0, 16, 4]]], {"x": _PH}),             # ordinal not in payload
+    ([1, 1, 0, 0, 256, [[0, 6, 0, 32, 4]]], {"x": _PH}),             # placeholder dtype differs
+    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]], {"x": torch.ones(4)}),   # not an empty placeholder
+    ([1, 1, 0, 0, 256, []], {"x": _PH}),
+])
+def test_hostile_manifests_are_refused_before_use(manifest, host):
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
+        with _raw_sender(rx) as raw:
+            raw.put("bad", {"m": manifest, "h": host, "n": 1}, timeout=5)
+            with pytest.raises(BlobDecodeError, match="cuda_ipc"):
+                rx.get("bad", timeout=5)
+            raw.put("bad2", {"m": None, "h": 1}, timeout=5)  # missing size field
+            with pytest.raises(BlobDecodeError):
+                rx.get("bad2", timeout=5)
+            gc.collect()
+            assert rx.stats().blocks_in_use == 0 and not rx._ops.waits
+
+
+def test_valid_manifest_from_raw_sender_needs_its_events():
+    # A well-formed manifest of a generation that never attached: refused as a lost
+    # sender, and its block is handed back.
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
+        with _raw_sender(rx) as raw:
+            raw.put("k", {"m": _GOOD, "h": {"x": _PH}, "n": 1}, timeout=5)
+            with pytest.raises(PeerLostError):
+                rx.get("k", timeout=5)
+            assert rx.stats().blocks_in_use == 0
+
+
+# ------------------------------------------------------------- one of each per channel
+def test_one_receiver_and_one_sender_per_channel(pair):
+    tx, rx = pair
+    with pytest.raises(ConfigurationError, match="already has a receiver"):
+        HostCudaIpc(channel=rx.channel, role="receiver")
+    tx.put("k", {"x": torch.ones(1)}, timeout=5)
+    with HostCudaIpc(channel=rx.channel, role="sender", linger=0) as tx2:
+        with pytest.raises(ConfigurationError, match="already has a sender"):
+            tx2.put("k2", {"x": torch.ones(1)}, timeout=5)
+    rx.get("k", timeout=5)
+
+
+def test_put_without_receiver_times_out_naming_it():
+    with HostCudaIpc(channel=_chan(), role="sender", linger=0) as tx:
+        with pytest.raises(TransferTimeout, match="receiver"):
+            tx.put("k", {"x": torch.ones(1)}, timeout=0.2)
+
+
+def test_receiver_close_makes_sender_fail_and_close_its_handles():
+    ch = _chan()
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20)
+    tx = HostCudaIpc(channel=ch, role="sender", linger=0)
+    try:
+        tx.put("k", {"x": torch.ones(4)}, timeout=5)
+        got = rx.get("k", timeout=5)
+        ptr = rx._pool.ptr
+        rx.close()
+        assert torch.equal(got["x"], torch.ones(4))  # views outlive the receiver...
+        assert ptr in HostDeviceOps.pools
+        with pytest.raises(PeerLostError, match="closed"):
+            tx.put("k2", {"x": torch.ones(4)}, timeout=5)
+        assert tx._tx is None
+        del got
+        assert ptr not in HostDeviceOps.pools  # ...and the pool goes with the last one
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_new_sender_respects_blocks_the_receiver_still_holds():
+    ch = _chan()
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20, event_slots=2)
+    try:
+        tx = HostCudaIpc(channel=ch, role="sender", linger=0)
+        tx.put("a", {"x": torch.full((256 * 1024,), 7, dtype=torch.int32)}, timeout=5)  # 1 MiB
+        held = rx.get("a", timeout=5)
+        tx.close()
+        tx = HostCudaIpc(channel=ch, role="sender", linger=0)
+        try:
+            tx.put("b", {"x": torch.full((128 * 1024,), 9, dtype=torch.int32)}, timeout=5)
+            got = rx.get("b", timeout=5)
+            assert torch.equal(held["x"], torch.full((256 * 1024,), 7, dtype=torch.int32))
+            assert torch.equal(got["x"], torch.full((128 * 1024,), 9, dtype=torch.int32))
+            with pytest.raises(TransferTimeout):  # 1 MiB held + 0.5 MiB: no room for 1 MiB
+                tx.put("c", {"x": torch.zeros(1 << 20, dtype=torch.uint8)}, timeout=0.2)
+            del held
+            tx.put("c", {"x": torch.zeros(1 << 20, dtype=torch.uint8)}, timeout=5)
+            rx.get("c", timeout=5)
+        finally:
+            tx.close()
+    finally:
+        rx.close()
+
+
+# ------------------------------------------------------------------ other processes
+def _child_receiver(channel: str, ready: str) -> None:
+    from tests.cuda_ipc_double import HostCudaIpc
+
+    rx = HostCudaIpc(channel=channel, role="receiver", pool_bytes=2 << 20)
+    got = rx.get("k", timeout=60)
+    assert torch.equal(got["x"], torch.arange(100))
+    with open(ready, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)  # killed by the test
+
+
+def _child_sender(channel: str, ready: str) -> None:
+    from tests.cuda_ipc_double import HostCudaIpc
+
+    tx = HostCudaIpc(channel=channel, role="sender", linger=0)
+    tx.put("k", {"x": torch.arange(100)}, timeout=60)
+    tx.put("unread", {"x": torch.arange(5)}, timeout=60)
+    with open(ready, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)  # killed by the test
+
+
+def _wait_file(path: str, proc) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) or not open(path).read():
+        assert proc.is_alive(), "child died"
+        assert time.monotonic() < deadline, "child never got ready"
+        time.sleep(0.02)
+
+
+def test_sigkill_of_the_receiver(procs, tmp_path):
+    ch = _chan()
+    ready = str(tmp_path / "ready")
+    p = start_process(procs, _child_receiver, ch, ready)
+    with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+        tx.put("k", {"x": torch.arange(100)}, timeout=60)
+        _wait_file(ready, p)
+        assert tx._tx is not None and tx._tx.opened
+        ops: HostDeviceOps = tx._ops
+        assert len(ops.opened) == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        deadline = time.monotonic() + 10  # the heartbeat closes the handle by itself
+        while tx._tx is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tx._tx is None and ops.opened == {}
+        with pytest.raises((PeerLostError, TransferTimeout)):
+            tx.put("k2", {"x": torch.arange(3)}, timeout=0.5)
+    removed = collect_garbage()
+    assert any("-a%d-" % p.pid in r for r in removed)  # the dead receiver's directory
+    assert not find_directories(read_prefix(), ch)
+
+
+def test_sigkill_of_the_sender_leaves_the_pool_intact(procs, tmp_path):
+    ch = _chan()
+    ready = str(tmp_path / "ready")
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20) as rx:
+        p = start_process(procs, _child_sender, ch, ready)
+        got = rx.get("k", timeout=60)
+        _wait_file(ready, p)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert torch.equal(got["x"], torch.arange(100))  # views of the receiver's own pool
+        with pytest.raises(PeerLostError):  # its copy cannot be confirmed any more
+            rx.get("unread", timeout=10)
+        with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:  # a new sender attaches
+            tx.put("k2", {"x": torch.arange(9)}, timeout=10)
+            assert torch.equal(rx.get("k2", timeout=10)["x"], torch.arange(9))
+        assert torch.equal(got["x"], torch.arange(100))
+        del got
+    collect_garbage()  # (a new connector's start-up gc may have done it already)
+    assert not [e for e in os.listdir("/dev/shm") if "%d-" % p.pid in e]  # the dead sender's arena
+
+
+# -------------------------------------------------------------- without CUDA
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the backend is available")
+def test_unavailable_without_cuda_says_why():
+    reason = backend_unavailable("cuda_ipc")
+    assert reason is not None and "CUDA" in reason
+    assert "cuda_ipc" in omnilink.available_backends()
+    with pytest.raises(CudaError, match="CUDA is not available"):
+        omnilink.connect("cuda_ipc", channel=_chan(), role="receiver")
+    with pytest.raises(CudaError):
+        omnilink.connect("cuda_ipc", channel=_chan(), role="sender")
+    assert backend_unavailable("memory") is None
