@@ -70,6 +70,7 @@ def test_connect_is_typed_per_backend(tmp_path):
         reveal_type(omnilink.connect("zmq", channel="c", endpoint="tcp://127.0.0.1:*"))
         reveal_type(omnilink.connect("nccl", channel="c", backend="gloo", master_port=0))
         reveal_type(omnilink.connect("memory", channel="c", capacity_bytes=10))
+        reveal_type(omnilink.connect("cuda_ipc", channel="c", pool_bytes=1 << 20))
         reveal_type(omnilink.connect("mybackend", channel="c", whatever=1))
         with omnilink.connect("shm", channel="c") as rx:
             reveal_type(rx)
@@ -86,6 +87,7 @@ def test_connect_is_typed_per_backend(tmp_path):
         "omnilink.connectors.zmq.connector.ZmqConnector",
         "omnilink.connectors.nccl.connector.NcclConnector",
         "omnilink.connectors.memory.MemoryConnector",
+        "omnilink.connectors.cuda_ipc.connector.CudaIpcConnector",
         "omnilink.connectors.base.Connector",
         "omnilink.connectors.shm.connector.ShmConnector",
         "bool",
