@@ -112,7 +112,8 @@ class _Pool:
         self.index = index
         self.ptr = ptr
         self.nbytes = nbytes
-        self.lock = threading.Lock()
+        # Reentrant: a lease may die (and its finalizer run) in a thread that holds it.
+        self.lock = threading.RLock()
         #: offset -> length of blocks this process holds (views alive, or their last
         #: reader's stream not yet past them)
         self.held: dict[int, int] = {}
@@ -262,6 +263,9 @@ class CudaIpcConnector(BaseConnector):
         self._ops = self._make_ops()
         self._tx: _Attachment | None = None
         self._tx_lock = threading.RLock()
+        #: why the last receiver went away (until a new one is found): put raises it
+        #: instead of waiting for a receiver
+        self._lost_reason: str | None = None
         self._pool: _Pool | None = None
         self._rx_events: tuple[int, list[Any], bool] | None = None  # (gen, events, opened)
         self._rx_lock = threading.Lock()
@@ -648,10 +652,10 @@ class CudaIpcConnector(BaseConnector):
             pid = tx.receiver_pid if tx is not None else 0
             if tx is not None:
                 self._detach(tx, clean=False)
-        return PeerLostError(
-            f"cuda_ipc: the receiver (pid {pid}) on channel {self.channel!r} {why}; this sender closed "
-            "its handles to its pool"
-        )
+        msg = (f"cuda_ipc: the receiver (pid {pid}) on channel {self.channel!r} {why}; this sender closed "
+               "its handles to its pool")
+        self._lost_reason = msg
+        return PeerLostError(msg)
 
     def _attached(self, deadline: Deadline) -> _Attachment:
         tx = self._tx
@@ -678,6 +682,8 @@ class CudaIpcConnector(BaseConnector):
                     break
                 if d is not None:
                     d.close()
+            if self._lost_reason is not None:
+                raise PeerLostError(self._lost_reason)
             if deadline.expired():
                 raise self._timeout("put (waiting for a cuda_ipc receiver to open its pool)", None,
                                     "a receiver", deadline.timeout)
@@ -750,6 +756,7 @@ class CudaIpcConnector(BaseConnector):
             d.close()
             raise
         self._tx = tx
+        self._lost_reason = None
         if not any(t.name.startswith("omnilink-cuda-ipc-tx") for t in self._threads):
             self._start_thread(_sender_loop, f"omnilink-cuda-ipc-tx-{self.channel}")
         logger.debug("cuda_ipc: sender attached to %s (generation %d)", d.name, gen)
