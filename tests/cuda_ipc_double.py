@@ -129,7 +129,10 @@ class HostDeviceOps:
     def destroy_events(self, index: int, events: list[Any]) -> None:
         pass
 
-    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any) -> None:
+    def producer_events(self, payload: Any) -> Any:
+        return None
+
+    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None) -> None:
         for dst, t in items:
             n = t.numel() * t.element_size()
             if n:

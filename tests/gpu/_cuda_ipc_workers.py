@@ -47,6 +47,8 @@ def sender(channel: str, scenario: str, device: str, out: str) -> None:
             for seed in (1, 2, 3):
                 tx.put(f"{'again' if scenario == 'again' else 'mixed'}-{seed}", mixed_payload(seed, device))
         if scenario == "overwrite":
+            tx.put("warm", {"x": torch.zeros(1, device=device)})  # attach (maps the pool) first
+            torch.cuda.synchronize()
             x = torch.empty(1 << 20, dtype=torch.float32, device=device)
             torch.cuda._sleep(LONG_SLEEP_CYCLES)  # the producer is still busy when put is called
             x.fill_(7.0)

@@ -81,6 +81,8 @@ def test_put_and_get_do_not_block_the_host_and_sources_may_be_overwritten(procs,
     ch, out = _chan(), str(tmp_path / "out.json")
     with omnilink.connect("cuda_ipc", channel=ch, role="receiver", device="cuda:0", pool_bytes=64 << 20) as rx:
         p = start_process(procs, sender, ch, "overwrite", "cuda:0", out)
+        rx.get("warm", timeout=120)
+        torch.cuda.synchronize()
         got = rx.get("ow", timeout=120)
         # The sender's producer kernel (~1 s) still runs: our stream waits on the copy's
         # event, the host did not.
@@ -118,6 +120,24 @@ def test_in_process_pair_with_cuda_tensors():
         payload = mixed_payload(5, "cuda:0")
         assert tx.put("k", payload) == omnilink.encoded_size(payload)
         _expect_mixed(rx.get("k", timeout=30), 5, "cuda:0", _pool(rx))
+
+
+@needs_backend
+def test_put_async_copies_after_what_the_caller_queued():
+    from tests.gpu._cuda_ipc_workers import LONG_SLEEP_CYCLES
+
+    ch = _chan()
+    with omnilink.connect("cuda_ipc", channel=ch, role="receiver", pool_bytes=32 << 20) as rx, \
+            omnilink.connect("cuda_ipc", channel=ch, role="sender") as tx:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the put thread's current stream is the default one
+            x = torch.empty(1 << 20, device="cuda:0")
+            torch.cuda._sleep(LONG_SLEEP_CYCLES // 4)
+            x.fill_(3.0)
+            fut = tx.put_async("pa", {"x": x})
+        fut.result(timeout=60)
+        got = rx.get("pa", timeout=60)
+        assert torch.equal(got["x"], torch.full((1 << 20,), 3.0, device="cuda:0"))
 
 
 def _pair(channel: str):

@@ -65,9 +65,11 @@ Design
   queued on that thread's current stream is past it. A closed receiver frees its pool
   when its last view dies. The sender keeps its source tensors alive until its copies
   complete (one completion thread per process).
-- **Faults.** Each side watches the other every 0.25 s. A receiver that died or closed:
-  the sender closes its pool handle and ``put`` raises ``PeerLostError`` (a later put
-  attaches to a new receiver). A sender that died: the receiver's pool is intact; payloads
+- **Faults.** The sender checks its receiver's pid and the directory's state every
+  0.25 s (and in each ``put``). A receiver that died or closed: the sender closes its pool
+  handle and ``put`` raises ``PeerLostError`` at once (a later put attaches to a new
+  receiver, if one opened the channel since). The receiver learns of a dead sender from
+  the shm control plane and from the sender pid in the directory. A sender that died: the receiver's pool is intact; payloads
   whose copies cannot be confirmed raise ``PeerLostError`` in ``get``; a new sender asks
   the receiver for the blocks it still holds (``want_gen`` / ``ack_gen``) and starts its
   allocator from them.

@@ -85,6 +85,7 @@ def _dtype_tables() -> tuple[dict[Any, int], dict[int, Any]]:
 
 
 _tables: tuple[dict[Any, int], dict[int, Any]] | None = None
+_ITEMSIZE = {code: size for code, size in DTYPE_CODES.values()}
 
 
 def _dtypes() -> tuple[dict[Any, int], dict[int, Any]]:
@@ -399,7 +400,7 @@ class CudaIpcConnector(BaseConnector):
             numel = 1
             for s in shape:
                 numel *= s
-            itemsize = DTYPE_CODES[str(dt).removeprefix("torch.")][1]
+            itemsize = _ITEMSIZE[code]
             if numel * itemsize != nbytes:
                 raise bad(f"tensor {ordinal}: {nbytes} bytes for shape {shape} of {dt}")
             if off % itemsize:
@@ -618,7 +619,7 @@ class CudaIpcConnector(BaseConnector):
             tx.seq += 1
             seq = tx.seq
             try:
-                ops.copy_in(tx.index, [(tx.ptr + blk + o, t) for o, t in items], tx.events[slot])
+                ops.copy_in(tx.index, [(tx.ptr + blk + o, t) for o, t in items], tx.events[slot], ctx)
             except BaseException:
                 tx.alloc.free(blk)
                 raise
@@ -637,6 +638,13 @@ class CudaIpcConnector(BaseConnector):
             tx.by_block[blk] = key
         self._count(device_puts=1)
         return size
+
+    def _async_context(self, payload: Any) -> Any:
+        """``put_async``: the producer's events, recorded in the caller's thread (the put
+        thread's current streams are not the caller's)."""
+        if not self._sends:
+            return None
+        return self._ops.producer_events(payload)
 
     def _lost(self, tx: _Attachment) -> str | None:
         d = tx.dir

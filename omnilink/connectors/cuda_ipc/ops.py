@@ -14,7 +14,16 @@ import threading
 from typing import Any, Callable
 
 from omnilink._errors import CudaError
-from omnilink.cuda import CUDA_INSTALL_HINT, Completer, Event, cuda_available, cuda_ops, current_raw_stream
+from omnilink.cuda import (
+    CUDA_INSTALL_HINT,
+    Completer,
+    Event,
+    cuda_available,
+    cuda_devices_of,
+    cuda_ops,
+    current_raw_stream,
+    record_producer_events,
+)
 
 __all__ = ["CudaDeviceOps", "cuda_ipc_unavailable"]
 
@@ -225,19 +234,32 @@ class CudaDeviceOps:
                                "go through the host", src, dst)
             self._peers.add((src, dst))
 
-    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any) -> None:
+    def producer_events(self, payload: Any) -> Any:
+        """For ``put_async``, in the caller's thread: events recorded now on the current
+        stream of each CUDA device of ``payload`` (the copy, issued later on the put
+        thread, waits on them); ``None`` when the payload holds no CUDA tensor."""
+        devices = cuda_devices_of(payload)
+        return record_producer_events(devices) if devices else None
+
+    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None) -> None:
         """Copy each ``(dst pointer, contiguous tensor)`` into the pool on the copy stream
         of device ``index``, after everything the caller queued on the tensors' current
-        streams; record ``event`` (the slot's interprocess event) after the copies; make
-        the caller's current streams wait for them. The host does not block; the tensors
-        are kept alive until the copies are done."""
+        streams (or after the ``producer_events`` in ``after``); record ``event`` (the
+        slot's interprocess event) after the copies; make this thread's current streams
+        wait for them. The host does not block; the tensors are kept alive until the
+        copies are done."""
         ops = self._ops
         stream = self._copy_stream(index)
         devices = sorted({t.device.index for _, t in items})
         for d in devices:
             if d != index and (index, d) not in self._peers:
                 self._enable_peer(index, d)
-            ops.wait(stream, ops.ordering_event(d).record(current_raw_stream(d)))
+        if after is not None:
+            for _, ev in after:
+                ops.wait(stream, ev)
+        else:
+            for d in devices:
+                ops.wait(stream, ops.ordering_event(d).record(current_raw_stream(d)))
         prev = self._on(index)
         try:
             for dst, t in items:
@@ -250,7 +272,9 @@ class CudaDeviceOps:
         done = Event(index).record(stream)
         for d in devices:
             ops.wait(current_raw_stream(d), done)
-        keep = [t for _, t in items]
+        keep: list[Any] = [t for _, t in items]
+        if after is not None:
+            keep.append(after)  # the producer events live until the copy is done
         self._completer_get().submit(done, keep.clear)
 
     def wait(self, index: int, event: Any) -> None:
