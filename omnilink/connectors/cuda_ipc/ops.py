@@ -90,7 +90,6 @@ class CudaDeviceOps:
         self._streams: dict[int, Any] = {}
         self._peers: set[tuple[int, int]] = set()
 
-
     # ----------------------------------------------------------------- helpers
     def _check(self, res: Any, what: str) -> Any:
         return self._ops.check(res if isinstance(res, tuple) else (res,), what)
@@ -107,7 +106,12 @@ class CudaDeviceOps:
     def device_index(self, device: Any) -> int:
         """The CUDA device index of ``device`` (``None``: the current device)."""
         torch = self._torch
-        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        try:
+            dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        except (RuntimeError, TypeError) as exc:
+            from omnilink._errors import ConfigurationError
+
+            raise ConfigurationError(f"cuda_ipc: invalid device {device!r}: {exc}") from exc
         if dev.type != "cuda":
             raise CudaError(f"cuda_ipc: the pool lives on a CUDA device, not {dev}")
         if dev.index is None:
@@ -227,7 +231,7 @@ class CudaDeviceOps:
                     err = self.rt.cudaDeviceEnablePeerAccess(dst, 0)[0]
                 finally:
                     self._ops.restore_device(prev)
-                if int(err) not in (0, _PEER_ALREADY_ENABLED):
+                if int(getattr(err, "value", err)) not in (0, _PEER_ALREADY_ENABLED):
                     raise CudaError(f"cudaDeviceEnablePeerAccess({src} -> {dst}) failed: {err}")
             else:
                 logger.warning("cuda_ipc: cuda:%d cannot access cuda:%d as a peer; copies between them "
