@@ -516,3 +516,29 @@ def test_envelope_or_hello_with_invalid_utf8_is_a_blob_decode_error():
     hello = msgspec.msgpack.encode({"role": "k"}).replace(b"\xa1k", b"\xa2\xc3\xe9")
     with pytest.raises(omnilink.BlobDecodeError, match="malformed hello"):
         wire.decode_hello(hello)
+
+
+def test_peers_on_two_hosts_use_tcp_header_sockets(store, monkeypatch):
+    """Ends that report different host names bind their header sockets with tcp:// on
+    ``header_addr`` (ipc:// only works on one host)."""
+    import socket
+
+    import zmq
+
+    real = socket.gethostname()
+    monkeypatch.setattr(socket, "gethostname", lambda: real + "-elsewhere")
+    tx = _open(store, "sender", header_addr="127.0.0.1")
+    monkeypatch.setattr(socket, "gethostname", lambda: real)
+    try:
+        with _open(store, "receiver", header_addr="127.0.0.1") as rx:
+            tx.put("k", {"t": torch.arange(5), "u": torch.ones(2)}, timeout=WAIT)
+            assert rx.get("k", timeout=WAIT)["t"].tolist() == [0, 1, 2, 3, 4]
+            for sock in (rx._hdr_in, tx._credit_in):
+                assert sock.getsockopt(zmq.LAST_ENDPOINT).decode().startswith("tcp://127.0.0.1:")
+    finally:
+        tx.close()
+
+
+def test_bad_header_addr_is_refused(store):
+    with pytest.raises(ConfigurationError, match="header_addr"):
+        _open(store, "sender", header_addr="")
