@@ -270,6 +270,24 @@ def test_backpressure_put_times_out_then_recovers(store):
             assert rx.get(k, timeout=WAIT)["t"].shape == (1 << 16,)
 
 
+def test_link_outlives_connect_timeout_idle_and_under_backpressure(store):
+    """connect_timeout bounds the setup only: a link idle for longer, and a payload held
+    back by the receiver's backpressure for longer, keep working (gloo's own operation
+    timeout, which is connect_timeout, used to take the link down as 'peer died')."""
+    import time
+
+    big = {"t": torch.zeros(1 << 16)}  # 256 KiB
+    with _open(store, "sender", connect_timeout=1.0) as tx, \
+         _open(store, "receiver", connect_timeout=1.0, max_pending_bytes=300_000) as rx:
+        tx.put("p0", big, timeout=WAIT)
+        tx.put("p1", big, timeout=WAIT)  # its bytes wait for the receiver to make room
+        time.sleep(1.5)
+        for k in ("p0", "p1"):
+            assert rx.get(k, timeout=WAIT)["t"].shape == (1 << 16,)
+        tx.put("p2", {"t": torch.ones(2)}, timeout=WAIT)
+        assert rx.get("p2", timeout=WAIT)["t"].tolist() == [1.0, 1.0]
+
+
 def test_blocking_put_then_get_one_thread(store):
     """No concurrent reader: put returns, then get in the same thread succeeds."""
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:

@@ -124,7 +124,7 @@ import queue
 import secrets
 import socket
 import threading
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -166,6 +166,18 @@ def _is_timeout(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower()
+
+
+def _gloo_wait(work: Any) -> None:
+    """Wait for a gloo send/recv with no time limit.
+
+    ``wait()`` without a timeout uses the process group's own (``connect_timeout``) and
+    fails the pair when it expires: the goodbye receive, open for the life of the link,
+    and a send held up by the receiver's backpressure would take an idle or a busy link
+    down after ``connect_timeout``. A dead peer still fails the wait at once (its TCP
+    connection drops). (NCCL waits take no timeout: with one, ``wait`` blocks the host.)
+    """
+    work.wait(_FOREVER)
 
 
 def _poll_ms(seconds: float | None) -> int:
@@ -741,7 +753,7 @@ class NcclConnector(BaseConnector):
             if limit is not None:
                 s.setsockopt(zmq.MAXMSGSIZE, limit)
             s.bind(f"{base}-{name}" if same_host else f"{base}:*")
-            return s, s.getsockopt(zmq.LAST_ENDPOINT).decode()
+            return s, s.getsockopt_string(zmq.LAST_ENDPOINT)
 
         mine = {"h": "", "c": ""}
         if receiving:
@@ -877,7 +889,7 @@ class NcclConnector(BaseConnector):
         buf = torch.zeros(2, dtype=torch.int64)
         work = self._ctl_pg.recv([buf], self.peer_rank, 0)
         try:
-            work.wait()
+            _gloo_wait(work)
         except RuntimeError as exc:
             if self._closing:
                 return
@@ -1035,12 +1047,13 @@ class NcclConnector(BaseConnector):
 
     def _await_credits(self, timeout: float | None, key: str | None) -> None:
         """Wait (up to ``timeout``) for a credit or a wake-up, then read what came."""
+        waker = cast(_Waker, self._credit_waker)
         try:
             events = dict(self._credit_poller.poll(_poll_ms(timeout)))
         except zmq.ZMQError as exc:
             raise self._translate(exc, key) from exc
-        if self._credit_waker.rx in events:
-            self._credit_waker.drain()
+        if waker.rx in events:
+            waker.drain()
         self._read_credits(key)
         self._check_send_state(key)
 
@@ -1106,7 +1119,7 @@ class NcclConnector(BaseConnector):
             works, _keep = item
             for w in works:
                 try:
-                    w.wait()
+                    _gloo_wait(w)
                 except RuntimeError as exc:
                     if self._closing:
                         return
@@ -1125,7 +1138,7 @@ class NcclConnector(BaseConnector):
         """Read envelopes in sequence order and post their receives (eagerly)."""
         torch = self._torch
         sock = self._hdr_in
-        waker = self._post_waker
+        waker = cast(_Waker, self._post_waker)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(waker.rx, zmq.POLLIN)
@@ -1263,7 +1276,8 @@ class NcclConnector(BaseConnector):
         every = max(1, peer.send_window // 8)
         every_bytes = max(1, (peer.max_inflight_bytes or self.max_inflight_bytes) // 8)
         owed = owed_bytes = 0
-        if self._is_nccl:
+        gloo = not self._is_nccl
+        if not gloo:
             self._torch.cuda.set_device(self.device)
         while True:
             entry = self._done_q.get()
@@ -1276,7 +1290,10 @@ class NcclConnector(BaseConnector):
                     if event is not None:
                         event.synchronize()
                     for w in works:
-                        w.wait()  # gloo: the data is here; NCCL: already complete, raises if aborted
+                        if gloo:
+                            _gloo_wait(w)  # the data is here
+                        else:
+                            w.wait()  # already complete: raises if NCCL aborted it
                 finally:
                     if isinstance(item.event, _Landed):
                         with self._cond:
@@ -1322,7 +1339,9 @@ class NcclConnector(BaseConnector):
                             self._ready_count += 1
                         self._recv_done = item.seq + 1
                         self._cond.notify_all()
-            payload = views = bufs = entry = None
+            # Drop this thread's references: the payload lives as long as its reader wants.
+            payload = entry = None
+            views = bufs = []
             owed += 1
             owed_bytes += item.nbytes
             if (
@@ -1357,14 +1376,15 @@ class NcclConnector(BaseConnector):
                     raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
                 q = self._inbox.get(key)
                 item = q[0] if q else None
-                landing = item is not None and item.event is not None and not item.event.query()
+                landed: Any = None if item is None else item.event
+                landing = landed is not None and not landed.query()
                 if landing and not block:
                     raise WouldBlock(f"nccl: key {key!r} is still arriving on channel {self.channel!r}")
-                if landing and not isinstance(item.event, _Landed):
+                if landing and not isinstance(landed, _Landed):
                     # A CUDA event: wait for the bytes outside the lock, then look again.
                     self._cond.release()
                     try:
-                        item.event.synchronize()
+                        landed.synchronize()
                     except RuntimeError as exc:
                         raise PeerLostError(
                             f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}"
@@ -1372,7 +1392,7 @@ class NcclConnector(BaseConnector):
                     finally:
                         self._cond.acquire()
                     continue
-                if not landing and item is not None and (item.done or item.error is not None):
+                if q and item is not None and not landing and (item.done or item.error is not None):
                     q.popleft()
                     if not q:
                         del self._inbox[key]

@@ -539,7 +539,7 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
     it_recv = iter(received)
     it_inline = iter(inline)
     offsets, pack_size = pack_layout(header, plan)
-    pack = next(it_recv) if pack_size else None
+    pack: Any = next(it_recv) if pack_size else None
     it_offsets = iter(offsets)
     bool_code = blob.DTYPE_CODES["bool"][0]
     for i, (code, d) in enumerate(zip(plan, header.tensors)):
