@@ -261,6 +261,8 @@ def _align(n: int) -> int:
 
 def _flat_bytes(t: Any, uint8: Any) -> Any:
     """A contiguous 1-D uint8 view of ``t`` (one copy only if ``t`` is strided)."""
+    if t.requires_grad:
+        t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     return t.view(-1).view(uint8) if t.dim() else t.reshape(1).view(uint8)
@@ -362,7 +364,7 @@ def plan_send(
             else:
                 # Gloo reads the buffer whenever the receiver is ready, possibly after
                 # put returned: send a private snapshot so the caller may reuse it.
-                singles.append((i, flat.clone() if _shares_memory(flat, src) else flat))
+                singles.append((i, _host_copy(flat) if _shares_memory(flat, src) else flat))
     p2p: list[Any] = []
     packed: set[int] = set()
     if len(packable) >= 2:
@@ -380,7 +382,7 @@ def plan_send(
             packed.add(i)
         if len(packed) >= 2:
             # One copy of the small tensors into one buffer: one transfer for them all.
-            p2p.append(torch.cat(parts))
+            p2p.append(torch.cat(parts) if nccl else _host_cat(parts, end))
             for i in packed:
                 plan[i] = PACK
         else:
@@ -388,13 +390,35 @@ def plan_send(
     for i, flat in packable:
         if i not in packed:
             if not nccl and _shares_memory(flat, sources[i][1]):
-                flat = flat.clone()  # a private snapshot, as for the other gloo sends
+                flat = _host_copy(flat)  # a private snapshot, as for the other gloo sends
             singles.append((i, flat))
     if packable:
         singles.sort(key=lambda item: item[0])
     p2p.extend(t for _, t in singles)
     return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
     return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
+
+
+def _host_copy(flat: Any) -> Any:
+    """A private copy of a flat host tensor, by numpy's single-threaded memcpy (torch's
+    threaded copy of a byte view can cost milliseconds on a busy machine)."""
+    import torch
+
+    return torch.from_numpy(flat.numpy().copy())
+
+
+def _host_cat(parts: list[Any], size: int) -> Any:
+    """``torch.cat(parts)`` of flat host tensors, by memcpy (see ``_host_copy``)."""
+    import numpy as np
+    import torch
+
+    out = np.empty(size, dtype=np.uint8)
+    at = 0
+    for part in parts:
+        n = int(part.numel())
+        out[at: at + n] = part.numpy()
+        at += n
+    return torch.from_numpy(out)
 
 
 def _shares_memory(flat: Any, src: Any) -> bool:
