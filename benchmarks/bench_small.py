@@ -29,6 +29,11 @@ What is measured
   when ``get`` (or the polling loop) returned the decoded payload. One-way time =
   receiver's clock - sender's stamp: encode, publication, wake-up, claim and decode
   are inside, one direction only. The sender also records how long ``put`` took.
+  The target figure has the sender *sleep* until its credit comes (its CPU idles
+  between messages); on a virtual machine an idle vCPU comes back with cold caches and
+  the next ``put`` takes 2-3x its hot time. A second row has the sender *watch* for
+  its credit (``sched_yield`` between looks), as a stage that computes between
+  messages keeps its CPU busy: the same transport, the sender's CPU kept warm.
 - vllm-omni-shm: vLLM-Omni 0.30.0's real ``SharedMemoryConnector`` and its
   ``OmniSerializer`` (msgpack; a fresh ``multiprocessing`` segment per message),
   imported without vLLM: the vLLM modules its imports name (``vllm.outputs``,
@@ -45,6 +50,8 @@ Usage::
     python benchmarks/bench_small.py [--iters 5000] [--messages 2000] [--big-messages 40]
                                      [--json out.jsonl] [--check] [--quick]
     python benchmarks/bench_small.py --profile 25 [--iters 20000]   # where the time goes
+    python benchmarks/bench_small.py --baseline DIR [--rounds 60]   # against older code:
+        # DIR holds an omnilink package, e.g. mkdir DIR && git archive <commit> omnilink | tar -x -C DIR
 """
 
 from __future__ import annotations
@@ -257,8 +264,86 @@ def profile_one_process(iters: int, top: int) -> str:
     return f"Python calls per message: {calls / iters:.1f}\n" + "\n".join(lines[start:])
 
 
+def _burst_child() -> None:
+    """``--burst-child``: a shm one-process loop driven over stdin/stdout by
+    ``interleaved``; for each line ``N`` it times N ``put`` + ``get_nowait`` and prints
+    their p50 in ns. Imports whichever omnilink ``PYTHONPATH`` names."""
+    import omnilink
+    from omnilink._bench.payload import make_payload
+
+    conn = omnilink.connect("shm", channel=f"bench-small-ab-{os.getpid()}", role="dual", timeout=60.0)
+    payload = make_payload(SMALL)
+    put, get = conn.put, conn.get_nowait
+    clock = time.perf_counter_ns
+    n = 0
+    try:
+        for i in range(2000):
+            put(f"w{i}", payload)
+            get(f"w{i}")
+        print(omnilink.__file__, flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            samples = []
+            for _ in range(int(line)):
+                key = f"b{n}"
+                n += 1
+                t0 = clock()
+                put(key, payload)
+                get(key)
+                samples.append(clock() - t0)
+            samples.sort()
+            print(samples[len(samples) // 2], flush=True)
+    finally:
+        conn.close()
+
+
+def interleaved(baseline: str, rounds: int, burst: int) -> dict[str, Any]:
+    """The one-process shm figure of this checkout against the omnilink at ``baseline``
+    (a directory holding an ``omnilink`` package, e.g. ``git archive <commit> omnilink``
+    unpacked), measured in alternating bursts of ``burst`` messages, ``rounds`` each: a
+    loaded machine slows both alike, so their ratio means something where two separate
+    runs minutes apart do not. Returns per-side burst p50s (min, 10th percentile,
+    median) and the ratio of the medians."""
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sides = {"this": here, "baseline": os.path.abspath(baseline)}
+    procs = {}
+    for name, path in sides.items():
+        env = dict(os.environ, PYTHONPATH=path)
+        procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--burst-child"], env=env,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    out: dict[str, Any] = {}
+    try:
+        got: dict[str, list[float]] = {name: [] for name in procs}
+        for name, pr in procs.items():
+            out[f"{name}_module"] = pr.stdout.readline().strip()  # type: ignore[union-attr]
+        for r in range(rounds):
+            for name in (("this", "baseline") if r % 2 else ("baseline", "this")):
+                pr = procs[name]
+                pr.stdin.write(f"{burst}\n")  # type: ignore[union-attr]
+                pr.stdin.flush()  # type: ignore[union-attr]
+                got[name].append(int(pr.stdout.readline()) / 1e3)  # type: ignore[union-attr]
+    finally:
+        for pr in procs.values():
+            try:
+                pr.stdin.write("\n")  # type: ignore[union-attr]
+                pr.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+            pr.wait(60)
+    for name, vals in got.items():
+        vals.sort()
+        out[name] = {"min_us": vals[0], "p10_us": vals[len(vals) // 10], "median_us": statistics.median(vals),
+                     "bursts": len(vals)}
+    out["ratio_median"] = out["this"]["median_us"] / out["baseline"]["median_us"]
+    out["ratio_p10"] = out["this"]["p10_us"] / out["baseline"]["p10_us"]
+    return out
+
+
 # ------------------------------------------------------------------ two processes
-def _send_cell(backend: str, chan: str, size: int, n: int, credits: Any, ready: Any, ctl: Any) -> None:
+def _send_cell(backend: str, chan: str, size: int, n: int, hot: bool, credits: Any, ready: Any, ctl: Any) -> None:
     from omnilink._bench.payload import make_payload, now_ns
 
     tx = _open(backend, chan, "sender")
@@ -268,7 +353,11 @@ def _send_cell(backend: str, chan: str, size: int, n: int, credits: Any, ready: 
             raise RuntimeError("the receiver never opened")
         put_ns = []
         for j in range(n):
-            credits.acquire()
+            if hot:  # watch for the credit: this CPU never idles between messages
+                while not credits.acquire(False):
+                    os.sched_yield()
+            else:  # sleep until the credit comes (the CPU idles: caches go cold)
+                credits.acquire()
             payload["ids.output"][0] = j
             t0 = now_ns()
             payload["meta"]["sent_ns"] = t0
@@ -313,7 +402,7 @@ def _worker(role: str, ctl: Any, credits: Any, ready: Any) -> None:
         backend, chan, size, n, mode = cell
         try:
             if role == "sender":
-                _send_cell(backend, chan, size, n, credits, ready, ctl)
+                _send_cell(backend, chan, size, n, mode.endswith("-hot"), credits, ready, ctl)
             else:
                 _recv_cell(backend, chan, size, n, mode, credits, ready, ctl)
         except BaseException as exc:  # reported to the parent, which fails the cell
@@ -402,9 +491,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
     ap.add_argument("--profile", type=int, metavar="N", default=0,
                     help="only profile the shm one-process loop (cProfile) and print its top N lines")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="only compare the shm one-process figure with the omnilink package under DIR, in "
+                         "alternating bursts (see interleaved())")
+    ap.add_argument("--rounds", type=int, default=60, help="bursts per side for --baseline (default 60)")
+    ap.add_argument("--burst-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.burst_child:
+        _burst_child()
+        return 0
     if args.profile:
         print(profile_one_process(args.iters, args.profile))
+        return 0
+    if args.baseline:
+        ab = interleaved(args.baseline, args.rounds, 300)
+        print(f"load average {_load()}; one process, shm put + get_nowait 4 KiB, p50 of bursts of 300 "
+              f"messages, {args.rounds} alternating bursts each")
+        for name in ("this", "baseline"):
+            r = ab[name]
+            print(f"{name:>8} ({ab[name + '_module']}): min {r['min_us']:.1f} us, 10th percentile "
+                  f"{r['p10_us']:.1f}, median {r['median_us']:.1f}")
+        print(f"this / baseline: {ab['ratio_median']:.2f} (medians), {ab['ratio_p10']:.2f} (10th percentiles)")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"benchmark": "bench_small_interleaved", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                    "load_average": _load(), "args": vars(args), "result": ab}) + "\n")
         return 0
     if args.quick:
         args.iters, args.messages, args.big_messages = 200, 50, 4
@@ -424,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_record()
     load_before = _load()
     cells = set(args.cells.split(","))
-    res: dict[str, Any] = {"one_process": {}, "two_process": {}, "big": {}}
+    res: dict[str, Any] = {"one_process": {}, "two_process": {}, "two_process_hot": {}, "big": {}}
     for b in backends if "one" in cells else ():
         res["one_process"][b] = one_process(b, args.iters, warm1)
         print(f"one process, {b}: {res['one_process'][b]}", file=sys.stderr)
@@ -435,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # in-process only
             res["two_process"][b] = two_process(pair, b, SMALL, args.messages, "block", warm2)
             print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)
+            res["two_process_hot"][b] = two_process(pair, b, SMALL, args.messages, "block-hot", warm2)
+            print(f"two processes 4 KiB, hot sender, {b}: {res['two_process_hot'][b]}", file=sys.stderr)
         if "shm" in backends and "big" in cells:
             for mode in ("block", "poll"):
                 res["big"][mode] = two_process(pair, "shm", BIG, args.big_messages, mode, 2)
@@ -449,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     if "shm" in res["two_process"]:
         figures["two_process_shm_p50_us"] = res["two_process"]["shm"]["p50_us"]
         figures["two_process_shm_p99_us"] = res["two_process"]["shm"]["p99_us"]
+    if "shm" in res["two_process_hot"]:
+        figures["two_process_hot_shm_p50_us"] = res["two_process_hot"]["shm"]["p50_us"]
+        figures["two_process_hot_shm_p99_us"] = res["two_process_hot"]["shm"]["p99_us"]
     if res["big"]:
         figures["poll_vs_block_ratio"] = res["big"]["poll"]["p50_us"] / res["big"]["block"]["p50_us"]
         figures["poll_vs_block_put_ratio"] = res["big"]["poll"]["put_p50_us"] / res["big"]["block"]["put_p50_us"]
@@ -475,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     row("1 process put+get_nowait 4 KiB, p99", res["one_process"], "p99_us")
     row("2 processes one-way 4 KiB, p50", res["two_process"], "p50_us")
     row("2 processes one-way 4 KiB, p99", res["two_process"], "p99_us")
+    row("same, sender hot between messages, p50", res["two_process_hot"], "p50_us")
+    row("same, sender hot between messages, p99", res["two_process_hot"], "p99_us")
     if res["big"]:
         print()
         print("| 8 MiB put -> consumed, shm, 2 processes | receiver blocking get | receiver polling get_nowait | "

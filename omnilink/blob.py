@@ -490,6 +490,8 @@ class _Walker:
                     out[k] = self.fast(v)
             return out
         if t is list:
+            if _SCALARS.issuperset(map(type, obj)):
+                return obj  # scalars only (a shape, ids): msgspec encodes the list itself
             return [v if type(v) in _SCALARS else self.fast(v) for v in obj]
         if t is tuple:
             items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]

@@ -31,9 +31,28 @@ def test_bench_small_quick(tmp_path):
         backends.add("vllm-omni-shm")
     assert set(rec["results"]["one_process"]) == backends
     assert set(rec["results"]["two_process"]) == backends - {"memory"}
+    assert set(rec["results"]["two_process_hot"]) == backends - {"memory"}
     for cell in [*rec["results"]["one_process"].values(), *rec["results"]["two_process"].values(),
+                 *rec["results"]["two_process_hot"].values(),
                  *rec["results"]["big"].values()]:
         assert cell["samples"] > 0 and 0 < cell["p50_us"] <= cell["p99_us"]
     assert set(rec["results"]["big"]) == {"block", "poll"}
     assert set(rec["figures"]) >= {"one_process_shm_p50_us", "two_process_shm_p50_us", "poll_vs_block_ratio"}
     assert "| 1 process put+get_nowait 4 KiB, p50" in proc.stdout and "load average" in proc.stdout
+    assert "| same, sender hot between messages, p50" in proc.stdout
+
+
+def test_bench_small_interleaved_baseline(tmp_path):
+    # The checkout against itself: both children run and report, alternately.
+    out = tmp_path / "ab.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_small.py"), "--baseline", ROOT, "--rounds", "2",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text().splitlines()[-1])["result"]
+    for side in ("this", "baseline"):
+        assert rec[side]["bursts"] == 2 and 0 < rec[side]["min_us"] <= rec[side]["median_us"]
+        assert rec[f"{side}_module"].startswith(ROOT)
+    assert rec["ratio_median"] > 0 and "this / baseline" in proc.stdout

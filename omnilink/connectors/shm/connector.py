@@ -329,9 +329,10 @@ class ShmConnector(BaseConnector):
         picked up in about one. The spin adapts: when payloads have lately arrived a
         little after it ended, it grows to twice their typical wait, up to
         ``SPIN_GROWTH`` (10) x ``spin_us``; when they come later than that, or not at
-        all, it falls back to ``spin_us``. The spinning thread yields the CPU at every
-        look (``sched_yield``), so it only takes time no other runnable thread wants.
-        The cost is up to the current spin of CPU per ``get`` that has to wait.
+        all, it falls back to ``spin_us``. Past the first ``spin_us`` the spinning
+        thread yields the CPU at every look (``sched_yield``), so the extension only
+        takes time no other runnable thread wants. The cost is up to the current spin of
+        CPU per ``get`` that has to wait.
     pipeline_bytes : int
         Payloads holding at least this many bytes of CUDA tensors (default 16 MiB) are
         sent in slices, so the receiver copies early slices to its device while later
@@ -1044,7 +1045,7 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         spin = self._spin_ns
         t0 = _clock()
-        woke = chan.wait(deadline.slice(HEARTBEAT_S), spin)
+        woke = chan.wait(deadline.slice(HEARTBEAT_S), spin, self._spin_min_ns)
         if spin:
             self._adapt_spin(_clock() - t0 if woke else self._spin_max_ns * 4)
         if not woke:

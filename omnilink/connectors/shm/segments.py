@@ -576,7 +576,7 @@ class Channel:
             _II.pack_into(mm, _C_WAITERS, 0, (gen + 1) & 0xFFFFFFFF)
             self._wake_posts += n
 
-    def wait(self, timeout: float, spin_ns: int = 0) -> bool:
+    def wait(self, timeout: float, spin_ns: int = 0, yield_after_ns: int | None = None) -> bool:
         """Wait for a token of the wake semaphore (mutex not held); ``False`` on timeout.
 
         With ``spin_ns`` the first ``spin_ns`` nanoseconds are spent watching the
@@ -586,10 +586,17 @@ class Channel:
         a payload published within the spin is picked up in about a microsecond. The
         semaphore is still what hands the wake-up over: nothing here sleeps or reads
         the data without the mutex.
+
+        ``yield_after_ns``: past this much of the spin, the spinning thread yields the
+        CPU at every look (``sched_yield``), so a long spin only takes time no other
+        runnable thread of this CPU wants. Before it, it does not: on a busy host a
+        yield can hand the CPU away for a whole scheduler slice, longer than the wait.
         """
         sem = self._wake
         if spin_ns > 0:
-            end = perf_counter_ns() + spin_ns
+            now = perf_counter_ns()
+            end = now + spin_ns
+            polite = end if yield_after_ns is None else now + yield_after_ns
             while True:
                 if sem.value > 0:
                     try:
@@ -597,11 +604,11 @@ class Channel:
                         return True
                     except posix_ipc.BusyError:  # another waiter took it first
                         pass
-                if perf_counter_ns() >= end:
+                now = perf_counter_ns()
+                if now >= end:
                     break
-                # Let any other runnable thread of this CPU go first: the spin only
-                # takes time nobody else wants (the sender may be waiting for a core).
-                _sched_yield()
+                if now >= polite:
+                    _sched_yield()
             timeout = max(0.0, timeout - spin_ns / 1e9)
         try:
             sem.acquire(timeout)
