@@ -259,9 +259,12 @@ def test_many_small_messages_dev_shm_and_rss_flat():
     ch = _channel("soak")
     q = CTX.Queue()
     warm = 1000
+    # The sender stays open until the last count is taken: once everything is claimed
+    # its close() would remove its arena, racing with the count below.
+    done = CTX.Event()
     with children() as procs:
         with omnilink.connect("shm", channel=ch, role="receiver", timeout=WAIT) as rx:
-            snd = start(procs, W.sender, ch, warm + count, q, 64)
+            snd = start(procs, W.sender, ch, warm + count, q, 64, done=done)
             expect(q, "ready")
             for i in range(warm):
                 W.check_payload(rx.get(f"k{i}"), i, 64)
@@ -280,6 +283,7 @@ def test_many_small_messages_dev_shm_and_rss_flat():
             sender_rss1 = psutil.Process(snd.pid).memory_info().rss
             assert rx.stats().blocks_in_use == 0
             expect(q, "sent")
+            done.set()
     assert entries1 == entries0
     assert rss1 - rss0 < 16 << 20, f"receiver RSS grew by {(rss1 - rss0) >> 20} MiB over {count} messages"
     assert sender_rss1 - sender_rss0 < 16 << 20, f"sender RSS grew by {(sender_rss1 - sender_rss0) >> 20} MiB"
