@@ -476,7 +476,8 @@ class CudaIpcConnector(BaseConnector):
                         "its device copy could be confirmed; the payload is lost"
                     )
                 self._ops.wait(pool.index, self._slot_events(gen)[slot])
-                d.set_done_seq(slot, seq)  # the wait is queued: the sender may record the slot again
+                if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
+                    d.set_done_seq(slot, seq)
         except BaseException:
             out = None
             fin()  # no view was handed out: free the block now (after this stream)
@@ -519,7 +520,7 @@ class CudaIpcConnector(BaseConnector):
                 logger.warning("cuda_ipc: discarded key %r carried an invalid manifest", key)
                 return True
             pool.hold(blk, total)
-            if pool.dir.get(GEN) == gen:
+            if pool.dir.get(GEN) == gen and seq > pool.dir.done_seq(slot):
                 pool.dir.set_done_seq(slot, seq)
             pool.push(blk, total)  # never viewed: no reader to wait for
         return True
