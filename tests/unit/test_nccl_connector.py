@@ -408,6 +408,7 @@ def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypat
     gate = threading.Event()
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)  # (the poster may list a payload before setup has returned)
         real_post = tx._post
 
         def held_post(pg, tensors, *, send):
