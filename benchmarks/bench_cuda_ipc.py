@@ -5,10 +5,15 @@ Two processes per measurement (spawned; a sender and a receiver), bf16 payloads
 
 - ``same GPU`` (cuda:0 -> cuda:0), always:
   ``copy_ (local)``  an in-process device-to-device ``dst.copy_(src)`` on cuda:0 (ceiling);
+  ``raw IPC floor``  the same two-process topology with nothing of omnilink: a pool the
+                     receiver exported once, one ``cudaMemcpyAsync`` + interprocess event
+                     per payload, POSIX semaphores for the hand-off, cuda-python only (two
+                     processes time-slicing one GPU pay its context switches here too);
   ``cuda_ipc``       this backend, two processes;
   ``shm (host)``     the shm backend's host path: DMA into the arena, ``get(device=)``.
 - ``cuda:0 -> cuda:1``, with two GPUs:
   ``copy_ (peer)``   an in-process peer ``dst.copy_(src)`` from cuda:0 to cuda:1 (ceiling);
+  ``raw IPC floor``  as above, the receiver's pool on cuda:1, peer access both ways;
   ``cuda_ipc``       sender on cuda:0, the receiver's pool on cuda:1 (peer copy);
   ``shm (host)``     as above across the two GPUs;
   ``nccl``           the nccl connector, rank 0 on cuda:0, rank 1 on cuda:1.
@@ -41,6 +46,7 @@ import socket
 import statistics
 import sys
 import time
+import uuid
 from typing import Any
 
 from omnilink._bench.units import format_size, parse_sizes
@@ -212,6 +218,171 @@ def local_copy(src_dev: str, dst_dev: str, sizes: list[int], rounds: int, quick:
     return out
 
 
+# --------------------------------------------------------------------- the raw floor
+# The same topology with nothing of omnilink: the receiver cudaMalloc-s a ring of slots
+# and exports it once, the sender opens it once and creates one interprocess event per
+# slot on the pool's device; a payload is one cudaMemcpyAsync into a slot plus an event
+# record, POSIX semaphores hand slots over; the receiver's stream waits on the event and
+# records its own event, and the slot goes back once that has run. cuda-python calls
+# only. Two processes on one GPU pay the GPU's context switches here too.
+def _raw_handles(what: Any) -> bytes:
+    raw = what.reserved
+    return bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes(int(x) & 0xFF for x in raw)
+
+
+def _raw_ipc_receiver(conn: Any, index: int, slot: int, slots: int, sems: tuple[str, str]) -> None:
+    import posix_ipc
+    import torch
+
+    from omnilink.cuda import cuda_ops
+
+    ops = cuda_ops()
+    rt = ops.rt
+    torch.cuda.set_device(index)
+    pool = ops.check(rt.cudaMalloc(slot * (slots + 1)), "cudaMalloc")
+    handle = ops.check(rt.cudaIpcGetMemHandle(pool), "cudaIpcGetMemHandle")
+    flags = rt.cudaEventInterprocess | rt.cudaEventDisableTiming
+    back = ops.check(rt.cudaEventCreateWithFlags(flags), "event")  # the pong's event
+    conn.send((_raw_handles(handle), _raw_handles(ops.check(rt.cudaIpcGetEventHandle(back), "handle"))))
+    evs = []
+    for raw in conn.recv():
+        h = rt.cudaIpcEventHandle_t()
+        h.reserved = raw
+        evs.append(ops.check(rt.cudaIpcOpenEventHandle(h), "cudaIpcOpenEventHandle"))
+    mine = [ops.check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "event") for _ in range(slots)]
+    stream = int(torch.cuda.current_stream().cuda_stream)
+    filled, free = (posix_ipc.Semaphore(n) for n in sems)
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            _, count, n, mode = cmd
+            for i in range(count):
+                filled.acquire()
+                k = i % slots
+                ops.check(rt.cudaStreamWaitEvent(stream, evs[k], 0), "wait")
+                if mode == "stream":
+                    ops.check(rt.cudaEventRecord(mine[k], stream), "record")
+                    if i:  # the previous slot goes back once this stream is past it
+                        ops.check(rt.cudaEventSynchronize(mine[(i - 1) % slots]), "sync")
+                        free.release()
+                else:  # pong: copy it to the spare slot, the sender reads it back from there
+                    ops.memcpy(pool + slots * slot, pool + k * slot, n, stream)
+                    ops.check(rt.cudaEventRecord(back, stream), "record")
+                    free.release()
+            ops.check(rt.cudaStreamSynchronize(stream), "sync")
+            if mode == "stream":
+                free.release()
+            conn.send(time.perf_counter())
+    finally:
+        rt.cudaStreamSynchronize(stream)
+        for e in evs + mine + [back]:
+            rt.cudaEventDestroy(e)
+        rt.cudaFree(pool)
+
+
+def raw_ipc_floor(sdev: str, rdev: str, sizes: list[int], rounds: int, quick: bool,
+                  lat_iters: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """GB/s of the raw ring per size and the 4 KiB one-way p50 of a raw ping-pong."""
+    import posix_ipc
+    import torch
+
+    from omnilink.cuda import cuda_ops
+
+    ops = cuda_ops()
+    rt = ops.rt
+    s_idx, r_idx = torch.device(sdev).index or 0, torch.device(rdev).index or 0
+    slot, slots = max(max(sizes), LAT_BYTES), 4
+    tag = uuid.uuid4().hex[:8]
+    sems = (f"/omnilink-bench-ipcf-{tag}", f"/omnilink-bench-ipcw-{tag}")
+    filled = posix_ipc.Semaphore(sems[0], posix_ipc.O_CREX, mode=0o600)
+    free = posix_ipc.Semaphore(sems[1], posix_ipc.O_CREX, mode=0o600, initial_value=slots)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_ipc_receiver, args=(child, r_idx, slot, slots, sems), daemon=True)
+    proc.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        torch.cuda.set_device(s_idx)
+        mem_raw, back_raw = parent.recv()
+        for a, b in ((s_idx, r_idx), (r_idx, s_idx)):  # peer access both ways, as cuda_ipc does
+            if a != b and ops.check(rt.cudaDeviceCanAccessPeer(a, b), "canAccessPeer"):
+                prev = ops.swap_device(a)
+                rt.cudaDeviceEnablePeerAccess(b, 0)
+                ops.restore_device(prev)
+        prev = ops.swap_device(r_idx)
+        h = rt.cudaIpcMemHandle_t()
+        h.reserved = mem_raw
+        pool = ops.check(rt.cudaIpcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle")
+        flags = rt.cudaEventInterprocess | rt.cudaEventDisableTiming
+        evs = [ops.check(rt.cudaEventCreateWithFlags(flags), "event") for _ in range(slots)]
+        eh = rt.cudaIpcEventHandle_t()
+        eh.reserved = back_raw
+        back = ops.check(rt.cudaIpcOpenEventHandle(eh), "cudaIpcOpenEventHandle")
+        copy_stream = ops.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "stream")
+        ops.restore_device(prev)
+        parent.send([_raw_handles(ops.check(rt.cudaIpcGetEventHandle(e), "handle")) for e in evs])
+        cur = int(torch.cuda.current_stream().cuda_stream)
+        for nbytes in sizes:
+            n = iters_for(nbytes, quick)
+            src = torch.empty(nbytes, dtype=torch.uint8, device=sdev)
+            times = []
+            for r in range(rounds + 1):
+                parent.send(("go", n, nbytes, "stream"))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(n):
+                    free.acquire()
+                    k = i % slots
+                    ops.memcpy(pool + k * slot, src.data_ptr(), nbytes, copy_stream)
+                    ops.check(rt.cudaEventRecord(evs[k], copy_stream), "record")
+                    filled.release()
+                dt = parent.recv() - t0
+                if r:
+                    times.append(dt)
+            med = statistics.median(times)
+            rows.append({"size": nbytes, "iters": n, "rounds": rounds, "median_s": med,
+                         "gbps": nbytes * n / med / 1e9, "all_gbps": [nbytes * n / t / 1e9 for t in times]})
+        x = torch.ones(LAT_BYTES, dtype=torch.uint8, device=sdev)
+        for _ in range(slots):  # take every credit: now a release means "sent back"
+            free.acquire()
+        warm = max(10, lat_iters // 10)
+        parent.send(("go", warm + lat_iters, LAT_BYTES, "ping"))
+        rtts = []
+        for i in range(warm + lat_iters):
+            t0 = time.perf_counter()
+            k = i % slots
+            ops.memcpy(pool + k * slot, x.data_ptr(), LAT_BYTES, copy_stream)
+            ops.check(rt.cudaEventRecord(evs[k], copy_stream), "record")
+            filled.release()
+            free.acquire()
+            ops.check(rt.cudaStreamWaitEvent(cur, back, 0), "wait")
+            ops.memcpy(x.data_ptr(), pool + slots * slot, LAT_BYTES, cur)
+            ops.check(rt.cudaStreamSynchronize(cur), "sync")
+            if i >= warm:
+                rtts.append(time.perf_counter() - t0)
+        parent.recv()
+        for _ in range(slots):
+            free.release()
+        rtts.sort()
+        lat = {"p50_us": rtts[len(rtts) // 2] / 2 * 1e6, "p90_us": rtts[int(len(rtts) * 0.9)] / 2 * 1e6,
+               "iters": lat_iters}
+        parent.send(("stop",))
+        proc.join(60)
+        rt.cudaStreamSynchronize(copy_stream)
+        for e in evs + [back]:
+            rt.cudaEventDestroy(e)
+        rt.cudaStreamDestroy(copy_stream)
+        rt.cudaIpcCloseMemHandle(pool)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        filled.unlink()
+        free.unlink()
+    return rows, lat
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -268,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     for case, sdev, rdev in cases:
         ceiling = "copy_ (local)" if sdev == rdev else "copy_ (peer)"
         add(case, ceiling, local_copy(sdev, rdev, sizes, rounds, args.quick))
+        floor_rows, floor_lat = raw_ipc_floor(sdev, rdev, sizes, rounds, args.quick, lat_iters)
+        add(case, "raw IPC floor", floor_rows)
+        latency.append({"case": case, "what": "raw IPC floor", "bytes": LAT_BYTES, **floor_lat})
+        print(f"  {case:<17} {'raw IPC floor':<14} 4 KiB one-way p50 {floor_lat['p50_us']:.1f} us "
+              f"(p90 {floor_lat['p90_us']:.1f})", flush=True)
         backends = ["cuda_ipc", "shm"] + (["nccl"] if sdev != rdev and not args.no_nccl else [])
         for backend in backends:
             barrier = ctx.Barrier(2)
@@ -308,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             mine = gbps(case, "cuda_ipc", size)
             if mine is None:
                 continue
-            for base in (ceiling, "shm (host)", "nccl"):
+            for base in (ceiling, "raw IPC floor", "shm (host)", "nccl"):
                 other = gbps(case, base, size)
                 if other:
                     ratios.append({"case": case, "size": size, "vs": base, "ratio": mine / other})
