@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
 #: extra options of the sending shm connector (``--slice-bytes``)
 SENDER_OPTS: dict = {}
+#: receivers check every this many messages byte for byte (``--check-every``)
+CHECK_EVERY = 8
 
 
 def _fmt(n: int) -> str:
@@ -128,6 +130,7 @@ def _raw_rx(conn, shm_name: str, sems: tuple[str, str], slot: int, slots: int, i
     reg = HostRegistration(host.data_ptr(), slot * slots, what="raw ring")
     filled, free = (posix_ipc.Semaphore(n) for n in sems)
     stream = ops.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "stream")
+    ext = torch.cuda.ExternalStream(int(stream), device=f"cuda:{index}")
     dst = [torch.empty(slot, dtype=torch.uint8, device=f"cuda:{index}") for _ in range(slots)]
     evs = [ops.check(rt.cudaEventCreateWithFlags(ops.flags), "event") for _ in range(slots)]
     base = host.data_ptr()
@@ -136,12 +139,16 @@ def _raw_rx(conn, shm_name: str, sems: tuple[str, str], slot: int, slots: int, i
             cmd = conn.recv()
             if cmd[0] == "stop":
                 return
-            _, count, n, mode = cmd
+            _, count, n, mode, every = cmd
+            ok = torch.ones((), dtype=torch.bool, device=f"cuda:{index}")
             for i in range(count):
                 filled.acquire()
                 k = i % slots
                 if mode == "stream":
                     ops.memcpy(dst[k].data_ptr(), base + k * slot, n, stream)
+                    if i % every == 0 or i == count - 1:  # the checks omnilink's receiver makes
+                        with torch.cuda.stream(ext):
+                            ok &= (dst[k][:n] == (i % 251)).all()
                     ops.check(rt.cudaEventRecord(evs[k], stream), "record")
                     if i:  # the previous slot goes back once its copy is done
                         ops.check(rt.cudaEventSynchronize(evs[(i - 1) % slots]), "sync")
@@ -154,7 +161,7 @@ def _raw_rx(conn, shm_name: str, sems: tuple[str, str], slot: int, slots: int, i
             if mode == "stream":
                 ops.check(rt.cudaStreamSynchronize(stream), "sync")
                 free.release()
-            conn.send(time.perf_counter())
+            conn.send((time.perf_counter(), bool(ok)))
     finally:
         ops.check(rt.cudaStreamSynchronize(stream), "sync")
         for e in evs:
@@ -204,7 +211,7 @@ def raw_two_process(sizes: list[int], rx_index: int, count_for, reps: int) -> di
             count = count_for(n)
             best = []
             for _ in range(reps):
-                parent.send(("go", count, n, "stream"))
+                parent.send(("go", count, n, "stream", CHECK_EVERY))
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for i in range(count):
@@ -213,7 +220,9 @@ def raw_two_process(sizes: list[int], rx_index: int, count_for, reps: int) -> di
                     ops.memcpy(base + (i % slots) * slot, src.data_ptr(), n, raw)
                     ops.check(rt.cudaStreamSynchronize(raw), "sync")
                     filled.release()
-                best.append(count * n / (parent.recv() - t0) / 1e9)
+                t_end, ok = parent.recv()
+                out["ok"] = out.get("ok", True) and ok
+                best.append(count * n / (t_end - t0) / 1e9)
             out["stream"][n] = statistics.median(best)
         n = 4096
         src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
@@ -221,7 +230,7 @@ def raw_two_process(sizes: list[int], rx_index: int, count_for, reps: int) -> di
         for rep in range(reps):
             for _ in range(slots):  # take every credit: now a release means "sent back"
                 free.acquire()
-            parent.send(("go", 200, n, "ping"))
+            parent.send(("go", 200, n, "ping", CHECK_EVERY))
             for i in range(200):
                 t0 = time.perf_counter()
                 ops.memcpy(base, src.data_ptr(), n, raw)
@@ -272,7 +281,7 @@ def _receiver(conn, channel: str, reply: str) -> None:
             if op == "stop":
                 return
             if op == "thr":
-                _, count, device, mode, tag = cmd
+                _, count, device, mode, tag, every = cmd
                 ok = torch.ones((), dtype=torch.bool, device=device)
                 for i in range(count):
                     if mode == "omnilink":
@@ -286,9 +295,10 @@ def _receiver(conn, channel: str, reply: str) -> None:
                         got = pickle.loads(seg.buf[:n])["x"].cuda(device)
                         seg.close()
                         seg.unlink()
-                    if i % 8 == 0 or i == count - 1:
-                        # Every 8th message and the last are checked byte for byte on the
-                        # GPU (checking all would time the check at small sizes).
+                    if i % every == 0 or i == count - 1:
+                        # Every 8th message (--check-every) and the last are checked byte
+                        # for byte on the GPU (checking all would time the check at small
+                        # sizes); the raw floor checks the same ones.
                         ok &= (got == (i % 251)).all()
                     del got
                 torch.cuda.synchronize()
@@ -336,7 +346,7 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
                     # Keys are unique per run: each key is delivered once (a consumed key
                     # is an error, not a new message).
                     tag = f"{n}-{mode}-{rep}-"
-                    parent.send(("thr", count, device, mode, tag))
+                    parent.send(("thr", count, device, mode, tag, CHECK_EVERY))
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     for i in range(count):
@@ -464,6 +474,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip-overlap", action="store_true")
     ap.add_argument("--slice-bytes", default=None, help="the sender's slice_bytes (default: the connector's)")
+    ap.add_argument("--check-every", type=int, default=8, help="receivers check every N-th message on the GPU")
     args = ap.parse_args()
     import torch
 
@@ -473,6 +484,8 @@ def main() -> int:
         print("bench_gpu: needs a CUDA device; none is present", file=sys.stderr)
         return 1
     sizes = parse_sizes(args.sizes)
+    global CHECK_EVERY
+    CHECK_EVERY = max(1, args.check_every)
     if args.slice_bytes:
         SENDER_OPTS["slice_bytes"] = parse_sizes(args.slice_bytes)[0]
     big = [s for s in sizes if s >= MiB]
@@ -513,7 +526,7 @@ def main() -> int:
     for d in devices:
         print(f"{d}: 4 KiB one-way (round trip / 2, spin_us=1000) p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
               f"raw two-process floor p50 {floor[d]['lat_p50_us']:.1f} us, p99 {floor[d]['lat_p99_us']:.1f} us; "
-              f"bytes equal: {tp[d]['ok']}")
+              f"bytes equal: {tp[d]['ok']} (raw floor: {floor[d].get('ok')})")
     if ovl:
         print(f"overlap (10 steps, 4 bf16 8192^3 matmuls + 256 MiB each): matmul only {ovl['matmul_only_s'] * 1e3:.1f} ms, "
               f"+ raw side-stream copy {ovl['matmul_raw_copy_s'] * 1e3:.1f} ms, + put_async {ovl['matmul_put_async_s'] * 1e3:.1f} ms, "
