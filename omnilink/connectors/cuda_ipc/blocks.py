@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 
-from omnilink._errors import ConfigurationError
+from omnilink.connectors.shm import Allocator
 
 __all__ = ["ALIGN", "BlockAllocator", "round_up"]
 
@@ -21,33 +21,12 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-class BlockAllocator:
-    """Blocks of a ``capacity``-byte pool; free extents are merged with their neighbours."""
+class BlockAllocator(Allocator):
+    """Blocks of a ``capacity``-byte pool, 256-aligned: the shm arena's first-fit
+    allocator (free extents merged with their neighbours) plus ``reserve``."""
 
-    __slots__ = ("capacity", "_starts", "_free", "_used", "used_bytes")
-
-    def __init__(self, capacity: int) -> None:
-        if capacity <= 0 or capacity % ALIGN:
-            raise ConfigurationError(f"pool capacity must be a positive multiple of {ALIGN}, got {capacity}")
-        self.capacity = capacity
-        self._starts: list[int] = [0]
-        self._free: dict[int, int] = {0: capacity}
-        self._used: dict[int, int] = {}
-        self.used_bytes = 0
-
-    @property
-    def blocks(self) -> int:
-        return len(self._used)
-
-    def alloc(self, nbytes: int) -> int | None:
-        """Offset of a new block of at least ``nbytes`` bytes, or ``None`` if none fits now."""
-        need = round_up(max(nbytes, 1))
-        for i, start in enumerate(self._starts):
-            size = self._free[start]
-            if size >= need:
-                self._take(i, start, size, start, need)
-                return start
-        return None
+    __slots__ = ()
+    align = ALIGN
 
     def reserve(self, offset: int, nbytes: int) -> bool:
         """Mark ``[offset, offset + nbytes)`` (rounded up) used; ``False`` if it is not free."""
@@ -61,10 +40,6 @@ class BlockAllocator:
         size = self._free[start]
         if offset + need > start + size:
             return False
-        self._take(i, start, size, offset, need)
-        return True
-
-    def _take(self, i: int, start: int, size: int, offset: int, need: int) -> None:
         del self._free[start]
         del self._starts[i]
         if offset > start:  # the part before the block stays free
@@ -77,30 +52,4 @@ class BlockAllocator:
             self._free[end] = start + size - end
         self._used[offset] = need
         self.used_bytes += need
-
-    def free(self, offset: int) -> int:
-        """Return the block at ``offset``; returns its size.
-
-        Raises
-        ------
-        KeyError
-            ``offset`` is not a live block.
-        """
-        size = self._used.pop(offset)
-        self.used_bytes -= size
-        starts, free = self._starts, self._free
-        i = bisect.bisect_left(starts, offset)
-        start, end = offset, offset + size
-        if i < len(starts) and starts[i] == end:
-            end += free.pop(starts[i])
-            del starts[i]
-        if i > 0 and starts[i - 1] + free[starts[i - 1]] == start:
-            prev = starts[i - 1]
-            free[prev] = end - prev
-        else:
-            starts.insert(i, start)
-            free[start] = end - start
-        return size
-
-    def size_of(self, offset: int) -> int | None:
-        return self._used.get(offset)
+        return True

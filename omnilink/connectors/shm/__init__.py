@@ -16,13 +16,14 @@ This package is the public door of the backend; its modules are internal:
 Exports: ``ShmConnector``, ``collect_garbage``, ``DEFAULT_ARENA_BYTES``; for the
 ``cuda_ipc`` backend, which keeps its pool directory under this backend's naming and
 garbage-collection rules: ``SHM_DIR``, ``HostLock``, ``arena_name``, ``read_prefix``,
-``pid_alive``, ``create_segment``, ``open_segment``, ``unlink_segment``. Tests may import
+``pid_alive``, ``Allocator`` (the first-fit allocator), ``create_segment``, ``open_segment``, ``unlink_segment``. Tests may import
 the internal modules by their full path (``omnilink.connectors.shm.alloc``) to check
 layouts and the allocator; library code outside this package uses the names above.
 """
 
 from __future__ import annotations
 
+from omnilink.connectors.shm.alloc import Allocator
 from omnilink.connectors.shm.connector import DEFAULT_ARENA_BYTES, ShmConnector
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.names import SHM_DIR, HostLock, arena_name, pid_alive, read_prefix
@@ -30,6 +31,7 @@ from omnilink.connectors.shm.segments import _unlink_quiet as unlink_segment
 from omnilink.connectors.shm.segments import create_segment, open_segment
 
 __all__ = [
+    "Allocator",
     "DEFAULT_ARENA_BYTES",
     "SHM_DIR",
     "HostLock",

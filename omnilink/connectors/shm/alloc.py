@@ -42,10 +42,14 @@ class Allocator:
     """
 
     __slots__ = ("capacity", "_starts", "_free", "_used", "used_bytes")
+    #: block alignment (a subclass may raise it: the cuda_ipc pool uses 256)
+    align = ALIGN
 
     def __init__(self, capacity: int) -> None:
-        if capacity <= 0 or capacity % ALIGN:
-            raise ConfigurationError(f"allocator capacity must be a positive multiple of {ALIGN}, got {capacity}")
+        if capacity <= 0 or capacity % self.align:
+            raise ConfigurationError(
+                f"allocator capacity must be a positive multiple of {self.align}, got {capacity}"
+            )
         self.capacity = capacity
         self._starts: list[int] = [0]
         self._free: dict[int, int] = {0: capacity}
@@ -54,7 +58,7 @@ class Allocator:
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new block of at least ``nbytes`` bytes, or ``None`` if none fits now."""
-        need = round_up(max(nbytes, 1))
+        need = round_up(max(nbytes, 1), self.align)
         starts, free = self._starts, self._free
         for i, start in enumerate(starts):
             size = free[start]
