@@ -252,8 +252,10 @@ def test_benchmark_quick_configuration(tmp_path):
     import sys
 
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "benchmarks/bench_cuda_ipc.py", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    # The same-GPU case only: the cross-GPU road has its own test above, and the full
+    # benchmark measures it (a 2x H200 run of every GPU test overran its limit here).
+    r = subprocess.run([sys.executable, "benchmarks/bench_cuda_ipc.py", "--quick", "--cases", "same",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads(out.read_text())
     assert rec["results"] and all(row["gbps"] > 0 for row in rec["results"] if "gbps" in row)
