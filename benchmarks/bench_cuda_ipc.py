@@ -49,6 +49,7 @@ import uuid
 from typing import Any
 
 from omnilink._bench.units import format_size, parse_sizes
+from omnilink.connectors.cuda_ipc.ops import _handle_bytes  # the 64 raw bytes of a CUDA IPC handle
 
 LAT_BYTES = 4096
 
@@ -224,11 +225,6 @@ def local_copy(src_dev: str, dst_dev: str, sizes: list[int], rounds: int, quick:
 # record, POSIX semaphores hand slots over; the receiver's stream waits on the event and
 # records its own event, and the slot goes back once that has run. cuda-python calls
 # only. Two processes on one GPU pay the GPU's context switches here too.
-def _raw_handles(what: Any) -> bytes:
-    raw = what.reserved
-    return bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes(int(x) & 0xFF for x in raw)
-
-
 def _raw_ipc_receiver(conn: Any, index: int, slot: int, slots: int, sems: tuple[str, str]) -> None:
     import posix_ipc
     import torch
@@ -242,7 +238,7 @@ def _raw_ipc_receiver(conn: Any, index: int, slot: int, slots: int, sems: tuple[
     handle = ops.check(rt.cudaIpcGetMemHandle(pool), "cudaIpcGetMemHandle")
     flags = rt.cudaEventInterprocess | rt.cudaEventDisableTiming
     back = ops.check(rt.cudaEventCreateWithFlags(flags), "event")  # the pong's event
-    conn.send((_raw_handles(handle), _raw_handles(ops.check(rt.cudaIpcGetEventHandle(back), "handle"))))
+    conn.send((_handle_bytes(handle), _handle_bytes(ops.check(rt.cudaIpcGetEventHandle(back), "handle"))))
     evs = []
     for raw in conn.recv():
         h = rt.cudaIpcEventHandle_t()
@@ -321,7 +317,7 @@ def raw_ipc_floor(sdev: str, rdev: str, sizes: list[int], rounds: int, quick: bo
         back = ops.check(rt.cudaIpcOpenEventHandle(eh), "cudaIpcOpenEventHandle")
         copy_stream = ops.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "stream")
         ops.restore_device(prev)
-        parent.send([_raw_handles(ops.check(rt.cudaIpcGetEventHandle(e), "handle")) for e in evs])
+        parent.send([_handle_bytes(ops.check(rt.cudaIpcGetEventHandle(e), "handle")) for e in evs])
         cur = int(torch.cuda.current_stream().cuda_stream)
         # Copies into the pool and its events' records go on the pool's device, current
         # there (a peer copy pulls from the sender's GPU).

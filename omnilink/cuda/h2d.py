@@ -234,8 +234,11 @@ class AsyncH2DController:
                 if t.is_cuda:
                     # On another GPU (a sender's device payload, say): after its producer.
                     ops.wait(raw, record_producer_events([t.device])[0][1])
-                    with torch.cuda.stream(torch.cuda.ExternalStream(raw, device=dev)):
+                    if on_current_stream:  # raw is the current stream already
                         d.copy_(t, non_blocking=True)
+                    else:
+                        with torch.cuda.stream(self._stream):
+                            d.copy_(t, non_blocking=True)
                 elif n:
                     src = t if t.is_contiguous() else t.contiguous()
                     ops.memcpy(d.data_ptr(), src.data_ptr(), n, raw)

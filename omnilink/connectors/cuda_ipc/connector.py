@@ -7,11 +7,12 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 from omnilink._errors import (
     BlobDecodeError,
     CapacityError,
+    ClosedError,
     ConfigurationError,
     KeyConsumedError,
     OmnilinkError,
@@ -47,6 +48,7 @@ from omnilink.connectors.shm import HostLock, ShmConnector, pid_alive, read_pref
 __all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Default size of the receiver's device pool.
 DEFAULT_POOL_BYTES = 256 << 20
@@ -290,9 +292,17 @@ class CudaIpcConnector(BaseConnector):
 
         return CudaDeviceOps()
 
-    def _start_thread(self, target: Any, name: str) -> None:
+    def _open(self, part: _T | None) -> _T:
+        """``part`` (the inner connector, the pool), or ``ClosedError`` once close() has
+        dropped it."""
+        if part is None:
+            raise ClosedError(f"cuda_ipc connector on channel {self.channel!r} is closed")
+        return part
+
+    def _start_thread(self, name: str, period: float, beat: str) -> None:
+        """A heartbeat thread calling ``self.<beat>()`` every ``period`` s until close."""
         ref = weakref.ref(self)
-        t = threading.Thread(target=target, args=(ref, self._stop), name=name, daemon=True)
+        t = threading.Thread(target=_heartbeat_loop, args=(ref, self._stop, period, beat), name=name, daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -319,7 +329,7 @@ class CudaIpcConnector(BaseConnector):
         with _local_lock:
             _LOCAL_POOLS[d.name] = ptr
         self._pool = _Pool(ops, d, index, ptr, self.pool_bytes)
-        self._start_thread(_receiver_loop, f"omnilink-cuda-ipc-rx-{self.channel}")
+        self._start_thread(f"omnilink-cuda-ipc-rx-{self.channel}", 0.02, "_answer_attach")
 
     def _answer_attach(self) -> None:
         """A new sender asked what this receiver still holds (its allocator starts from
@@ -337,8 +347,7 @@ class CudaIpcConnector(BaseConnector):
         d.set(ACK_GEN, want)
 
     def _slot_events(self, gen: int) -> list[Any]:
-        pool = self._pool
-        assert pool is not None
+        pool = self._open(self._pool)
         with self._rx_lock:
             cached = self._rx_events
             if cached is not None and cached[0] == gen:
@@ -363,8 +372,7 @@ class CudaIpcConnector(BaseConnector):
     def _parse(self, key: str, m: Any) -> tuple[int, int, int, int, int, list[tuple[int, Any, int, int, tuple[int, ...]]]]:
         """Validate a manifest before anything of it is used (a hostile sender cannot
         make the receiver read outside its pool or build a view that lies about its size)."""
-        pool = self._pool
-        assert pool is not None
+        pool = self._open(self._pool)
 
         def bad(why: str) -> BlobDecodeError:
             return BlobDecodeError(f"cuda_ipc: key {key!r}: invalid device manifest: {why}")
@@ -413,8 +421,7 @@ class CudaIpcConnector(BaseConnector):
             raise ConfigurationError(
                 f"cuda_ipc connector on channel {self.channel!r} was opened with role='sender' and cannot get"
             )
-        inner = self._inner
-        assert inner is not None
+        inner = self._open(self._inner)
         try:
             obj = inner.get(key, timeout=deadline.remaining()) if block else inner.get_nowait(key)
         except TransferTimeout:
@@ -425,8 +432,7 @@ class CudaIpcConnector(BaseConnector):
         if m is None:
             self._count(bytes_got=size)
             return host
-        pool = self._pool
-        assert pool is not None
+        pool = self._open(self._pool)
         gen, seq, slot, blk, total, entries = self._parse(key, m)
         d = pool.dir
         pool.hold(blk, total)
@@ -486,15 +492,11 @@ class CudaIpcConnector(BaseConnector):
         return out
 
     def _arrivals(self, known: set[str], timeout: float) -> set[str]:
-        inner = self._inner
-        if inner is None:
-            self._check_open()
-        assert inner is not None
+        inner = self._open(self._inner)
         return inner._arrivals(known, timeout)
 
     def _discard(self, key: str) -> bool:
-        inner = self._inner
-        assert inner is not None
+        inner = self._open(self._inner)
         if not self._recvs:
             dropped = inner.discard(key)
             if dropped:
@@ -553,8 +555,7 @@ class CudaIpcConnector(BaseConnector):
                 f"cuda_ipc connector on channel {self.channel!r} was opened with role='receiver' "
                 "and cannot put; open it with role='sender' or 'dual'"
             )
-        inner = self._inner
-        assert inner is not None
+        inner = self._open(self._inner)
         from omnilink.cuda import map_tensors
 
         ops = self._ops
@@ -767,7 +768,7 @@ class CudaIpcConnector(BaseConnector):
         self._tx = tx
         self._lost_reason = None
         if not any(t.name.startswith("omnilink-cuda-ipc-tx") for t in self._threads):
-            self._start_thread(_sender_loop, f"omnilink-cuda-ipc-tx-{self.channel}")
+            self._start_thread(f"omnilink-cuda-ipc-tx-{self.channel}", HEARTBEAT_S, "_watch_receiver")
         logger.debug("cuda_ipc: sender attached to %s (generation %d)", d.name, gen)
         return tx
 
@@ -903,25 +904,15 @@ class CudaIpcConnector(BaseConnector):
             pool.close()
 
 
-def _receiver_loop(ref: Any, stop: threading.Event) -> None:
-    while not stop.wait(0.02):
+def _heartbeat_loop(ref: Any, stop: threading.Event, period: float, beat: str) -> None:
+    """Call ``beat`` on the connector every ``period`` s until ``stop``; holds it only
+    weakly (and only during a beat), so the thread never keeps it alive."""
+    while not stop.wait(period):
         conn = ref()
         if conn is None:
             return
         try:
-            conn._answer_attach()
+            getattr(conn, beat)()
         except Exception:  # pragma: no cover - keep the heartbeat alive
-            logger.debug("cuda_ipc: receiver heartbeat failed", exc_info=True)
-        del conn
-
-
-def _sender_loop(ref: Any, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_S):
-        conn = ref()
-        if conn is None:
-            return
-        try:
-            conn._watch_receiver()
-        except Exception:  # pragma: no cover - keep the heartbeat alive
-            logger.debug("cuda_ipc: sender heartbeat failed", exc_info=True)
+            logger.debug("cuda_ipc: heartbeat %s failed", beat, exc_info=True)
         del conn
