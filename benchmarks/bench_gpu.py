@@ -6,10 +6,14 @@ several repetitions, and the ratios compare paths measured side by side in that 
 What it measures (needs CUDA; one GPU, and cuda:0 -> cuda:1 when there are two):
 
 1. ceilings, in this process: one pinned device-to-host and host-to-device ``copy_`` of
-   the same bytes (and a pageable one);
+   the same bytes (and a pageable one); "duplex": a D2H and an H2D of those bytes at
+   once on two streams, GB/s per direction (what a pipelined GPU -> host -> GPU
+   transfer can reach when both directions of PCIe share the link);
 2. the D2H controller copying into a page-locked ``/dev/shm`` arena, against (1);
 3. two processes, sender tensors on cuda:0, receiver ``get(..., device="cuda:k")``
-   through the shm backend: GB/s at each size with several messages in flight, bytes
+   through the shm backend: GB/s at each size with several messages in flight (the
+   receiver's side; the sender's blocking ``put`` one at a time, and ``put_async`` with
+   8 in flight from a ring of sources: column async8), bytes
    checked on the receiver's GPU; 4 KiB one-way latency (round trip / 2, both copies);
    beside the raw floor of the same topology: a ring of 8 registered ``/dev/shm``
    slots, D2H in one process and H2D in the other with cuda-python calls and POSIX
@@ -45,6 +49,19 @@ SENDER_OPTS: dict = {}
 CHECK_EVERY = 8
 
 
+def _mps_running() -> bool:
+    """Whether an MPS server runs here (processes then share the GPU without switching
+    contexts: the two-process figures differ a lot, so every run says which it was)."""
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:  # comm is cut at 15 characters
+                if b"nvidia-cuda-mps-server" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _fmt(n: int) -> str:
     return f"{n >> 20} MiB" if n >= MiB else f"{n >> 10} KiB"
 
@@ -67,6 +84,23 @@ def ceilings(sizes: list[int], reps: int) -> dict[str, dict[int, float]]:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             out[name][n] = n / statistics.median(times[2:]) / 1e9
+        # Both directions at once, as a pipelined GPU -> host -> GPU transfer runs them:
+        # a D2H and an H2D of n bytes each on two streams; GB/s per direction.
+        pin2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev2 = torch.empty(n, dtype=torch.uint8, device="cuda")
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        times = []
+        for _ in range(reps + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.cuda.stream(s1):
+                pin.copy_(dev, non_blocking=True)
+            with torch.cuda.stream(s2):
+                dev2.copy_(pin2, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out.setdefault("duplex", {})[n] = n / statistics.median(times[2:]) / 1e9
+        del pin2, dev2
     return out
 
 
@@ -284,7 +318,7 @@ def _receiver(conn, channel: str, reply: str) -> None:
                 _, count, device, mode, tag, every = cmd
                 ok = torch.ones((), dtype=torch.bool, device=device)
                 for i in range(count):
-                    if mode == "omnilink":
+                    if mode in ("omnilink", "async"):
                         got = rx.get(f"{tag}m{i}", timeout=120, device=device)["x"]
                     elif mode == "to":  # host path, then a plain .to()
                         got = rx.get(f"{tag}m{i}", timeout=120)["x"].to(device)
@@ -331,12 +365,14 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, ch, reply), daemon=True)
     proc.start()
-    results: dict = {"omnilink": {}, "to": {}, "legacy": {}, "ok": True}
+    results: dict = {"omnilink": {}, "async": {}, "to": {}, "legacy": {}, "ok": True}
+    window = 8  # put_async: messages in flight on the sender's side (a ring of sources)
     try:
         for n in sizes:
             src = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+            ring = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(window)]
             count = count_for(n)
-            for mode in ("omnilink", "to", "legacy"):
+            for mode in ("omnilink", "async", "to", "legacy"):
                 if mode == "legacy" and n > 64 * MiB:
                     continue  # minutes per run at 0.2 GB/s; 64 MiB makes the point
                 best = []
@@ -349,7 +385,16 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
                     parent.send(("thr", count, device, mode, tag, CHECK_EVERY))
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
+                    futs: list = [None] * window
                     for i in range(count):
+                        if mode == "async":
+                            # Several in flight: a source is refilled once its put is done.
+                            j = i % window
+                            if futs[j] is not None:
+                                futs[j].result(120)
+                            ring[j].fill_(i % 251)
+                            futs[j] = tx.put_async(f"{tag}m{i}", {"x": ring[j]}, timeout=120)
+                            continue
                         src.fill_(i % 251)
                         if mode == "omnilink":
                             tx.put(f"{tag}m{i}", {"x": src}, timeout=120)
@@ -362,6 +407,9 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
                             seg.buf[: len(data)] = data
                             parent.send((seg.name, len(data)))
                             seg.close()
+                    for f in futs:
+                        if f is not None:
+                            f.result(120)
                     t_end, ok = parent.recv()
                     results["ok"] &= ok
                     best.append(count * n / (t_end - t0) / 1e9)
@@ -490,7 +538,7 @@ def main() -> int:
         SENDER_OPTS["slice_bytes"] = parse_sizes(args.slice_bytes)[0]
     big = [s for s in sizes if s >= MiB]
     machine = {"gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count()}
+               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(), "mps": _mps_running()}
     print(f"# bench_gpu on {machine}", flush=True)
     ceil = ceilings(sizes, 10)
     ctl = d2h_controller([s for s in big if s >= 16 * MiB] or big, 10)
@@ -503,26 +551,33 @@ def main() -> int:
     floor = {d: raw_two_process(big, int(d.split(":")[1]), count_for, args.reps) for d in devices}
     ovl = None if args.skip_overlap else overlap(10, 256 * MiB)
     rows = []
-    print(f"\n{'size':>8} | {'d2h pin':>8} {'h2d pin':>8} {'d2h page':>8} | {'ctl d2h':>8} {'ctl/raw':>7} | "
-          + " | ".join(f"{d}: omnilink   .to()  legacy  x slower-pin  raw-2proc  x raw-2proc" for d in devices))
+    print(f"\n{'size':>8} | {'d2h pin':>8} {'h2d pin':>8} {'d2h page':>8} {'duplex':>7} | {'ctl d2h':>8} {'ctl/raw':>7} | "
+          + " | ".join(f"{d}: omnilink x slower-pin  async8 x slower-pin   .to()  legacy  raw-2proc  x raw-2proc" for d in devices))
     for n in sizes:
         slower = min(ceil["d2h-pinned"][n], ceil["h2d-pinned"][n])
         line = (f"{_fmt(n):>8} | {ceil['d2h-pinned'][n]:8.1f} {ceil['h2d-pinned'][n]:8.1f} "
-                f"{ceil['d2h-pageable'][n]:8.1f} | ")
+                f"{ceil['d2h-pageable'][n]:8.1f} {ceil['duplex'][n]:7.1f} | ")
         c = ctl.get(n)
         line += f"{c:8.1f} {c / ceil['d2h-pinned'][n]:7.2f} | " if c else f"{'':8} {'':7} | "
         rec = {"size": n, "d2h_pinned": ceil["d2h-pinned"][n], "h2d_pinned": ceil["h2d-pinned"][n],
-               "d2h_pageable": ceil["d2h-pageable"][n], "ctl_d2h": c}
+               "d2h_pageable": ceil["d2h-pageable"][n], "duplex_per_direction": ceil["duplex"][n], "ctl_d2h": c}
         for d in devices:
             r = tp[d]
             o, t2, lg = r["omnilink"].get(n), r["to"].get(n), r["legacy"].get(n)
+            a8 = r["async"].get(n)
             fl = floor[d]["stream"].get(n)
-            line += (f"{d}: {o or 0:8.1f} {t2 or 0:7.1f} {lg or 0:7.2f} {(o or 0) / slower:6.2f}x "
-                     f"{fl or 0:10.1f} {(o or 0) / fl if fl else 0:8.2f}x | ")
-            rec[d] = {"omnilink": o, "to": t2, "legacy": lg, "ratio_slower_pinned": (o or 0) / slower,
-                      "raw_two_process": fl, "ratio_raw_two_process": (o or 0) / fl if fl else None}
+            best = max(o or 0, a8 or 0)
+            line += (f"{d}: {o or 0:8.1f} {(o or 0) / slower:9.2f}x {a8 or 0:6.1f} {(a8 or 0) / slower:9.2f}x "
+                     f"{t2 or 0:7.1f} {lg or 0:7.2f} {fl or 0:10.1f} {best / fl if fl else 0:8.2f}x | ")
+            rec[d] = {"omnilink": o, "omnilink_put_async_x8": a8, "to": t2, "legacy": lg,
+                      "ratio_slower_pinned": (o or 0) / slower, "ratio_slower_pinned_put_async_x8": (a8 or 0) / slower,
+                      "raw_two_process": fl, "ratio_raw_two_process": best / fl if fl else None,
+                      "ratio_duplex": best / ceil["duplex"][n]}
         rows.append(rec)
         print(line, flush=True)
+    for d in devices:
+        print(f"{d}: best of omnilink/async8 against the duplex ceiling: " + ", ".join(
+            f"{_fmt(r['size'])} {r[d]['ratio_duplex']:.2f}x" for r in rows if r["size"] >= MiB))
     for d in devices:
         print(f"{d}: 4 KiB one-way (round trip / 2, spin_us=1000) p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
               f"raw two-process floor p50 {floor[d]['lat_p50_us']:.1f} us, p99 {floor[d]['lat_p99_us']:.1f} us; "

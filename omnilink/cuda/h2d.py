@@ -264,6 +264,58 @@ class AsyncH2DController:
         self._completer.submit(event, finish)
         return StagePayloadHandle(out, event, dev, tensors, waiter=self._completer, stream=raw)
 
+    def submit_small(self, payload: Any, /) -> StagePayloadHandle:
+        """``submit(payload, on_current_stream=True)`` for a small payload of host tensors.
+
+        The per-message path of a transport that decoded ``payload`` into host views of
+        page-locked memory (the shm backend's small device ``get``): one ``torch.empty``
+        and one ``cudaMemcpyAsync`` per tensor on the caller's current stream, one event,
+        and nothing else -- no copy stream, no cross-stream wait, no closure per tensor
+        kind. The host views are held until the event has completed (then dropped, by
+        the next call that finds it done or by the completer thread).
+
+        Raises
+        ------
+        ValueError
+            A tensor of ``payload`` is not on the host (use ``submit``).
+        """
+        if self._stream is None:
+            return self.submit(payload, on_current_stream=True)
+        import torch
+
+        comp = self._completer
+        if comp.pending:
+            comp.reap()
+        ops, idx, dev = self._ops, self._index, self.device
+        empty, memcpy = torch.empty, ops.memcpy
+        tensors: list[Any] = []
+        sources: list[Any] = []
+        prev = ops.swap_device(idx)
+        try:
+            raw = current_raw_stream(idx)
+
+            def move(t: Any) -> Any:
+                if not t.is_cpu:
+                    raise ValueError(f"submit_small copies host tensors; got one on {t.device} (use submit)")
+                d = empty(t.shape, dtype=t.dtype, device=dev)
+                n = t.numel() * t.element_size()
+                if n:
+                    if not t.is_contiguous():
+                        t = t.contiguous()
+                    memcpy(d.data_ptr(), t.data_ptr(), n, raw)
+                tensors.append(d)
+                sources.append(t)
+                return d
+
+            out = map_tensors(payload, move)
+            event = Event(idx).record(raw)
+        finally:
+            ops.restore_device(prev)
+        if self.sync:
+            event.synchronize()
+        comp.submit(event, sources.clear)
+        return StagePayloadHandle(out, event, dev, tensors, waiter=comp, stream=raw)
+
     def copy_into(self, pairs: list[tuple[Any, Any]], /, *, keep: Any = None) -> Any:
         """Enqueue ``dst.copy_(src)`` for each (host ``src``, device ``dst``) on the copy
         stream, after the caller's current stream; ``keep`` is dropped once they are done.

@@ -84,6 +84,38 @@ def test_source_overwritten_after_put_arrives_as_it_was(pair):
     assert int(got["x"].min()) == 7 == int(got["x"].max())
 
 
+def test_small_payloads_copy_on_the_current_stream_intact(pair):
+    # Under SMALL_DEVICE_BYTES: one copy per tensor on the current stream (strided,
+    # conj and neg views gathered by torch), after the producer's queued work.
+    tx, rx = pair
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.randn(16, 8, dtype=torch.complex64, device="cuda", generator=g)
+    payload = {"h": torch.randn(1, 2048, device="cuda", generator=g).to(torch.bfloat16),
+               "ids": torch.arange(16, device="cuda"), "t": torch.randn(32, 16, device="cuda", generator=g).t(),
+               "conj": z.conj(), "neg": torch._neg_view(torch.randn(8, device="cuda", generator=g)),
+               "empty": torch.empty(0, 4, device="cuda"), "cpu": torch.arange(5), "meta": {"n": 3}}
+    want = {k: (v.resolve_conj().resolve_neg().clone() if isinstance(v, torch.Tensor) else v) for k, v in payload.items()}
+    h = payload["h"]
+    _busy()
+    h.mul_(2)  # queued behind the busy work: put must copy the result, not the old bytes
+    want["h"] = want["h"] * 2
+    for i in range(3):
+        tx.put(f"k{i}", payload, timeout=30)
+        got = rx.get(f"k{i}", timeout=30, device="cuda:0")
+        for name, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert got[name].is_cuda and got[name].dtype == v.dtype, name
+                assert torch.equal(got[name].cpu(), v.cpu()), name
+            else:
+                assert got[name] == v, name
+    futs = [tx.put_async(f"a{i}", payload, timeout=30) for i in range(4)]
+    for i, fut in enumerate(futs):
+        fut.result(30)
+        got = rx.get_handle(f"a{i}", timeout=30, device="cuda:0").synchronize(timeout=30)
+        assert torch.equal(got["h"].cpu(), want["h"].cpu()) and torch.equal(got["t"].cpu(), want["t"].cpu())
+    assert tx.stats().device_puts == 7 and rx.stats().device_gets == 7
+
+
 def test_put_async_source_freed_and_reused_still_arrives_intact(pair):
     tx, rx = pair
     _busy()

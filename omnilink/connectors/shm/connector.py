@@ -516,10 +516,10 @@ class ShmConnector(BaseConnector):
             if dev_bytes >= SMALL_DEVICE_BYTES or gpu.cpu_mode or n > w.data_bytes:
                 # CUDA tensors: DMA straight into the block (and large ones in slices).
                 return gpu.put(key, payload, blob, deadline, events)
-            # Small: the fixed cost of the copy stream and its events would dominate; the
-            # write below copies on the current stream (after the producer's work) into
-            # the page-locked arena and waits for that copy: one call per tensor.
-            gpu.prepare_small_put(events)
+            # Small: the fixed cost of the copy stream and its events would dominate: one
+            # copy per tensor on the current stream (after the producer's work) into the
+            # page-locked arena, one wait for them.
+            return gpu.put_small(key, blob, deadline, events)
         key_bytes = key.encode("utf-8")
         if n > w.data_bytes:
             return self._put_overflow(key, key_bytes, blob, deadline)
@@ -956,7 +956,7 @@ class ShmConnector(BaseConnector):
             return StagePayloadHandle(obj, None, device, [])
         got = self._claim_wait(key, deadline, block)
         payload = self._open_payload(key, got, count_get=True)
-        return self._gpu_path().land(payload, got[0], deadline, device)
+        return self._gpu_path().land(payload, got[0], deadline, device, got[4])
 
     def get_handle(self, key: str, /, *, device: Any, timeout: float | None = None) -> Any:
         """Receive ``key`` and start copying it to ``device``; return a handle at once.

@@ -93,6 +93,7 @@ class ShmGpuPath:
         self._h2d: dict[Any, Any] = {}
         self._arena_reg: Any = None
         self._arena_t: Any = None
+        self._arena_addr: int | None = None
         self._reader_regs: dict[int, tuple[Any, Any]] = {}
         #: parsed ``device=`` strings of get (``"cuda:0"`` -> torch.device)
         self._devices: dict[str, Any] = {}
@@ -195,16 +196,69 @@ class ShmGpuPath:
         conn._count(device_puts=1)
         return n
 
-    def prepare_small_put(self, events: Any) -> None:
-        """Before the host path copies a small CUDA payload: the arena is page-locked, and
-        (put_async) this thread's current stream waits for the producer's events."""
-        self._arena()
-        if events:
-            from omnilink.cuda import cuda_ops, current_raw_stream
+    def put_small(self, key: str, blob: Any, deadline: Any, events: Any) -> int:
+        """Send a payload with under ``SMALL_DEVICE_BYTES`` of CUDA tensors.
 
-            ops = cuda_ops()
-            for dev, ev in events:
-                ops.wait(current_raw_stream(dev.index), ev)
+        Header and host tensors are written into a block; each CUDA tensor is one
+        ``cudaMemcpyAsync`` on its device's current stream (after the producer's events,
+        for ``put_async``) straight into the page-locked block; one synchronize per
+        stream; publish. Below this size the copy stream's two events and cross-stream
+        wait cost more than the copy itself.
+        """
+        conn = self.conn
+        n = blob.nbytes
+        base = self._arena_address() + conn._writer.data_offset
+        off, idx = conn._take_block(key, n, deadline, block=True)
+        try:
+            deferred = blob.write_host_into(conn._block_view(off, n))
+            if deferred:
+                self._copy_small(base + off, deferred, events)
+        except BaseException:
+            conn._give_back_block(off, idx)
+            raise
+        conn._publish_block(key, off, idx, n, deadline)
+        conn._count(device_puts=1)
+        return n
+
+    def _copy_small(self, addr: int, deferred: list[tuple[int, Any]], events: Any) -> None:
+        """Copy each ``(offset, CUDA tensor)`` to ``addr + offset`` on its device's current
+        stream and wait for the copies (also when one of them fails to enqueue: no DMA
+        may still write into a block that goes back)."""
+        from omnilink.cuda import cuda_ops, current_raw_stream
+
+        ops = cuda_ops()
+        streams: dict[int, int] = {}
+        try:
+            for o, src in deferred:
+                index = src.get_device()
+                raw = streams.get(index)
+                if raw is None:
+                    raw = streams[index] = current_raw_stream(index)
+                    for dev, ev in events or ():
+                        if dev.index == index:
+                            ops.wait(raw, ev)
+                nb = src.numel() * src.element_size()
+                if src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+                    prev = ops.swap_device(index)
+                    try:
+                        ops.memcpy(addr + o, src.data_ptr(), nb, raw)
+                    finally:
+                        ops.restore_device(prev)
+                else:
+                    # Strided (or a conj/neg view): torch gathers it, on the same stream.
+                    start = addr - self._arena_address() + o
+                    dst = self._arena()[start : start + nb].view(src.dtype).view(src.shape)
+                    dst.copy_(src, non_blocking=True)
+        finally:
+            for raw in streams.values():
+                ops.check(ops.rt.cudaStreamSynchronize(raw), "cudaStreamSynchronize")
+
+    def _arena_address(self) -> int:
+        """Address of the sender's arena mapping (page-locked on first use)."""
+        addr = self._arena_addr
+        if addr is None:
+            addr = self._arena_addr = self._arena().data_ptr()
+        return addr
 
     def _put_frame(self, key: str, blob: Any, deadline: Any, events: Any, *, block: bool = True) -> int:
         """Allocate a block, write ``blob`` (device regions by DMA), publish it."""
@@ -342,8 +396,11 @@ class ShmGpuPath:
                        key, self.conn.channel, index, reason)
 
     # ================================================================ receiving
-    def land(self, payload: Any, reader: Any, deadline: Any, device: Any) -> Any:
-        """Start copying a received payload to ``device``; a ``StagePayloadHandle``."""
+    def land(self, payload: Any, reader: Any, deadline: Any, device: Any, length: int | None = None) -> Any:
+        """Start copying a received payload to ``device``; a ``StagePayloadHandle``.
+
+        ``length``: the received frame's size; a frame under ``SMALL_DEVICE_BYTES``
+        takes the small path (its tensors are smaller still) without walking it."""
         dev = self._devices.get(device) if isinstance(device, str) else None
         if dev is None:
             dev = self._device(device)
@@ -357,7 +414,10 @@ class ShmGpuPath:
         self._register_reader(reader)
         # Small payloads copy on the caller's current stream: the copy stream's ordering
         # (two events, a cross-stream wait) costs more than the copy itself.
-        return self._h2d_for(dev).submit(payload, on_current_stream=_small(payload, self._torch))
+        small = length < SMALL_DEVICE_BYTES if length is not None else _small(payload, self._torch)
+        if small:
+            return self._h2d_for(dev).submit_small(payload)
+        return self._h2d_for(dev).submit(payload)
 
     def _device(self, device: Any) -> Any:
         torch = self._torch
@@ -427,3 +487,4 @@ class ShmGpuPath:
         if self._arena_reg is not None:
             self._arena_reg.close()
         self._arena_t = None
+        self._arena_addr = None
