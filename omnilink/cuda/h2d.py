@@ -264,15 +264,17 @@ class AsyncH2DController:
         self._completer.submit(event, finish)
         return StagePayloadHandle(out, event, dev, tensors, waiter=self._completer, stream=raw)
 
-    def submit_small(self, payload: Any, /) -> StagePayloadHandle:
-        """``submit(payload, on_current_stream=True)`` for a small payload of host tensors.
+    def submit_host(self, payload: Any, /, *, on_current_stream: bool = True) -> StagePayloadHandle:
+        """``submit`` for a payload of host tensors, at the least cost per message.
 
         The per-message path of a transport that decoded ``payload`` into host views of
-        page-locked memory (the shm backend's small device ``get``): one ``torch.empty``
-        and one ``cudaMemcpyAsync`` per tensor on the caller's current stream, one event,
-        and nothing else -- no copy stream, no cross-stream wait, no closure per tensor
-        kind. The host views are held until the event has completed (then dropped, by
-        the next call that finds it done or by the completer thread).
+        page-locked memory (the shm backend's device ``get``): one ``torch.empty`` and
+        one ``cudaMemcpyAsync`` per tensor, one event, and nothing else. With
+        ``on_current_stream`` (small payloads) the copies run on the caller's current
+        stream (no cross-stream ordering at all); otherwise on the copy stream, after
+        what the current stream queued before. The host views are held until the event
+        has completed (then dropped, by the next call that finds it done or by the
+        completer thread).
 
         Raises
         ------
@@ -280,7 +282,7 @@ class AsyncH2DController:
             A tensor of ``payload`` is not on the host (use ``submit``).
         """
         if self._stream is None:
-            return self.submit(payload, on_current_stream=True)
+            return self.submit(payload, on_current_stream=on_current_stream)
         import torch
 
         comp = self._completer
@@ -292,11 +294,17 @@ class AsyncH2DController:
         sources: list[Any] = []
         prev = ops.swap_device(idx)
         try:
-            raw = current_raw_stream(idx)
+            if on_current_stream:
+                raw = current_raw_stream(idx)
+            else:
+                raw = self._raw
+                # The device memory comes from the caller's current stream: the copy
+                # waits for what that stream queued before (see ``submit``).
+                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
 
             def move(t: Any) -> Any:
                 if not t.is_cpu:
-                    raise ValueError(f"submit_small copies host tensors; got one on {t.device} (use submit)")
+                    raise ValueError(f"submit_host copies host tensors; got one on {t.device} (use submit)")
                 d = empty(t.shape, dtype=t.dtype, device=dev)
                 n = t.numel() * t.element_size()
                 if n:

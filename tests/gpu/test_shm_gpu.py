@@ -116,6 +116,29 @@ def test_small_payloads_copy_on_the_current_stream_intact(pair):
     assert tx.stats().device_puts == 7 and rx.stats().device_gets == 7
 
 
+def test_mid_size_payloads_put_direct_and_put_async_intact(pair):
+    # Between SMALL_DEVICE_BYTES and pipeline_bytes: put copies on the current stream,
+    # put_async on the copy stream after the producer's event; the receiver's copy
+    # stream lands them.
+    tx, rx = pair
+    g = torch.Generator(device="cuda").manual_seed(5)
+    h = torch.randn(1024, 1024, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.randn(512, 512, device="cuda", generator=g).t()
+    want_h, want_t = h.clone(), t.contiguous()
+    _busy()
+    tx.put("m0", {"h": h, "t": t}, timeout=30)
+    h.fill_(0)  # after put returned: must not show at the receiver
+    got = rx.get("m0", timeout=30, device="cuda:0")
+    assert torch.equal(got["h"], want_h) and torch.equal(got["t"], want_t)
+    h.copy_(want_h)
+    _busy()
+    h.mul_(3)  # queued behind the busy work, before put_async: must be what arrives
+    fut = tx.put_async("m1", {"h": h, "t": t}, timeout=30)
+    fut.result(30)
+    got = rx.get("m1", timeout=30, device="cuda:0")
+    assert torch.equal(got["h"], want_h * 3) and torch.equal(got["t"], want_t)
+
+
 def test_put_async_source_freed_and_reused_still_arrives_intact(pair):
     tx, rx = pair
     _busy()

@@ -63,7 +63,6 @@ from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
-from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
 from omnilink.connectors.shm.slices import SLICED_MARK
 from omnilink.connectors.shm.names import (
     free_shm_bytes,
@@ -513,13 +512,12 @@ class ShmConnector(BaseConnector):
         dev_bytes = blob.device_bytes()
         if (dev_bytes and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
             gpu = self._gpu_path()
-            if dev_bytes >= SMALL_DEVICE_BYTES or gpu.cpu_mode or n > w.data_bytes:
-                # CUDA tensors: DMA straight into the block (and large ones in slices).
+            if dev_bytes >= self.pipeline_bytes or gpu.cpu_mode or n > w.data_bytes:
+                # Large CUDA payloads: DMA straight into the arena in slices.
                 return gpu.put(key, payload, blob, deadline, events)
-            # Small: the fixed cost of the copy stream and its events would dominate: one
-            # copy per tensor on the current stream (after the producer's work) into the
-            # page-locked arena, one wait for them.
-            return gpu.put_small(key, blob, deadline, events)
+            # One copy per tensor straight into the page-locked block (on the current
+            # stream for put, the copy stream for put_async), one wait for them.
+            return gpu.put_direct(key, blob, deadline, events)
         key_bytes = key.encode("utf-8")
         if n > w.data_bytes:
             return self._put_overflow(key, key_bytes, blob, deadline)

@@ -2,21 +2,25 @@
 
 Sender (``put`` of a payload holding CUDA tensors)::
 
-    caller's stream --event--> D2H controller stream (omnilink.cuda.AsyncD2HController)
-    write header + host tensors into the block; copy_into(block views) for device
-    tensors: one DMA each, straight into the arena, which is page-locked once (first
-    CUDA put) with cudaHostRegister; wait for the copy; publish the descriptor.
+    under pipeline_bytes of CUDA tensors (put_direct): write header + host tensors into
+    a block; one cudaMemcpyAsync per CUDA tensor straight into the arena, which is
+    page-locked once (first CUDA put) with cudaHostRegister -- put: on the tensor's
+    current stream (it waits for the copy anyway); put_async: on the D2H controller's
+    stream after the producer's event -- wait for the copies; publish the descriptor.
 
-    payloads with >= pipeline_bytes of CUDA tensors: a head, then slices (slices.py);
-    up to 4 slices are in flight at once: while slice i is published, slice i+1 is
-    still being copied; the receiver copies slice i to its device meanwhile.
+    payloads with >= pipeline_bytes of CUDA tensors: a head, then slices (slices.py),
+    each DMA'd by the D2H controller (omnilink.cuda.AsyncD2HController) on its stream
+    after the producer's event; up to 4 slices are in flight at once: while slice i is
+    published, slice i+1 is still being copied; the receiver copies slice i to its
+    device meanwhile.
 
 Receiver (``get(key, device="cuda:k")`` / ``get_handle``)::
 
     claim + decode: zero-copy views of the sender's arena, through our own mapping,
     page-locked once per sender arena (first CUDA get from it)
-    AsyncH2DController: copy on its own stream (payloads under SMALL_DEVICE_BYTES: on
-    the caller's current stream), StagePayloadHandle; the arena block is released
+    AsyncH2DController.submit_host: one copy per tensor on its own stream (payloads
+    under SMALL_DEVICE_BYTES: on the caller's current stream), StagePayloadHandle;
+    the arena block is released
     once the copy has completed: by the next get that finds it done (no thread
     hand-off while messages stream), or by the controller's completer thread
     get(): handle.wait() = the caller's current stream waits on the copy's event
@@ -196,14 +200,16 @@ class ShmGpuPath:
         conn._count(device_puts=1)
         return n
 
-    def put_small(self, key: str, blob: Any, deadline: Any, events: Any) -> int:
-        """Send a payload with under ``SMALL_DEVICE_BYTES`` of CUDA tensors.
+    def put_direct(self, key: str, blob: Any, deadline: Any, events: Any) -> int:
+        """Send a payload of fewer than ``pipeline_bytes`` of CUDA tensors, unsliced.
 
         Header and host tensors are written into a block; each CUDA tensor is one
-        ``cudaMemcpyAsync`` on its device's current stream (after the producer's events,
-        for ``put_async``) straight into the page-locked block; one synchronize per
-        stream; publish. Below this size the copy stream's two events and cross-stream
-        wait cost more than the copy itself.
+        ``cudaMemcpyAsync`` straight into the page-locked block; one synchronize per
+        stream; publish. ``put`` copies on the tensor's device's current stream: it
+        waits for the copy anyway, and a copy stream would add two events and a
+        cross-stream wait to the same wait. ``put_async`` (``events``: the producer's)
+        copies on the D2H controller's stream after those events, so the caller's later
+        work on its own stream is not ordered behind the copy.
         """
         conn = self.conn
         n = blob.nbytes
@@ -212,7 +218,7 @@ class ShmGpuPath:
         try:
             deferred = blob.write_host_into(conn._block_view(off, n))
             if deferred:
-                self._copy_small(base + off, deferred, events)
+                self._copy_direct(base + off, deferred, events)
         except BaseException:
             conn._give_back_block(off, idx)
             raise
@@ -220,10 +226,11 @@ class ShmGpuPath:
         conn._count(device_puts=1)
         return n
 
-    def _copy_small(self, addr: int, deferred: list[tuple[int, Any]], events: Any) -> None:
-        """Copy each ``(offset, CUDA tensor)`` to ``addr + offset`` on its device's current
-        stream and wait for the copies (also when one of them fails to enqueue: no DMA
-        may still write into a block that goes back)."""
+    def _copy_direct(self, addr: int, deferred: list[tuple[int, Any]], events: Any) -> None:
+        """Copy each ``(offset, CUDA tensor)`` to ``addr + offset`` and wait for the copies
+        (also when one of them fails to enqueue: no DMA may still write into a block that
+        goes back). Without ``events``, on the tensor's device's current stream; with
+        them, on that device's D2H controller stream after them."""
         from omnilink.cuda import cuda_ops, current_raw_stream
 
         ops = cuda_ops()
@@ -233,7 +240,11 @@ class ShmGpuPath:
                 index = src.get_device()
                 raw = streams.get(index)
                 if raw is None:
-                    raw = streams[index] = current_raw_stream(index)
+                    if events is None:
+                        raw = current_raw_stream(index)
+                    else:
+                        raw = self._d2h_for(src.device)._raw
+                    streams[index] = raw
                     for dev, ev in events or ():
                         if dev.index == index:
                             ops.wait(raw, ev)
@@ -248,7 +259,8 @@ class ShmGpuPath:
                     # Strided (or a conj/neg view): torch gathers it, on the same stream.
                     start = addr - self._arena_address() + o
                     dst = self._arena()[start : start + nb].view(src.dtype).view(src.shape)
-                    dst.copy_(src, non_blocking=True)
+                    with self._torch.cuda.stream(self._torch.cuda.ExternalStream(raw, device=src.device)):
+                        dst.copy_(src, non_blocking=True)
         finally:
             for raw in streams.values():
                 ops.check(ops.rt.cudaStreamSynchronize(raw), "cudaStreamSynchronize")
@@ -415,9 +427,7 @@ class ShmGpuPath:
         # Small payloads copy on the caller's current stream: the copy stream's ordering
         # (two events, a cross-stream wait) costs more than the copy itself.
         small = length < SMALL_DEVICE_BYTES if length is not None else _small(payload, self._torch)
-        if small:
-            return self._h2d_for(dev).submit_small(payload)
-        return self._h2d_for(dev).submit(payload)
+        return self._h2d_for(dev).submit_host(payload, on_current_stream=small)
 
     def _device(self, device: Any) -> Any:
         torch = self._torch
