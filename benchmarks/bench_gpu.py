@@ -22,7 +22,9 @@ What it measures (needs CUDA; one GPU, and cuda:0 -> cuda:1 when there are two):
 4. the paths omnilink replaces, same processes and sizes: the legacy one (``.cpu()``,
    pickle, a fresh segment, ``.cuda()``), and omnilink's host path with plain ``.to()``
    at both ends;
-5. overlap: bf16 matmuls with a ``put_async`` of 256 MiB per step, against matmuls
+5. the same transfers through the same shm connector with ``device_ipc="on"``: device to
+   device into the receiver's pool, against a local device-to-device ``copy_`` (d2d);
+6. overlap: bf16 matmuls with a ``put_async`` of 256 MiB per step, against matmuls
    alone and matmuls beside a raw side-stream copy of the same bytes.
 
 Run: ``python benchmarks/bench_gpu.py [--sizes 1MiB,64MiB,256MiB] [--json out.jsonl]``.
@@ -70,12 +72,14 @@ def _fmt(n: int) -> str:
 def ceilings(sizes: list[int], reps: int) -> dict[str, dict[int, float]]:
     import torch
 
-    out: dict[str, dict[int, float]] = {"d2h-pinned": {}, "h2d-pinned": {}, "d2h-pageable": {}}
+    out: dict[str, dict[int, float]] = {"d2h-pinned": {}, "h2d-pinned": {}, "d2h-pageable": {}, "d2d": {}}
     for n in sizes:
         dev = torch.empty(n, dtype=torch.uint8, device="cuda")
         pin = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         page = torch.empty(n, dtype=torch.uint8)
-        for name, dst, src in (("d2h-pinned", pin, dev), ("h2d-pinned", dev, pin), ("d2h-pageable", page, dev)):
+        dev_b = torch.empty(n, dtype=torch.uint8, device="cuda")
+        for name, dst, src in (("d2h-pinned", pin, dev), ("h2d-pinned", dev, pin), ("d2h-pageable", page, dev),
+                               ("d2d", dev_b, dev)):
             times = []
             for _ in range(reps + 2):
                 torch.cuda.synchronize()
@@ -295,7 +299,7 @@ def raw_two_process(sizes: list[int], rx_index: int, count_for, reps: int) -> di
 
 
 # =================================================================== two processes
-def _receiver(conn, channel: str, reply: str) -> None:
+def _receiver(conn, channel: str, reply: str, ipc_channel: str, ipc_pool: int, device: str) -> None:
     import pickle
     from multiprocessing import shared_memory
 
@@ -306,8 +310,12 @@ def _receiver(conn, channel: str, reply: str) -> None:
     torch.cuda.init()
     # spin_us=1000: a waiting get watches its semaphore for 1 ms before sleeping (the
     # default 200 us is shorter than one hop here, so a sleeping wake-up would be timed).
-    rx = omnilink.connect("shm", channel=channel, role="receiver", spin_us=1000)
-    tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0)
+    # The host-staged path (device_ipc="off"), and the same connector with device IPC on
+    # a channel of its own (column ipc).
+    rx = omnilink.connect("shm", channel=channel, role="receiver", spin_us=1000, device_ipc="off")
+    tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0, device_ipc="off")
+    rx_ipc = omnilink.connect("shm", channel=ipc_channel, role="receiver", spin_us=1000, device_ipc="on",
+                              ipc_pool_bytes=ipc_pool, ipc_device=device)
     try:
         while True:
             cmd = conn.recv()
@@ -320,6 +328,8 @@ def _receiver(conn, channel: str, reply: str) -> None:
                 for i in range(count):
                     if mode in ("omnilink", "async"):
                         got = rx.get(f"{tag}m{i}", timeout=120, device=device)["x"]
+                    elif mode == "ipc":
+                        got = rx_ipc.get(f"{tag}m{i}", timeout=120, device=device)["x"]
                     elif mode == "to":  # host path, then a plain .to()
                         got = rx.get(f"{tag}m{i}", timeout=120)["x"].to(device)
                     else:  # legacy: pickle over a fresh segment
@@ -344,6 +354,7 @@ def _receiver(conn, channel: str, reply: str) -> None:
                     tx.put(f"{tag}q{i}", got, timeout=60)
                 conn.send("done")
     finally:
+        rx_ipc.close()
         tx.close()
         rx.close()
 
@@ -360,19 +371,21 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
     ch, reply = f"bench/gpu-{uuid.uuid4().hex[:6]}", f"bench/gpu-r-{uuid.uuid4().hex[:6]}"
     arena = max(1 << 30, 3 * max(sizes))
     tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=min(arena, 2 << 30), linger=0,
-                          **SENDER_OPTS)
-    rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000)
+                          device_ipc="off", **SENDER_OPTS)
+    rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000, device_ipc="off")
+    ipc_ch, ipc_pool = f"bench/gpu-i-{uuid.uuid4().hex[:6]}", 4 * max(sizes)
+    tx_ipc = omnilink.connect("shm", channel=ipc_ch, role="sender", arena_bytes=16 << 20, linger=0, device_ipc="on")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, ch, reply), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, ch, reply, ipc_ch, ipc_pool, device), daemon=True)
     proc.start()
-    results: dict = {"omnilink": {}, "async": {}, "to": {}, "legacy": {}, "ok": True}
+    results: dict = {"omnilink": {}, "async": {}, "ipc": {}, "to": {}, "legacy": {}, "ok": True}
     window = 8  # put_async: messages in flight on the sender's side (a ring of sources)
     try:
         for n in sizes:
             src = torch.empty(n, dtype=torch.uint8, device="cuda:0")
             ring = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for _ in range(window)]
             count = count_for(n)
-            for mode in ("omnilink", "async", "to", "legacy"):
+            for mode in ("omnilink", "async", "ipc", "to", "legacy"):
                 if mode == "legacy" and n > 64 * MiB:
                     continue  # minutes per run at 0.2 GB/s; 64 MiB makes the point
                 best = []
@@ -398,6 +411,8 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
                         src.fill_(i % 251)
                         if mode == "omnilink":
                             tx.put(f"{tag}m{i}", {"x": src}, timeout=120)
+                        elif mode == "ipc":
+                            tx_ipc.put(f"{tag}m{i}", {"x": src}, timeout=120)
                         elif mode == "to":
                             tx.put(f"{tag}m{i}", {"x": src.cpu()}, timeout=120)
                         else:
@@ -437,8 +452,10 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
     finally:
         if proc.is_alive():
             proc.kill()
+        results["ipc_puts"] = tx_ipc.stats().ipc_puts
         rx.close()
         tx.close()
+        tx_ipc.close()
     return results
 
 
@@ -446,7 +463,7 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
 def _sink(channel: str, count: int, ready) -> None:
     import omnilink
 
-    with omnilink.connect("shm", channel=channel, role="receiver") as rx:
+    with omnilink.connect("shm", channel=channel, role="receiver", device_ipc="off") as rx:
         rx.get("warm", timeout=120)
         ready.set()
         for i in range(count - 1):
@@ -501,7 +518,8 @@ def overlap(steps: int, size: int) -> dict:
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     proc = ctx.Process(target=_sink, args=(ch, steps + 1, ready), daemon=True)
-    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=4 * size + (64 << 20), linger=5) as tx:
+    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=4 * size + (64 << 20), linger=5,
+                          device_ipc="off") as tx:
         proc.start()
         tx.put("warm", {"x": src}, timeout=120)
         ready.wait(120)  # the receiver is up and has taken one
@@ -560,7 +578,8 @@ def main() -> int:
         c = ctl.get(n)
         line += f"{c:8.1f} {c / ceil['d2h-pinned'][n]:7.2f} | " if c else f"{'':8} {'':7} | "
         rec = {"size": n, "d2h_pinned": ceil["d2h-pinned"][n], "h2d_pinned": ceil["h2d-pinned"][n],
-               "d2h_pageable": ceil["d2h-pageable"][n], "duplex_per_direction": ceil["duplex"][n], "ctl_d2h": c}
+               "d2h_pageable": ceil["d2h-pageable"][n], "duplex_per_direction": ceil["duplex"][n],
+               "d2d": ceil["d2d"][n], "ctl_d2h": c}
         for d in devices:
             r = tp[d]
             o, t2, lg = r["omnilink"].get(n), r["to"].get(n), r["legacy"].get(n)
@@ -569,12 +588,17 @@ def main() -> int:
             best = max(o or 0, a8 or 0)
             line += (f"{d}: {o or 0:8.1f} {(o or 0) / slower:9.2f}x {a8 or 0:6.1f} {(a8 or 0) / slower:9.2f}x "
                      f"{t2 or 0:7.1f} {lg or 0:7.2f} {fl or 0:10.1f} {best / fl if fl else 0:8.2f}x | ")
-            rec[d] = {"omnilink": o, "omnilink_put_async_x8": a8, "to": t2, "legacy": lg,
+            rec[d] = {"omnilink": o, "omnilink_put_async_x8": a8, "ipc": r["ipc"].get(n), "to": t2, "legacy": lg,
                       "ratio_slower_pinned": (o or 0) / slower, "ratio_slower_pinned_put_async_x8": (a8 or 0) / slower,
                       "raw_two_process": fl, "ratio_raw_two_process": best / fl if fl else None,
                       "ratio_duplex": best / ceil["duplex"][n]}
         rows.append(rec)
         print(line, flush=True)
+    for d in devices:
+        print(f"{d}: device IPC through the same shm connector (device_ipc='on', {tp[d].get('ipc_puts')} payloads "
+              f"routed) GB/s and x a local device copy_: " + ", ".join(
+                  f"{_fmt(r['size'])} {r[d]['ipc'] or 0:.1f} ({(r[d]['ipc'] or 0) / ceil['d2d'][r['size']]:.2f}x of "
+                  f"{ceil['d2d'][r['size']]:.0f})" for r in rows if r["size"] >= MiB))
     for d in devices:
         print(f"{d}: best of omnilink/async8 against the duplex ceiling: " + ", ".join(
             f"{_fmt(r['size'])} {r[d]['ratio_duplex']:.2f}x" for r in rows if r["size"] >= MiB))

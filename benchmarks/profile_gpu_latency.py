@@ -131,8 +131,8 @@ def _ol_peer(ch: str, reply: str, size: int, n: int, device: str, q, profile: bo
     import omnilink
 
     torch.cuda.set_device(torch.device(device))
-    rx = omnilink.connect("shm", channel=ch, role="receiver", spin_us=1000)
-    tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0)
+    rx = omnilink.connect("shm", channel=ch, role="receiver", spin_us=1000, device_ipc="off")
+    tx = omnilink.connect("shm", channel=reply, role="sender", arena_bytes=64 << 20, linger=0, device_ipc="off")
     t_get, t_put = [], []
     prof = cProfile.Profile() if profile else None
     try:
@@ -173,8 +173,8 @@ def omnilink_two_process(size: int, n: int, device: str, peer_device: str, profi
     ch, reply = f"prof/l-{tag}", f"prof/lr-{tag}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=64 << 20, linger=0)
-    rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000)
+    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=64 << 20, linger=0, device_ipc="off")
+    rx = omnilink.connect("shm", channel=reply, role="receiver", spin_us=1000, device_ipc="off")
     p = ctx.Process(target=_ol_peer, args=(ch, reply, size, n + 100, peer_device, q, profile))
     p.start()
     try:
@@ -229,7 +229,7 @@ def _bulk_sender(ch: str, size: int, count: int, device: str, q, back) -> None:
 
     torch.cuda.set_device(torch.device(device))
     x = torch.randint(0, 255, (size,), dtype=torch.uint8, device=device)
-    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=2 * (count + 8) * (size + 4096), linger=60) as tx:
+    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=2 * (count + 8) * (size + 4096), linger=60, device_ipc="off") as tx:
         for i in range(8):
             tx.put(f"w{i}", {"x": x}, timeout=60)
         torch.cuda.synchronize()
@@ -252,7 +252,7 @@ def bulk(size: int, count: int, device: str, profile: bool = False) -> dict:
     ch = f"prof/b-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()  # one queue each way
-    with omnilink.connect("shm", channel=ch, role="receiver") as rx:
+    with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off") as rx:
         p = ctx.Process(target=_bulk_sender, args=(ch, size, count, device, q, back))
         p.start()
         try:

@@ -36,8 +36,8 @@ def main() -> int:
     ch = f"prof/{uuid.uuid4().hex[:6]}"
     x = torch.randint(0, 255, (args.size,), dtype=torch.uint8, device="cpu" if args.cpu else "cuda")
     dev = None if args.cpu else "cuda:0"
-    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0) as tx, \
-            omnilink.connect("shm", channel=ch, role="receiver") as rx:
+    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0, device_ipc="off") as tx, \
+            omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off") as rx:
         def once(i: int, phase: str) -> None:
             # A key is delivered once: each phase uses keys of its own.
             tx.put(f"{phase}{i}", {"x": x, "meta": {"i": i}}, timeout=10)
@@ -75,7 +75,7 @@ def _sender(channel: str, size: int, n: int, q) -> None:
     import omnilink
 
     x = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
-    with omnilink.connect("shm", channel=channel, role="sender", arena_bytes=1 << 30, linger=30) as tx:
+    with omnilink.connect("shm", channel=channel, role="sender", arena_bytes=1 << 30, linger=30, device_ipc="off") as tx:
         for i in range(200):
             tx.put(f"w{i}", {"x": x}, timeout=60)
         prof = _cp.Profile()
@@ -102,7 +102,7 @@ def two_process(size: int, n: int) -> None:
     ch = f"prof2/{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with omnilink.connect("shm", channel=ch, role="receiver") as rx:
+    with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off") as rx:
         p = ctx.Process(target=_sender, args=(ch, size, n, q), daemon=True)
         p.start()
         for i in range(200):

@@ -191,6 +191,10 @@ def connect(
     reclaim_after: float | None = None,
     pipeline_bytes: int = ...,
     slice_bytes: int = ...,
+    device_ipc: Literal["auto", "on", "off"] = "auto",
+    ipc_pool_bytes: int = ...,
+    ipc_min_bytes: int = ...,
+    ipc_device: Any = None,
 ) -> ShmConnector: ...
 
 

@@ -70,6 +70,10 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
     device_puts: int = 0
     device_gets: int = 0
     sliced: int = 0
+    #: payloads whose CUDA tensors went GPU to GPU by device IPC (shm's ``device_ipc``:
+    #: a device copy into the receiver's pool, no host bounce)
+    ipc_puts: int = 0
+    ipc_gets: int = 0
     #: unread payloads the transport dropped by itself because their receiver is gone or
     #: took too long (shm: ``reclaim_after``, ``reclaim_unread``), as opposed to
     #: ``discards`` a caller asked for
@@ -169,7 +173,7 @@ class BaseConnector:
         self._counter_lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "bytes_put", "bytes_got", "discards", "timeouts", "fallbacks",
-             "device_puts", "device_gets", "sliced", "reclaimed"), 0
+             "device_puts", "device_gets", "sliced", "ipc_puts", "ipc_gets", "reclaimed"), 0
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._waiter: Any = None  # omnilink.connectors._async.ArrivalWaiter, on first aget

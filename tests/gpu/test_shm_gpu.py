@@ -25,8 +25,9 @@ def _chan() -> str:
 @pytest.fixture
 def pair():
     ch = _chan()
-    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0)
-    rx = omnilink.connect("shm", channel=ch, role="receiver")
+    # The host-staged path (device_ipc="off"); tests/gpu/test_shm_device_ipc.py has the other.
+    tx = omnilink.connect("shm", channel=ch, role="sender", arena_bytes=256 << 20, linger=0, device_ipc="off")
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
     yield tx, rx
     rx.close()
     tx.close()

@@ -92,12 +92,13 @@ reports itself unavailable with that reason (``omnilink info``).
 ``ops``        ``CudaDeviceOps``: the CUDA calls; ``cuda_ipc_unavailable()``
 =============  ==========================================================================
 
-Exports: ``CudaIpcConnector``, ``DEFAULT_POOL_BYTES``, ``cuda_ipc_unavailable``.
+Exports: ``CudaIpcConnector``, ``DEFAULT_POOL_BYTES``, ``cuda_ipc_unavailable``,
+``live_pool_owner`` (what the shm backend's automatic device IPC looks for).
 """
 
 from __future__ import annotations
 
-from omnilink.connectors.cuda_ipc.connector import DEFAULT_POOL_BYTES, CudaIpcConnector
+from omnilink.connectors.cuda_ipc.connector import DEFAULT_POOL_BYTES, CudaIpcConnector, live_pool_owner
 from omnilink.connectors.cuda_ipc.ops import cuda_ipc_unavailable
 
-__all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector", "cuda_ipc_unavailable"]
+__all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector", "cuda_ipc_unavailable", "live_pool_owner"]

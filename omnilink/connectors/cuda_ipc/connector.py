@@ -45,7 +45,7 @@ from omnilink.connectors.cuda_ipc.directory import (
 )
 from omnilink.connectors.shm import HostLock, ShmConnector, pid_alive, read_prefix, unlink_segment
 
-__all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector"]
+__all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector", "live_pool_owner"]
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -667,6 +667,29 @@ class CudaIpcConnector(BaseConnector):
         self._lost_reason = msg
         return PeerLostError(msg)
 
+    @property
+    def pool_device(self) -> int | None:
+        """Receiver: the CUDA device index of its pool (``None`` once closed)."""
+        pool = self._pool
+        return None if pool is None else pool.index
+
+    def attach(self, timeout: float | None = None) -> int:
+        """Sender: find the channel's receiver and map its pool now (``put`` does it on
+        first use); return the pool's device index in this process.
+
+        Raises
+        ------
+        TransferTimeout
+            No receiver opened its pool within ``timeout``.
+        PeerLostError, ConfigurationError
+            The receiver is gone; the channel already has a sender.
+        """
+        if not self._sends:
+            raise ConfigurationError(f"cuda_ipc connector on channel {self.channel!r} is not a sender")
+        with self._tx_lock:
+            self._check_open()
+            return self._attached(self._deadline(timeout)).index
+
     def _attached(self, deadline: Deadline) -> _Attachment:
         tx = self._tx
         if tx is not None:
@@ -916,3 +939,24 @@ def _heartbeat_loop(ref: Any, stop: threading.Event, period: float, beat: str) -
         except Exception:  # pragma: no cover - keep the heartbeat alive
             logger.debug("cuda_ipc: heartbeat %s failed", beat, exc_info=True)
         del conn
+
+
+def live_pool_owner(channel: str) -> int | None:
+    """The pid of the live receiver whose open device pool serves ``channel``, or ``None``.
+
+    A cheap look at ``/dev/shm`` (no CUDA call): what a transport that may send by device
+    IPC checks before it opens a sender.
+    """
+    for pid, name in find_directories(read_prefix(), channel):
+        if not pid_alive(pid):
+            continue
+        try:
+            d = Directory.open(name)
+        except Exception:  # gone meanwhile, or not complete yet
+            continue
+        try:
+            if d.get(STATE) == STATE_OPEN:
+                return pid
+        finally:
+            d.close()
+    return None

@@ -413,11 +413,7 @@ class ShmGpuPath:
 
         ``length``: the received frame's size; a frame under ``SMALL_DEVICE_BYTES``
         takes the small path (its tensors are smaller still) without walking it."""
-        dev = self._devices.get(device) if isinstance(device, str) else None
-        if dev is None:
-            dev = self._device(device)
-            if isinstance(device, str) and dev.index is not None and ":" in device:
-                self._devices[device] = dev  # explicit index: the same device every call
+        dev = self.device_of(device)
         if type(payload) is dict and SLICED_MARK in payload:
             return self.gather(payload, deadline, dev)
         self.conn._count(device_gets=1)
@@ -428,6 +424,16 @@ class ShmGpuPath:
         # (two events, a cross-stream wait) costs more than the copy itself.
         small = length < SMALL_DEVICE_BYTES if length is not None else _small(payload, self._torch)
         return self._h2d_for(dev).submit_host(payload, on_current_stream=small)
+
+    def device_of(self, device: Any) -> Any:
+        """``device`` (a string or ``torch.device``) as a ``torch.device``; a CUDA one
+        always with its index (``"cuda"``: the current device)."""
+        dev = self._devices.get(device) if isinstance(device, str) else None
+        if dev is None:
+            dev = self._device(device)
+            if isinstance(device, str) and dev.index is not None and ":" in device:
+                self._devices[device] = dev  # explicit index: the same device every call
+        return dev
 
     def _device(self, device: Any) -> Any:
         torch = self._torch

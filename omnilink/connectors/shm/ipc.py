@@ -1,0 +1,299 @@
+"""The shm backend's device-IPC route: CUDA tensors GPU to GPU when both ends can.
+
+When both ends of a channel are GPU processes of one host, a host bounce (device ->
+page-locked arena -> device, about 50 GB/s over PCIe) is the wrong road: the
+``cuda_ipc`` backend copies device to device into a pool the receiver owns (hundreds
+of GB/s). This route lets one ``ShmConnector`` use it by itself::
+
+    receiver (device_ipc="auto")                 sender (device_ipc="auto")
+    first get(device="cuda:k"), the channel's    put of a payload with >= ipc_min_bytes
+    only receiver: open a cuda_ipc receiver      of CUDA tensors: is there a live pool
+    (its pool on cuda:k) on the same channel     for this channel, owned by the channel's
+                                                 only receiver? can our devices reach
+                                                 its device? then: reserve a block for a
+                                                 marker, cuda_ipc put (device copy into
+                                                 the pool; a short wait for room at
+                                                 most), publish the marker under the key
+    get(key) claims the marker on the shm  <---  (otherwise, or on any failure of the
+    channel and takes the payload from the       route: the host path, unchanged)
+    cuda_ipc receiver: views of the pool on
+    its current stream (host not blocked)
+
+The shm channel stays the only place a receiver waits, so keys, wake-ups, timeouts and
+the key contract are the shm backend's; the cuda_ipc channel carries the device part.
+The marker is published after the device payload, so the receiver finds it at once.
+
+Modes (``device_ipc``): ``"auto"`` (default) as above; ``"on"``: the receiver opens
+its pool when the connector opens (``ipc_device``, default the current device) and
+the sender routes every CUDA payload that can go this way; ``"off"``: never.
+``stats()`` counts ``ipc_puts`` / ``ipc_gets`` (device IPC) apart from
+``device_puts`` / ``device_gets`` (the host-staged DMA path).
+
+Limits: one receiver per channel owns the pool (cuda_ipc's one-receiver, one-sender
+rule): the sender checks, before each put by this route, that the shm channel's only
+receiver is the pool's owner; a second sender falls back to the host path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from omnilink._errors import (
+    CapacityError,
+    ConfigurationError,
+    CudaError,
+    OmnilinkError,
+    PeerLostError,
+    TransferTimeout,
+    TransportError,
+)
+from omnilink.blob import prepare
+
+__all__ = ["DeviceIpcRoute", "IPC_MARK", "MODES"]
+
+logger = logging.getLogger(__name__)
+
+#: The key of the marker payload on the shm channel: "take this key from cuda_ipc".
+IPC_MARK = "__omnilink_device_ipc__"
+MODES = ("auto", "on", "off")
+#: Seconds a route put waits for room in the receiver's pool before the host path.
+ROOM_WAIT_S = 0.002
+#: Seconds between looks for a receiver's pool while none was found.
+PROBE_EVERY_S = 0.25
+
+
+class DeviceIpcRoute:
+    """The device-IPC half of one ``ShmConnector`` (made when ``device_ipc`` is not "off").
+
+    Parameters
+    ----------
+    conn : ShmConnector
+        The connector it belongs to (its channel, roles, block primitives, counters).
+    mode : {"auto", "on"}
+    pool_bytes : int
+        Size of the receiver's device pool.
+    min_bytes : int
+        In ``"auto"``, payloads with fewer bytes of CUDA tensors take the host path.
+    device : str, optional
+        ``"on"``: the receiver's pool device (default: the current device).
+    """
+
+    def __init__(self, conn: Any, mode: str, pool_bytes: int, min_bytes: int, device: Any) -> None:
+        # A weak proxy: the connector holds the route, and an unclosed connector must
+        # still be cleaned when its last reference goes (no cycle to wait for).
+        self.conn = weakref.proxy(conn)
+        self.mode = mode
+        self.pool_bytes = pool_bytes
+        self.min_bytes = min_bytes if mode == "auto" else 0
+        self._lock = threading.Lock()
+        self._rx: Any = None
+        self._rx_tried = False
+        self._tx: Any = None
+        self._tx_device: int | None = None
+        self._owner: int | None = None
+        self._next_probe = 0.0
+        self._peer_ok: dict[tuple[int, int], bool] = {}
+        self._marker = prepare({IPC_MARK: 1})
+        self._closed = False
+        if mode == "on" and conn._recvs:
+            self.open_pool(device, strict=True)
+
+    # ================================================================ receiver
+    def open_pool(self, device: Any, *, strict: bool = False) -> None:
+        """Open this receiver's cuda_ipc pool on ``device`` once (``auto``: at the first
+        device get, if this is the channel's only receiver; failures are logged once and
+        leave the host path)."""
+        if self._rx is not None or (self._rx_tried and not strict):
+            return
+        with self._lock:
+            if self._rx is not None or (self._rx_tried and not strict):
+                return
+            self._rx_tried = True
+            from omnilink.connectors.cuda_ipc import CudaIpcConnector
+
+            why = CudaIpcConnector.unavailable_reason()
+            if why is None and not strict and self.conn._live_receivers() != 0:
+                why = "the channel has other receivers (one receiver owns a device pool)"
+            if why is None:
+                try:
+                    self._rx = CudaIpcConnector(channel=self.conn.channel, role="receiver", device=device,
+                                                pool_bytes=self.pool_bytes)
+                except (OmnilinkError, RuntimeError) as exc:
+                    if strict:
+                        raise
+                    why = f"{type(exc).__name__}: {exc}"
+            if self._rx is None:
+                if strict:
+                    raise CudaError(f"shm: device_ipc='on' on channel {self.conn.channel!r}: {why}")
+                logger.info("shm: channel %r receives CUDA payloads through the host (device IPC: %s)",
+                            self.conn.channel, why)
+
+    def wants_pool(self) -> bool:
+        return self.mode == "auto" and not self._rx_tried and self.conn._recvs
+
+    def take(self, key: str, deadline: Any, device: Any) -> Any:
+        """The payload of a marker claimed under ``key``: views of the pool on its device
+        (the current stream ordered after the sender's copy), moved to ``device`` (a
+        ``torch.device`` with an index) if it is another one; host tensors when
+        ``device`` is ``None``."""
+        rx = self._rx
+        if rx is None:
+            raise TransportError(
+                f"shm: key {key!r} on channel {self.conn.channel!r} was sent by device IPC to the "
+                "receiver that owns the channel's device pool; this receiver has none (one receiver "
+                "per channel when senders use device_ipc)"
+            )
+        remaining = deadline.remaining()
+        # Published before its marker: there now (the wait only covers a slow mutex).
+        got = rx.get(key, timeout=None if remaining is None else max(remaining, 1.0))
+        from omnilink.cuda import map_tensors
+
+        if device is None:
+            return map_tensors(got, lambda t: t.cpu() if t.is_cuda else t)
+        if device.index != rx.pool_device:
+            return map_tensors(got, lambda t: t.to(device, non_blocking=True) if t.is_cuda else t)
+        return got
+
+    # ================================================================ sender
+    def put(self, key: str, payload: Any, blob: Any, deadline: Any, events: Any) -> int | None:
+        """Send ``payload`` by device IPC; ``None`` when it must take the host path."""
+        if blob.device_bytes() < self.min_bytes or self._closed:
+            return None
+        tx = self._sender()
+        if tx is None or not self._only_receiver_owns_pool():
+            return None
+        if not self._reachable(payload):
+            return None
+        conn = self.conn
+        marker = self._marker
+        got = conn._take_block(key, marker.nbytes, deadline, block=True)
+        off, idx = got
+        try:
+            tx._put(key, payload, _short(deadline), events)
+        except (TransferTimeout, CapacityError) as exc:
+            conn._give_back_block(off, idx)
+            logger.debug("shm: %r takes the host path (device IPC: %s)", key, exc)
+            return None
+        except (PeerLostError, ConfigurationError, CudaError) as exc:
+            conn._give_back_block(off, idx)
+            self._drop_sender(f"{type(exc).__name__}: {exc}")
+            return None
+        except BaseException:
+            conn._give_back_block(off, idx)
+            raise
+        marker.write_host_into(conn._block_view(off, marker.nbytes))
+        conn._publish_block(key, off, idx, marker.nbytes, deadline)
+        conn._count(ipc_puts=1)
+        return blob.nbytes
+
+    def _sender(self) -> Any:
+        tx = self._tx
+        if tx is not None:
+            return tx
+        now = time.monotonic()
+        if now < self._next_probe:
+            return None
+        self._next_probe = now + PROBE_EVERY_S
+        from omnilink.connectors.cuda_ipc import CudaIpcConnector, live_pool_owner
+
+        owner = live_pool_owner(self.conn.channel)
+        if owner is None or CudaIpcConnector.unavailable_reason() is not None:
+            return None
+        with self._lock:
+            if self._tx is not None:
+                return self._tx
+            tx = None
+            try:
+                tx = CudaIpcConnector(channel=self.conn.channel, role="sender", linger=0)
+                index = tx.attach(1.0)
+            except (OmnilinkError, RuntimeError) as exc:
+                if tx is not None:
+                    tx.close()
+                logger.info("shm: channel %r sends CUDA payloads through the host (device IPC: %s)",
+                            self.conn.channel, exc)
+                return None
+            self._tx, self._tx_device, self._owner = tx, index, owner
+            logger.info("shm: channel %r sends CUDA payloads by device IPC to pid %d (cuda:%d)",
+                        self.conn.channel, owner, index)
+            return tx
+
+    def _drop_sender(self, why: str) -> None:
+        with self._lock:
+            tx, self._tx = self._tx, None
+            self._owner = None
+        if tx is not None:
+            logger.info("shm: channel %r: device IPC dropped (%s); host path", self.conn.channel, why)
+            try:
+                tx.close()
+            except Exception:  # pragma: no cover - best effort
+                logger.debug("shm: closing the device-IPC sender failed", exc_info=True)
+
+    def _only_receiver_owns_pool(self) -> bool:
+        """Whether the shm channel's receivers are exactly the pool's owner (a marker
+        claimed by any other receiver could not be opened)."""
+        from omnilink.connectors.shm.segments import ROLE_RECV
+        from omnilink.connectors.shm.segments import _LockTimeout
+
+        conn = self.conn
+        try:
+            with conn._chan.locked(_short(None)):
+                parts = conn._chan.participants()
+        except _LockTimeout:
+            return False
+        recv = {pid for pid, role, _ in parts if role & ROLE_RECV}
+        if recv == {self._owner}:
+            return True
+        if self._owner not in recv:
+            self._drop_sender("the pool's owner left the channel")
+        return False
+
+    def _reachable(self, payload: Any) -> bool:
+        """Whether every CUDA device of ``payload`` can reach the pool's device (peer access)."""
+        from omnilink.cuda import cuda_devices_of
+
+        pool = self._tx_device
+        for dev in cuda_devices_of(payload):
+            if dev.index == pool:
+                continue
+            ok = self._peer_ok.get((dev.index, pool))
+            if ok is None:
+                import torch
+
+                ok = self._peer_ok[(dev.index, pool)] = bool(torch.cuda.can_device_access_peer(dev.index, pool))
+            if not ok:
+                return False
+        return True
+
+    # ================================================================ both
+    def discard(self, key: str) -> None:
+        """The shm side dropped ``key`` unread: drop its device part too (if it had one)."""
+        for part in (self._rx, self._tx):
+            if part is not None:
+                try:
+                    part._discard(key)
+                except Exception:  # best effort: the key may have no device part
+                    logger.debug("shm: discarding the device part of %r failed", key, exc_info=True)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            parts, self._tx, self._rx = (self._tx, self._rx), None, None
+        for part in parts:
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:  # pragma: no cover - best effort at close
+                    logger.debug("shm: closing a device-IPC part failed", exc_info=True)
+
+
+def _short(deadline: Any) -> Any:
+    from omnilink._util import Deadline
+
+    if deadline is None:
+        return Deadline(1.0)
+    remaining = deadline.remaining()
+    return Deadline(ROOM_WAIT_S if remaining is None else min(remaining, ROOM_WAIT_S))
