@@ -51,3 +51,18 @@ def ipc_sender(channel: str, n: int, nbytes: int) -> None:
             x = torch.full((nbytes,), i % 251, dtype=torch.uint8, device="cuda")
             tx.put(f"m{i}", {"x": x, "i": i}, timeout=60)
         assert tx.stats().ipc_puts == n, tx.stats()
+
+
+def ipc_receiver_holding(channel: str, ready_path: str) -> None:
+    import torch
+
+    import omnilink
+
+    with omnilink.connect("shm", channel=channel, role="receiver", device_ipc="on") as rx:
+        got = rx.get("k0", timeout=60, device="cuda:0")  # a view of its pool, held
+        torch.cuda.synchronize()
+        assert rx.stats().ipc_gets == 1
+        with open(ready_path, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)  # killed by the test
+        del got

@@ -167,3 +167,35 @@ def test_vllm_omni_adapter_sends_large_cuda_payloads_by_device_ipc():
     finally:
         rx.close()
         tx.close()
+
+
+def test_receiver_killed_while_holding_a_pool_view_sender_falls_back(procs):
+    import os
+    import signal
+    import tempfile
+
+    from omnilink.connectors.shm import collect_garbage
+
+    ch = _chan()
+    ready = tempfile.mktemp(prefix="oli-")
+    r = start_process(procs, _gpu_workers.ipc_receiver_holding, ch, ready)
+    from omnilink.connectors.cuda_ipc import live_pool_owner
+
+    end = time.monotonic() + 60
+    while live_pool_owner(ch) is None and time.monotonic() < end:
+        time.sleep(0.02)
+    with omnilink.connect("shm", channel=ch, role="sender", arena_bytes=64 * MiB, linger=0, device_ipc="on") as tx:
+        x = torch.full((4 * MiB,), 6, dtype=torch.uint8, device="cuda")
+        tx.put("k0", {"x": x}, timeout=30)
+        assert tx.stats().ipc_puts == 1
+        while not os.path.exists(ready) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert os.path.exists(ready), "receiver never got the payload"
+        os.kill(r.pid, signal.SIGKILL)
+        r.join(30)
+        # The pool's owner is dead: the route drops its sender, the put takes the host path.
+        tx.put("k1", {"x": x}, timeout=30)
+        s = tx.stats()
+        assert s.ipc_puts == 1 and s.device_puts == 1
+    os.unlink(ready)
+    collect_garbage()
