@@ -203,27 +203,15 @@ class AsyncH2DController:
         """
         import torch
 
-        tensors: list[Any] = []
         dev = self.device
         if self._stream is None:
             out = map_tensors(payload, lambda t: t.to(dev).clone() if t.device == dev else t.to(dev))
             if on_done is not None:
                 self._completer.submit(None, on_done)
             return StagePayloadHandle(out, None, dev, [])
-        ops, raw, idx = self._ops, self._raw, self._index
-        self._completer.reap()
-        sources: list[Any] = []
-        prev = ops.swap_device(idx)
-        try:
-            if on_current_stream:
-                raw = current_raw_stream(idx)
-            else:
-                # The device memory comes from the caller's current stream (the
-                # consumer's): the copy waits for what that stream queued before, so a
-                # block the allocator recycled is not overwritten while an earlier
-                # kernel still reads it.
-                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+        ops = self._ops
 
+        def make_move(raw: int, tensors: list[Any], sources: list[Any]) -> Callable[[Any], Any]:
             def move(t: Any) -> Any:
                 if t.device == dev:
                     # Made on this device already (the slices of a sliced payload).
@@ -247,22 +235,19 @@ class AsyncH2DController:
                 sources.append(t)
                 return d
 
-            out = map_tensors(payload, move)
-            event = Event(idx).record(raw)
-        finally:
-            ops.restore_device(prev)
-        if self.sync:
-            event.synchronize()
+            return move
 
-        def finish() -> None:
-            sources.clear()
-            nonlocal keep
-            keep = None
-            if on_done is not None:
-                on_done()
+        def finish(sources: list[Any]) -> Callable[[], None]:
+            def done() -> None:
+                sources.clear()
+                nonlocal keep
+                keep = None
+                if on_done is not None:
+                    on_done()
 
-        self._completer.submit(event, finish)
-        return StagePayloadHandle(out, event, dev, tensors, waiter=self._completer, stream=raw)
+            return done
+
+        return self._launch(payload, on_current_stream, make_move, finish)
 
     def submit_host(self, payload: Any, /, *, on_current_stream: bool = True) -> StagePayloadHandle:
         """``submit`` for a payload of host tensors, at the least cost per message.
@@ -285,23 +270,9 @@ class AsyncH2DController:
             return self.submit(payload, on_current_stream=on_current_stream)
         import torch
 
-        comp = self._completer
-        if comp.pending:
-            comp.reap()
-        ops, idx, dev = self._ops, self._index, self.device
-        empty, memcpy = torch.empty, ops.memcpy
-        tensors: list[Any] = []
-        sources: list[Any] = []
-        prev = ops.swap_device(idx)
-        try:
-            if on_current_stream:
-                raw = current_raw_stream(idx)
-            else:
-                raw = self._raw
-                # The device memory comes from the caller's current stream: the copy
-                # waits for what that stream queued before (see ``submit``).
-                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+        empty, memcpy, dev = torch.empty, self._ops.memcpy, self.device
 
+        def make_move(raw: int, tensors: list[Any], sources: list[Any]) -> Callable[[Any], Any]:
             def move(t: Any) -> Any:
                 if not t.is_cpu:
                     raise ValueError(f"submit_host copies host tensors; got one on {t.device} (use submit)")
@@ -315,14 +286,41 @@ class AsyncH2DController:
                 sources.append(t)
                 return d
 
-            out = map_tensors(payload, move)
+            return move
+
+        return self._launch(payload, on_current_stream, make_move, lambda sources: sources.clear)
+
+    def _launch(self, payload: Any, on_current_stream: bool,
+                make_move: Callable[[int, list[Any], list[Any]], Callable[[Any], Any]],
+                finish: Callable[[list[Any]], Callable[[], None]]) -> StagePayloadHandle:
+        """The frame of both submits: reap, pick the stream (after the current one),
+        copy each tensor with ``make_move(stream, tensors, sources)``, record the event,
+        run ``finish(sources)`` once it has completed."""
+        comp = self._completer
+        if comp.pending:
+            comp.reap()
+        ops, idx = self._ops, self._index
+        tensors: list[Any] = []
+        sources: list[Any] = []
+        prev = ops.swap_device(idx)
+        try:
+            if on_current_stream:
+                raw = current_raw_stream(idx)
+            else:
+                raw = self._raw
+                # The device memory comes from the caller's current stream (the
+                # consumer's): the copy waits for what that stream queued before, so a
+                # block the allocator recycled is not overwritten while an earlier
+                # kernel still reads it.
+                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+            out = map_tensors(payload, make_move(raw, tensors, sources))
             event = Event(idx).record(raw)
         finally:
             ops.restore_device(prev)
         if self.sync:
             event.synchronize()
-        comp.submit(event, sources.clear)
-        return StagePayloadHandle(out, event, dev, tensors, waiter=comp, stream=raw)
+        comp.submit(event, finish(sources))
+        return StagePayloadHandle(out, event, self.device, tensors, waiter=comp, stream=raw)
 
     def copy_into(self, pairs: list[tuple[Any, Any]], /, *, keep: Any = None) -> Any:
         """Enqueue ``dst.copy_(src)`` for each (host ``src``, device ``dst``) on the copy
