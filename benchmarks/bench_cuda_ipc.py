@@ -72,8 +72,9 @@ def _connect(backend: str, role: str, channel: str, dev: str, opts: dict[str, An
         extra = {"device": dev, "pool_bytes": opts["pool_bytes"]} if role == "receiver" else {"linger": 5.0}
         return omnilink.connect("cuda_ipc", channel=channel, role=role, timeout=120.0, **extra)
     if backend == "shm":
+        # The host-staged road (the shm connector would otherwise pick device IPC itself).
         extra = {"arena_bytes": opts["arena_bytes"]} if role == "sender" else {}
-        return omnilink.connect("shm", channel=channel, role=role, timeout=120.0, **extra)
+        return omnilink.connect("shm", channel=channel, role=role, timeout=120.0, device_ipc="off", **extra)
     if backend == "nccl":
         conn = omnilink.connect("nccl", channel=channel, role=role, device=dev,
                                 master_port=opts["master_port"], timeout=120.0)
