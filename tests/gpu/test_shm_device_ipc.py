@@ -199,3 +199,28 @@ def test_receiver_killed_while_holding_a_pool_view_sender_falls_back(procs):
         assert s.ipc_puts == 1 and s.device_puts == 1
     os.unlink(ready)
     collect_garbage()
+
+
+def test_a_second_sender_takes_the_host_path_and_both_arrive():
+    ch = _chan()
+    with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="on") as rx, \
+            omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="on") as tx1, \
+            omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="on") as tx2:
+        x = torch.full((2 * MiB,), 4, dtype=torch.uint8, device="cuda")
+        tx1.put("a", {"x": x}, timeout=30)
+        tx2.put("b", {"x": x + 1}, timeout=30)  # cuda_ipc takes one sender per channel
+        assert tx1.stats().ipc_puts == 1
+        assert tx2.stats().ipc_puts == 0 and tx2.stats().device_puts == 1
+        assert int(rx.get("a", timeout=30, device="cuda:0")["x"].max()) == 4
+        assert int(rx.get("b", timeout=30, device="cuda:0")["x"].max()) == 5
+        assert rx.stats().ipc_gets == 1 and rx.stats().device_gets == 1
+
+
+def test_dual_connector_routes_to_its_own_pool():
+    with omnilink.connect("shm", channel=_chan(), role="dual", linger=0, device_ipc="on") as c:
+        x = torch.randn(1024, 1024, device="cuda")
+        c.put("k", {"x": x}, timeout=30)
+        got = c.get("k", timeout=30, device="cuda:0")
+        assert torch.equal(got["x"], x)
+        s = c.stats()
+        assert s.ipc_puts == 1 and s.ipc_gets == 1
