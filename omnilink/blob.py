@@ -1206,14 +1206,26 @@ _PLANS_MAX = 512
 
 def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
     """Per-descriptor view recipes ``(kind, dtype, count, shape, offset, itemsize)`` of a
-    validated header, or ``None`` when one needs the general path (bool data is checked
-    per message, empty tensors and numpy scalars are built differently, a dtype this
-    torch build lacks is an error the general path reports)."""
+    validated header, or ``None`` when one needs the general path (numpy scalars and
+    empty numpy arrays are built differently, a dtype this torch build lacks is an error
+    the general path reports). An empty torch tensor's recipe has kind ``_PLAN_EMPTY``;
+    a bool one's ``_PLAN_BOOL``: its bytes are checked per message (0 and 1 only)."""
     plan = []
     for d in header.tensors:
         size = _ITEMSIZE_BY_CODE[d.dtype]
-        if d.dtype == _BOOL_CODE or not d.nbytes or d.kind == KIND_NUMPY_SCALAR:
+        if d.kind == KIND_NUMPY_SCALAR or (not d.nbytes and d.kind != KIND_TORCH):
             return None
+        if d.kind == KIND_TORCH:
+            dt = _torch_dtypes()[1].get(d.dtype)
+            if dt is None:
+                return None
+            if not d.nbytes:
+                plan.append((_PLAN_EMPTY, dt, 0, tuple(d.shape), d.offset, size))
+                continue
+            if d.dtype == _BOOL_CODE:
+                plan.append((_PLAN_BOOL, dt, d.nbytes, None if len(d.shape) == 1 else tuple(d.shape),
+                             d.offset, size))
+                continue
         if d.kind == KIND_TORCH:
             dt = _torch_dtypes()[1].get(d.dtype)
             # ``view(*shape)`` parses its arguments faster than ``view(shape)``
@@ -1268,6 +1280,19 @@ def _decode_planned(raw: memoryview, header_len: int, data_len: int, total: int)
             if t.data_ptr() % size:
                 return False, None  # misaligned buffer: the general path copies
             append(t if shape is None else t.view(*shape) if shape else t.view(shape))
+        elif kind == _PLAN_BOOL:
+            # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream:
+            # the general path reports them.
+            start = base + off
+            if count <= _BOOL_BYTES_CHECK:
+                if bytes(raw[start : start + count]).translate(None, b"\x00\x01"):
+                    return False, None
+            elif _np_frombuffer(raw, dtype=_np_uint8, count=count, offset=start).max() > 1:
+                return False, None
+            t = _torch_frombuffer(raw, dtype=dt, count=count, offset=start)
+            append(t if shape is None else t.view(*shape) if shape else t.view(shape))
+        elif kind == _PLAN_EMPTY:
+            append(_torch_empty(shape, dtype=dt))
         else:
             a = _np_frombuffer(raw, dtype=dt, count=count, offset=base + off)
             if a.ctypes.data % size:
@@ -1277,19 +1302,27 @@ def _decode_planned(raw: memoryview, header_len: int, data_len: int, total: int)
 
 
 _torch_frombuffer: Any = None
+_torch_empty: Any = None
 _np_frombuffer: Any = None
+_np_uint8: Any = None
+#: Plan kinds beside ``KIND_TORCH`` / ``KIND_NUMPY``: a torch bool tensor (bytes checked
+#: per message) and an empty torch tensor (no bytes to view).
+_PLAN_BOOL = -1
+_PLAN_EMPTY = -2
+#: Bool data up to this many bytes is checked with ``bytes.translate``, larger with numpy.
+_BOOL_BYTES_CHECK = 4096
 
 
 def _bind_frombuffer() -> None:
     """Bind the view makers (a plan names torch or numpy dtypes, so its module is
     imported by the time a plan exists)."""
-    global _torch_frombuffer, _np_frombuffer
-    np = sys.modules.get("numpy")
-    if np is not None:
-        _np_frombuffer = np.frombuffer
+    global _torch_frombuffer, _torch_empty, _np_frombuffer, _np_uint8
+    import numpy as np  # a dependency; also checks large bool data
+
+    _np_frombuffer, _np_uint8 = np.frombuffer, np.uint8
     torch = sys.modules.get("torch")
     if torch is not None:
-        _torch_frombuffer = torch.frombuffer
+        _torch_frombuffer, _torch_empty = torch.frombuffer, torch.empty
 
 
 def decode(

@@ -96,6 +96,41 @@ def test_bool_data_is_checked_every_time():
         omnilink.decode(frame)
 
 
+@pytest.mark.parametrize("n", [3, 10_000])  # small: bytes check; large: numpy check
+def test_planned_bool_is_a_zero_copy_view_and_checked_on_every_frame(n):
+    blob._PLANS.clear()
+    payload = {"h": torch.ones(4, dtype=torch.bfloat16), "meta": {"finished": torch.tensor(True)},
+               "mask": torch.arange(n) % 2 == 0}
+    for _ in range(3):  # the first frame makes the plan, the next ones use it
+        frame = bytearray(omnilink.encode(payload))
+        out = omnilink.decode(frame)
+        start = np.frombuffer(frame, dtype=np.uint8).ctypes.data
+        assert start <= out["mask"].data_ptr() < start + len(frame)  # a view, not a copy
+        assert torch.equal(out["mask"], payload["mask"]) and out["meta"]["finished"].item() is True
+        assert out["meta"]["finished"].shape == ()
+        del out
+    assert len(blob._PLANS) == 1 and next(iter(blob._PLANS.values())) is not None
+    # A byte other than 0 / 1 anywhere in the mask, on a frame whose plan is cached.
+    out = omnilink.decode(frame)
+    at = out["mask"].data_ptr() - np.frombuffer(frame, dtype=np.uint8).ctypes.data
+    del out
+    frame[at + n - 1] = 2
+    with pytest.raises(BlobDecodeError, match="bool"):
+        omnilink.decode(frame)
+
+
+def test_planned_empty_tensors_keep_shape_and_dtype():
+    blob._PLANS.clear()
+    payload = {"ids": torch.zeros(0, dtype=torch.int64), "grid": torch.empty(3, 0, 2, dtype=torch.bfloat16),
+               "h": torch.arange(6, dtype=torch.float32)}
+    for _ in range(3):
+        out = omnilink.decode(bytearray(omnilink.encode(payload)))
+        assert out["ids"].shape == (0,) and out["ids"].dtype == torch.int64
+        assert out["grid"].shape == (3, 0, 2) and out["grid"].dtype == torch.bfloat16
+        assert torch.equal(out["h"], payload["h"])
+    assert len(blob._PLANS) == 1 and next(iter(blob._PLANS.values())) is not None
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.arange(12, dtype=torch.float32).view(3, 4),
     lambda: torch.arange(12, dtype=torch.float32).view(3, 4).t(),  # non-contiguous
