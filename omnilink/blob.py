@@ -65,7 +65,6 @@ import os
 import re
 import struct
 import sys
-import threading
 import warnings
 import zlib
 from typing import Annotated, Any
@@ -240,29 +239,6 @@ _HEADER_DECODER = msgspec.msgpack.Decoder(BlobHeader)
 _SPLIT_DECODER = msgspec.msgpack.Decoder(_SplitHeader)
 _DESC_FIELDS = ("kind", "dtype", "shape", "offset", "nbytes")
 _ERR_PATH = re.compile(r"`\$\[0\](?:\[(\d+)\](?:\[(\d+)\](?:\[(\d+)\])?)?)?`$")
-_tls = threading.local()
-
-
-def _ext_hook(code: int, data: memoryview) -> Any:
-    if code == _EXT_TENSOR:
-        if len(data) != 4:
-            raise BlobDecodeError(f"tensor reference of {len(data)} bytes, expected 4")
-        (index,) = _U32.unpack(data)
-        views = _tls.views
-        if index >= len(views):
-            raise BlobDecodeError(
-                f"payload references tensor {index} but the header describes {len(views)}"
-            )
-        return views[index]
-    if code == _EXT_TUPLE:
-        items = _TREE_DECODER.decode(data)
-        if type(items) is not list:
-            raise BlobDecodeError(f"tuple extension holds a {type(items).__name__}, expected an array")
-        return tuple(items)
-    raise BlobDecodeError(f"unknown extension type {code} in payload tree")
-
-
-_TREE_DECODER = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -270,7 +246,7 @@ _torch_tables: tuple[dict[Any, tuple[int, int]], dict[int, Any]] | None = None
 _numpy_tables: tuple[dict[Any, tuple[int, int]], dict[int, Any]] | None = None
 
 
-#: torch dtype -> (code, itemsize), filled with ``_torch_dtypes`` (empty until then)
+#: torch dtype -> (code, itemsize, is complex), filled with ``_torch_dtypes`` (empty until then)
 _TORCH_CODES: dict[Any, tuple[int, int]] = {}
 #: ``[torch.strided]`` once torch is in use
 _STRIDED: list[Any] = [None]
@@ -292,7 +268,7 @@ def _torch_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
                 to_code[dt] = (code, size)
                 from_code[code] = dt
         _STRIDED[0] = torch.strided
-        _TORCH_CODES.update(to_code)
+        _TORCH_CODES.update({dt: (code, size, code in _COMPLEX_CODES) for dt, (code, size) in to_code.items()})
         _torch_tables = (to_code, from_code)
     return _torch_tables
 
@@ -312,32 +288,6 @@ def _numpy_dtypes() -> tuple[dict[Any, tuple[int, int]], dict[int, Any]]:
     return _numpy_tables
 
 
-_NESTED = (dict, list, tuple)
-
-
-def _check_tree(obj: Any) -> None:
-    """Reject dict keys other than str anywhere in a decoded tree (the spec allows none)."""
-    t = type(obj)
-    if t is not dict and t is not list and t is not tuple:
-        return
-    stack = [obj]
-    pop, push = stack.pop, stack.append
-    nested = _NESTED_TYPES
-    while stack:
-        o = pop()
-        if type(o) is dict:
-            for k in o:
-                if type(k) is not str:
-                    raise BlobDecodeError(
-                        f"payload tree: dict key {k!r} of type {type(k).__name__} (keys must be str)"
-                    )
-            o = o.values()
-        for v in o:
-            if type(v) in nested:
-                push(v)
-
-
-_NESTED_TYPES = frozenset(_NESTED)
 
 
 # msgpack lead bytes -> (bytes of the length field, fixed extra bytes) for the items the
@@ -478,26 +428,29 @@ class _Walker:
             return obj
         if t is dict:
             out = {}
+            tensor = self.tensor
             for k, v in obj.items():
                 if type(k) is not str:
                     raise _Retry
                 tv = type(v)
                 if tv in _SCALARS:
                     out[k] = v
-                elif tv is self.tensor:
-                    out[k] = self.plain_tensor_ref(v) or self.fast(v)
+                elif tv is tensor:
+                    out[k] = _plain_ref(self, v) or self.fast(v)
+                elif tv is list and _SCALARS.issuperset(map(type, v)):
+                    out[k] = v  # scalars only (a shape, ids): msgspec encodes the list itself
                 else:
                     out[k] = self.fast(v)
             return out
         if t is list:
             if _SCALARS.issuperset(map(type, obj)):
-                return obj  # scalars only (a shape, ids): msgspec encodes the list itself
+                return obj
             return [v if type(v) in _SCALARS else self.fast(v) for v in obj]
         if t is tuple:
             items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]
             return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
         if t is self.tensor:
-            ref = self.plain_tensor_ref(obj)
+            ref = _plain_ref(self, obj)
             if ref is not None:
                 return ref
         ref = self.array_ref(obj)
@@ -506,55 +459,8 @@ class _Walker:
         return ref
 
     def plain_tensor_ref(self, obj: Any) -> msgspec.msgpack.Ext | None:
-        """``tensor_ref`` of the common tensor in one call: a dense tensor of a known
-        dtype that needs no detach, conj or neg resolution and was not seen before in
-        this payload. Anything else returns ``None`` and takes ``tensor_ref``.
-
-        The descriptor of a (dtype, shape, offset) seen before is reused from a small
-        cache (``TensorDesc`` is immutable): a stream of same-shaped messages builds
-        none."""
-        seen = self.seen
-        oid = id(obj)
-        if oid in seen:
-            return None
-        dtype = obj.dtype
-        entry = _TORCH_CODES.get(dtype)
-        if entry is None:
-            if _TORCH_CODES:
-                return None
-            entry = _torch_dtypes()[0].get(dtype)  # first torch payload: fill the table
-            if entry is None:
-                return None
-        if (
-            obj.layout is not _STRIDED[0]
-            or obj.requires_grad
-            or obj.is_neg()
-            or (entry[0] in _COMPLEX_CODES and obj.is_conj())
-        ):
-            return None
-        if not obj.is_cpu:  # a host tensor is never a meta tensor: one look for both
-            if obj.is_meta:
-                return None
-            self.on_device = True
-        shape = obj.shape
-        offset = self.offset
-        ck = (dtype, shape, offset)
-        hit = _DESC_CACHE.get(ck)
-        if hit is None:
-            code, size = entry
-            nbytes = obj.numel() * size
-            hit = (TensorDesc(KIND_TORCH, code, list(shape), offset, nbytes),
-                   (offset + nbytes + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1))
-            if len(_DESC_CACHE) >= _DESC_CACHE_MAX:
-                _DESC_CACHE.clear()
-            _DESC_CACHE[ck] = hit
-        descs = self.descs
-        index = len(descs)
-        descs.append(hit[0])
-        self.sources.append((KIND_TORCH, obj))
-        self.offset = hit[1]
-        seen[oid] = index
-        return _TENSOR_REFS[index] if index < 256 else msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
+        """See ``_plain_ref``."""
+        return _plain_ref(self, obj)
 
     def walk(self, obj: Any) -> Any:
         t = type(obj)
@@ -651,6 +557,56 @@ class _Walker:
         return entry[0], entry[1], list(a.shape), a
 
 
+def _plain_ref(w: _Walker, obj: Any) -> msgspec.msgpack.Ext | None:
+    """``tensor_ref`` of the common tensor in one call: a dense tensor of a known
+    dtype that needs no detach, conj or neg resolution and was not seen before in
+    this payload. Anything else returns ``None`` and takes ``tensor_ref``.
+
+    The descriptor of a (dtype, shape, offset) seen before is reused from a small
+    cache (``TensorDesc`` is immutable): a stream of same-shaped messages builds
+    none."""
+    seen = w.seen
+    oid = id(obj)
+    if oid in seen:
+        return None
+    dtype = obj.dtype
+    entry = _TORCH_CODES.get(dtype)
+    if entry is None:
+        if _TORCH_CODES:
+            return None
+        _torch_dtypes()  # first torch payload: fill the table
+        entry = _TORCH_CODES.get(dtype)
+        if entry is None:
+            return None
+    if obj.layout is not _STRIDED[0] or obj.requires_grad or obj.is_neg():
+        return None
+    if entry[2] and obj.is_conj():
+        return None
+    if not obj.is_cpu:  # a host tensor is never a meta tensor: one look for both
+        if obj.is_meta:
+            return None
+        w.on_device = True
+    offset = w.offset
+    ck = (dtype, obj.shape, offset)
+    hit = _DESC_CACHE.get(ck)
+    if hit is None:
+        code, size = entry[0], entry[1]
+        shape = ck[1]
+        nbytes = obj.numel() * size
+        hit = (TensorDesc(KIND_TORCH, code, list(shape), offset, nbytes),
+               (offset + nbytes + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1))
+        if len(_DESC_CACHE) >= _DESC_CACHE_MAX:
+            _DESC_CACHE.clear()
+        _DESC_CACHE[ck] = hit
+    descs = w.descs
+    index = len(descs)
+    descs.append(hit[0])
+    w.sources.append((KIND_TORCH, obj))
+    w.offset = hit[1]
+    seen[oid] = index
+    return _TENSOR_REFS[index] if index < 256 else msgspec.msgpack.Ext(_EXT_TENSOR, _U32.pack(index))
+
+
 class PreparedBlob:
     """A payload walked and its header encoded, ready to be written.
 
@@ -665,8 +621,8 @@ class PreparedBlob:
         Lengths of the header and of the data region.
     """
 
-    __slots__ = ("_prefix", "_header", "_descs", "_sources", "_on_device", "data_offset", "data_len", "header_len",
-                 "nbytes")
+    __slots__ = ("_prefix", "_header", "_head", "_descs", "_sources", "_on_device", "data_offset", "data_len",
+                 "header_len", "nbytes")
 
     def __init__(
         self, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool = True
@@ -677,10 +633,17 @@ class PreparedBlob:
         #: False when the walk saw that no torch tensor lives off the host
         self._on_device = on_device
         self.header_len = header_len = len(header)
-        self.data_len = data_len = descs[-1].offset + descs[-1].nbytes if descs else 0
+        if descs:
+            last = descs[-1]
+            data_len = last.offset + last.nbytes
+        else:
+            data_len = 0
+        self.data_len = data_len
         self.data_offset = data_offset = (PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
         self.nbytes = data_offset + data_len
-        self._prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
+        self._prefix = prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
+        #: prefix, header and the zero padding up to the data region: one store
+        self._head = b"".join((prefix, header, _ZEROS[: data_offset - PREFIX_SIZE - header_len]))
 
     @property
     def meta(self) -> bytes:
@@ -720,10 +683,12 @@ class PreparedBlob:
         if view.readonly or start < 0 or start + n > view.nbytes:
             raise BlobEncodeError(f"a {n}-byte frame does not fit at {start} in a writable {view.nbytes}-byte view")
         d0 = start + self.data_offset
-        h_end = start + PREFIX_SIZE + self.header_len
-        view[start:d0] = self._prefix + self._header + _ZEROS[: d0 - h_end]
+        view[start:d0] = self._head
         if self._descs:
-            self._write_data(view, None, d0, address)
+            if self._on_device:
+                self._write_data(view, None, d0, address)
+            else:
+                _write_host(view, d0, address, self._descs, self._sources)
         return n
 
     def _write_head(self, buffer: Any) -> memoryview:
@@ -850,6 +815,55 @@ class PreparedBlob:
                 out.append(memoryview(a.reshape(-1).view(np.uint8)))
         return out
 
+
+
+def _write_host(view: memoryview, base: int, addr: int, descs: list[TensorDesc], sources: list[tuple[int, Any]]) -> None:
+    """``_write_data`` for a payload whose tensors all live on the host, into a mapping
+    whose first byte is at ``addr``: one memmove per contiguous tensor of up to
+    ``_MEMMOVE_MAX`` bytes, the general writer for anything else."""
+    memmove = ctypes.memmove
+    last = descs[-1]
+    data_end = base + last.offset + last.nbytes
+    for desc, (kind, src) in zip(descs, sources):
+        n = desc.nbytes
+        start = base + desc.offset
+        if kind != KIND_TORCH or n > _MEMMOVE_MAX or not n or not src.is_contiguous():
+            _write_one(view, start, addr, desc, kind, src, data_end)
+            continue
+        memmove(addr + start, src.data_ptr(), n)
+        if n & (FRAME_ALIGN - 1) and desc is not last:
+            end = start + n
+            view[end : (end + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)] = _ZEROS[: -n & (FRAME_ALIGN - 1)]
+
+
+def _write_one(
+    view: memoryview, start: int, addr: int, desc: TensorDesc, kind: int, src: Any, data_end: int
+) -> None:
+    """Write one host tensor's bytes at ``view[start:]`` (and its padding, up to
+    ``data_end`` at most), as ``_write_data`` does."""
+    n = desc.nbytes
+    end = start + n
+    if n:
+        if kind == KIND_TORCH:
+            if src.is_contiguous() and (n <= _MEMMOVE_MAX or not _parallel_copy()):
+                if n <= _MEMMOVE_MAX:
+                    ctypes.memmove(addr + start, src.data_ptr(), n)
+                else:
+                    _memcpy(addr + start, src.data_ptr(), n)
+            else:
+                import torch
+
+                dst = torch.frombuffer(view, dtype=torch.uint8, count=n, offset=start)
+                dst.view(src.dtype).view(src.shape).copy_(src)
+        elif src.flags.c_contiguous:
+            _memcpy(addr + start, src.ctypes.data, n)
+        else:
+            import numpy as np
+
+            np.frombuffer(view, dtype=src.dtype, count=src.size, offset=start).reshape(src.shape)[...] = src
+    pad_end = min(end + (-n & (FRAME_ALIGN - 1)), data_end)
+    if pad_end > end:
+        view[end:pad_end] = _ZEROS[: pad_end - end]
 
 def prepare(payload: Any, /) -> PreparedBlob:
     """Walk ``payload`` and encode its header; see ``PreparedBlob``.
@@ -1181,18 +1195,77 @@ def _decode_tree(header: BlobHeader, views: list[Any]) -> Any:
     return _decode_tree_bytes(header.tree, views)
 
 
-def _decode_tree_bytes(tree: Any, views: list[Any]) -> Any:
-    _tls.views = views
+def _decode_tree_bytes(tree: Any, views: list[Any], refs: list[Any] | None = None) -> Any:
+    """The payload of an encoded tree: tensor references replaced by ``views``, tuples
+    rebuilt, every dict key checked (str only). With ``refs``, the place of every
+    tensor reference is appended to it as ``(path, index)``, or ``None`` when the tree
+    holds a tuple (a tree that cannot be filled in by paths alone)."""
     try:
-        out = _TREE_DECODER.decode(tree)
-        _check_tree(out)
-        return out
+        return _resolve(_PLAIN_DECODER.decode(tree), views, refs)
     except BlobDecodeError:
         raise
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ValueError, TypeError) as exc:
         raise BlobDecodeError(f"malformed payload tree: {exc}") from exc
-    finally:
-        _tls.views = ()
+
+
+def _ref_view(ext: Any, views: list[Any]) -> tuple[int, Any]:
+    """``(index, view)`` of a tensor reference (extension type 1)."""
+    data = ext.data
+    if len(data) != 4:
+        raise BlobDecodeError(f"tensor reference of {len(data)} bytes, expected 4")
+    (index,) = _U32.unpack(data)
+    if index >= len(views):
+        raise BlobDecodeError(f"payload references tensor {index} but the header describes {len(views)}")
+    return index, views[index]
+
+
+def _resolve_ext(ext: Any, views: list[Any], refs: list[Any] | None, path: tuple[Any, ...]) -> Any:
+    code = ext.code
+    if code == _EXT_TENSOR:
+        index, view = _ref_view(ext, views)
+        if refs is not None:
+            refs.append((path, index))
+        return view
+    if code == _EXT_TUPLE:
+        items = _PLAIN_DECODER.decode(ext.data)
+        if type(items) is not list:
+            raise BlobDecodeError(f"tuple extension holds a {type(items).__name__}, expected an array")
+        if refs is not None:
+            refs.append(None)  # paths cannot go through a tuple: not cacheable
+        return tuple(_resolve(items, views, None))
+    raise BlobDecodeError(f"unknown extension type {code} in payload tree")
+
+
+def _resolve(obj: Any, views: list[Any], refs: list[Any] | None) -> Any:
+    """``_decode_tree_bytes`` on a tree msgspec decoded (extensions as ``Ext``)."""
+    t = type(obj)
+    if t is _Ext:
+        return _resolve_ext(obj, views, refs, ())
+    if t is not dict and t is not list:
+        return obj
+    stack = [(obj, ())]
+    pop, push = stack.pop, stack.append
+    while stack:
+        o, path = pop()
+        if type(o) is dict:
+            for k, v in o.items():
+                if type(k) is not str:
+                    raise BlobDecodeError(
+                        f"payload tree: dict key {k!r} of type {type(k).__name__} (keys must be str)"
+                    )
+                tv = type(v)
+                if tv is _Ext:
+                    o[k] = _resolve_ext(v, views, refs, path + (k,))
+                elif tv is dict or tv is list:
+                    push((v, path + (k,)))
+        else:
+            for i, v in enumerate(o):
+                tv = type(v)
+                if tv is _Ext:
+                    o[i] = _resolve_ext(v, views, refs, path + (i,))
+                elif tv is dict or tv is list:
+                    push((v, path + (i,)))
+    return obj
 
 
 # ------------------------------------------------------------------ the plan cache
@@ -1202,6 +1275,22 @@ def _decode_tree_bytes(tree: Any, views: list[Any]) -> Any:
 #: once. Bounded; cleared when full.
 _PLANS: dict[tuple[bytes, int], Any] = {}
 _PLANS_MAX = 512
+#: Whole frame heads (prefix + header bytes) decoded and validated before, for a stream
+#: whose headers repeat byte for byte: ``head -> (total, data start, tree bytes, plan,
+#: refs)``. A frame's head bytes are compared in full with the cached ones (a dict
+#: lookup by value), never trusted by any shorter key, so a hit is a frame whose every
+#: header byte was validated before: its CRC, descriptors, tree keys and tensor
+#: references. Only the views are made and the tree decoded again (fresh objects).
+_HEADS: dict[bytes, tuple[Any, ...]] = {}
+_HEADS_MAX = 256
+#: Per plan: how many frames of it missed ``_HEADS``; past ``_HEADS_LEARN`` its heads
+#: differ from frame to frame (a timestamp in the tree) and are no longer cached.
+_HEAD_MISSES: dict[tuple[bytes, int], int] = {}
+_HEADS_LEARN = 8
+_PLAIN_DECODER = msgspec.msgpack.Decoder()
+_Ext = msgspec.msgpack.Ext
+#: ``_decode_fast`` could not decode the frame (the general path will, or will say why)
+_MISS = object()
 
 
 def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
@@ -1209,7 +1298,8 @@ def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
     validated header, or ``None`` when one needs the general path (numpy scalars and
     empty numpy arrays are built differently, a dtype this torch build lacks is an error
     the general path reports). An empty torch tensor's recipe has kind ``_PLAN_EMPTY``;
-    a bool one's ``_PLAN_BOOL``: its bytes are checked per message (0 and 1 only)."""
+    a bool one's ``_PLAN_BOOL``: its bytes are checked per message (0 and 1 only).
+    ``shape`` is ``None`` for a 1-D tensor (``frombuffer`` makes that shape)."""
     plan = []
     for d in header.tensors:
         size = _ITEMSIZE_BY_CODE[d.dtype]
@@ -1226,9 +1316,6 @@ def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
                 plan.append((_PLAN_BOOL, dt, d.nbytes, None if len(d.shape) == 1 else tuple(d.shape),
                              d.offset, size))
                 continue
-        if d.kind == KIND_TORCH:
-            dt = _torch_dtypes()[1].get(d.dtype)
-            # ``view(*shape)`` parses its arguments faster than ``view(shape)``
             shape = None if len(d.shape) == 1 else tuple(d.shape)
         else:
             dt = _numpy_dtypes()[1].get(d.dtype)
@@ -1240,65 +1327,125 @@ def _plan_of(header: BlobHeader) -> tuple[tuple[Any, ...], ...] | None:
     return tuple(plan)
 
 
-def _decode_planned(raw: memoryview, header_len: int, data_len: int, total: int) -> tuple[bool, Any]:
-    """Decode through the plan cache: ``(True, payload)``, or ``(False, None)`` when this
-    frame needs the general path (which then reports any error). The header's CRC, its
-    arity and the tree's item bound are checked for every frame; the descriptors'
-    validation (``_parse_header``) runs once per distinct descriptor list."""
-    (crc,) = _U32.unpack_from(raw, 12)
-    header_bytes = raw[PREFIX_SIZE : PREFIX_SIZE + header_len]
-    if zlib.crc32(header_bytes) != crc:
-        return False, None
-    try:
-        split = _SPLIT_DECODER.decode(header_bytes)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return False, None
-    key = (bytes(split.tensors), data_len)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if key in _PLANS:
-            return False, None  # known to need the general path
-        try:
-            header = _parse_header(raw, header_len, data_len)
-        except BlobDecodeError:
-            return False, None
-        plan = _plan_of(header)
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        _PLANS[key] = plan
-        if plan is None:
-            return False, None
-    tree = split.tree
-    if len(tree) > MAX_TREE_ITEMS:
-        _count_items(memoryview(tree), 0, len(tree), MAX_TREE_ITEMS)
-    base = total - data_len
+def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] | None:
+    """The views a plan makes of ``buf`` (data region at ``base``); ``None`` when one
+    would be misaligned for its dtype (the general path copies those)."""
     views: list[Any] = []
     append = views.append
     for kind, dt, count, shape, off, size in plan:
         if kind == KIND_TORCH:
-            t = _torch_frombuffer(raw, dtype=dt, count=count, offset=base + off)
+            t = _torch_frombuffer(buf, dtype=dt, count=count, offset=base + off)
             if t.data_ptr() % size:
-                return False, None  # misaligned buffer: the general path copies
-            append(t if shape is None else t.view(*shape) if shape else t.view(shape))
+                return None
+            # ``resize_`` to the same number of elements only sets sizes and strides
+            # (contiguous, in place): cheaper than ``view`` and never reallocates.
+            append(t if shape is None else t.resize_(*shape) if shape else t.resize_(shape))
         elif kind == _PLAN_BOOL:
             # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream:
             # the general path reports them.
             start = base + off
             if count <= _BOOL_BYTES_CHECK:
-                if bytes(raw[start : start + count]).translate(None, b"\x00\x01"):
-                    return False, None
-            elif _np_frombuffer(raw, dtype=_np_uint8, count=count, offset=start).max() > 1:
-                return False, None
-            t = _torch_frombuffer(raw, dtype=dt, count=count, offset=start)
-            append(t if shape is None else t.view(*shape) if shape else t.view(shape))
+                if bytes(buf[start : start + count]).translate(None, b"\x00\x01"):
+                    return None
+            elif _np_frombuffer(buf, dtype=_np_uint8, count=count, offset=start).max() > 1:
+                return None
+            t = _torch_frombuffer(buf, dtype=dt, count=count, offset=start)
+            append(t if shape is None else t.resize_(*shape) if shape else t.resize_(shape))
         elif kind == _PLAN_EMPTY:
             append(_torch_empty(shape, dtype=dt))
         else:
-            a = _np_frombuffer(raw, dtype=dt, count=count, offset=base + off)
+            a = _np_frombuffer(buf, dtype=dt, count=count, offset=base + off)
             if a.ctypes.data % size:
-                return False, None
+                return None
             append(a.reshape(shape))
-    return True, _decode_tree_bytes(tree, views)
+    return views
+
+
+def _decode_fast(buf: Any, nbytes: int) -> Any:
+    """Decode the frame at the start of the writable buffer ``buf`` (``nbytes`` long:
+    a memoryview, or a numpy uint8 array) by the caches: the payload, or ``_MISS`` when
+    the frame needs the general path (which then reports any error)."""
+    if nbytes < PREFIX_SIZE:
+        return _MISS
+    end = PREFIX_SIZE + _U32.unpack_from(buf, 8)[0]
+    if end > nbytes:
+        return _MISS
+    head = buf[:end].tobytes()
+    hit = _HEADS.get(head)
+    if hit is None:
+        return _decode_learn(buf, nbytes, head)
+    total, base, tree, plan, refs = hit
+    if total > nbytes:
+        return _MISS
+    views = _views(buf, plan, base)
+    if views is None:
+        return _MISS
+    out = _PLAIN_DECODER.decode(tree)
+    for path, index in refs:
+        if len(path) == 1:
+            out[path[0]] = views[index]
+        elif not path:
+            out = views[index]
+        else:
+            c = out
+            for p in path[:-1]:
+                c = c[p]
+            c[path[-1]] = views[index]
+    return out
+
+
+def _decode_learn(buf: Any, nbytes: int, head: bytes) -> Any:
+    """``_decode_fast`` for a head not in ``_HEADS``: the CRC, the header's arity and the
+    tree's item bound and keys are checked; the descriptors' validation
+    (``_parse_header``) runs once per distinct descriptor list (``_PLANS``). Caches the
+    head when it may repeat."""
+    magic, version, flags, header_len, crc, data_len = _PREFIX.unpack_from(head, 0)
+    if magic != MAGIC or version != VERSION or flags or header_len > MAX_HEADER_BYTES:
+        return _MISS
+    base = ((PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1))
+    total = base + data_len
+    if total > nbytes:
+        return _MISS
+    header_bytes = memoryview(head)[PREFIX_SIZE:]
+    if zlib.crc32(header_bytes) != crc:
+        return _MISS
+    try:
+        split = _SPLIT_DECODER.decode(header_bytes)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return _MISS
+    key = (bytes(split.tensors), data_len)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if key in _PLANS:
+            return _MISS  # known to need the general path
+        try:
+            header = _parse_header(memoryview(head), header_len, data_len)
+        except BlobDecodeError:
+            return _MISS
+        plan = _plan_of(header)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+            _HEAD_MISSES.clear()
+        _PLANS[key] = plan
+        if plan is None:
+            return _MISS
+    tree = split.tree
+    if len(tree) > MAX_TREE_ITEMS:
+        _count_items(memoryview(tree), 0, len(tree), MAX_TREE_ITEMS)
+    views = _views(buf, plan, base)
+    if views is None:
+        return _MISS
+    misses = _HEAD_MISSES.get(key, 0)
+    if misses >= _HEADS_LEARN:
+        return _decode_tree_bytes(tree, views)
+    _HEAD_MISSES[key] = misses + 1
+    refs: list[Any] = []
+    out = _decode_tree_bytes(tree, views, refs)
+    if None not in refs:
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[head] = (total, base, bytes(tree), plan, tuple(refs))
+    return out
 
 
 _torch_frombuffer: Any = None
@@ -1379,8 +1526,8 @@ def decode(
     if raw.nbytes < total:
         raise BlobDecodeError(f"frame is truncated: {raw.nbytes} bytes, the prefix says {total}")
     if not copy and not raw.readonly and max_tensors == MAX_TENSORS and max_tree_items == MAX_TREE_ITEMS:
-        done, out = _decode_planned(raw, header_len, data_len, total)
-        if done:
+        out = _decode_fast(raw, total)
+        if out is not _MISS:
             return out
     header = _parse_header(raw, header_len, data_len, max_tensors=max_tensors, max_tree_items=max_tree_items)
     if not header.tensors:

@@ -198,6 +198,10 @@ class BaseConnector:
         stuck on backpressure cannot hang ``close()``. Backends override.
         """
 
+    def _add_counts(self, counters: dict[str, int]) -> None:
+        """Add the counts a backend keeps apart from ``_counters`` (the shm backend's
+        per-message fast path counts under its own locks); default: none."""
+
     def _in_use(self) -> tuple[int, int]:
         """(blocks, bytes) this process holds in the transport; backends override."""
         return (0, 0)
@@ -510,6 +514,7 @@ class BaseConnector:
         arena = self._arena_stats()
         with self._counter_lock:
             counters = dict(self._counters)
+        self._add_counts(counters)
         return ConnectorStats(
             backend=self.backend,
             channel=self.channel,

@@ -7,6 +7,7 @@ import ctypes
 import os
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -97,11 +98,15 @@ def test_zero_dim_and_one_dim_tensors_keep_their_shapes_through_the_plan():
 
 
 def test_tree_check_still_rejects_a_non_str_key_at_any_depth():
+    def tree(obj):
+        return blob._resolve(blob._PLAIN_DECODER.decode(blob._ENCODER.encode(obj)), [], None)
+
     with pytest.raises(omnilink.BlobDecodeError, match="dict key 1"):
-        blob._check_tree({"a": [{"b": {1: 2}}]})
+        tree({"a": [{"b": {1: 2}}]})
     with pytest.raises(omnilink.BlobDecodeError, match="dict key"):
-        blob._check_tree([(1, {b"k": 1})])
-    blob._check_tree({"a": [{"b": {"c": (1, [2])}}]})
+        tree([msgspec.msgpack.Ext(2, blob._ENCODER.encode([1, {b"k": 1}]))])
+    assert tree({"a": [{"b": {"c": msgspec.msgpack.Ext(2, blob._ENCODER.encode([1, [2]]))}}]}) == {
+        "a": [{"b": {"c": (1, [2])}}]}
 
 
 def test_shared_deadlines():

@@ -46,6 +46,7 @@ import threading
 import time
 import weakref
 from threading import get_ident
+from time import monotonic as _monotonic
 from time import perf_counter_ns as _clock
 from typing import Any
 
@@ -58,6 +59,7 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import NO_WAIT, ConsumedKeys, Deadline, MAX_KEY_BYTES, duplicate_key, validate_key
+from omnilink.blob import _MISS, _decode_fast
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role
@@ -167,7 +169,7 @@ class _Lease(weakref.ref):
     last view of the payload dies; ``release(key)`` runs it early. One small object per
     message: no closure, no ``weakref.finalize`` registry."""
 
-    __slots__ = ("reader", "idx", "seq", "nbytes", "key", "done", "since")
+    __slots__ = ("reader", "idx", "seq", "nbytes", "key", "since")
 
 
 class _Releaser:
@@ -177,14 +179,15 @@ class _Releaser:
     connector), so views may outlive ``close()``.
     """
 
-    __slots__ = ("chan", "pid", "held", "counters", "__weakref__")
+    __slots__ = ("chan", "pid", "live", "nbytes", "__weakref__")
 
     def __init__(self, chan: Channel, pid: int) -> None:
         self.chan = chan
         self.pid = pid
-        #: key -> leases of payloads this process still views (for ``release(key)``)
-        self.held: dict[str, list[_Lease]] = {}
-        self.counters = [0, 0]  # blocks, bytes this process still views
+        #: ``id(lease) -> lease`` of the payloads this process still views (a lease
+        #: leaves when it is released, so its id is never reused while listed)
+        self.live: dict[int, _Lease] = {}
+        self.nbytes = 0  # bytes of those payloads
 
     def track(self, lease_obj: Any, reader: ArenaReader, idx: int, seq: int, nbytes: int, key: str) -> _Lease:
         ref = _Lease(lease_obj, self)
@@ -193,35 +196,21 @@ class _Releaser:
         ref.seq = seq
         ref.nbytes = nbytes
         ref.key = key
-        ref.done = False
-        ref.since = time.monotonic()
-        held = self.held
-        refs = held.get(key)
-        if refs is None:
-            held[key] = [ref]
-        else:
-            refs.append(ref)
-        counters = self.counters
-        counters[0] += 1
-        counters[1] += nbytes
+        ref.since = _monotonic()
+        self.live[id(ref)] = ref
+        self.nbytes += nbytes
         return ref
+
+    def held(self, key: str | None = None) -> list[_Lease]:
+        """The leases still viewed (of ``key`` only, when given)."""
+        refs = list(self.live.values())
+        return refs if key is None else [r for r in refs if r.key == key]
 
     def __call__(self, ref: _Lease) -> None:
         """Release ``ref``'s block (its weakref callback, or an early ``release``)."""
-        if ref.done:
-            return
-        ref.done = True
-        counters = self.counters
-        counters[0] -= 1
-        counters[1] -= ref.nbytes
-        refs = self.held.get(ref.key)
-        if refs is not None:
-            for i, r in enumerate(refs):
-                if r is ref:
-                    del refs[i]
-                    break
-            if not refs:
-                del self.held[ref.key]
+        if self.live.pop(id(ref), None) is None:
+            return  # released already
+        self.nbytes -= ref.nbytes
         chan = self.chan
         reader, idx, seq, pid = ref.reader, ref.idx, ref.seq, self.pid
         if chan.owner_tid == get_ident():
@@ -514,6 +503,10 @@ class ShmConnector(BaseConnector):
         # Sender: key -> descriptor of our latest put of it (duplicate-put check).
         self._sent: dict[str, int] = {}
         self._sent_limit = 2 * max_inflight + 64
+        #: puts, bytes put by ``_put``'s arena path (counted under ``_slock``), and
+        #: gets, bytes got by ``_get`` (under ``_rlock``): see ``_add_counts``
+        self._sc = [0, 0]
+        self._rc = [0, 0]
         # Receiver: keys this connector consumed or discarded (KeyConsumedError).
         self._consumed = ConsumedKeys()
         self._readers: dict[tuple[int, str], ArenaReader] = {}
@@ -545,7 +538,19 @@ class ShmConnector(BaseConnector):
                 raise
 
     # ================================================================= sending
-    def _put(self, key: str, payload: Any, deadline: Deadline, events: Any = None) -> int:
+    def put(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int:
+        if self._closed:
+            self._check_open()
+        if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
+            validate_key(key)  # the general check (raises, or passes a non-ASCII key)
+        return self._put(key, payload, None if timeout is None else Deadline(timeout), count=True)
+
+    put.__doc__ = BaseConnector.put.__doc__
+
+    def _put(self, key: str, payload: Any, deadline: Deadline | None, events: Any = None, *,
+             count: bool = False) -> int:
+        """Send ``payload``; ``deadline`` ``None``: the connector's timeout, from now.
+        With ``count`` the put is counted (``puts``, ``bytes_put``) too."""
         w = self._writer
         if w is None:
             raise ConfigurationError(
@@ -553,6 +558,69 @@ class ShmConnector(BaseConnector):
                 "and cannot put; open it with role='sender' or 'dual'"
             )
         blob = _prepare(payload)
+        n = blob.nbytes
+        if blob._on_device or self._gpu is not None or n > w.data_bytes:
+            if deadline is None:
+                deadline = Deadline.after(self.timeout)
+            n = self._put_other(key, payload, blob, deadline, events)
+            if count:
+                self._count_op("puts", "bytes_put", n)
+            return n
+        key_bytes = key.encode("utf-8")
+        chan = self._chan
+        slock = self._slock
+        slock.acquire()
+        try:
+            if self._closed:
+                self._check_open()
+            if key in self._sent:
+                self._check_not_pending(key)
+            # Fast path: a descriptor and a block of the arena are free without waiting.
+            space = w.primary
+            free_desc = w.free_desc
+            alloc = space.alloc
+            off = alloc.alloc(n) if free_desc else None
+            if off is None:
+                if deadline is None:
+                    deadline = Deadline.after(self.timeout)
+                space, off, idx = self._reserve(key, n, deadline)
+                alloc = space.alloc
+            else:
+                idx = free_desc.pop()
+            try:
+                written = blob.write_at(space.view, space.base + off, space.addr)
+                locked = chan.try_lock() or chan.lock_within(deadline or Deadline.after(self.timeout))
+            except BaseException:
+                alloc.free(off)
+                free_desc.append(idx)
+                raise
+            if not locked:
+                alloc.free(off)
+                free_desc.append(idx)
+                raise self._timeout("put", key, "the channel mutex", (deadline or Deadline.after(self.timeout)).timeout)
+            try:
+                w.publish(idx, key_bytes, _OutRec(0, key, off, alloc.size_of(off), None, space), written,
+                          space.flags, space.token)
+                chan.notify_all()
+                w.drain()
+            finally:
+                chan.unlock()
+            sent = self._sent
+            sent[key] = idx
+            if len(sent) > self._sent_limit:
+                self._prune_sent()
+            if count:
+                c = self._sc
+                c[0] += 1
+                c[1] += written
+        finally:
+            slock.release()
+        return written
+
+    def _put_other(self, key: str, payload: Any, blob: Any, deadline: Deadline, events: Any) -> int:
+        """``_put`` of a payload holding CUDA tensors (the GPU path), or larger than the
+        arena (an overflow segment)."""
+        w = self._writer
         n = blob.nbytes
         dev_bytes = blob.device_bytes()
         if (dev_bytes and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
@@ -572,19 +640,19 @@ class ShmConnector(BaseConnector):
         key_bytes = key.encode("utf-8")
         if n > w.data_bytes:
             return self._put_overflow(key, key_bytes, blob, deadline)
+        return self._put_arena(key, key_bytes, blob, deadline)
+
+    def _put_arena(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
+        """A host payload into a block of the arena (or an extension)."""
+        w = self._writer
         chan = self._chan
+        n = blob.nbytes
         with self._slock:
             if self._closed:
                 self._check_open()
             if key in self._sent:
                 self._check_not_pending(key)
-            # Fast path: a descriptor and a block of the arena are free without waiting.
-            space = w.primary
-            off = space.alloc.alloc(n) if w.free_desc else None
-            if off is None:
-                space, off, idx = self._reserve(key, n, deadline)
-            else:
-                idx = w.free_desc.pop()
+            space, off, idx = self._reserve(key, n, deadline)
             alloc = space.alloc
             try:
                 written = blob.write_at(space.view, space.base + off, space.addr)
@@ -689,11 +757,16 @@ class ShmConnector(BaseConnector):
         sent = self._sent
         sent[key] = idx
         if len(sent) > self._sent_limit:
-            w = self._writer
-            for k, i in list(sent.items()):
-                rec = w.out.get(i)
-                if rec is None or rec.key != k:
-                    del sent[k]
+            self._prune_sent()
+
+    def _prune_sent(self) -> None:
+        """Forget the keys whose descriptor moved on (holds ``_slock``)."""
+        sent = self._sent
+        w = self._writer
+        for k, i in list(sent.items()):
+            rec = w.out.get(i)
+            if rec is None or rec.key != k:
+                del sent[k]
 
     def _put_overflow(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
         w = self._writer
@@ -965,15 +1038,18 @@ class ShmConnector(BaseConnector):
     def get(self, key: str, /, *, timeout: float | None = None, device: Any = None) -> Any:
         if self._closed:
             self._check_open()
-        validate_key(key)
+        if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
+            validate_key(key)  # the general check (raises, or passes a non-ASCII key)
+        deadline = None if timeout is None else Deadline(timeout)
         if device is None:
-            return self._get(key, self._deadline(timeout), True)
-        return self._receive(key, self._deadline(timeout), True, device)
+            return self._get(key, deadline, True)
+        return self._receive(key, deadline or Deadline.after(self.timeout), True, device)
 
     def get_nowait(self, key: str, /, *, device: Any = None) -> Any:
         if self._closed:
             self._check_open()
-        validate_key(key)
+        if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
+            validate_key(key)
         if device is None:
             return self._get(key, NO_WAIT, False)
         return self._receive(key, NO_WAIT, False, device)
@@ -981,11 +1057,15 @@ class ShmConnector(BaseConnector):
     get.__doc__ = BaseConnector.get.__doc__
     get_nowait.__doc__ = BaseConnector.get_nowait.__doc__
 
-    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
-        payload = self._open_payload(key, self._claim_wait(key, deadline, block), count_get=True)
-        if type(payload) is dict and IPC_MARK in payload:
-            return self._take_ipc(key, deadline, None)
-        if type(payload) is dict and SLICED_MARK in payload:
+    def _get(self, key: str, deadline: Deadline | None, block: bool) -> Any:
+        """Claim, decode and count ``key`` (``deadline`` ``None``: the connector's
+        timeout, from now)."""
+        payload = self._open_payload(key, self._claim_wait(key, deadline, block, count=True), counted=True)
+        if type(payload) is dict and (IPC_MARK in payload or SLICED_MARK in payload):
+            if deadline is None:
+                deadline = Deadline.after(self.timeout)
+            if IPC_MARK in payload:
+                return self._take_ipc(key, deadline, None)
             # A payload sent in slices (CUDA tensors): gather it on the host.
             return self._gpu_path().gather(payload, deadline, None).synchronize()
         return payload
@@ -1065,8 +1145,11 @@ class ShmConnector(BaseConnector):
         validate_key(key)
         return self._receive_handle(key, self._deadline(timeout), True, device)
 
-    def _claim_wait(self, key: str, deadline: Deadline, block: bool) -> tuple[Any, ...]:
-        """Claim ``key`` (waiting up to ``deadline`` when ``block``): the claim record."""
+    def _claim_wait(self, key: str, deadline: Deadline | None, block: bool, *, count: bool = False) -> tuple[Any, ...]:
+        """Claim ``key`` (waiting up to ``deadline`` when ``block``; ``None``: the
+        connector's timeout, from now): the claim record. With ``count`` the get and its
+        bytes are counted under ``_rlock`` (``_open_payload`` takes them back if the
+        payload cannot be decoded)."""
         if not self._recvs:
             raise ConfigurationError(
                 f"shm connector on channel {self.channel!r} was opened with role='sender' "
@@ -1076,20 +1159,25 @@ class ShmConnector(BaseConnector):
         if not block and self._nothing_new(key):
             if key in self._consumed:
                 raise self._consumed.error(self.backend, self.channel, key)
-            if time.monotonic() - self._last_beat >= HEARTBEAT_S:
+            if _monotonic() - self._last_beat >= HEARTBEAT_S:
                 self._heartbeat()  # a polling receiver still learns that its senders died
             if self._peer_lost is None:
                 if self._closed:
                     self._check_open()
                 _yield()
                 raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
+        rlock = self._rlock
         while True:
-            with self._rlock:
+            rlock.acquire()
+            try:
                 if self._closed:
                     self._check_open()
                 # One mutex round trip: map new senders, index what they published, claim.
-                if not chan.lock_within(deadline):
-                    raise self._timeout("get", key, "the channel mutex", deadline.timeout)
+                if not chan.try_lock():
+                    if deadline is None:
+                        deadline = Deadline.after(self.timeout)
+                    if not chan.lock_within(deadline):
+                        raise self._timeout("get", key, "the channel mutex", deadline.timeout)
                 try:
                     if chan.senders_gen() != self._known_gen:
                         self._refresh_locked()
@@ -1105,13 +1193,21 @@ class ShmConnector(BaseConnector):
                             )
                         if not block:
                             raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
+                        if deadline is None:
+                            deadline = Deadline.after(self.timeout)
                         if deadline.remaining() == 0:
                             raise self._timeout("get", key, self._sender_names(), deadline.timeout)
                         gen = chan.register_waiter()
+                    elif count:
+                        c = self._rc
+                        c[0] += 1
+                        c[1] += got[4]
                 finally:
                     chan.unlock()
-                if got is not None:
-                    return got
+            finally:
+                rlock.release()
+            if got is not None:
+                return got
             self._sleep_until_published(gen, deadline)
 
     def _sleep_until_published(self, gen: int, deadline: Deadline) -> None:
@@ -1276,10 +1372,12 @@ class ShmConnector(BaseConnector):
         del self._index[key]
         return None
 
-    def _open_payload(self, key: str, got: tuple[Any, ...], *, count_get: bool = False) -> Any:
+    def _open_payload(self, key: str, got: tuple[Any, ...], *, count_get: bool = False,
+                      counted: bool = False) -> Any:
         """Decode a claimed payload (zero-copy views, tracked by a lease); counts its
         bytes, and with ``count_get`` the ``get`` too (a slice of a sliced payload is
-        not one)."""
+        not one). ``counted``: ``_claim_wait`` counted both already (taken back here if
+        the payload cannot be decoded)."""
         # ``where``: None (the arena), an extension's token (bytes) or an overflow mapping
         reader, idx, seq, off, length, overflow_mm = got
         if overflow_mm is None:
@@ -1294,18 +1392,50 @@ class ShmConnector(BaseConnector):
         else:
             lease = _make_lease(overflow_mm, 0, length)
             self._count(fallbacks=1)
-        ref = self._releaser.track(lease, reader, idx, seq, length, key)
+        rel = self._releaser
+        ref = _Lease(lease, rel)
+        ref.reader = reader
+        ref.idx = idx
+        ref.seq = seq
+        ref.nbytes = length
+        ref.key = key
+        ref.since = _monotonic()
+        rel.live[id(ref)] = ref
+        rel.nbytes += length
         try:
-            payload = _decode(lease)
+            # Views are made through a memoryview *of the lease* (torch and numpy make
+            # them faster from a memoryview than from an array); it references the lease,
+            # so every view still keeps the lease alive. (A slice of a memoryview of the
+            # whole mapping would not: views made from it would reference the mapping.)
+            raw = memoryview(lease)
+            payload = _decode_fast(raw, raw.nbytes)  # the descriptor's length is not trusted
+            del raw
+            if payload is _MISS:
+                payload = _decode(lease)
         except BaseException:
-            self._releaser(ref)
+            rel(ref)
+            if counted:
+                with self._rlock:
+                    c = self._rc
+                    c[0] -= 1
+                    c[1] -= length
             raise
+        if counted:
+            return payload
         if count_get:
             self._count_op("gets", "bytes_got", length)
         else:
             self._count(bytes_got=length)
         return payload
         # ``lease`` goes out of scope here: from now on only the payload's views keep it.
+
+    def _add_counts(self, counters: dict[str, int]) -> None:
+        puts, bytes_put = self._sc
+        gets, bytes_got = self._rc
+        counters["puts"] += puts
+        counters["bytes_put"] += bytes_put
+        counters["gets"] += gets
+        counters["bytes_got"] += bytes_got
 
     def _heartbeat(self) -> None:
         """Liveness of the peers: reap dead participants, note lost senders."""
@@ -1389,10 +1519,10 @@ class ShmConnector(BaseConnector):
             The connector was closed.
         """
         self._check_open()
-        refs = self._releaser.held.get(key)
+        refs = self._releaser.held(key)
         if not refs:
             return False
-        for ref in list(refs):
+        for ref in refs:
             self._releaser(ref)
         return True
 
@@ -1410,8 +1540,7 @@ class ShmConnector(BaseConnector):
         """
         self._check_open()
         now = time.monotonic()
-        return [(ref.key, ref.nbytes, now - ref.since)
-                for refs in list(self._releaser.held.values()) for ref in list(refs)]
+        return [(ref.key, ref.nbytes, now - ref.since) for ref in self._releaser.held()]
 
     def reclaim_unread(self, older_than: float, /) -> list[tuple[str, float]]:
         """Drop this sender's payloads that no receiver has claimed and that were
@@ -1480,7 +1609,8 @@ class ShmConnector(BaseConnector):
     def _in_use(self) -> tuple[int, int]:
         """Arena blocks (and overflow segments) this sender has not got back yet, plus
         the payloads this receiver still views: ``stats().blocks_in_use``/``bytes_in_use``."""
-        blocks, nbytes = self._releaser.counters
+        rel = self._releaser
+        blocks, nbytes = len(rel.live), rel.nbytes
         w = self._writer
         if w is not None:
             blocks += len(w.out)
@@ -1492,7 +1622,7 @@ class ShmConnector(BaseConnector):
         and ``bytes_held``: bytes of its blocks that receivers claimed and still view,
         plus, for a receiver, the payloads this process still views."""
         w = self._writer
-        held = self._releaser.counters[1] if self._recvs else 0
+        held = self._releaser.nbytes if self._recvs else 0
         if w is None:
             return {"segments": 0, "bytes_mapped": 0, "bytes_held": held}
         # No lock: a put waiting for room holds ``_slock``, and stats() must not wait
@@ -1505,7 +1635,7 @@ class ShmConnector(BaseConnector):
             arena_held = 0
         if self._recvs:
             # A dual connector's own views of its own arena are counted once.
-            own = sum(ref.nbytes for refs in list(self._releaser.held.values()) for ref in refs
+            own = sum(ref.nbytes for ref in self._releaser.held()
                       if ref.reader.pid == self._pid and ref.reader.token == self._token)
             held -= own
         return {"segments": len(spaces), "bytes_mapped": sum(sp.size for sp in spaces),

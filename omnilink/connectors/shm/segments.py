@@ -446,6 +446,17 @@ class Channel:
         _U32.pack_into(self._mm, _C_OWNER, self.pid)
         return True
 
+    def try_lock(self) -> bool:
+        """Take the channel mutex if it is free now (one ``sem_trywait``); ``False``
+        if it is not (then ``lock``/``lock_within`` wait for it)."""
+        try:
+            self._mutex.acquire(0)
+        except posix_ipc.BusyError:
+            return False
+        self.owner_tid = get_ident()
+        _U32.pack_into(self._mm, _C_OWNER, self.pid)
+        return True
+
     def lock_within(self, deadline: Any) -> bool:
         """``lock`` for a call bounded by ``deadline`` (a ``Deadline``): the wait for the
         mutex is bounded by the larger of the call's remaining time and
