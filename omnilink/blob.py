@@ -640,7 +640,7 @@ class PreparedBlob:
         Lengths of the header and of the data region.
     """
 
-    __slots__ = ("_prefix", "_header", "_head", "_descs", "_sources", "_on_device", "data_offset", "data_len",
+    __slots__ = ("_header", "_head", "_descs", "_sources", "_on_device", "data_offset", "data_len",
                  "header_len", "nbytes")
 
     def __init__(
@@ -656,18 +656,15 @@ class PreparedBlob:
         self._sources = sources
         #: False when the walk saw that no torch tensor lives off the host
         self._on_device = on_device
-        self.header_len = header_len = len(header)
-        if descs:
-            last = descs[-1]
-            data_len = last.offset + last.nbytes
-        else:
-            data_len = 0
-        self.data_len = data_len
-        self.data_offset = data_offset = (PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
-        self.nbytes = data_offset + data_len
-        self._prefix = prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
-        #: prefix, header and the zero padding up to the data region: one store
-        self._head = b"".join((prefix, header, _ZEROS[: data_offset - PREFIX_SIZE - header_len]))
+        layout = _LAYOUTS.get(header)
+        if layout is None:
+            layout = _layout(header, descs)
+        #: ``_head``: prefix, header and the zero padding up to the data region (one store)
+        self._head, self.header_len, self.data_len, self.data_offset, self.nbytes = layout
+
+    @property
+    def _prefix(self) -> bytes:
+        return self._head[:PREFIX_SIZE]
 
     @classmethod
     def _new(
@@ -940,6 +937,28 @@ def prepare(payload: Any, /) -> PreparedBlob:
 
 
 _fill_blob = PreparedBlob._fill
+#: header bytes -> ``(head, header_len, data_len, data_offset, nbytes)`` of the frames
+#: encoded lately (a header fixes its descriptors, so all of these): a stream of
+#: same-header messages packs the prefix and checksums the header once. Bounded.
+_LAYOUTS: dict[bytes, tuple[bytes, int, int, int, int]] = {}
+_LAYOUTS_MAX = 256
+
+
+def _layout(header: bytes, descs: list[TensorDesc]) -> tuple[bytes, int, int, int, int]:
+    header_len = len(header)
+    if descs:
+        last = descs[-1]
+        data_len = last.offset + last.nbytes
+    else:
+        data_len = 0
+    data_offset = (PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
+    head = b"".join((prefix, header, _ZEROS[: data_offset - PREFIX_SIZE - header_len]))
+    layout = (head, header_len, data_len, data_offset, data_offset + data_len)
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        _LAYOUTS.clear()
+    _LAYOUTS[header] = layout
+    return layout
 _new_blob = PreparedBlob._new.__func__
 
 

@@ -77,6 +77,7 @@ from omnilink.connectors.shm.names import (
 )
 from omnilink.connectors.shm.segments import (
     _A_PUB,
+    _C_SENDERS_GEN,
     _U64,
     FLAG_EXTENSION,
     FLAG_OVERFLOW,
@@ -1188,10 +1189,10 @@ class ShmConnector(BaseConnector):
                     if not chan.lock_within(deadline):
                         raise self._timeout("get", key, "the channel mutex", deadline.timeout)
                 try:
-                    if chan.senders_gen() != self._known_gen:
+                    if _U64.unpack_from(chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
                         self._refresh_locked()
                     self._scan_locked()
-                    got = self._claim_locked(key) if key in self._index else None
+                    got = self._claim_locked(key)
                     if got is None:
                         if key in self._consumed:
                             raise self._consumed.error(self.backend, self.channel, key)
@@ -1255,7 +1256,7 @@ class ShmConnector(BaseConnector):
         or report a miss of a payload published a moment ago, which any receiver may."""
         if key in self._index or self._departed:
             return False
-        if self._chan.senders_gen() != self._known_gen:
+        if _U64.unpack_from(self._chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
             return False
         for r in self._reader_list:
             if _U64.unpack_from(r.mm, _A_PUB)[0] != r.cursor:  # ``r.published()``, inlined

@@ -536,6 +536,11 @@ class Channel:
     def unlock(self) -> None:
         """Give the mutex back, after running deferred releases; then post the wake-ups
         ``notify_all`` counted."""
+        if not self._wake_posts and not self._deferred:  # the common case
+            _U32.pack_into(self._mm, _C_OWNER, 0)
+            self.owner_tid = 0
+            self._mutex.release()
+            return
         deferred = self._deferred
         while deferred:
             fn = deferred.pop()
@@ -879,14 +884,27 @@ class ArenaWriter:
             return 0
         n = 0
         rel, n_desc = self._rel_offset, self._n_desc
+        out = self.out
+        frontier = self.frontier
         while tail < head:
             idx = _U32.unpack_from(mm, rel + 4 * (tail % n_desc))[0]
             tail += 1
-            rec = self.out.get(idx)
-            if rec is not None and rec.published > self.frontier:
-                self.frontier = rec.published
+            rec = out.get(idx)
+            if rec is not None:
+                if rec.published > frontier:
+                    frontier = rec.published
+                sp = rec.space
+                if sp is not None and sp.slot < 0 and rec.overflow is None:
+                    # ``_reclaim`` of a block of the arena itself, inline
+                    del out[idx]
+                    _U32.pack_into(mm, _DESC_OFFSET + idx * DESC_SIZE, FREE)
+                    sp.alloc.free(rec.offset)
+                    self.free_desc.append(idx)
+                    n += 1
+                    continue
             if self._reclaim(idx):
                 n += 1
+        self.frontier = frontier
         _U64.pack_into(mm, _A_REL_TAIL, tail)
         return n
 
