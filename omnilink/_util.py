@@ -167,8 +167,9 @@ class ConsumedKeys:
 
     def add(self, key: str, how: str = "consumed") -> None:
         keys = self._keys
+        if key in keys:
+            keys.move_to_end(key)
         keys[key] = how
-        keys.move_to_end(key)
         if len(keys) > self._limit:
             keys.popitem(last=False)
 

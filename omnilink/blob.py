@@ -557,6 +557,25 @@ class _Walker:
         return entry[0], entry[1], list(a.shape), a
 
 
+_new = object.__new__
+_modules = sys.modules
+
+
+def _new_walker() -> _Walker:
+    """``_Walker()`` without the cost of calling a class (once per ``prepare``)."""
+    w = _new(_Walker)
+    torch = w.torch = _modules.get("torch")
+    w.tensor = None if torch is None else torch.Tensor
+    w.np = _modules.get("numpy")
+    w.sources = []
+    w.descs = []
+    w.seen = {}
+    w.offset = 0
+    w.path = []
+    w.on_device = False
+    return w
+
+
 def _plain_ref(w: _Walker, obj: Any) -> msgspec.msgpack.Ext | None:
     """``tensor_ref`` of the common tensor in one call: a dense tensor of a known
     dtype that needs no detach, conj or neg resolution and was not seen before in
@@ -621,29 +640,40 @@ class PreparedBlob:
         Lengths of the header and of the data region.
     """
 
-    __slots__ = ("_prefix", "_header", "_head", "_descs", "_sources", "_on_device", "data_offset", "data_len",
+    __slots__ = ("_header", "_head", "_descs", "_sources", "_on_device", "data_offset", "data_len",
                  "header_len", "nbytes")
 
     def __init__(
         self, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool = True
+    ) -> None:
+        _fill_blob(self, header, descs, sources, on_device)
+
+    def _fill(
+        self, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool
     ) -> None:
         self._header = header
         self._descs = descs
         self._sources = sources
         #: False when the walk saw that no torch tensor lives off the host
         self._on_device = on_device
-        self.header_len = header_len = len(header)
-        if descs:
-            last = descs[-1]
-            data_len = last.offset + last.nbytes
-        else:
-            data_len = 0
-        self.data_len = data_len
-        self.data_offset = data_offset = (PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
-        self.nbytes = data_offset + data_len
-        self._prefix = prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
-        #: prefix, header and the zero padding up to the data region: one store
-        self._head = b"".join((prefix, header, _ZEROS[: data_offset - PREFIX_SIZE - header_len]))
+        layout = _LAYOUTS.get(header)
+        if layout is None:
+            layout = _layout(header, descs)
+        #: ``_head``: prefix, header and the zero padding up to the data region (one store)
+        self._head, self.header_len, self.data_len, self.data_offset, self.nbytes = layout
+
+    @property
+    def _prefix(self) -> bytes:
+        return self._head[:PREFIX_SIZE]
+
+    @classmethod
+    def _new(
+        cls, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool
+    ) -> PreparedBlob:
+        """``PreparedBlob(...)`` without the cost of calling a class (``prepare``)."""
+        b = _new(cls)
+        _fill_blob(b, header, descs, sources, on_device)
+        return b
 
     @property
     def meta(self) -> bytes:
@@ -874,7 +904,7 @@ def prepare(payload: Any, /) -> PreparedBlob:
         The payload holds an object the format cannot carry; the message names its
         path, e.g. ``payload['meta']['x']: type foo.Bar is not supported``.
     """
-    walker = _Walker()
+    walker = _new_walker()
     try:
         tree = walker.fast(payload)
         # One pass: [tensors, tree] is exactly what BlobHeader decodes (array_like).
@@ -903,7 +933,33 @@ def prepare(payload: Any, /) -> PreparedBlob:
     if len(header) > MAX_TREE_ITEMS:
         # Only a tree of more bytes than the item limit can hold more items than it.
         _check_tree_items(memoryview(header), MAX_TREE_ITEMS, BlobEncodeError)
-    return PreparedBlob(header, walker.descs, walker.sources, walker.on_device)
+    return _new_blob(PreparedBlob, header, walker.descs, walker.sources, walker.on_device)
+
+
+_fill_blob = PreparedBlob._fill
+#: header bytes -> ``(head, header_len, data_len, data_offset, nbytes)`` of the frames
+#: encoded lately (a header fixes its descriptors, so all of these): a stream of
+#: same-header messages packs the prefix and checksums the header once. Bounded.
+_LAYOUTS: dict[bytes, tuple[bytes, int, int, int, int]] = {}
+_LAYOUTS_MAX = 256
+
+
+def _layout(header: bytes, descs: list[TensorDesc]) -> tuple[bytes, int, int, int, int]:
+    header_len = len(header)
+    if descs:
+        last = descs[-1]
+        data_len = last.offset + last.nbytes
+    else:
+        data_len = 0
+    data_offset = (PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & ~(FRAME_ALIGN - 1)
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, header_len, zlib.crc32(header), data_len)
+    head = b"".join((prefix, header, _ZEROS[: data_offset - PREFIX_SIZE - header_len]))
+    layout = (head, header_len, data_len, data_offset, data_offset + data_len)
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        _LAYOUTS.clear()
+    _LAYOUTS[header] = layout
+    return layout
+_new_blob = PreparedBlob._new.__func__
 
 
 def _check_tree_items(header: memoryview, budget: int, exc_type: type[Exception]) -> None:
@@ -1332,11 +1388,17 @@ def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] 
     would be misaligned for its dtype (the general path copies those)."""
     views: list[Any] = []
     append = views.append
+    # Every region starts at a multiple of 64 from the buffer's start: once one lies on
+    # a 64-byte boundary, so do all, and no dtype needs more.
+    aligned = False
     for kind, dt, count, shape, off, size in plan:
         if kind == KIND_TORCH:
             t = _torch_frombuffer(buf, dtype=dt, count=count, offset=base + off)
-            if t.data_ptr() % size:
-                return None
+            if not aligned:
+                ptr = t.data_ptr()
+                if ptr % size:
+                    return None
+                aligned = not ptr & (FRAME_ALIGN - 1)
             # ``resize_`` to the same number of elements only sets sizes and strides
             # (contiguous, in place): cheaper than ``view`` and never reallocates.
             append(t if shape is None else t.resize_(*shape) if shape else t.resize_(shape))
@@ -1355,7 +1417,7 @@ def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] 
             append(_torch_empty(shape, dtype=dt))
         else:
             a = _np_frombuffer(buf, dtype=dt, count=count, offset=base + off)
-            if a.ctypes.data % size:
+            if not aligned and a.ctypes.data % size:
                 return None
             append(a.reshape(shape))
     return views
@@ -1381,10 +1443,12 @@ def _decode_fast(buf: Any, nbytes: int) -> Any:
     if views is None:
         return _MISS
     out = _PLAIN_DECODER.decode(tree)
+    if type(refs) is dict:  # every reference is a value of the top-level dict
+        for k, index in refs.items():
+            out[k] = views[index]
+        return out
     for path, index in refs:
-        if len(path) == 1:
-            out[path[0]] = views[index]
-        elif not path:
+        if not path:
             out = views[index]
         else:
             c = out
@@ -1444,7 +1508,10 @@ def _decode_learn(buf: Any, nbytes: int, head: bytes) -> Any:
     if None not in refs:
         if len(_HEADS) >= _HEADS_MAX:
             _HEADS.clear()
-        _HEADS[head] = (total, base, bytes(tree), plan, tuple(refs))
+        top = all(len(path) == 1 for path, _ in refs) and len({path for path, _ in refs}) == len(refs)
+        _HEADS[head] = (total, base, bytes(tree), plan,
+                        {path[0]: index for path, index in refs} if top and refs and type(out) is dict
+                        else tuple(refs))
     return out
 
 

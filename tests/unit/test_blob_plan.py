@@ -150,3 +150,39 @@ def test_encoder_fast_tensor_path_writes_the_frame_the_general_walk_writes(make)
     assert omnilink.encode(payload) == general
     out = omnilink.decode(bytearray(general))
     assert torch.equal(out["a"], t.detach().resolve_conj().resolve_neg()) and out["b"][0] is out["b"][1]["c"]
+
+
+def test_a_repeated_head_is_decoded_from_the_cache_and_any_changed_byte_is_validated_again():
+    blob._HEADS.clear()
+    payload = {"h": torch.arange(8, dtype=torch.float32), "meta": {"k": "ab"}, "n": [1, 2]}
+    frame = omnilink.encode(payload)
+    first = omnilink.decode(_writable(frame))
+    head = bytes(frame[: blob.PREFIX_SIZE + struct.unpack_from("<I", frame, 8)[0]])
+    assert head in blob._HEADS  # cached under its whole head, prefix included
+    again = omnilink.decode(_writable(frame))  # a hit: fresh objects, same values
+    assert again is not first and again["meta"] is not first["meta"] and again == {**first, "h": again["h"]}
+    assert torch.equal(again["h"], payload["h"])
+    # The same header with one tree byte changed (a str key turned into an int key of
+    # the same encoded length) misses the cache and is rejected by the full checks.
+    tensors, tree = msgspec.msgpack.decode(_header(frame))
+    bad_tree = msgspec.msgpack.encode({"h": msgspec.msgpack.Ext(1, struct.pack("<I", 0)), "meta": {7: "ab"}, "n": [1, 2]})
+    with pytest.raises(BlobDecodeError, match="keys must be str"):
+        omnilink.decode(_reframe(frame, msgspec.msgpack.encode([tensors, msgspec.Raw(bad_tree)])))
+    # A dangling reference in an otherwise cached-looking frame is caught as well.
+    dangling = msgspec.msgpack.encode({"h": msgspec.msgpack.Ext(1, struct.pack("<I", 3)), "meta": {"k": "ab"}, "n": [1, 2]})
+    with pytest.raises(BlobDecodeError, match="references tensor 3"):
+        omnilink.decode(_reframe(frame, msgspec.msgpack.encode([tensors, msgspec.Raw(dangling)])))
+    # A corrupted CRC on a cached head's bytes is a different head: rejected.
+    corrupt = bytearray(frame)
+    corrupt[12] ^= 1
+    with pytest.raises(BlobDecodeError, match="checksum"):
+        omnilink.decode(corrupt)
+
+
+def test_heads_that_change_every_frame_stop_being_cached():
+    blob._HEADS.clear()
+    blob._HEAD_MISSES.clear()
+    for i in range(3 * blob._HEADS_LEARN):
+        out = omnilink.decode(_writable(omnilink.encode({"x": torch.ones(4), "t": i})))
+        assert out["t"] == i and out["x"].tolist() == [1.0] * 4
+    assert len(blob._HEADS) <= blob._HEADS_LEARN

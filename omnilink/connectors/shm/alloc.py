@@ -58,8 +58,19 @@ class Allocator:
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new block of at least ``nbytes`` bytes, or ``None`` if none fits now."""
-        need = round_up(max(nbytes, 1), self.align)
+        align = self.align
+        need = (nbytes + align - 1) // align * align if nbytes > 0 else align
         starts, free = self._starts, self._free
+        if starts:  # the common case: the first extent fits (first fit, no loop)
+            start = starts[0]
+            size = free[start]
+            if size > need:
+                del free[start]
+                starts[0] = rest = start + need
+                free[rest] = size - need
+                self._used[start] = need
+                self.used_bytes += need
+                return start
         for i, start in enumerate(starts):
             size = free[start]
             if size >= need:

@@ -76,6 +76,9 @@ from omnilink.connectors.shm.names import (
     read_prefix,
 )
 from omnilink.connectors.shm.segments import (
+    _A_PUB,
+    _C_SENDERS_GEN,
+    _U64,
     FLAG_EXTENSION,
     FLAG_OVERFLOW,
     PAGE,
@@ -89,6 +92,7 @@ from omnilink.connectors.shm.segments import (
     _OutRec,
     _unlink_quiet,
     create_segment,
+    out_rec,
 )
 
 __all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector"]
@@ -179,18 +183,21 @@ class _Releaser:
     connector), so views may outlive ``close()``.
     """
 
-    __slots__ = ("chan", "pid", "live", "nbytes", "__weakref__")
+    __slots__ = ("chan", "pid", "live", "nbytes", "callback", "__weakref__")
 
     def __init__(self, chan: Channel, pid: int) -> None:
         self.chan = chan
         self.pid = pid
+        #: the leases' weakref callback: a bound method is called faster than an
+        #: instance's ``__call__``
+        self.callback = self.release
         #: ``id(lease) -> lease`` of the payloads this process still views (a lease
         #: leaves when it is released, so its id is never reused while listed)
         self.live: dict[int, _Lease] = {}
         self.nbytes = 0  # bytes of those payloads
 
     def track(self, lease_obj: Any, reader: ArenaReader, idx: int, seq: int, nbytes: int, key: str) -> _Lease:
-        ref = _Lease(lease_obj, self)
+        ref = _Lease(lease_obj, self.callback)
         ref.reader = reader
         ref.idx = idx
         ref.seq = seq
@@ -207,6 +214,9 @@ class _Releaser:
         return refs if key is None else [r for r in refs if r.key == key]
 
     def __call__(self, ref: _Lease) -> None:
+        self.release(ref)
+
+    def release(self, ref: _Lease) -> None:
         """Release ``ref``'s block (its weakref callback, or an early ``release``)."""
         if self.live.pop(id(ref), None) is None:
             return  # released already
@@ -599,7 +609,7 @@ class ShmConnector(BaseConnector):
                 free_desc.append(idx)
                 raise self._timeout("put", key, "the channel mutex", (deadline or Deadline.after(self.timeout)).timeout)
             try:
-                w.publish(idx, key_bytes, _OutRec(0, key, off, alloc.size_of(off), None, space), written,
+                w.publish(idx, key_bytes, out_rec(key, off, alloc.size_of(off), space), written,
                           space.flags, space.token)
                 chan.notify_all()
                 w.drain()
@@ -1179,10 +1189,10 @@ class ShmConnector(BaseConnector):
                     if not chan.lock_within(deadline):
                         raise self._timeout("get", key, "the channel mutex", deadline.timeout)
                 try:
-                    if chan.senders_gen() != self._known_gen:
+                    if _U64.unpack_from(chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
                         self._refresh_locked()
                     self._scan_locked()
-                    got = self._claim_locked(key) if key in self._index else None
+                    got = self._claim_locked(key)
                     if got is None:
                         if key in self._consumed:
                             raise self._consumed.error(self.backend, self.channel, key)
@@ -1246,10 +1256,10 @@ class ShmConnector(BaseConnector):
         or report a miss of a payload published a moment ago, which any receiver may."""
         if key in self._index or self._departed:
             return False
-        if self._chan.senders_gen() != self._known_gen:
+        if _U64.unpack_from(self._chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
             return False
         for r in self._reader_list:
-            if r.published() != r.cursor:
+            if _U64.unpack_from(r.mm, _A_PUB)[0] != r.cursor:  # ``r.published()``, inlined
                 return False
         return True
 
@@ -1393,7 +1403,7 @@ class ShmConnector(BaseConnector):
             lease = _make_lease(overflow_mm, 0, length)
             self._count(fallbacks=1)
         rel = self._releaser
-        ref = _Lease(lease, rel)
+        ref = _Lease(lease, rel.callback)
         ref.reader = reader
         ref.idx = idx
         ref.seq = seq
@@ -1413,7 +1423,7 @@ class ShmConnector(BaseConnector):
             if payload is _MISS:
                 payload = _decode(lease)
         except BaseException:
-            rel(ref)
+            rel.release(ref)
             if counted:
                 with self._rlock:
                     c = self._rc

@@ -536,8 +536,14 @@ class Channel:
     def unlock(self) -> None:
         """Give the mutex back, after running deferred releases; then post the wake-ups
         ``notify_all`` counted."""
-        while self._deferred:
-            fn = self._deferred.pop()
+        if not self._wake_posts and not self._deferred:  # the common case
+            _U32.pack_into(self._mm, _C_OWNER, 0)
+            self.owner_tid = 0
+            self._mutex.release()
+            return
+        deferred = self._deferred
+        while deferred:
+            fn = deferred.pop()
             try:
                 fn()
             except Exception:  # a deferred release must not break the caller's unlock
@@ -773,6 +779,23 @@ class _OutRec:
         self.published = 0.0
 
 
+_new = object.__new__
+
+
+def out_rec(key: str, offset: int, reserved: int, space: Space) -> _OutRec:
+    """``_OutRec(0, key, offset, reserved, None, space)`` without the cost of calling a
+    class (once per put)."""
+    rec = _new(_OutRec)
+    rec.seq = 0
+    rec.key = key
+    rec.offset = offset
+    rec.reserved = reserved
+    rec.overflow = None
+    rec.space = space
+    rec.published = 0.0
+    return rec
+
+
 class ArenaWriter:
     """A sender's own arena: it alone allocates, publishes and reclaims in it.
 
@@ -861,14 +884,27 @@ class ArenaWriter:
             return 0
         n = 0
         rel, n_desc = self._rel_offset, self._n_desc
+        out = self.out
+        frontier = self.frontier
         while tail < head:
             idx = _U32.unpack_from(mm, rel + 4 * (tail % n_desc))[0]
             tail += 1
-            rec = self.out.get(idx)
-            if rec is not None and rec.published > self.frontier:
-                self.frontier = rec.published
+            rec = out.get(idx)
+            if rec is not None:
+                if rec.published > frontier:
+                    frontier = rec.published
+                sp = rec.space
+                if sp is not None and sp.slot < 0 and rec.overflow is None:
+                    # ``_reclaim`` of a block of the arena itself, inline
+                    del out[idx]
+                    _U32.pack_into(mm, _DESC_OFFSET + idx * DESC_SIZE, FREE)
+                    sp.alloc.free(rec.offset)
+                    self.free_desc.append(idx)
+                    n += 1
+                    continue
             if self._reclaim(idx):
                 n += 1
+        self.frontier = frontier
         _U64.pack_into(mm, _A_REL_TAIL, tail)
         return n
 
@@ -1223,7 +1259,13 @@ class ArenaReader:
             state, seq, klen = scan(mm, d)
             # A log entry is valid only while its descriptor still holds that publication.
             if state == WRITTEN and seq == s:
-                key = self._key_at(d, klen)
+                if 0 < klen <= MAX_KEY_BYTES:
+                    try:
+                        key = str(mm[d + 64 : d + 64 + klen], "utf-8")
+                    except UnicodeDecodeError:
+                        key = self._key_at(d, klen)  # logs it
+                else:
+                    key = self._key_at(d, klen)
                 if key is None:
                     continue
                 old = indexed.get(idx)
@@ -1274,7 +1316,7 @@ class ArenaReader:
         if state != WRITTEN or dseq != seq:
             return None
         _II.pack_into(mm, d, CLAIMED, pid)
-        if _U32.unpack_from(mm, _A_WAITING)[0]:
+        if mm[_A_WAITING]:  # the flag is 0 or 1: its low byte says it
             self._notify_sender()
         return off, length, flags, otoken
 
@@ -1293,7 +1335,7 @@ class ArenaReader:
         head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
         _U32.pack_into(mm, self._rel_offset + 4 * (head % self._n_desc), idx)
         _U64.pack_into(mm, _A_REL_HEAD, head + 1)
-        if _U32.unpack_from(mm, _A_WAITING)[0]:
+        if mm[_A_WAITING]:  # the flag is 0 or 1: its low byte says it
             self._notify_sender()
 
     def _notify_sender(self) -> None:
