@@ -223,7 +223,7 @@ class _Releaser:
         self.nbytes -= ref.nbytes
         chan = self.chan
         reader, idx, seq, pid = ref.reader, ref.idx, ref.seq, self.pid
-        if chan.owner_tid == get_ident():
+        if chan.owner_tid and chan.owner_tid == get_ident():
             # The garbage collector ran this inside our own critical section: the mutex
             # is not reentrant, so finish the release just before this thread unlocks.
             chan.defer(lambda: reader.mark_released(idx, seq, pid))
@@ -1060,9 +1060,15 @@ class ShmConnector(BaseConnector):
             self._check_open()
         if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
             validate_key(key)
-        if device is None:
-            return self._get(key, NO_WAIT, False)
-        return self._receive(key, NO_WAIT, False, device)
+        if device is not None:
+            return self._receive(key, NO_WAIT, False, device)
+        # ``_get``, inline (the per-message path of a polling receiver)
+        payload = self._open_payload(key, self._claim_wait(key, NO_WAIT, False, count=True), counted=True)
+        if type(payload) is dict and (IPC_MARK in payload or SLICED_MARK in payload):
+            if IPC_MARK in payload:
+                return self._take_ipc(key, NO_WAIT, None)
+            return self._gpu_path().gather(payload, NO_WAIT, None).synchronize()
+        return payload
 
     get.__doc__ = BaseConnector.get.__doc__
     get_nowait.__doc__ = BaseConnector.get_nowait.__doc__
@@ -1166,7 +1172,7 @@ class ShmConnector(BaseConnector):
                 "and cannot get; open it with role='receiver' or 'dual'"
             )
         chan = self._chan
-        if not block and self._nothing_new(key):
+        if not block and key not in self._index and self._nothing_new(key):
             if key in self._consumed:
                 raise self._consumed.error(self.backend, self.channel, key)
             if _monotonic() - self._last_beat >= HEARTBEAT_S:
@@ -1331,7 +1337,7 @@ class ShmConnector(BaseConnector):
 
     def _scan_locked(self) -> None:
         index = self._index
-        for r in self._readers.values():
+        for r in self._reader_list:  # ``_readers``' values (set with it)
             r.scan(index)
         if self._departed:
             for r in self._departed:
@@ -1675,6 +1681,7 @@ class ShmConnector(BaseConnector):
             t.join(5.0)
         with self._rlock:
             self._readers.clear()
+            self._reader_list = ()
             self._departed.clear()
             self._index.clear()
         self._finalizer()
