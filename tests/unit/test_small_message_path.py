@@ -151,3 +151,24 @@ def test_adaptive_spin_grows_for_near_misses_and_falls_back_for_late_arrivals():
         with pytest.raises(omnilink.TransferTimeout):
             c.get("nothing", timeout=0.05)
         assert c._spin_ns == 0 and time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("keep", ["hidden", "ids", "arr"])
+def test_any_one_view_of_a_received_payload_holds_its_block(keep):
+    # Views are made through a memoryview of the per-message lease: whichever view
+    # survives (torch 2-D, torch 1-D, numpy), the block stays out until it dies.
+    ch = _chan(f"hold-{keep}")
+    with omnilink.connect("shm", channel=ch, role="dual", arena_bytes=2 << 20, max_bytes=2 << 20) as c:
+        for i in range(3):  # the second and third frames take the cached head
+            c.put(f"k{i}", _payload(i))
+            view = c.get_nowait(f"k{i}")[keep]
+            import gc
+
+            gc.collect()
+            assert c.stats().blocks_in_use >= 1 and len(c.held()) == 1
+            expected = _payload(i)[keep]
+            assert (torch.equal(view, expected) if isinstance(view, torch.Tensor)
+                    else np.array_equal(view, expected))
+            del view
+            gc.collect()
+            assert c.held() == []
