@@ -311,7 +311,9 @@ def interleaved(baseline: str, rounds: int, burst: int) -> dict[str, Any]:
     sides = {"this": here, "baseline": os.path.abspath(baseline)}
     procs = {}
     for name, path in sides.items():
-        env = dict(os.environ, PYTHONPATH=path)
+        # The chosen package first; what PYTHONPATH held (dependencies installed with
+        # --target, say) after it.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p))
         procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--burst-child"], env=env,
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
     out: dict[str, Any] = {}

@@ -91,6 +91,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     gc.add_argument("--prefix", default=None,
                     help="name prefix to look at (default: $OMNILINK_SHM_PREFIX or 'omnilink')")
+    gc.add_argument("--cuda", action="store_true",
+                    help="also remove the CUDA driver's interprocess-event files of processes that are gone "
+                         "(/dev/shm/cuda.shm.<n>.<pid hex>.<n>: the driver leaves one per process that made "
+                         "interprocess events, even after a clean exit)")
     return parser
 
 
@@ -286,6 +290,10 @@ def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except OmnilinkError as exc:
             print(f"omnilink gc: {exc}", file=err)
             return EXIT_FAIL
+    if args.cuda:
+        from omnilink.connectors.shm import collect_cuda_event_files
+
+        removed = removed + collect_cuda_event_files(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} {name}", file=out)

@@ -263,3 +263,32 @@ def test_gc_removes_the_ipc_files_of_dead_zmq_receivers(capsys, monkeypatch, tmp
     finally:
         held.release()
         live_sock.unlink()
+
+
+def test_gc_cuda_removes_driver_event_files_of_dead_processes_only(capsys):
+    """``omnilink gc --cuda``: the CUDA driver's ``cuda.shm.<n>.<pid hex>.<n>`` files of
+    dead processes go; a live process's file and other names stay; without ``--cuda``
+    nothing of the driver's is touched."""
+    pytest.importorskip("omnilink.connectors.shm", reason="the shm backend is not in this tree")
+    dead = f"cuda.shm.0.{_dead_pid():x}.1"
+    live = f"cuda.shm.0.{os.getpid():x}.1"
+    other = f"cuda.shm.0.{_dead_pid():x}.x"  # not the driver's pattern
+    paths = [os.path.join("/dev/shm", n) for n in (dead, live, other)]
+    for path in paths:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.close(fd)
+    try:
+        assert main(["gc", "--dry-run"]) == 0
+        assert dead not in capsys.readouterr().out
+        assert main(["gc", "--cuda", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert f"would remove {dead}" in out and live not in out and other not in out
+        assert all(os.path.exists(p) for p in paths)
+        assert main(["gc", "--cuda"]) == 0
+        out = capsys.readouterr().out
+        assert f"removed {dead}" in out
+        assert not os.path.exists(paths[0]) and os.path.exists(paths[1]) and os.path.exists(paths[2])
+    finally:
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)

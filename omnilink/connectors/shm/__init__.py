@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from omnilink.connectors.shm.alloc import Allocator
 from omnilink.connectors.shm.connector import DEFAULT_ARENA_BYTES, ShmConnector
-from omnilink.connectors.shm.gc import collect_garbage
+from omnilink.connectors.shm.gc import collect_cuda_event_files, collect_garbage
 from omnilink.connectors.shm.names import SHM_DIR, HostLock, arena_name, pid_alive, read_prefix
 from omnilink.connectors.shm.segments import _unlink_quiet as unlink_segment
 from omnilink.connectors.shm.segments import create_segment, open_segment
@@ -37,6 +37,7 @@ __all__ = [
     "HostLock",
     "ShmConnector",
     "arena_name",
+    "collect_cuda_event_files",
     "collect_garbage",
     "create_segment",
     "open_segment",

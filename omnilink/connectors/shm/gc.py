@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 from typing import Any
 
 import posix_ipc
@@ -26,7 +27,7 @@ from omnilink.connectors.shm.names import (
 )
 from omnilink.connectors.shm.segments import CTRL_MAGIC, CTRL_SIZE, MAX_PARTICIPANTS, _C_PART, _PART
 
-__all__ = ["collect_garbage"]
+__all__ = ["collect_cuda_event_files", "collect_garbage"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +131,56 @@ def _channel_has_live(ctrl_name: str, is_alive: Any) -> bool:
         return False
     finally:
         mm.close()
+
+
+#: ``/dev/shm`` files of the CUDA driver's interprocess events: ``cuda.shm.<n>.<pid in
+#: hex>.<n>``. The driver makes one for a process that creates an interprocess event
+#: (the ``cuda_ipc`` backend and the shm connector's device IPC do) and leaves it behind
+#: when that process exits, cleanly or not.
+_CUDA_EVENT_FILE = re.compile(r"cuda\.shm\.[0-9]+\.([0-9a-f]+)\.[0-9]+")
+
+
+def collect_cuda_event_files(*, dry_run: bool = False) -> list[str]:
+    """Remove the CUDA driver's interprocess-event files of processes that are gone.
+
+    The driver names each ``/dev/shm/cuda.shm.<n>.<pid in hex>.<n>`` after the process
+    that created interprocess events and never removes it, not even at a clean exit.
+    A file is removed only when it is ours (same uid) and no process with its pid runs;
+    a pid that was reused by a live process keeps its file.
+
+    Parameters
+    ----------
+    dry_run : bool
+        Only report what would be removed.
+
+    Returns
+    -------
+    list of str
+        The ``/dev/shm`` entry names removed (or that would be), sorted.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    uid = os.getuid()
+    for entry in entries:
+        m = _CUDA_EVENT_FILE.fullmatch(entry)
+        if m is None:
+            continue
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            if os.stat(path).st_uid != uid or pid_alive(int(m.group(1), 16)):
+                continue
+        except FileNotFoundError:
+            continue
+        removed.append(entry)
+        if not dry_run:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    if removed:
+        logger.info("shm gc: %s %d CUDA event file%s: %s", "would remove" if dry_run else "removed",
+                    len(removed), "" if len(removed) == 1 else "s", ", ".join(sorted(removed)))
+    return sorted(removed)
