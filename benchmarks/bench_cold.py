@@ -46,10 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _payload(hidden: int, step: int) -> dict[str, Any]:
+def _payload(hb: Any, step: int) -> dict[str, Any]:
     import torch
 
-    hb = _payload.hb  # type: ignore[attr-defined]
     return {
         "hidden_states.output": hb,
         "hidden_states.output_shape": torch.tensor(list(hb.shape), dtype=torch.int64),
@@ -114,6 +113,7 @@ def _open(backend: str, channel: str) -> tuple[Any, Any]:
 def measure(backend: str, iters: int, trash_mib: int, hidden: int) -> dict[str, Any]:
     import torch
 
+    hb = torch.randn(1, hidden).to(torch.bfloat16)
     channel = f"cold{os.getpid()}{backend.replace('-', '')}"
     tx, rx = _open(backend, channel)
     trash = torch.zeros(trash_mib << 18, dtype=torch.float32)
@@ -125,7 +125,7 @@ def measure(backend: str, iters: int, trash_mib: int, hidden: int) -> dict[str, 
             for i in range(iters + iters // 5):
                 if mode == "cold":
                     trash.add_(1.0)
-                p = _payload(hidden, i)
+                p = _payload(hb, i)
                 key = f"{mode}{i}"
                 t0 = time.perf_counter_ns()
                 tx.put(key, p)
@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     from omnilink._bench.machine import machine_record
 
     torch.set_num_threads(1)  # as the pipeline's stages run
-    _payload.hb = torch.randn(1, args.hidden).to(torch.bfloat16)  # type: ignore[attr-defined]
     load0 = os.getloadavg()
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}

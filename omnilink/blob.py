@@ -458,10 +458,6 @@ class _Walker:
             raise _Retry
         return ref
 
-    def plain_tensor_ref(self, obj: Any) -> msgspec.msgpack.Ext | None:
-        """See ``_plain_ref``."""
-        return _plain_ref(self, obj)
-
     def walk(self, obj: Any) -> Any:
         t = type(obj)
         if t is str or t is int or t is float or t is bool or obj is None or t is bytes:
@@ -666,15 +662,6 @@ class PreparedBlob:
     def _prefix(self) -> bytes:
         return self._head[:PREFIX_SIZE]
 
-    @classmethod
-    def _new(
-        cls, header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool
-    ) -> PreparedBlob:
-        """``PreparedBlob(...)`` without the cost of calling a class (``prepare``)."""
-        b = _new(cls)
-        _fill_blob(b, header, descs, sources, on_device)
-        return b
-
     @property
     def meta(self) -> bytes:
         """Prefix + header: the first part of a multi-frame message (``encode_parts``)."""
@@ -769,54 +756,17 @@ class PreparedBlob:
         ``addr``: the address of ``raw[0]`` when the caller knows it."""
         if base is None:
             base = self.data_offset
-        torch_dst = None
         data_end = base + self.data_len
-        memmove = ctypes.memmove
         for desc, (kind, src) in zip(self._descs, self._sources):
             start = base + desc.offset
             n = desc.nbytes
-            end = start + n
-            if n:
-                if deferred is not None and kind == KIND_TORCH and not src.is_cpu:
-                    deferred.append((start, src))
-                elif kind == KIND_TORCH:
-                    if (
-                        src.is_cpu
-                        and src.is_contiguous()
-                        and (n <= _MEMMOVE_MAX or not _parallel_copy())
-                    ):
-                        # One memmove: cheaper than torch's dispatch for small tensors, and
-                        # as fast as its copy for large ones unless it has spare threads.
-                        if addr is None:
-                            addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-                        if n <= _MEMMOVE_MAX:
-                            memmove(addr + start, src.data_ptr(), n)
-                        else:
-                            _memcpy(addr + start, src.data_ptr(), n)
-                    else:
-                        if torch_dst is None:
-                            import torch
-
-                            torch_dst = torch.frombuffer(raw, dtype=torch.uint8)
-                        # One strided copy straight from the source (D2H for CUDA).
-                        torch_dst[start:end].view(src.dtype).view(src.shape).copy_(src)
-                else:
-                    if src.flags.c_contiguous:
-                        if addr is None:
-                            addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
-                        _memcpy(addr + start, src.ctypes.data, n)
-                    else:
-                        import numpy as np
-
-                        np.frombuffer(raw, dtype=src.dtype, count=src.size, offset=start).reshape(
-                            src.shape
-                        )[...] = src
-            # Padding is zeroed so frames are deterministic (no stale bytes leak out).
-            pad = -n & (FRAME_ALIGN - 1)
-            if pad:
-                pad_end = min(end + pad, data_end)
-                if pad_end > end:
-                    raw[end:pad_end] = _ZEROS[: pad_end - end]
+            if n and deferred is not None and kind == KIND_TORCH and not src.is_cpu:
+                deferred.append((start, src))
+                _zero_padding(raw, start + n, n, data_end)
+                continue
+            if addr is None and n:
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+            _write_one(raw, start, addr, desc, kind, src, data_end)
 
     def to_bytes(self) -> bytes:
         buf = bytearray(self.nbytes)
@@ -869,13 +819,16 @@ def _write_host(view: memoryview, base: int, addr: int, descs: list[TensorDesc],
 def _write_one(
     view: memoryview, start: int, addr: int, desc: TensorDesc, kind: int, src: Any, data_end: int
 ) -> None:
-    """Write one host tensor's bytes at ``view[start:]`` (and its padding, up to
-    ``data_end`` at most), as ``_write_data`` does."""
+    """Write one tensor's bytes at ``view[start:]`` (``addr``: the address of ``view[0]``)
+    and zero its padding, up to ``data_end`` at most. A host tensor: one memmove when
+    contiguous (cheaper than torch's dispatch for small tensors, as fast as its copy for
+    large ones unless it has spare threads); anything else, a CUDA tensor included, one
+    strided copy straight from the source."""
     n = desc.nbytes
     end = start + n
     if n:
         if kind == KIND_TORCH:
-            if src.is_contiguous() and (n <= _MEMMOVE_MAX or not _parallel_copy()):
+            if src.is_cpu and src.is_contiguous() and (n <= _MEMMOVE_MAX or not _parallel_copy()):
                 if n <= _MEMMOVE_MAX:
                     ctypes.memmove(addr + start, src.data_ptr(), n)
                 else:
@@ -891,6 +844,12 @@ def _write_one(
             import numpy as np
 
             np.frombuffer(view, dtype=src.dtype, count=src.size, offset=start).reshape(src.shape)[...] = src
+    _zero_padding(view, end, n, data_end)
+
+
+def _zero_padding(view: memoryview, end: int, n: int, data_end: int) -> None:
+    """Zero the alignment padding after a tensor of ``n`` bytes ending at ``end`` (up to
+    ``data_end`` at most), so frames are deterministic (no stale bytes leak out)."""
     pad_end = min(end + (-n & (FRAME_ALIGN - 1)), data_end)
     if pad_end > end:
         view[end:pad_end] = _ZEROS[: pad_end - end]
@@ -933,7 +892,7 @@ def prepare(payload: Any, /) -> PreparedBlob:
     if len(header) > MAX_TREE_ITEMS:
         # Only a tree of more bytes than the item limit can hold more items than it.
         _check_tree_items(memoryview(header), MAX_TREE_ITEMS, BlobEncodeError)
-    return _new_blob(PreparedBlob, header, walker.descs, walker.sources, walker.on_device)
+    return _new_blob(header, walker.descs, walker.sources, walker.on_device)
 
 
 _fill_blob = PreparedBlob._fill
@@ -959,7 +918,15 @@ def _layout(header: bytes, descs: list[TensorDesc]) -> tuple[bytes, int, int, in
         _LAYOUTS.clear()
     _LAYOUTS[header] = layout
     return layout
-_new_blob = PreparedBlob._new.__func__
+
+
+def _new_blob(
+    header: bytes, descs: list[TensorDesc], sources: list[tuple[int, Any]], on_device: bool
+) -> PreparedBlob:
+    """``PreparedBlob(...)`` without the cost of calling a class (once per ``prepare``)."""
+    b = _new(PreparedBlob)
+    _fill_blob(b, header, descs, sources, on_device)
+    return b
 
 
 def _check_tree_items(header: memoryview, budget: int, exc_type: type[Exception]) -> None:
@@ -1197,12 +1164,9 @@ def _make_views(
         buf, off = region_of(i, d)
         size = _ITEMSIZE_BY_CODE[d.dtype]
         numel = d.nbytes // size if size else 0
-        if d.dtype == _BOOL_CODE and d.nbytes:
-            import numpy as np
-
-            # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream.
-            if np.frombuffer(buf, dtype=np.uint8, count=d.nbytes, offset=off).max() > 1:
-                raise BlobDecodeError(f"tensor {i}: bool data holds bytes other than 0 and 1")
+        # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream.
+        if d.dtype == _BOOL_CODE and d.nbytes and not _bool_bytes_ok(buf, off, d.nbytes):
+            raise BlobDecodeError(f"tensor {i}: bool data holds bytes other than 0 and 1")
         if d.kind == KIND_TORCH:
             if torch_from is None:
                 import torch
@@ -1392,7 +1356,9 @@ def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] 
     # a 64-byte boundary, so do all, and no dtype needs more.
     aligned = False
     for kind, dt, count, shape, off, size in plan:
-        if kind == KIND_TORCH:
+        if kind == KIND_TORCH or kind == _PLAN_BOOL:
+            if kind == _PLAN_BOOL and not _bool_bytes_ok(buf, base + off, count):
+                return None  # the general path reports it
             t = _torch_frombuffer(buf, dtype=dt, count=count, offset=base + off)
             if not aligned:
                 ptr = t.data_ptr()
@@ -1401,17 +1367,6 @@ def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] 
                 aligned = not ptr & (FRAME_ALIGN - 1)
             # ``resize_`` to the same number of elements only sets sizes and strides
             # (contiguous, in place): cheaper than ``view`` and never reallocates.
-            append(t if shape is None else t.resize_(*shape) if shape else t.resize_(shape))
-        elif kind == _PLAN_BOOL:
-            # Bytes other than 0/1 in a bool tensor are undefined behaviour downstream:
-            # the general path reports them.
-            start = base + off
-            if count <= _BOOL_BYTES_CHECK:
-                if bytes(buf[start : start + count]).translate(None, b"\x00\x01"):
-                    return None
-            elif _np_frombuffer(buf, dtype=_np_uint8, count=count, offset=start).max() > 1:
-                return None
-            t = _torch_frombuffer(buf, dtype=dt, count=count, offset=start)
             append(t if shape is None else t.resize_(*shape) if shape else t.resize_(shape))
         elif kind == _PLAN_EMPTY:
             append(_torch_empty(shape, dtype=dt))
@@ -1518,7 +1473,6 @@ def _decode_learn(buf: Any, nbytes: int, head: bytes) -> Any:
 _torch_frombuffer: Any = None
 _torch_empty: Any = None
 _np_frombuffer: Any = None
-_np_uint8: Any = None
 #: Plan kinds beside ``KIND_TORCH`` / ``KIND_NUMPY``: a torch bool tensor (bytes checked
 #: per message) and an empty torch tensor (no bytes to view).
 _PLAN_BOOL = -1
@@ -1527,13 +1481,22 @@ _PLAN_EMPTY = -2
 _BOOL_BYTES_CHECK = 4096
 
 
+def _bool_bytes_ok(buf: Any, start: int, count: int) -> bool:
+    """Whether the ``count`` bytes of ``buf`` at ``start`` are all 0 or 1 (bool data)."""
+    if count <= _BOOL_BYTES_CHECK:
+        return not bytes(buf[start : start + count]).translate(None, b"\x00\x01")
+    import numpy as np
+
+    return bool(np.frombuffer(buf, dtype=np.uint8, count=count, offset=start).max() <= 1)
+
+
 def _bind_frombuffer() -> None:
     """Bind the view makers (a plan names torch or numpy dtypes, so its module is
     imported by the time a plan exists)."""
-    global _torch_frombuffer, _torch_empty, _np_frombuffer, _np_uint8
-    import numpy as np  # a dependency; also checks large bool data
-
-    _np_frombuffer, _np_uint8 = np.frombuffer, np.uint8
+    global _torch_frombuffer, _torch_empty, _np_frombuffer
+    np = sys.modules.get("numpy")
+    if np is not None:
+        _np_frombuffer = np.frombuffer
     torch = sys.modules.get("torch")
     if torch is not None:
         _torch_frombuffer, _torch_empty = torch.frombuffer, torch.empty

@@ -270,8 +270,10 @@ def test_gc_cuda_removes_driver_event_files_of_dead_processes_only(capsys):
     dead processes go; a live process's file and other names stay; without ``--cuda``
     nothing of the driver's is touched."""
     pytest.importorskip("omnilink.connectors.shm", reason="the shm backend is not in this tree")
-    dead = f"cuda.shm.0.{_dead_pid():x}.1"
-    live = f"cuda.shm.0.{os.getpid():x}.1"
+    # Suffixes the driver does not use (.1 is its own: on a GPU machine this process may
+    # already have that file, made by earlier tests).
+    dead = f"cuda.shm.0.{_dead_pid():x}.4242"
+    live = f"cuda.shm.0.{os.getpid():x}.4242"
     other = f"cuda.shm.0.{_dead_pid():x}.x"  # not the driver's pattern
     paths = [os.path.join("/dev/shm", n) for n in (dead, live, other)]
     for path in paths:

@@ -576,8 +576,41 @@ class ShmConnector(BaseConnector):
             if count:
                 self._count_op("puts", "bytes_put", n)
             return n
+        return self._put_arena(key, key.encode("utf-8"), blob, deadline, count=count)
+
+    def _put_other(self, key: str, payload: Any, blob: Any, deadline: Deadline, events: Any) -> int:
+        """``_put`` of a payload holding CUDA tensors (the GPU path), or larger than the
+        arena (an overflow segment)."""
+        w = self._writer
+        n = blob.nbytes
+        dev_bytes = blob.device_bytes()
+        if (dev_bytes and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
+            ipc = self._ipc
+            if ipc is not None and dev_bytes:
+                # Both ends GPU processes of this host: device to device, if it can.
+                sent = ipc.put(key, payload, blob, deadline, events)
+                if sent is not None:
+                    return sent
+            gpu = self._gpu_path()
+            if dev_bytes >= self.pipeline_bytes or gpu.cpu_mode or n > w.data_bytes:
+                # Large CUDA payloads: DMA straight into the arena in slices.
+                return gpu.put(key, payload, blob, deadline, events)
+            # One copy per tensor straight into the page-locked block (on the current
+            # stream for put, the copy stream for put_async), one wait for them.
+            return gpu.put_direct(key, blob, deadline, events)
         key_bytes = key.encode("utf-8")
+        if n > w.data_bytes:
+            return self._put_overflow(key, key_bytes, blob, deadline)
+        return self._put_arena(key, key_bytes, blob, deadline)
+
+    def _put_arena(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline | None, *,
+                   count: bool = False) -> int:
+        """A host payload into a block of the arena (or an extension). ``deadline``
+        ``None``: the connector's timeout, from when a wait begins. With ``count`` the
+        put is counted (``puts``, ``bytes_put``) too."""
+        w = self._writer
         chan = self._chan
+        n = blob.nbytes
         slock = self._slock
         slock.acquire()
         try:
@@ -615,74 +648,13 @@ class ShmConnector(BaseConnector):
                 w.drain()
             finally:
                 chan.unlock()
-            sent = self._sent
-            sent[key] = idx
-            if len(sent) > self._sent_limit:
-                self._prune_sent()
+            self._remember_sent(key, idx)
             if count:
                 c = self._sc
                 c[0] += 1
                 c[1] += written
         finally:
             slock.release()
-        return written
-
-    def _put_other(self, key: str, payload: Any, blob: Any, deadline: Deadline, events: Any) -> int:
-        """``_put`` of a payload holding CUDA tensors (the GPU path), or larger than the
-        arena (an overflow segment)."""
-        w = self._writer
-        n = blob.nbytes
-        dev_bytes = blob.device_bytes()
-        if (dev_bytes and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
-            ipc = self._ipc
-            if ipc is not None and dev_bytes:
-                # Both ends GPU processes of this host: device to device, if it can.
-                sent = ipc.put(key, payload, blob, deadline, events)
-                if sent is not None:
-                    return sent
-            gpu = self._gpu_path()
-            if dev_bytes >= self.pipeline_bytes or gpu.cpu_mode or n > w.data_bytes:
-                # Large CUDA payloads: DMA straight into the arena in slices.
-                return gpu.put(key, payload, blob, deadline, events)
-            # One copy per tensor straight into the page-locked block (on the current
-            # stream for put, the copy stream for put_async), one wait for them.
-            return gpu.put_direct(key, blob, deadline, events)
-        key_bytes = key.encode("utf-8")
-        if n > w.data_bytes:
-            return self._put_overflow(key, key_bytes, blob, deadline)
-        return self._put_arena(key, key_bytes, blob, deadline)
-
-    def _put_arena(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline) -> int:
-        """A host payload into a block of the arena (or an extension)."""
-        w = self._writer
-        chan = self._chan
-        n = blob.nbytes
-        with self._slock:
-            if self._closed:
-                self._check_open()
-            if key in self._sent:
-                self._check_not_pending(key)
-            space, off, idx = self._reserve(key, n, deadline)
-            alloc = space.alloc
-            try:
-                written = blob.write_at(space.view, space.base + off, space.addr)
-                rec = _OutRec(0, key, off, alloc.size_of(off), None, space)
-                locked = chan.lock_within(deadline)
-            except BaseException:
-                alloc.free(off)
-                w.free_desc.append(idx)
-                raise
-            if not locked:
-                alloc.free(off)
-                w.free_desc.append(idx)
-                raise self._timeout("put", key, "the channel mutex", deadline.timeout)
-            try:
-                w.publish(idx, key_bytes, rec, written, space.flags, space.token)
-                chan.notify_all()
-                w.drain()
-            finally:
-                chan.unlock()
-            self._remember_sent(key, idx)
         return written
 
     # -- block primitives of the GPU path (``gpu.py``): take a block, fill it outside
@@ -1409,15 +1381,7 @@ class ShmConnector(BaseConnector):
             lease = _make_lease(overflow_mm, 0, length)
             self._count(fallbacks=1)
         rel = self._releaser
-        ref = _Lease(lease, rel.callback)
-        ref.reader = reader
-        ref.idx = idx
-        ref.seq = seq
-        ref.nbytes = length
-        ref.key = key
-        ref.since = _monotonic()
-        rel.live[id(ref)] = ref
-        rel.nbytes += length
+        ref = rel.track(lease, reader, idx, seq, length, key)
         try:
             # Views are made through a memoryview *of the lease* (torch and numpy make
             # them faster from a memoryview than from an array); it references the lease,

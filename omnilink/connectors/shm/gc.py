@@ -73,10 +73,7 @@ def collect_garbage(*, prefix: str | None = None, dry_run: bool = False) -> list
     def remove(entry: str) -> None:
         removed.append(entry)
         if not dry_run:
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-            except FileNotFoundError:
-                pass
+            _unlink(entry)
 
     with HostLock():
         try:
@@ -176,11 +173,16 @@ def collect_cuda_event_files(*, dry_run: bool = False) -> list[str]:
             continue
         removed.append(entry)
         if not dry_run:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            _unlink(entry)
     if removed:
         logger.info("shm gc: %s %d CUDA event file%s: %s", "would remove" if dry_run else "removed",
                     len(removed), "" if len(removed) == 1 else "s", ", ".join(sorted(removed)))
     return sorted(removed)
+
+
+def _unlink(entry: str) -> None:
+    """Remove ``/dev/shm/<entry>`` (already gone: nothing to do)."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, entry))
+    except FileNotFoundError:
+        pass
