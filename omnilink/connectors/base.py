@@ -607,9 +607,15 @@ class BaseConnector:
 
         All or nothing: it returns once every key can be taken and then takes them all,
         or raises having taken none, so a key that was there is still there for a later
-        ``get``. The ``shm`` backend claims the whole batch in one pass under the channel
-        mutex, and while keys are missing it sleeps until a sender publishes (one wait
-        for the batch, not one per key); ``memory`` does the same under its lock.
+        ``get`` (of this receiver or another). The ``shm`` backend claims the whole batch
+        in one pass under the channel mutex, and while keys are missing it sleeps until a
+        sender publishes (one wait for the batch, not one per key); ``memory`` does the
+        same under its lock.
+
+        Nothing is taken until the last key is there, so the whole batch must fit the
+        transport at once: a batch larger than what the senders can have unread (shm:
+        ``arena_bytes``; memory: ``capacity_bytes``) never completes and times out (with
+        no timeout it waits for ever). Ask for such a batch in parts.
 
         Parameters
         ----------
@@ -642,10 +648,13 @@ class BaseConnector:
 
         Notes
         -----
-        Backends without a batch path wait until ``_arrivals`` lists every key and then
-        take each. If another reader of the same keys takes one in between (two readers
-        asking for one key), the wait goes on for it; a ``TransferTimeout`` then carries
-        what was taken as the attribute ``got`` (key -> payload), so nothing is lost.
+        Backends without a batch path (``zmq``, ``nccl``, ``cuda_ipc``) wait until
+        ``_arrivals`` lists every key and then take each. If another reader of the same
+        keys takes one in between (two readers asking for one key), the wait goes on for
+        it; the error that may then end the call carries what was taken as the attribute
+        ``got`` (key -> payload), so nothing is lost. A backend without ``_arrivals``
+        (a third party's) gets one key after the other, with the same ``got`` on an
+        error: there, keys taken before a timeout are not put back.
         """
         if self._closed:
             self._check_open()
@@ -672,7 +681,7 @@ class BaseConnector:
         known: set[str] = set()
         wait = 0.0
         while True:
-            avail = self._arrivals(known, wait)
+            avail = known = self._arrivals(known, wait)
             if all(k in avail for k in keys if k not in got):
                 try:
                     for key in keys:
@@ -680,7 +689,9 @@ class BaseConnector:
                             got[key] = self.get_nowait(key, device=device)
                     return {k: got[k] for k in keys}
                 except WouldBlock:
-                    pass  # another reader took it in between: wait for it again
+                    # Another reader took it between the look and the take: wait for it
+                    # again (its coming back is news to ``_arrivals``).
+                    known = avail - {key}
                 except Exception as exc:
                     _raise_batch(exc, f"get_many took {len(got)} of {len(keys)} key(s) before this error; "
                                  "they are in its attribute 'got'", got=got)
@@ -692,7 +703,6 @@ class BaseConnector:
                     _raise_batch(err, f"{len(got)} key(s) were taken before another reader took one "
                                  "of the batch; they are in its attribute 'got'", got=got)
                 raise err
-            known = avail
             wait = _ARRIVAL_SLICE_S if remaining is None else remaining
 
     # ------------------------------------------------------------ batch helpers
