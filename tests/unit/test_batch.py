@@ -533,3 +533,28 @@ def test_a_stored_error_is_not_changed_by_the_batch_that_raised_it():
         assert str(stored) == "link lost" and not hasattr(stored, "sent")
     finally:
         tx.close()
+
+
+def test_payloads_for_the_device_path_go_one_by_one_inside_a_batch():
+    # The GPU path's CPU test mode: every payload of the batch takes put's own path
+    # (sliced ones too, published as a head and slices), and get_many gathers them.
+    from omnilink.connectors.shm import ShmConnector
+
+    ch = _chan("device-path")
+    tx = ShmConnector(channel=ch, role="sender", arena_bytes=4 * MiB, pipeline_bytes=64 << 10,
+                      slice_bytes=64 << 10, linger=0)
+    rx = ShmConnector(channel=ch, role="receiver")
+    try:
+        tx._gpu_path().cpu_mode = True
+        big = torch.randn(256 << 10)  # 1 MiB: sent in 64 KiB slices
+        items = {"s0": _payload(0), "big": {"h": big, "meta": {"finished": True}}, "s1": _payload(1)}
+        sizes = tx.put_many(items, timeout=30)
+        assert len(sizes) == 3 and tx.stats().sliced == 1 and tx.stats().puts == 3
+        got = rx.get_many(["big", "s1", "s0"], timeout=30)
+        assert torch.equal(got["big"]["h"], big) and got["big"]["meta"] == {"finished": True}
+        _check(got["s0"], 0)
+        _check(got["s1"], 1)
+        assert rx.stats().sliced == 1 and rx.stats().gets == 3
+    finally:
+        rx.close()
+        tx.close()
