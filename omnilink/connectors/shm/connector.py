@@ -707,9 +707,13 @@ class ShmConnector(BaseConnector):
             limit = w.data_bytes
             i, end = 0, len(keys)
             while i < end:
+                # A run of host payloads that fit the arena (none in the GPU path's test
+                # mode, where every payload takes put's own path).
                 j = i
-                while j < end and not self._per_item(blobs[j], limit):
-                    j += 1
+                gpu = self._gpu
+                if gpu is None or not gpu.cpu_mode:
+                    while j < end and not blobs[j]._on_device and blobs[j].nbytes <= limit:
+                        j += 1
                 if j > i:
                     self._put_run(keys, blobs, i, j, deadline, sizes)
                     i = j
@@ -721,12 +725,6 @@ class ShmConnector(BaseConnector):
         except Exception as exc:
             self._raise_put_many(exc, keys, len(sizes))
         return sizes
-
-    def _per_item(self, blob: Any, limit: int) -> bool:
-        """Whether a payload of a batch takes ``put``'s own path (``_put_other``): CUDA
-        tensors, larger than the arena, or the GPU path's test mode."""
-        gpu = self._gpu
-        return blob._on_device or blob.nbytes > limit or (gpu is not None and gpu.cpu_mode)
 
     def _put_run(self, keys: list[str], blobs: list[Any], lo: int, hi: int, deadline: Deadline,
                  sizes: list[int]) -> None:
