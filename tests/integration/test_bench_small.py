@@ -42,7 +42,8 @@ def test_bench_small_quick(tmp_path):
     assert "| same, sender hot between messages, p50" in proc.stdout
     # The batch cells: put_many + get_many against a loop, one and two processes.
     assert set(rec["results"]["batch"]) == {f"{w}_{how}" for w in ("one_process_shm", "one_process_memory",
-                                                                   "two_process_shm") for how in ("batch", "loop")}
+                                                                   "two_process_shm") for how in ("batch", "loop")
+                                            } | {"two_process_shm_put_many"}
     for cell in rec["results"]["batch"].values():
         assert cell["samples"] > 0 and 0 < cell["p50_us"] <= cell["p99_us"]
     assert rec["figures"]["batch_two_process_shm_ratio"] > 0
