@@ -27,6 +27,8 @@ Leaves also inherit the builtin they mean, so ``except TimeoutError`` still work
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BlobDecodeError",
     "BlobEncodeError",
@@ -51,7 +53,18 @@ __all__ = [
 
 
 class OmnilinkError(Exception):
-    """Root of every error omnilink raises."""
+    """Root of every error omnilink raises.
+
+    An error a batch call raised says how far the batch got: ``put_many`` sets ``sent``
+    (the keys it published before the error, in order: they stay published) and
+    ``unsent`` (the others, the failed one first); a ``get_many`` that took payloads
+    before its error (the generic version, see ``BaseConnector.get_many``) hands them
+    over as ``got`` (key -> payload). They are ``None`` on every other error.
+    """
+
+    sent: list[str] | None = None
+    unsent: list[str] | None = None
+    got: dict[str, Any] | None = None
 
 
 class BlobEncodeError(OmnilinkError):
@@ -102,7 +115,11 @@ class TransferTimeout(TransportError, TimeoutError):
 
     The message names the channel, the key and the peer waited for; the same facts are
     kept as the attributes ``channel``, ``key`` and ``peer`` (``None`` when unknown).
+    A ``get_many`` that timed out names every key it still waited for as ``missing``
+    (``key`` is the first of them; ``None`` for other calls).
     """
+
+    missing: list[str] | None = None
 
     def __init__(
         self,

@@ -736,7 +736,7 @@ class BaseConnector:
                 channel=self.channel,
                 key=dup,
             )
-            exc.sent, exc.unsent = [], keys  # type: ignore[attr-defined]
+            exc.sent, exc.unsent = [], keys
             raise exc
         return keys, payloads
 
@@ -780,7 +780,7 @@ class BaseConnector:
             key=missing[0] if missing else None,
             peer=peer,
         )
-        exc.missing = list(missing)  # type: ignore[attr-defined]
+        exc.missing = list(missing)
         return exc
 
     def discard(self, key: str, /) -> bool:
