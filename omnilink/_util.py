@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import time
 from typing import Any
 from collections import OrderedDict
@@ -217,26 +218,30 @@ class PeerWatch:
     reuses the number is looked up afresh (as ``pid_alive`` would).
     """
 
-    __slots__ = ("_probes",)
+    __slots__ = ("_probes", "_lock")
 
     def __init__(self) -> None:
         #: pid -> a poll object of its pidfd, or None (no pidfd here: pid_alive)
         self._probes: dict[int, tuple[Any, int] | None] = {}
+        # A poll object refuses a second thread's poll() while one runs ("concurrent
+        # poll() invocation"), and a pidfd must not be closed under a poll: one lock.
+        self._lock = threading.Lock()
 
     def alive(self, pid: int) -> bool:
-        probe = self._probes.get(pid, False)
-        if probe is False:
-            try:
-                probe = _pidfd_probe(pid)
-            except ProcessLookupError:
+        with self._lock:
+            probe = self._probes.get(pid, False)
+            if probe is False:
+                try:
+                    probe = _pidfd_probe(pid)
+                except ProcessLookupError:
+                    return False
+                self._probes[pid] = probe
+            if probe is not None:
+                if not probe[0].poll(0):
+                    return True
+                self._forget(pid)
                 return False
-            self._probes[pid] = probe
-        if probe is None:
-            ok = pid_alive(pid)
-        else:
-            ok = not probe[0].poll(0)
-        if not ok:
-            self._forget(pid)
+        ok = pid_alive(pid)
         return ok
 
     def _forget(self, pid: int) -> None:
@@ -246,8 +251,9 @@ class PeerWatch:
 
     def close(self) -> None:
         """Close every pidfd (idempotent)."""
-        for pid in list(self._probes):
-            self._forget(pid)
+        with self._lock:
+            for pid in list(self._probes):
+                self._forget(pid)
 
     def __del__(self) -> None:
         try:

@@ -569,3 +569,36 @@ def test_peer_watch_without_pidfds_asks_pid_alive(monkeypatch):
     w = _util.PeerWatch()
     assert w.alive(7) and w.alive(7) and not w.alive(8)
     assert asked == [7, 7, 8]
+
+
+def test_peer_watch_is_safe_from_several_threads():
+    # One poll object per pid: two threads polling it at once made the second raise
+    # RuntimeError("concurrent poll() invocation") (a sender's put and its heartbeat).
+    from omnilink._util import PeerWatch
+
+    w = PeerWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    errors: list[BaseException] = []
+    wrong: list[bool] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(20000):
+                if not w.alive(child.pid):
+                    wrong.append(True)
+                    return
+        except BaseException as exc:  # the failure this test is about
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        child.kill()
+        child.wait()
+    assert errors == [] and wrong == []
+    assert not w.alive(child.pid)
+    w.close()
