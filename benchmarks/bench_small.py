@@ -14,6 +14,9 @@ two processes: 8 MiB ``put`` -> consumed, receiver      shm                   po
 blocking in ``get`` against polling ``get_nowait`` in                         1.2 x blocking
 a tight loop (one-way time, and the sender's ``put``
 time alone)
+a batch of 16 x 4 KiB per step: ``put_many`` +          shm (memory: one      (issue 15,
+``get_many`` against a loop of ``put`` + ``get_nowait``  process)              item 4: does
+(``get`` in two processes), per message                                       it pay?)
 ======================================================  ====================  ===========
 
 What is measured
@@ -34,6 +37,13 @@ What is measured
   the next ``put`` takes 2-3x its hot time. A second row has the sender *watch* for
   its credit (``sched_yield`` between looks), as a stage that computes between
   messages keeps its CPU busy: the same transport, the sender's CPU kept warm.
+- batch: a streaming stage sends one window per request for a batch of requests at
+  every step. 16 keys of the 4 KiB payload per step. One process: each sample is one
+  step, ``put_many`` of the 16 then ``get_many`` of the 16, against ``put`` of each then
+  ``get_nowait`` of each; the figure is the step's time / 16. Two processes: one step
+  in flight; the sender stamps the payload and sends the step (``put_many``, or 16
+  ``put``), the receiver takes the time when it has the whole step (``get_many``, or 16
+  blocking ``get``): one-way time of the step / 16, and the sender's send time / 16.
 - vllm-omni-shm: vLLM-Omni 0.30.0's real ``SharedMemoryConnector`` and its
   ``OmniSerializer`` (msgpack; a fresh ``multiprocessing`` segment per message),
   imported without vLLM: the vLLM modules its imports name (``vllm.outputs``,
@@ -48,7 +58,9 @@ numbers (p99 first). Run it several times and compare figures of one run only.
 Usage::
 
     python benchmarks/bench_small.py [--iters 5000] [--messages 2000] [--big-messages 40]
+                                     [--batches 1000] [--cells one,two,big,batch]
                                      [--json out.jsonl] [--check] [--quick]
+    python benchmarks/bench_small.py --cells batch      # the batch figures alone
     python benchmarks/bench_small.py --profile 25 [--iters 20000]   # where the time goes
     python benchmarks/bench_small.py --baseline DIR [--rounds 60]   # against older code:
         # DIR holds an omnilink package, e.g. mkdir DIR && git archive <commit> omnilink | tar -x -C DIR
@@ -67,8 +79,16 @@ import time
 import types
 from typing import Any
 
+# The omnilink of this checkout, unless PYTHONPATH names another (``--baseline``'s
+# children): appended, so PYTHONPATH still comes first, but before an installed one.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
 SMALL = 4 << 10
 BIG = 8 << 20
+#: keys per step of the batch cells (one window per request of a batch)
+BATCH = 16
 KiB = 1 << 10
 
 TARGETS = {
@@ -230,12 +250,88 @@ def one_process(backend: str, iters: int, warmup: int) -> dict[str, Any]:
     return _pcts(samples)
 
 
+def one_process_batch(backend: str, steps: int, warmup: int, how: str) -> dict[str, Any]:
+    """One step of ``BATCH`` 4 KiB payloads in one process: ``put_many`` + ``get_many``
+    (``how="batch"``) or ``put`` + ``get_nowait`` of each (``"loop"``); per message."""
+    import omnilink
+    from omnilink._bench.payload import check_payload, make_payload
+
+    conn = omnilink.connect(backend, channel=f"bench-small-b-{os.getpid()}-{backend}-{how}", role="dual",
+                            timeout=60.0)
+    payload = make_payload(SMALL)
+    clock = time.perf_counter_ns
+    samples = []
+    try:
+        put, get_nowait, put_many, get_many = conn.put, conn.get_nowait, conn.put_many, conn.get_many
+        for s in range(warmup + steps):
+            keys = [f"s{s}-r{r}" for r in range(BATCH)]
+            payload["ids.output"][0] = s
+            items = dict.fromkeys(keys, payload)
+            t0 = clock()
+            if how == "batch":
+                put_many(items)
+                got = get_many(keys)
+            else:
+                for k in keys:
+                    put(k, payload)
+                got = {k: get_nowait(k) for k in keys}
+            t1 = clock()
+            if s >= warmup:
+                samples.append((t1 - t0) / BATCH)
+            if s % 97 == 0:
+                for g in got.values():
+                    check_payload(g, s, SMALL)
+            got = None
+    finally:
+        conn.close()
+    return _pcts(samples)
+
+
+def profile_batch(steps: int, top: int) -> str:
+    """cProfile of the shm one-process batch loop (``put_many`` + ``get_many`` of
+    ``BATCH`` keys): Python calls per message and the ``top`` functions, as text."""
+    import cProfile
+
+    import omnilink
+    from omnilink._bench.payload import make_payload
+
+    conn = omnilink.connect("shm", channel=f"bench-small-bprof-{os.getpid()}", role="dual", timeout=60.0)
+    payload = make_payload(SMALL)
+    try:
+        for s in range(max(50, steps // 10)):
+            keys = [f"w{s}-{r}" for r in range(BATCH)]
+            conn.put_many(dict.fromkeys(keys, payload))
+            conn.get_many(keys)
+        prof = cProfile.Profile()
+        prof.enable()
+        for s in range(steps):
+            keys = [f"p{s}-{r}" for r in range(BATCH)]
+            conn.put_many(dict.fromkeys(keys, payload))
+            conn.get_many(keys)
+        prof.disable()
+    finally:
+        conn.close()
+    return _profile_text(prof, steps * BATCH, top)
+
+
+def _profile_text(prof: Any, messages: int, top: int) -> str:
+    import io
+    import pstats
+
+    stats = pstats.Stats(prof)
+    calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
+    out = io.StringIO()
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+    return f"Python calls per message: {calls / messages:.1f}\n" + "\n".join(lines[start:])
+
+
 def profile_one_process(iters: int, top: int) -> str:
     """cProfile of the shm one-process loop (``put`` + ``get_nowait``, payload dropped):
     Python calls per message and the ``top`` functions by own time, as text."""
     import cProfile
-    import io
-    import pstats
 
     from omnilink._bench.payload import make_payload
 
@@ -254,14 +350,7 @@ def profile_one_process(iters: int, top: int) -> str:
         prof.disable()
     finally:
         tx.close()
-    stats = pstats.Stats(prof)
-    calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
-    out = io.StringIO()
-    stats.stream = out  # type: ignore[attr-defined]
-    stats.sort_stats("tottime").print_stats(top)
-    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
-    start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
-    return f"Python calls per message: {calls / iters:.1f}\n" + "\n".join(lines[start:])
+    return _profile_text(prof, iters, top)
 
 
 def _burst_child() -> None:
@@ -345,9 +434,12 @@ def interleaved(baseline: str, rounds: int, burst: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ two processes
-def _send_cell(backend: str, chan: str, size: int, n: int, hot: bool, credits: Any, ready: Any, ctl: Any) -> None:
+def _send_cell(backend: str, chan: str, size: int, n: int, mode: str, credits: Any, ready: Any, ctl: Any) -> None:
     from omnilink._bench.payload import make_payload, now_ns
 
+    if mode.startswith("batch"):
+        return _send_batches(backend, chan, n, mode, credits, ready, ctl)
+    hot = mode.endswith("-hot")
     tx = _open(backend, chan, "sender")
     try:
         payload = make_payload(size)
@@ -371,9 +463,69 @@ def _send_cell(backend: str, chan: str, size: int, n: int, hot: bool, credits: A
         tx.close()
 
 
+def _send_batches(backend: str, chan: str, n: int, mode: str, credits: Any, ready: Any, ctl: Any) -> None:
+    """``n`` steps of ``BATCH`` 4 KiB payloads, one step in flight: ``put_many``
+    (``mode="batch"``) or a ``put`` of each (``"batch-loop"``); the sender's CPU idles
+    between steps (it sleeps until its credit comes)."""
+    from omnilink._bench.payload import make_payload, now_ns
+
+    tx = _Omnilink(backend, chan, "sender")
+    try:
+        payload = make_payload(SMALL)
+        if not ready.wait(120):
+            raise RuntimeError("the receiver never opened")
+        put, put_many = tx.conn.put, tx.conn.put_many
+        put_ns = []
+        for j in range(n):
+            credits.acquire()
+            keys = [f"s{j}-r{r}" for r in range(BATCH)]
+            payload["ids.output"][0] = j
+            t0 = now_ns()
+            payload["meta"]["sent_ns"] = t0
+            if mode == "batch":
+                put_many(dict.fromkeys(keys, payload))
+            else:
+                for k in keys:
+                    put(k, payload)
+            put_ns.append((now_ns() - t0) // BATCH)
+        ctl.send(("ok", put_ns))
+        ctl.recv()  # stay open until the receiver has everything
+    finally:
+        tx.close()
+
+
+def _recv_batches(backend: str, chan: str, n: int, mode: str, credits: Any, ready: Any, ctl: Any) -> None:
+    """Receive ``n`` steps: ``get_many`` of the step's keys, or a blocking ``get`` of
+    each; record the step's one-way time / ``BATCH``."""
+    from omnilink._bench.payload import check_payload, now_ns
+
+    rx = _Omnilink(backend, chan, "receiver")
+    try:
+        get, get_many = rx.conn.get, rx.conn.get_many
+        gc.disable()
+        one_way = []
+        ready.set()
+        for j in range(n):
+            keys = [f"s{j}-r{r}" for r in range(BATCH)]
+            got = get_many(keys) if mode == "batch" else {k: get(k) for k in keys}
+            t = now_ns()
+            one_way.append((t - got[keys[0]]["meta"]["sent_ns"]) // BATCH)
+            if j % 97 == 0:
+                for p in got.values():
+                    check_payload(p, j, SMALL)
+            del got
+            credits.release()
+        gc.enable()
+        ctl.send(("ok", one_way))
+    finally:
+        rx.close()
+
+
 def _recv_cell(backend: str, chan: str, size: int, n: int, mode: str, credits: Any, ready: Any, ctl: Any) -> None:
     from omnilink._bench.payload import check_payload, now_ns
 
+    if mode.startswith("batch"):
+        return _recv_batches(backend, chan, n, mode, credits, ready, ctl)
     rx = _open(backend, chan, "receiver")
     try:
         recv = rx.poll if mode == "poll" else rx.get
@@ -404,7 +556,7 @@ def _worker(role: str, ctl: Any, credits: Any, ready: Any) -> None:
         backend, chan, size, n, mode = cell
         try:
             if role == "sender":
-                _send_cell(backend, chan, size, n, mode.endswith("-hot"), credits, ready, ctl)
+                _send_cell(backend, chan, size, n, mode, credits, ready, ctl)
             else:
                 _recv_cell(backend, chan, size, n, mode, credits, ready, ctl)
         except BaseException as exc:  # reported to the parent, which fails the cell
@@ -484,15 +636,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5000, help="one-process samples per backend (default 5000)")
     ap.add_argument("--messages", type=int, default=2000, help="two-process 4 KiB messages (default 2000)")
     ap.add_argument("--big-messages", type=int, default=40, help="two-process 8 MiB messages per mode (default 40)")
+    ap.add_argument("--batches", type=int, default=1000,
+                    help=f"steps of {BATCH} x 4 KiB per batch cell (default 1000)")
     ap.add_argument("--backends", default="shm,memory,vllm-omni-shm", help="comma-separated (default all three)")
-    ap.add_argument("--cells", default="one,two,big",
+    ap.add_argument("--cells", default="one,two,big,batch",
                     help="which parts to run: one (one process), two (two processes, 4 KiB), big (8 MiB "
-                         "polling against blocking); default all")
+                         f"polling against blocking), batch ({BATCH} x 4 KiB per step, put_many + get_many "
+                         "against a loop); default all")
     ap.add_argument("--quick", action="store_true", help="a few messages of each cell (for the test suite)")
     ap.add_argument("--json", metavar="PATH", help="append the result as one JSON line to PATH")
     ap.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
     ap.add_argument("--profile", type=int, metavar="N", default=0,
-                    help="only profile the shm one-process loop (cProfile) and print its top N lines")
+                    help="only profile the shm one-process loop (cProfile) and print its top N lines; with "
+                         "--cells batch, the batch loop (put_many + get_many)")
     ap.add_argument("--baseline", metavar="DIR",
                     help="only compare the shm one-process figure with the omnilink package under DIR, in "
                          "alternating bursts (see interleaved())")
@@ -503,7 +659,10 @@ def main(argv: list[str] | None = None) -> int:
         _burst_child()
         return 0
     if args.profile:
-        print(profile_one_process(args.iters, args.profile))
+        if args.cells == "batch":
+            print(profile_batch(max(1, args.iters // BATCH), args.profile))
+        else:
+            print(profile_one_process(args.iters, args.profile))
         return 0
     if args.baseline:
         ab = interleaved(args.baseline, args.rounds, 300)
@@ -520,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "load_average": _load(), "args": vars(args), "result": ab}) + "\n")
         return 0
     if args.quick:
-        args.iters, args.messages, args.big_messages = 200, 50, 4
+        args.iters, args.messages, args.big_messages, args.batches = 200, 50, 4, 20
     warm1 = max(50, args.iters // 10)
     warm2 = max(10, args.messages // 10)
     backends = [b for b in args.backends.split(",") if b]
@@ -537,7 +696,14 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_record()
     load_before = _load()
     cells = set(args.cells.split(","))
-    res: dict[str, Any] = {"one_process": {}, "two_process": {}, "two_process_hot": {}, "big": {}}
+    res: dict[str, Any] = {"one_process": {}, "two_process": {}, "two_process_hot": {}, "big": {}, "batch": {}}
+    warm_b = max(10, args.batches // 10)
+    batch_backends = [b for b in ("shm", "memory") if b in backends] if "batch" in cells else []
+    for b in batch_backends:
+        for how in ("batch", "loop"):
+            res["batch"][f"one_process_{b}_{how}"] = one_process_batch(b, args.batches, warm_b, how)
+            print(f"one process, {BATCH} x 4 KiB per step, {b} {how}: {res['batch'][f'one_process_{b}_{how}']}",
+                  file=sys.stderr)
     for b in backends if "one" in cells else ():
         res["one_process"][b] = one_process(b, args.iters, warm1)
         print(f"one process, {b}: {res['one_process'][b]}", file=sys.stderr)
@@ -550,6 +716,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)
             res["two_process_hot"][b] = two_process(pair, b, SMALL, args.messages, "block-hot", warm2)
             print(f"two processes 4 KiB, hot sender, {b}: {res['two_process_hot'][b]}", file=sys.stderr)
+        if "shm" in batch_backends:
+            for how, mode in (("batch", "batch"), ("loop", "batch-loop")):
+                res["batch"][f"two_process_shm_{how}"] = two_process(pair, "shm", SMALL, args.batches, mode, warm_b)
+                print(f"two processes, {BATCH} x 4 KiB per step, shm {how}: "
+                      f"{res['batch'][f'two_process_shm_{how}']}", file=sys.stderr)
         if "shm" in backends and "big" in cells:
             for mode in ("block", "poll"):
                 res["big"][mode] = two_process(pair, "shm", BIG, args.big_messages, mode, 2)
@@ -567,6 +738,12 @@ def main(argv: list[str] | None = None) -> int:
     if "shm" in res["two_process_hot"]:
         figures["two_process_hot_shm_p50_us"] = res["two_process_hot"]["shm"]["p50_us"]
         figures["two_process_hot_shm_p99_us"] = res["two_process_hot"]["shm"]["p99_us"]
+    bres = res["batch"]
+    for where in ("one_process_shm", "one_process_memory", "two_process_shm"):
+        if f"{where}_batch" in bres:
+            figures[f"batch_{where}_p50_us"] = bres[f"{where}_batch"]["p50_us"]
+            figures[f"batch_{where}_loop_p50_us"] = bres[f"{where}_loop"]["p50_us"]
+            figures[f"batch_{where}_ratio"] = bres[f"{where}_batch"]["p50_us"] / bres[f"{where}_loop"]["p50_us"]
     if res["big"]:
         figures["poll_vs_block_ratio"] = res["big"]["poll"]["p50_us"] / res["big"]["block"]["p50_us"]
         figures["poll_vs_block_put_ratio"] = res["big"]["poll"]["put_p50_us"] / res["big"]["block"]["put_p50_us"]
@@ -604,6 +781,22 @@ def main(argv: list[str] | None = None) -> int:
                              ("sender's put p50 (us)", "put_p50_us")):
             b, p = res["big"]["block"][field], res["big"]["poll"][field]
             print(f"| {label} | {b:.1f} | {p:.1f} | {p / b:.2f} |")
+    if bres:
+        print()
+        print(f"| {BATCH} x 4 KiB per step, us per message | put_many + get_many | loop of put + get_nowait "
+              "(2 processes: get) | batch / loop |")
+        print("|---|---:|---:|---:|")
+        for label, where, field in (
+            ("1 process shm, p50", "one_process_shm", "p50_us"),
+            ("1 process shm, p99", "one_process_shm", "p99_us"),
+            ("1 process memory, p50", "one_process_memory", "p50_us"),
+            ("2 processes shm one-way, p50", "two_process_shm", "p50_us"),
+            ("2 processes shm one-way, p99", "two_process_shm", "p99_us"),
+            ("2 processes shm, sender's send, p50", "two_process_shm", "put_p50_us"),
+        ):
+            if f"{where}_batch" in bres:
+                bv, lv = bres[f"{where}_batch"][field], bres[f"{where}_loop"][field]
+                print(f"| {label} | {bv:.1f} | {lv:.1f} | {bv / lv:.2f} |")
     print()
     met_all = True
     for key, (op, bound) in TARGETS.items():

@@ -19,6 +19,11 @@ Contract (the same for every backend; ``omnilink.testing`` checks it):
   raises ``WouldBlock`` instead of waiting. Each key is consumed exactly once.
 - ``timeout=None`` means the connector's ``timeout`` option (itself ``None``: no limit;
   a dead peer is still reported as ``PeerLostError``).
+- ``put_many(items)`` / ``get_many(keys)``: a batch under one deadline. ``put_many``
+  publishes in order and, on an error part way, keeps what it sent (named by the
+  error's ``sent``) and sends nothing of the rest; ``get_many`` returns every key or
+  takes none. ``BaseConnector`` loops over ``put`` / ``get``; ``shm`` and ``memory``
+  take their locks and wake their readers once per batch.
 - ``discard(key)`` drops a payload nobody will read and returns whether one was there.
 - ``release(key)`` hands a received payload's transport memory back before its last
   view dies (``shm``); a no-op returning ``False`` where payloads own their memory.
@@ -35,18 +40,66 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
-from omnilink._errors import ClosedError, ConfigurationError, TransferTimeout, WouldBlock
-from omnilink._util import NO_WAIT, Deadline, validate_channel, validate_key
+from omnilink._errors import (
+    ClosedError,
+    ConfigurationError,
+    DuplicateKeyError,
+    OmnilinkError,
+    TransferTimeout,
+    WouldBlock,
+)
+from omnilink._util import MAX_KEY_BYTES, NO_WAIT, Deadline, validate_channel, validate_key
 
 __all__ = ["BaseConnector", "Connector", "ConnectorStats", "Role"]
 
 Role = Literal["sender", "receiver", "dual"]
 _ROLES = ("sender", "receiver", "dual")
 _Self = TypeVar("_Self", bound="BaseConnector")
+#: ``_arrivals`` wait of an unbounded ``get_many`` (it loops; any wake-up ends it sooner)
+_ARRIVAL_SLICE_S = 1.0
+
+
+def _check_keys(keys: list[Any]) -> None:
+    """``validate_key`` of each key, skipped for the plain ASCII ones it would pass."""
+    for key in keys:
+        if type(key) is not str or not key.isascii() or not 0 < len(key) <= MAX_KEY_BYTES or "\x00" in key:
+            validate_key(key)
+
+
+def _keys_text(keys: list[str], shown: int = 6) -> str:
+    """``keys`` for a message: the first ``shown``, then how many more."""
+    if len(keys) <= shown:
+        return repr(keys)
+    return "[" + ", ".join(map(repr, keys[:shown])) + f", ... and {len(keys) - shown} more]"
+
+
+def _raise_batch(exc: BaseException, note: str, **attrs: Any) -> NoReturn:
+    """Raise ``exc`` told what a batch call did before it failed: ``note`` appended to
+    its message and ``attrs`` (``sent``, ``unsent``, ``got``) set as attributes.
+
+    An omnilink error is copied first (the copy is of the same class, with the same
+    attributes, and chained to ``exc``): a backend may raise one stored error again
+    (a lost link), which must not collect the notes of every batch. Any other exception
+    is raised as it is, with the attributes where it takes them.
+    """
+    if isinstance(exc, OmnilinkError):
+        new = type(exc).__new__(type(exc))
+        new.__dict__.update(exc.__dict__)
+        new.args = (f"{exc}; {note}",)
+        for name, value in attrs.items():
+            setattr(new, name, value)
+        raise new.with_traceback(exc.__traceback__) from exc
+    for name, value in attrs.items():
+        try:
+            setattr(exc, name, value)
+        except (AttributeError, TypeError):  # pragma: no cover - an exception with __slots__
+            pass
+    raise exc
 
 
 class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +170,14 @@ class Connector(Protocol):
     ) -> Any: ...
 
     def get_nowait(self, key: str, /, *, device: Any = None) -> Any: ...
+
+    def put_many(
+        self, items: Mapping[str, Any] | Iterable[tuple[str, Any]], /, *, timeout: float | None = None
+    ) -> list[int]: ...
+
+    def get_many(
+        self, keys: Iterable[str], /, *, timeout: float | None = None, device: Any = None
+    ) -> dict[str, Any]: ...
 
     async def aput(self, key: str, payload: Any, /, *, timeout: float | None = None) -> int: ...
 
@@ -474,6 +535,253 @@ class BaseConnector:
 
             obj = payload_to_device(obj, device)
         return obj
+
+    # ------------------------------------------------------------------ batches
+    def put_many(
+        self, items: Mapping[str, Any] | Iterable[tuple[str, Any]], /, *, timeout: float | None = None
+    ) -> list[int]:
+        """Send a batch of payloads, in order, under one deadline.
+
+        The same as ``put`` of each item in turn, except that every key is checked
+        before anything is sent and that ``timeout`` bounds the whole batch. The
+        ``shm`` backend writes the items into their blocks first and then publishes
+        them under one hold of the channel mutex with one wake-up of the receivers
+        (``memory``: one lock, one notification); items holding CUDA tensors or
+        larger than its arena take the ordinary per-item path, in their turn.
+
+        Parameters
+        ----------
+        items : mapping of str to Any, or iterable of (str, Any) pairs
+            Keys and payloads, in the order they are to be published.
+        timeout : float, optional
+            Seconds the whole batch may wait for room in the transport; defaults to the
+            connector's.
+
+        Returns
+        -------
+        list[int]
+            Encoded size of each payload in bytes, in the order of ``items``.
+
+        Raises
+        ------
+        ConfigurationError
+            A bad key, bad ``items`` or timeout: nothing was sent.
+        DuplicateKeyError
+            A key appears twice in ``items``: nothing was sent. (A key still pending
+            from an earlier put is refused like ``put`` refuses it.)
+        BlobEncodeError, TransferTimeout, CapacityError, PeerLostError, ClosedError
+            As ``put``, for one of the items. The items published before it stay
+            published (they are sent and will be delivered); nothing of that item and
+            the ones after it was published, and every block taken for them was given
+            back. The error is of the class ``put`` would raise and says how far the
+            batch got, also as the attributes ``sent`` (the keys published, in order)
+            and ``unsent`` (the others, the failed one first). ``shm`` and ``memory``
+            encode every payload before they send anything, so a payload that cannot
+            be encoded there stops the batch with nothing sent.
+        """
+        if self._closed:
+            self._check_open()
+        keys, payloads = self._batch_items(items)
+        deadline = self._deadline(timeout)
+        if not keys:
+            return []
+        return self._put_many(keys, payloads, deadline)
+
+    def _put_many(self, keys: list[str], payloads: list[Any], deadline: Deadline) -> list[int]:
+        """``put_many`` of validated keys: ``_put`` of each in turn (backends with a
+        batch path override this)."""
+        sizes: list[int] = []
+        try:
+            for key, payload in zip(keys, payloads):
+                n = self._put(key, payload, deadline)
+                self._count_op("puts", "bytes_put", n)
+                sizes.append(n)
+        except Exception as exc:
+            self._raise_put_many(exc, keys, len(sizes))
+        return sizes
+
+    def get_many(
+        self, keys: Iterable[str], /, *, timeout: float | None = None, device: Any = None
+    ) -> dict[str, Any]:
+        """Receive every key of a batch, waiting up to ``timeout`` for all of them.
+
+        All or nothing: it returns once every key can be taken and then takes them all,
+        or raises having taken none, so a key that was there is still there for a later
+        ``get`` (of this receiver or another). The ``shm`` backend claims the whole batch
+        in one pass under the channel mutex, and while keys are missing it sleeps until a
+        sender publishes (one wait for the batch, not one per key); ``memory`` does the
+        same under its lock.
+
+        Nothing is taken until the last key is there, so the whole batch must fit the
+        transport at once: a batch larger than what the senders can have unread (shm:
+        ``arena_bytes``; memory: ``capacity_bytes``) never completes and times out (with
+        no timeout it waits for ever). Ask for such a batch in parts.
+
+        Parameters
+        ----------
+        keys : iterable of str
+            The keys to receive, each at most once (validated like ``get``'s).
+        timeout : float, optional
+            Seconds to wait for the whole batch; defaults to the connector's.
+        device : str or torch.device, optional
+            As for ``get``: move every tensor there.
+
+        Returns
+        -------
+        dict[str, Any]
+            Every key's payload, in the order of ``keys``.
+
+        Raises
+        ------
+        ConfigurationError
+            A bad key, a key listed twice, ``keys`` given as one ``str``.
+        TransferTimeout
+            Not every key arrived in time. Nothing was taken; the message lists the
+            missing keys, also kept as the attribute ``missing`` (``key`` is the first
+            of them).
+        KeyConsumedError
+            A missing key was already consumed by this receiver (``shm``, ``memory``;
+            nothing was taken). Elsewhere such a key cannot arrive again and the call
+            times out.
+        PeerLostError, BlobDecodeError, ClosedError
+            As ``get``. A payload that cannot be decoded is consumed with its batch.
+
+        Notes
+        -----
+        Backends without a batch path (``zmq``, ``nccl``, ``cuda_ipc``) wait until
+        ``_arrivals`` lists every key and then take each. If another reader of the same
+        keys takes one in between (two readers asking for one key), the wait goes on for
+        it; the error that may then end the call carries what was taken as the attribute
+        ``got`` (key -> payload), so nothing is lost. A backend without ``_arrivals``
+        (a third party's) gets one key after the other, with the same ``got`` on an
+        error: there, keys taken before a timeout are not put back.
+        """
+        if self._closed:
+            self._check_open()
+        keys = self._batch_keys(keys)
+        deadline = self._deadline(timeout)
+        if not keys:
+            return {}
+        return self._get_many(keys, deadline, device)
+
+    def _get_many(self, keys: list[str], deadline: Deadline, device: Any) -> dict[str, Any]:
+        """``get_many`` of validated keys: wait on ``_arrivals`` until every key is
+        there, then take each (backends with a batch path override this)."""
+        got: dict[str, Any] = {}
+        if type(self)._arrivals is BaseConnector._arrivals:
+            # No way to look without taking: one get after the other.
+            try:
+                for key in keys:
+                    got[key] = self._receive(key, deadline, True, device)
+                    self._count(gets=1)
+            except Exception as exc:
+                _raise_batch(exc, f"get_many took {len(got)} of {len(keys)} key(s) before this error; "
+                             "they are in its attribute 'got'", got=got)
+            return got
+        known: set[str] = set()
+        wait = 0.0
+        while True:
+            avail = known = self._arrivals(known, wait)
+            if all(k in avail for k in keys if k not in got):
+                try:
+                    for key in keys:
+                        if key not in got:
+                            got[key] = self.get_nowait(key, device=device)
+                    return {k: got[k] for k in keys}
+                except WouldBlock:
+                    # Another reader took it between the look and the take: wait for it
+                    # again (its coming back is news to ``_arrivals``).
+                    known = avail - {key}
+                except Exception as exc:
+                    _raise_batch(exc, f"get_many took {len(got)} of {len(keys)} key(s) before this error; "
+                                 "they are in its attribute 'got'", got=got)
+            remaining = deadline.remaining()
+            if remaining == 0.0:
+                left = [k for k in keys if k not in got]
+                err = self._many_timeout(keys, [k for k in left if k not in avail] or left, None, deadline.timeout)
+                if got:
+                    _raise_batch(err, f"{len(got)} key(s) were taken before another reader took one "
+                                 "of the batch; they are in its attribute 'got'", got=got)
+                raise err
+            wait = _ARRIVAL_SLICE_S if remaining is None else remaining
+
+    # ------------------------------------------------------------ batch helpers
+    def _batch_items(self, items: Any) -> tuple[list[str], list[Any]]:
+        """Keys and payloads of a ``put_many`` batch, every key checked like ``put``'s
+        and none twice (``DuplicateKeyError``, before anything is sent)."""
+        if isinstance(items, Mapping):
+            keys = list(items)
+            payloads = list(items.values())
+        elif isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise ConfigurationError(
+                f"put_many takes a mapping of key -> payload or an iterable of (key, payload) pairs, "
+                f"got {type(items).__name__}"
+            )
+        else:
+            keys, payloads = [], []
+            for item in items:
+                if not isinstance(item, (tuple, list)) or len(item) != 2:
+                    raise ConfigurationError(
+                        f"put_many: every item must be a (key, payload) pair, got {type(item).__name__}"
+                    )
+                keys.append(item[0])
+                payloads.append(item[1])
+        _check_keys(keys)
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            exc = DuplicateKeyError(
+                f"{self.backend}: key {dup!r} appears twice in one put_many batch on channel "
+                f"{self.channel!r}; nothing was sent",
+                channel=self.channel,
+                key=dup,
+            )
+            exc.sent, exc.unsent = [], keys  # type: ignore[attr-defined]
+            raise exc
+        return keys, payloads
+
+    def _batch_keys(self, keys: Any) -> list[str]:
+        """The keys of a ``get_many``, checked like ``get``'s, none twice."""
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise ConfigurationError(
+                f"get_many takes a collection of keys, got {type(keys).__name__}: {keys!r:.80}"
+            )
+        keys = list(keys)
+        _check_keys(keys)
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise ConfigurationError(
+                f"{self.backend}: get_many lists key {dup!r} twice; each key is delivered once"
+            )
+        return keys
+
+    def _raise_put_many(self, exc: Exception, keys: list[str], sent: int) -> NoReturn:
+        """Raise ``exc`` (a put of ``keys[sent]`` failed) told which keys were sent."""
+        done, rest = keys[:sent], keys[sent:]
+        _raise_batch(
+            exc,
+            f"put_many sent {sent} of {len(keys)} item(s) before this error ({_keys_text(done)}); "
+            f"they stay sent, the other {len(rest)} were not ({_keys_text(rest)})",
+            sent=done,
+            unsent=rest,
+        )
+
+    def _many_timeout(self, keys: list[str], missing: list[str], peer: str | None,
+                      waited: float | None) -> TransferTimeout:
+        """Build (and count) the ``TransferTimeout`` of a ``get_many`` that waited too
+        long: it names the missing keys (``missing``; ``key`` is the first)."""
+        self._count(timeouts=1)
+        exc = TransferTimeout(
+            f"{self.backend}: get_many of {len(keys)} key(s) on channel {self.channel!r} timed out after "
+            f"{waited if waited is not None else '?'} s waiting for {peer or 'the peer'}; "
+            f"{len(missing)} missing ({_keys_text(missing)}); nothing was taken",
+            channel=self.channel,
+            key=missing[0] if missing else None,
+            peer=peer,
+        )
+        exc.missing = list(missing)  # type: ignore[attr-defined]
+        return exc
 
     def discard(self, key: str, /) -> bool:
         """Drop the payload under ``key`` if present; return whether one was dropped."""

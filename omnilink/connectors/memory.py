@@ -176,15 +176,36 @@ class MemoryConnector(BaseConnector):
 
     # ----------------------------------------------------------------- hooks
     def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
-        if self.role == "receiver":
-            raise ConfigurationError(
-                f"memory connector on channel {self.channel!r} was opened with role='receiver' "
-                "and cannot put; open it with role='sender' or 'dual'"
-            )
-        chan = self._chan
-        with chan.cond:
-            # Cheap early refusal; the authoritative check is repeated under the lock below.
+        self._check_can_put()
+        with self._chan.cond:
+            # Cheap early refusal; the authoritative check is repeated under the lock in _store_frames.
             self._check_key_free(key)
+        frame = self._encode_frame(key, payload)
+        self._store_frames([key], [frame], deadline, [])
+        return len(frame)
+
+    def _put_many(self, keys: list[str], payloads: list[Any], deadline: Deadline) -> list[int]:
+        """Every frame is encoded first; then one hold of the channel's lock stores them
+        all and wakes the readers once (and again before each wait for room)."""
+        stored: list[str] = []
+        sizes: list[int] = []
+        try:
+            self._check_can_put()
+            with self._chan.cond:
+                for key in keys:
+                    self._check_key_free(key)
+            frames = [self._encode_frame(key, payload) for key, payload in zip(keys, payloads)]
+            sizes = [len(f) for f in frames]
+            self._store_frames(keys, frames, deadline, stored)
+        except Exception as exc:
+            if stored:
+                self._count(puts=len(stored), bytes_put=sum(sizes[: len(stored)]))
+            self._raise_put_many(exc, keys, len(stored))
+        self._count(puts=len(sizes), bytes_put=sum(sizes))
+        return sizes
+
+    def _encode_frame(self, key: str, payload: Any) -> bytearray:
+        """``payload`` encoded into a frame of its own."""
         # One walk of the payload sizes and writes the frame (prepare == encoded_size +
         # encode_into without walking twice).
         prepared = prepare(payload)
@@ -192,53 +213,85 @@ class MemoryConnector(BaseConnector):
         self._check_fits(key, n)  # before allocating a frame that could never be stored
         frame = bytearray(n)
         prepared.write_into(frame)
+        return frame
+
+    def _store_frames(self, keys: list[str], frames: list[bytearray], deadline: Deadline, stored: list[str]) -> None:
+        """Put ``frames`` on the channel in order, each waiting (up to ``deadline``) for
+        room; ``stored`` collects the keys stored. One notification at the end, and one
+        before each wait (the frames stored so far may be what frees the room)."""
+        chan = self._chan
         with chan.cond:
-            while True:
-                self._raise_if_closing()
-                self._check_key_free(key)
-                # Re-read: a connector opened meanwhile may have named the capacity.
-                capacity = self._check_fits(key, n)
-                if capacity is None or chan.nbytes + n <= capacity:
-                    break
-                remaining = deadline.remaining()
-                if remaining == 0.0:
-                    raise self._timeout("put", key, "a receiver to make room", deadline.timeout)
-                chan.cond.wait(remaining)
-            chan.frames[key] = frame
-            chan.nbytes += n
-            chan.consumed.forget(key)
+            for key, frame in zip(keys, frames):
+                n = len(frame)
+                while True:
+                    self._raise_if_closing()
+                    self._check_key_free(key)
+                    # Re-read: a connector opened meanwhile may have named the capacity.
+                    capacity = self._check_fits(key, n)
+                    if capacity is None or chan.nbytes + n <= capacity:
+                        break
+                    remaining = deadline.remaining()
+                    if remaining == 0.0:
+                        raise self._timeout("put", key, "a receiver to make room", deadline.timeout)
+                    if stored:
+                        chan.cond.notify_all()
+                    chan.cond.wait(remaining)
+                chan.frames[key] = frame
+                chan.nbytes += n
+                chan.consumed.forget(key)
+                stored.append(key)
             chan.cond.notify_all()
-        return n
 
     def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        (frame,) = self._take_frames([key], deadline, block)
+        self._count(bytes_got=len(frame))
+        # Decoded outside the lock: views of ``frame``, which only they now reference.
+        # The frame was popped: only these views reference it, so they may be writable.
+        return decode(frame, view_readonly=True)
+
+    def _get_many(self, keys: list[str], deadline: Deadline, device: Any) -> dict[str, Any]:
+        frames = self._take_frames(keys, deadline, True)
+        self._count(gets=len(frames), bytes_got=sum(map(len, frames)))
+        out = {key: decode(frame, view_readonly=True) for key, frame in zip(keys, frames)}
+        if device is not None:
+            from omnilink.cuda import payload_to_device
+
+            out = {key: payload_to_device(obj, device) for key, obj in out.items()}
+        return out
+
+    def _take_frames(self, keys: list[str], deadline: Deadline, block: bool) -> list[bytearray]:
+        """Pop the frames of ``keys`` once all are on the channel (waiting up to
+        ``deadline`` when ``block``); all or none."""
         if self.role == "sender":
             raise ConfigurationError(
                 f"memory connector on channel {self.channel!r} was opened with role='sender' "
                 "and cannot get; open it with role='receiver' or 'dual'"
             )
         chan = self._chan
+        frames = chan.frames
         with chan.cond:
             while True:
                 self._raise_if_closing()
-                frame = chan.frames.pop(key, None)
-                if frame is not None:
-                    chan.consumed.add(key)
-                    chan.nbytes -= len(frame)
+                missing = [k for k in keys if k not in frames]
+                if not missing:
+                    taken = [frames.pop(k) for k in keys]
+                    for k, frame in zip(keys, taken):
+                        chan.consumed.add(k)
+                        chan.nbytes -= len(frame)
                     # Room appeared: wake puts blocked on backpressure.
                     chan.cond.notify_all()
-                    break
-                if key in chan.consumed:
-                    raise chan.consumed.error(self.backend, self.channel, key, by="a receiver of the channel")
+                    return taken
+                for k in missing:
+                    if k in chan.consumed:
+                        raise chan.consumed.error(self.backend, self.channel, k, by="a receiver of the channel")
                 if not block:
-                    raise WouldBlock(f"memory: key {key!r} is not on channel {self.channel!r} yet")
+                    raise WouldBlock(f"memory: key {keys[0]!r} is not on channel {self.channel!r} yet")
                 remaining = deadline.remaining()
                 if remaining == 0.0:
-                    raise self._timeout("get", key, "a sender", deadline.timeout)
+                    if len(keys) == 1:
+                        raise self._timeout("get", keys[0], "a sender", deadline.timeout)
+                    raise self._many_timeout(keys, missing, "a sender", deadline.timeout)
                 chan.cond.wait(remaining)
-        self._count(bytes_got=len(frame))
-        # Decoded outside the lock: views of ``frame``, which only they now reference.
-        # The frame was popped: only these views reference it, so they may be writable.
-        return decode(frame, view_readonly=True)
 
     def _arrivals(self, known: set[str], timeout: float) -> set[str]:
         if self.role == "sender":
@@ -277,6 +330,13 @@ class MemoryConnector(BaseConnector):
             return (len(chan.frames), chan.nbytes)
 
     # ---------------------------------------------------------------- helpers
+    def _check_can_put(self) -> None:
+        if self.role == "receiver":
+            raise ConfigurationError(
+                f"memory connector on channel {self.channel!r} was opened with role='receiver' "
+                "and cannot put; open it with role='sender' or 'dual'"
+            )
+
     def _check_key_free(self, key: str) -> None:
         if key in self._chan.frames:
             raise duplicate_key(self.backend, self.channel, key)

@@ -305,7 +305,7 @@ def check_protocol(ctx: _Ctx) -> None:
             missing = [
                 m
                 for m in ("backend", "channel", "role", "put", "put_async", "get", "get_nowait",
-                          "discard", "stats", "close", "__enter__", "__exit__")
+                          "put_many", "get_many", "discard", "stats", "close", "__enter__", "__exit__")
                 if not hasattr(conn, m)
             ]
             raise _fail(f"the {who} is not an omnilink.Connector (missing {missing})")
@@ -629,6 +629,119 @@ def check_put_async(ctx: _Ctx) -> None:
         else:
             raise _fail("put_async of an unsupported payload: the future resolved instead of raising")
     _round_trip(tx, rx, "async-bad", _small(9), _small(9), "payload")
+
+
+def _batch(tag: str, n: int) -> dict[str, Any]:
+    """A batch of ``n`` payloads of mixed sizes under keys ``<tag>-<i>``: small ones, an
+    empty one, a 64 KiB one (the shape of a codec window: ids, meta, a tensor)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for i in range(n):
+        rows = (0, 1, 25, 1024)[i % 4]
+        out[f"{tag}-{i}"] = {
+            "codes": torch.arange(rows * 16, dtype=torch.int64).reshape(rows, 16) + i,
+            "ids": torch.full((3,), i, dtype=torch.int64),
+            "meta": {"i": i, "finished": i == n - 1},
+        }
+    return out
+
+
+def _expect_batch_equal(expected: dict[str, Any], got: Any, what: str) -> None:
+    if not isinstance(got, dict) or list(got) != list(expected):
+        raise _fail(f"{what} must return a dict of every key in the order asked, got keys "
+                    f"{_short(list(got) if isinstance(got, dict) else got)}")
+    try:
+        assert_payload_equal(expected, got, path=what)
+    except ConformanceError as exc:
+        raise _fail(f"{what} changed a payload: {exc}") from None
+
+
+@_check
+def check_batch(ctx: _Ctx) -> None:
+    """``put_many`` / ``get_many``: a batch of mixed sizes round-trips in order (a mapping
+    or pairs; sizes as ``put`` returns them); an empty batch is fine; a key twice in a
+    batch is refused before anything is sent; a payload that cannot be encoded part way
+    leaves exactly the keys the error's ``sent`` names delivered and the others free; a
+    ``get_many`` that times out names the missing keys and takes nothing."""
+    from omnilink import encoded_size
+
+    tx, rx, _ = ctx.pair()
+    t0, r0 = _stats(tx, "sender"), _stats(rx, "receiver")
+    batch = _batch("b", 9)
+    sizes = _call("put_many of 9 items", tx.put_many, batch, timeout=WAIT)
+    want = [encoded_size(p) for p in _batch("b", 9).values()]
+    if sizes != want:
+        raise _fail(f"put_many must return each item's encoded size in order: got {_short(sizes)}, "
+                    f"expected {_short(want)}")
+    order = list(reversed(batch))
+    got = _call("get_many of 9 keys", rx.get_many, order, timeout=WAIT)
+    _expect_batch_equal({k: _batch("b", 9)[k] for k in order}, got, "get_many")
+    del got
+    pairs = list(_batch("p", 4).items())
+    _call("put_many of (key, payload) pairs", tx.put_many, pairs, timeout=WAIT)
+    for key in ("p-2", "p-0"):  # single gets of batch-sent keys
+        _expect_batch_equal({key: _batch("p", 4)[key]}, {key: _get(rx, key)}, f"get({key!r})")
+    _expect_batch_equal({"p-3": _batch("p", 4)["p-3"], "p-1": _batch("p", 4)["p-1"]},
+                        _call("get_many", rx.get_many, ["p-3", "p-1"], timeout=WAIT), "get_many")
+    t1, r1 = _stats(tx, "sender"), _stats(rx, "receiver")
+    moved = {"puts": t1.puts - t0.puts, "gets": r1.gets - r0.gets}
+    if tx is not rx and moved != {"puts": 13, "gets": 13}:
+        raise _fail(f"a batch counts one put / get per item: 13 each expected, stats moved by {moved}")
+    if _call("put_many({})", tx.put_many, {}, timeout=WAIT) != []:
+        raise _fail("put_many of an empty batch must return []")
+    if _call("get_many([])", rx.get_many, [], timeout=SHORT) != {}:
+        raise _fail("get_many of no keys must return {}")
+
+    # Duplicates and bad keys: refused before anything is sent.
+    exc = _expect(DuplicateKeyError, "put_many with a key twice", tx.put_many,
+                  [("d-0", _small(0)), ("d-1", _small(1)), ("d-0", _small(2))], timeout=WAIT)
+    if getattr(exc, "key", None) != "d-0" or getattr(exc, "sent", None) != []:
+        raise _fail(f"DuplicateKeyError of a batch must name the key (.key) and send nothing (.sent == []), "
+                    f"got key={getattr(exc, 'key', None)!r} sent={getattr(exc, 'sent', None)!r}")
+    _expect(ConfigurationError, "put_many with a bad key", tx.put_many, {"d-2": 1, "": 2}, timeout=WAIT)
+    _expect(ConfigurationError, "put_many of a str", tx.put_many, "ab", timeout=WAIT)
+    _expect(ConfigurationError, "get_many listing a key twice", rx.get_many, ["x", "x"], timeout=SHORT)
+    _expect(ConfigurationError, "get_many of a str", rx.get_many, "x", timeout=SHORT)
+    _marker(tx, rx, "batch-marker-1")
+    for key in ("d-0", "d-1", "d-2"):
+        _expect_absent(rx, key, "after a refused put_many")
+
+    # A payload that cannot be encoded, part way: a prefix is sent, the rest is not.
+    keys = [f"e-{i}" for i in range(5)]
+    items = [(k, {"x": _NotCarriable()} if i == 3 else _small(i)) for i, k in enumerate(keys)]
+    exc = _expect(BlobEncodeError, "put_many with an unsupported payload at index 3", tx.put_many, items,
+                  timeout=WAIT)
+    sent, unsent = getattr(exc, "sent", None), getattr(exc, "unsent", None)
+    if not isinstance(sent, list) or sent != keys[: len(sent)] or len(sent) > 3 or unsent != keys[len(sent):]:
+        raise _fail(f"a failed put_many must name what it sent: .sent a prefix of the batch before the failed "
+                    f"item, .unsent the rest; got sent={_short(sent)} unsent={_short(unsent)}")
+    if f"{len(sent)} of 5" not in str(exc):
+        raise _fail(f"the error of a failed put_many must say how many items were sent: {str(exc)!r}")
+    _marker(tx, rx, "batch-marker-2")
+    for key in keys[len(sent):]:
+        _expect_absent(rx, key, "after put_many failed before it")
+    got = _call("get_many of the keys put_many sent", rx.get_many, sent, timeout=WAIT) if sent else {}
+    _expect_batch_equal({k: _small(int(k[2:])) for k in sent}, got, "get_many")
+    # The unsent keys are free: the batch can be sent again without them failing.
+    _call("put_many of the unsent keys", tx.put_many, [(k, _small(7)) for k in keys[len(sent):]], timeout=WAIT)
+
+    # get_many that times out takes nothing.
+    _put(tx, "g-a", _small(1))
+    _put(tx, "g-b", _small(2))
+    _marker(tx, rx, "batch-marker-3")
+    start = time.monotonic()
+    exc = _expect(TransferTimeout, "get_many with one key never put", rx.get_many, ["g-a", "g-never", "g-b"],
+                  timeout=SHORT)
+    if time.monotonic() - start > BOUND:
+        raise _fail(f"get_many(timeout={SHORT}) took {time.monotonic() - start:.1f} s to time out")
+    if getattr(exc, "missing", None) != ["g-never"] or "g-never" not in str(exc):
+        raise _fail(f"get_many's TransferTimeout must name the missing keys (message and .missing): {exc!r}")
+    got = _call("get_many of the keys present during a timed-out get_many", rx.get_many, ["g-b", "g-a"],
+                timeout=WAIT)
+    _expect_batch_equal({"g-b": _small(2), "g-a": _small(1)}, got, "get_many after a timeout")
+    got = _call("get_many(device='cpu')", rx.get_many, keys[len(sent):], timeout=WAIT, device="cpu")
+    _expect_batch_equal({k: _small(7) for k in keys[len(sent):]}, got, "get_many(device='cpu')")
 
 
 @_check

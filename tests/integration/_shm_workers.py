@@ -203,3 +203,55 @@ def growing_sender(channel: str, count: int, q, n: int, arena_bytes: int) -> Non
         time.sleep(3600)
 
     _report_errors(q, body)
+
+
+# ------------------------------------------------------------------ batches
+def batch_keys(step: int, per_step: int) -> list[str]:
+    return [f"s{step}-r{r}" for r in range(per_step)]
+
+
+def batch_sender(channel: str, steps: int, per_step: int, q, n: int = 1024, arena_bytes: int = 8 << 20,
+                 done=None, leave_out: str | None = None) -> None:
+    """Every step, ``put_many`` one payload per request (``s<step>-r<r>``, payload
+    ``step * per_step + r``), leaving out the key ``leave_out``; report ("sent", the
+    number of payloads); then wait for ``done`` (if given) and close."""
+
+    def body():
+        with _connect(channel, "sender", arena_bytes=arena_bytes, max_bytes=arena_bytes, timeout=WAIT) as tx:
+            q.put(("ready", os.getpid()))
+            total = 0
+            for s in range(steps):
+                items = {k: make_payload(s * per_step + r, n) for r, k in enumerate(batch_keys(s, per_step))
+                         if k != leave_out}
+                sizes = tx.put_many(items)
+                if len(sizes) != len(items):
+                    raise AssertionError(f"put_many returned {len(sizes)} sizes for {len(items)} items")
+                total += len(items)
+            q.put(("sent", total))
+            if done is not None:
+                done.wait(WAIT)
+
+    _report_errors(q, body)
+
+
+def batch_receiver(channel: str, steps: int, per_step: int, q, n: int = 1024, keys: list | None = None) -> None:
+    """``get_many`` each step's keys (or ``keys`` once), checking every payload;
+    report ("got", count, gets counted)."""
+
+    def body():
+        with _connect(channel, "receiver", timeout=WAIT) as rx:
+            q.put(("ready", os.getpid()))
+            count = 0
+            batches = [keys] if keys is not None else [batch_keys(s, per_step) for s in range(steps)]
+            for batch in batches:
+                got = rx.get_many(batch)
+                if list(got) != list(batch):
+                    raise AssertionError(f"get_many returned keys {list(got)[:4]}..., asked {batch[:4]}...")
+                for k, payload in got.items():
+                    s, r = (int(part[1:]) for part in k.split("-"))
+                    check_payload(payload, s * per_step + r, n)
+                count += len(got)
+                del got, payload
+            q.put(("got", count, rx.stats().gets))
+
+    _report_errors(q, body)

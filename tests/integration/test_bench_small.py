@@ -1,8 +1,8 @@
 """``benchmarks/bench_small.py`` in its short configuration (``--quick``): every cell runs
-(one process, two processes, the 8 MiB polling against blocking receiver), the JSON
-record carries every figure, beside the memory backend and, when installed, vLLM-Omni's
-``SharedMemoryConnector``. No figure is compared with a target: speed is measured by the
-script, not asserted in tests.
+(one process, two processes, the 8 MiB polling against blocking receiver, the batches of
+``put_many`` / ``get_many`` against a loop), the JSON record carries every figure, beside
+the memory backend and, when installed, vLLM-Omni's ``SharedMemoryConnector``. No figure
+is compared with a target: speed is measured by the script, not asserted in tests.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ def test_bench_small_quick(tmp_path):
     assert set(rec["figures"]) >= {"one_process_shm_p50_us", "two_process_shm_p50_us", "poll_vs_block_ratio"}
     assert "| 1 process put+get_nowait 4 KiB, p50" in proc.stdout and "load average" in proc.stdout
     assert "| same, sender hot between messages, p50" in proc.stdout
+    # The batch cells: put_many + get_many against a loop, one and two processes.
+    assert set(rec["results"]["batch"]) == {f"{w}_{how}" for w in ("one_process_shm", "one_process_memory",
+                                                                   "two_process_shm") for how in ("batch", "loop")}
+    for cell in rec["results"]["batch"].values():
+        assert cell["samples"] > 0 and 0 < cell["p50_us"] <= cell["p99_us"]
+    assert rec["figures"]["batch_two_process_shm_ratio"] > 0
+    assert "| 2 processes shm one-way, p50 |" in proc.stdout
 
 
 def test_bench_small_interleaved_baseline(tmp_path):

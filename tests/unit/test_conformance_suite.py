@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import omnilink
-from omnilink.connectors import memory
+from omnilink.connectors import BaseConnector, memory
 from omnilink.connectors.memory import MemoryConnector
 from omnilink.testing import CHECKS, ConformanceError, assert_payload_equal, check_connector, payload_zoo
 
@@ -29,6 +29,7 @@ EXPECTED_CHECKS = [
     "get_nowait",
     "blocking_get_woken",
     "put_async",
+    "batch",
     "discard",
     "key_rules",
     "bad_timeouts",
@@ -233,6 +234,45 @@ class ForgetsConsumedKeys(MemoryConnector):
         return super()._get(key, deadline, block)
 
 
+class BatchTakesWhatIsThere(MemoryConnector):
+    """get_many as a loop of get: a timeout leaves the keys taken before it consumed."""
+
+    def _get_many(self, keys, deadline, device):
+        got = {}
+        for k in keys:
+            try:
+                got[k] = self.get(k, timeout=deadline.remaining())
+            except omnilink.TransferTimeout:
+                raise self._many_timeout(keys, [k], None, deadline.timeout) from None
+        return got
+
+
+class BatchErrorHidesWhatWasSent(MemoryConnector):
+    """put_many as a loop of put whose error does not say what went out."""
+
+    def _put_many(self, keys, payloads, deadline):
+        return [self.put(k, p, timeout=deadline.remaining()) for k, p in zip(keys, payloads)]
+
+
+class BatchWithdrawsOnError(MemoryConnector):
+    """put_many that takes back what it sent when a later item fails, but still says
+    it was sent."""
+
+    def _put_many(self, keys, payloads, deadline):
+        try:
+            return BaseConnector._put_many(self, keys, payloads, deadline)  # one put after the other
+        except omnilink.BlobEncodeError as exc:
+            for k in exc.sent:
+                self._discard(k)
+            raise
+
+
+class BatchReversed(MemoryConnector):
+    def _get_many(self, keys, deadline, device):
+        got = super()._get_many(keys, deadline, device)
+        return dict(reversed(got.items()))
+
+
 class DiscardReturnsNone(MemoryConnector):
     def discard(self, key, /):
         super().discard(key)
@@ -259,6 +299,10 @@ class DiscardReturnsNone(MemoryConnector):
         (OverwritesPendingKey, "key_contract", "expected DuplicateKeyError, but it returned"),
         (ForgetsConsumedKeys, "key_contract", "expected KeyConsumedError, got WouldBlock"),
         (ForgetsConsumedKeys, "exactly_once", "expected KeyConsumedError"),
+        (BatchTakesWhatIsThere, "batch", "present during a timed-out get_many raised KeyConsumedError"),
+        (BatchErrorHidesWhatWasSent, "batch", "must name what it sent"),
+        (BatchWithdrawsOnError, "batch", "get_many of the keys put_many sent raised KeyConsumedError"),
+        (BatchReversed, "batch", "in the order asked"),
     ],
 )
 def test_broken_connector_is_caught(cls, check, fragment):

@@ -62,7 +62,7 @@ from omnilink._util import NO_WAIT, ConsumedKeys, Deadline, MAX_KEY_BYTES, dupli
 from omnilink.blob import _MISS, _decode_fast
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
-from omnilink.connectors.base import BaseConnector, Role
+from omnilink.connectors.base import BaseConnector, Role, _keys_text
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.ipc import IPC_MARK, DeviceIpcRoute
@@ -563,10 +563,7 @@ class ShmConnector(BaseConnector):
         With ``count`` the put is counted (``puts``, ``bytes_put``) too."""
         w = self._writer
         if w is None:
-            raise ConfigurationError(
-                f"shm connector on channel {self.channel!r} was opened with role='receiver' "
-                "and cannot put; open it with role='sender' or 'dual'"
-            )
+            raise self._cannot_put()
         blob = _prepare(payload)
         n = blob.nbytes
         if blob._on_device or self._gpu is not None or n > w.data_bytes:
@@ -608,9 +605,6 @@ class ShmConnector(BaseConnector):
         """A host payload into a block of the arena (or an extension). ``deadline``
         ``None``: the connector's timeout, from when a wait begins. With ``count`` the
         put is counted (``puts``, ``bytes_put``) too."""
-        w = self._writer
-        chan = self._chan
-        n = blob.nbytes
         slock = self._slock
         slock.acquire()
         try:
@@ -618,37 +612,9 @@ class ShmConnector(BaseConnector):
                 self._check_open()
             if key in self._sent:
                 self._check_not_pending(key)
-            # Fast path: a descriptor and a block of the arena are free without waiting.
-            space = w.primary
-            free_desc = w.free_desc
-            alloc = space.alloc
-            off = alloc.alloc(n) if free_desc else None
-            if off is None:
-                if deadline is None:
-                    deadline = Deadline.after(self.timeout)
-                space, off, idx = self._reserve(key, n, deadline)
-                alloc = space.alloc
-            else:
-                idx = free_desc.pop()
-            try:
-                written = blob.write_at(space.view, space.base + off, space.addr)
-                locked = chan.try_lock() or chan.lock_within(deadline or Deadline.after(self.timeout))
-            except BaseException:
-                alloc.free(off)
-                free_desc.append(idx)
-                raise
-            if not locked:
-                alloc.free(off)
-                free_desc.append(idx)
-                raise self._timeout("put", key, "the channel mutex", (deadline or Deadline.after(self.timeout)).timeout)
-            try:
-                w.publish(idx, key_bytes, out_rec(key, off, alloc.size_of(off), space), written,
-                          space.flags, space.token)
-                chan.notify_all()
-                w.drain()
-            finally:
-                chan.unlock()
-            self._remember_sent(key, idx)
+            block = self._fill(key, key_bytes, blob, deadline)
+            self._publish((block,), deadline)
+            written = block[5]
             if count:
                 c = self._sc
                 c[0] += 1
@@ -656,6 +622,149 @@ class ShmConnector(BaseConnector):
         finally:
             slock.release()
         return written
+
+    def _fill(self, key: str, key_bytes: bytes, blob: Any, deadline: Deadline | None,
+              before_wait: Any = None) -> tuple[Any, ...]:
+        """Take a block for ``blob`` and write it there (holds ``_slock``): ``(key,
+        key_bytes, space, offset, descriptor, bytes written)``, for ``_publish``.
+
+        Fast path: a descriptor and a block of the arena are free without waiting.
+        Otherwise ``before_wait()`` runs first (a batch publishes what it has filled, so
+        that receivers can free room), then ``_reserve`` finds room or waits for it
+        (backpressure)."""
+        w = self._writer
+        n = blob.nbytes
+        space = w.primary
+        free_desc = w.free_desc
+        alloc = space.alloc
+        off = alloc.alloc(n) if free_desc else None
+        if off is None:
+            if before_wait is not None:
+                before_wait()
+            space, off, idx = self._reserve(key, n, deadline or Deadline.after(self.timeout))
+            alloc = space.alloc
+        else:
+            idx = free_desc.pop()
+        try:
+            written = blob.write_at(space.view, space.base + off, space.addr)
+        except BaseException:
+            alloc.free(off)
+            free_desc.append(idx)
+            raise
+        return (key, key_bytes, space, off, idx, written)
+
+    def _publish(self, blocks: Any, deadline: Deadline | None) -> None:
+        """Publish filled blocks (``_fill``'s records; holds ``_slock``) in order under
+        one hold of the channel mutex, and wake the receivers once. If the mutex cannot
+        be had in time, every block goes back and ``TransferTimeout`` is raised: none of
+        them is published."""
+        w, chan = self._writer, self._chan
+        if not chan.try_lock():
+            if deadline is None:
+                deadline = Deadline.after(self.timeout)
+            if not chan.lock_within(deadline):
+                self._unstage(blocks)
+                raise self._timeout("put", blocks[0][0], "the channel mutex", deadline.timeout)
+        sent = self._sent
+        try:
+            publish = w.publish
+            for key, key_bytes, space, off, idx, written in blocks:
+                publish(idx, key_bytes, out_rec(key, off, space.alloc.size_of(off), space), written,
+                        space.flags, space.token)
+                sent[key] = idx  # ``_remember_sent``
+            chan.notify_all()
+            w.drain()
+        finally:
+            chan.unlock()
+        if len(sent) > self._sent_limit:
+            self._prune_sent()
+
+    def _unstage(self, blocks: Any) -> None:
+        """Give filled blocks that were not published back (holds ``_slock``)."""
+        free_desc = self._writer.free_desc
+        for _key, _key_bytes, space, off, idx, _written in blocks:
+            space.alloc.free(off)
+            free_desc.append(idx)
+
+    def _put_many(self, keys: list[str], payloads: list[Any], deadline: Deadline) -> list[int]:
+        """The batch path: every payload is encoded (planned) first; then each run of
+        host payloads that fit the arena is written into its blocks and published
+        together (``_put_run``: one hold of the channel mutex, one wake-up), and a
+        payload holding CUDA tensors or larger than the arena takes ``put``'s path in
+        its turn."""
+        w = self._writer
+        sizes: list[int] = []
+        try:
+            if w is None:
+                raise self._cannot_put()
+            blobs = [_prepare(p) for p in payloads]
+            with self._slock:
+                self._check_open()
+                sent = self._sent
+                for key in keys:  # every pending key is refused before anything is sent
+                    if key in sent:
+                        self._check_not_pending(key)
+            limit = w.data_bytes
+            i, end = 0, len(keys)
+            while i < end:
+                j = i
+                while j < end and not self._per_item(blobs[j], limit):
+                    j += 1
+                if j > i:
+                    self._put_run(keys, blobs, i, j, deadline, sizes)
+                    i = j
+                    continue
+                n = self._put_other(keys[i], payloads[i], blobs[i], deadline, None)
+                self._count_op("puts", "bytes_put", n)
+                sizes.append(n)
+                i += 1
+        except Exception as exc:
+            self._raise_put_many(exc, keys, len(sizes))
+        return sizes
+
+    def _per_item(self, blob: Any, limit: int) -> bool:
+        """Whether a payload of a batch takes ``put``'s own path (``_put_other``): CUDA
+        tensors, larger than the arena, or the GPU path's test mode."""
+        gpu = self._gpu
+        return blob._on_device or blob.nbytes > limit or (gpu is not None and gpu.cpu_mode)
+
+    def _put_run(self, keys: list[str], blobs: list[Any], lo: int, hi: int, deadline: Deadline,
+                 sizes: list[int]) -> None:
+        """Items ``lo:hi`` of a batch (host payloads that fit the arena) into arena
+        blocks, published together (one hold of the channel mutex, one wake-up; again
+        before each wait for room); appends each one's size to ``sizes`` once it is
+        published. A failure gives back the blocks not published yet."""
+        slock = self._slock
+        staged: list[tuple[Any, ...]] = []
+
+        def flush() -> None:
+            if staged:
+                try:
+                    self._publish(staged, deadline)  # or it gives them back
+                    sizes.extend([block[5] for block in staged])
+                finally:
+                    staged.clear()
+
+        before = len(sizes)
+        slock.acquire()
+        try:
+            if self._closed:
+                self._check_open()
+            sent = self._sent
+            fill = self._fill
+            for i in range(lo, hi):
+                key = keys[i]
+                if key in sent:
+                    self._check_not_pending(key)
+                staged.append(fill(key, key.encode("utf-8"), blobs[i], deadline, flush))
+            flush()
+        finally:
+            if staged:
+                self._unstage(staged)
+            c = self._sc
+            c[0] += len(sizes) - before
+            c[1] += sum(sizes[before:])
+            slock.release()
 
     # -- block primitives of the GPU path (``gpu.py``): take a block, fill it outside
     #    any lock (a DMA), publish it or give it back.
@@ -683,21 +792,10 @@ class ShmConnector(BaseConnector):
             w.free_desc.append(idx)
 
     def _publish_block(self, key: str, off: int, idx: int, written: int, deadline: Deadline) -> None:
-        """Publish a filled block under ``key`` (the key's bytes are checked by the caller)."""
-        w, chan = self._writer, self._chan
+        """Publish a filled block of the arena under ``key`` (the key's bytes are
+        checked by the caller); gives the block back if the mutex cannot be had."""
         with self._slock:
-            rec = _OutRec(0, key, off, w.alloc.size_of(off), None)
-            if not chan.lock_within(deadline):
-                w.alloc.free(off)
-                w.free_desc.append(idx)
-                raise self._timeout("put", key, "the channel mutex", deadline.timeout)
-            try:
-                w.publish(idx, key.encode("utf-8"), rec, written, 0, b"")
-                chan.notify_all()
-                w.drain()
-            finally:
-                chan.unlock()
-            self._remember_sent(key, idx)
+            self._publish(((key, key.encode("utf-8"), self._writer.primary, off, idx, written),), deadline)
 
     def _block_view(self, off: int, n: int) -> memoryview:
         w = self._writer
@@ -725,6 +823,12 @@ class ShmConnector(BaseConnector):
 
         devices = cuda_devices_of(payload)
         return record_producer_events(devices) if devices else None
+
+    def _cannot_put(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"shm connector on channel {self.channel!r} was opened with role='receiver' "
+            "and cannot put; open it with role='sender' or 'dual'"
+        )
 
     def _check_not_pending(self, key: str) -> None:
         """Raise ``DuplicateKeyError`` if our last put of ``key`` is still unclaimed.
@@ -1040,9 +1144,7 @@ class ShmConnector(BaseConnector):
         # ``_get``, inline (the per-message path of a polling receiver)
         payload = self._open_payload(key, self._claim_wait(key, NO_WAIT, False, count=True), counted=True)
         if type(payload) is dict and (IPC_MARK in payload or SLICED_MARK in payload):
-            if IPC_MARK in payload:
-                return self._take_ipc(key, NO_WAIT, None)
-            return self._gpu_path().gather(payload, NO_WAIT, None).synchronize()
+            return self._unmark(key, payload, NO_WAIT)
         return payload
 
     get.__doc__ = BaseConnector.get.__doc__
@@ -1053,13 +1155,62 @@ class ShmConnector(BaseConnector):
         timeout, from now)."""
         payload = self._open_payload(key, self._claim_wait(key, deadline, block, count=True), counted=True)
         if type(payload) is dict and (IPC_MARK in payload or SLICED_MARK in payload):
-            if deadline is None:
-                deadline = Deadline.after(self.timeout)
-            if IPC_MARK in payload:
-                return self._take_ipc(key, deadline, None)
-            # A payload sent in slices (CUDA tensors): gather it on the host.
-            return self._gpu_path().gather(payload, deadline, None).synchronize()
+            return self._unmark(key, payload, deadline)
         return payload
+
+    def _unmark(self, key: str, marker: dict, deadline: Deadline | None) -> Any:
+        """The payload behind a marker claimed under ``key``, on the host: one sent by
+        device IPC, or one sent in slices (CUDA tensors), gathered."""
+        if deadline is None:
+            deadline = Deadline.after(self.timeout)
+        if IPC_MARK in marker:
+            return self._take_ipc(key, deadline, None)
+        return self._gpu_path().gather(marker, deadline, None).synchronize()
+
+    def _get_many(self, keys: list[str], deadline: Deadline, device: Any) -> dict[str, Any]:
+        """The batch path: every key claimed in one pass under the channel mutex once all
+        are there (``_claim_wait`` with ``keys``), then each decoded (zero-copy views, as
+        ``get``), or landed on a CUDA ``device`` one after the other."""
+        cuda = device is not None and _is_cuda(device) and _gpu_path_available()
+        if cuda:
+            self._want_pool(device)
+        gots = self._claim_wait(keys[0], deadline, True, count=not cuda, keys=keys)
+        out: dict[str, Any] = {}
+        i = 0
+        try:
+            if cuda:
+                handles = []
+                for i, key in enumerate(keys):
+                    handles.append(self._land(key, gots[i], deadline, device))
+                i = len(keys)
+                return {key: h.wait() for key, h in zip(keys, handles)}
+            for i, key in enumerate(keys):
+                payload = self._open_payload(key, gots[i], counted=True)
+                if type(payload) is dict and (IPC_MARK in payload or SLICED_MARK in payload):
+                    payload = self._unmark(key, payload, deadline)
+                out[key] = payload
+            i = len(keys)
+        finally:
+            if i + 1 < len(keys):
+                # A payload could not be opened: the ones after it go back unread (the
+                # batch is consumed, as a get of a broken payload consumes its key).
+                self._drop_claimed(gots[i + 1 :], counted=not cuda)
+        if device is not None:
+            from omnilink.cuda import payload_to_device
+
+            out = {key: payload_to_device(obj, device) for key, obj in out.items()}
+        return out
+
+    def _drop_claimed(self, gots: list[tuple[Any, ...]], *, counted: bool) -> None:
+        """Release claimed payloads that will not be opened (and take back their counts)."""
+        with self._chan.locked():
+            for reader, idx, seq, *_rest in gots:
+                reader.mark_released(idx, seq, self._pid)
+        if counted:
+            with self._rlock:
+                c = self._rc
+                c[0] -= len(gots)
+                c[1] -= sum(g[4] for g in gots)
 
     def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
         if device is None:
@@ -1076,10 +1227,18 @@ class ShmConnector(BaseConnector):
 
             obj = payload_to_device(self._get(key, deadline, block), device)
             return StagePayloadHandle(obj, None, device, [])
+        self._want_pool(device)
+        return self._land(key, self._claim_wait(key, deadline, block), deadline, device)
+
+    def _want_pool(self, device: Any) -> None:
+        """Open the device-IPC pool at a first ``get`` onto a CUDA device, if wanted."""
         ipc = self._ipc
         if ipc is not None and ipc.wants_pool() and _is_cuda(device):
             ipc.open_pool(self._gpu_path().device_of(device))
-        got = self._claim_wait(key, deadline, block)
+
+    def _land(self, key: str, got: tuple[Any, ...], deadline: Deadline, device: Any) -> Any:
+        """Open a payload claimed under ``key`` and start its copy to ``device``: a
+        ``StagePayloadHandle``."""
         payload = self._open_payload(key, got, count_get=True)
         if type(payload) is dict and IPC_MARK in payload:
             from omnilink.cuda import Event, StagePayloadHandle, current_raw_stream
@@ -1136,11 +1295,17 @@ class ShmConnector(BaseConnector):
         validate_key(key)
         return self._receive_handle(key, self._deadline(timeout), True, device)
 
-    def _claim_wait(self, key: str, deadline: Deadline | None, block: bool, *, count: bool = False) -> tuple[Any, ...]:
+    def _claim_wait(self, key: str, deadline: Deadline | None, block: bool, *, count: bool = False,
+                    keys: list[str] | None = None) -> Any:
         """Claim ``key`` (waiting up to ``deadline`` when ``block``; ``None``: the
         connector's timeout, from now): the claim record. With ``count`` the get and its
         bytes are counted under ``_rlock`` (``_open_payload`` takes them back if the
-        payload cannot be decoded)."""
+        payload cannot be decoded).
+
+        With ``keys`` (``key`` is the first of them, named by a timeout of the mutex),
+        claim all of them in one pass once every one is there, none before
+        (``_claim_all_locked``): their claim records, in order. Until then each wake-up
+        looks at the whole batch again."""
         if not self._recvs:
             raise ConfigurationError(
                 f"shm connector on channel {self.channel!r} was opened with role='sender' "
@@ -1173,26 +1338,20 @@ class ShmConnector(BaseConnector):
                     if _U64.unpack_from(chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
                         self._refresh_locked()
                     self._scan_locked()
-                    got = self._claim_locked(key)
+                    got: Any = self._claim_locked(key) if keys is None else self._claim_all_locked(keys)
                     if got is None:
-                        if key in self._consumed:
-                            raise self._consumed.error(self.backend, self.channel, key)
-                        if self._peer_lost is not None:
-                            raise PeerLostError(
-                                f"shm: key {key!r} on channel {self.channel!r} can no longer "
-                                f"arrive: {self._peer_lost} and no live sender is left"
-                            )
-                        if not block:
-                            raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
                         if deadline is None:
                             deadline = Deadline.after(self.timeout)
-                        if deadline.remaining() == 0:
-                            raise self._timeout("get", key, self._sender_names(), deadline.timeout)
+                        self._missed(key, keys, block, deadline)
                         gen = chan.register_waiter()
                     elif count:
                         c = self._rc
-                        c[0] += 1
-                        c[1] += got[4]
+                        if keys is None:
+                            c[0] += 1
+                            c[1] += got[4]
+                        else:
+                            c[0] += len(got)
+                            c[1] += sum(g[4] for g in got)
                 finally:
                     chan.unlock()
             finally:
@@ -1200,6 +1359,28 @@ class ShmConnector(BaseConnector):
             if got is not None:
                 return got
             self._sleep_until_published(gen, deadline)
+
+    def _missed(self, key: str, keys: list[str] | None, block: bool, deadline: Deadline) -> None:
+        """Raise what a claim that found nothing means (holds ``_rlock`` and the mutex):
+        a key consumed already, a lost sender, a ``get_nowait``'s miss, the deadline
+        passed. Returns when the caller is to wait."""
+        missing = [key] if keys is None else [k for k in keys if not self._claimable(k)]
+        consumed = self._consumed
+        for k in missing:
+            if k in consumed:
+                raise consumed.error(self.backend, self.channel, k)
+        if self._peer_lost is not None:
+            what = f"key {key!r}" if keys is None else f"get_many: key(s) {_keys_text(missing)}"
+            raise PeerLostError(
+                f"shm: {what} on channel {self.channel!r} can no longer arrive: {self._peer_lost} "
+                "and no live sender is left"
+            )
+        if not block:
+            raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
+        if deadline.remaining() == 0:
+            if keys is None:
+                raise self._timeout("get", key, self._sender_names(), deadline.timeout)
+            raise self._many_timeout(keys, missing, self._sender_names(), deadline.timeout)
 
     def _sleep_until_published(self, gen: int, deadline: Deadline) -> None:
         """Sleep until a sender publishes (or a heartbeat's worth of time passes), having
@@ -1326,6 +1507,39 @@ class ShmConnector(BaseConnector):
                     index[k] = refs
                 else:
                     del index[k]
+
+    def _claimable(self, key: str) -> bool:
+        """Whether ``key`` can be claimed now (mutex held); drops the index entries of it
+        that went stale (claimed by another receiver, discarded, reclaimed)."""
+        refs = self._index.get(key)
+        if refs is None:
+            return False
+        while refs:
+            reader, idx, seq = refs[0]
+            if reader.still_written(idx, seq):
+                return True
+            refs.pop(0)
+        del self._index[key]
+        return False
+
+    def _claim_all_locked(self, keys: list[str]) -> list[tuple[Any, ...]] | None:
+        """Claim every key of ``keys`` if each can be claimed now, else none (mutex
+        held): the claim records, in order, or ``None``."""
+        claimable = self._claimable
+        for key in keys:
+            if not claimable(key):
+                return None
+        claim = self._claim_locked
+        gots: list[tuple[Any, ...]] = []
+        try:
+            for key in keys:
+                gots.append(claim(key))  # type: ignore[arg-type]  # claimable: never None
+        except BaseException:
+            # A segment of the sender is gone (PeerLostError): hand back what was claimed.
+            for reader, idx, seq, *_rest in gots:
+                reader.mark_released(idx, seq, self._pid)
+            raise
+        return gots
 
     def _claim_locked(self, key: str) -> tuple[Any, ...] | None:
         refs = self._index.get(key)
