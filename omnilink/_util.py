@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 import time
+from typing import Any
 from collections import OrderedDict
 
 from omnilink._errors import ConfigurationError, DuplicateKeyError, KeyConsumedError
@@ -17,6 +19,7 @@ __all__ = [
     "MAX_CHANNEL_CHARS",
     "MAX_KEY_BYTES",
     "NO_WAIT",
+    "PeerWatch",
     "duplicate_key",
     "pid_alive",
     "validate_channel",
@@ -201,3 +204,82 @@ def duplicate_key(backend: str, channel: str, key: str) -> DuplicateKeyError:
         channel=channel,
         key=key,
     )
+
+
+class PeerWatch:
+    """``pid_alive`` for a per-message path: one ``poll`` of a pidfd per look-up.
+
+    ``pid_alive`` costs a signal and a read of ``/proc`` (four system calls, 29 us on a
+    2-core VM, 36 us on a GPU cloud VM: a tenth of a small device message's time, paid on
+    both ends). A pidfd (``os.pidfd_open``, Linux 5.3+) opened at the first look-up at a
+    pid polls readable once that process has exited, zombie or reaped, and it names that
+    process and no later one that reuses the pid. Where pidfds are unavailable the
+    look-up is ``pid_alive``. A dead answer drops the pid's pidfd, so a later peer that
+    reuses the number is looked up afresh (as ``pid_alive`` would).
+    """
+
+    __slots__ = ("_probes", "_lock")
+
+    def __init__(self) -> None:
+        #: pid -> a poll object of its pidfd, or None (no pidfd here: pid_alive)
+        self._probes: dict[int, tuple[Any, int] | None] = {}
+        # A poll object refuses a second thread's poll() while one runs ("concurrent
+        # poll() invocation"), and a pidfd must not be closed under a poll: one lock.
+        self._lock = threading.Lock()
+
+    def alive(self, pid: int) -> bool:
+        with self._lock:
+            probe = self._probes.get(pid, False)
+            if probe is False:
+                try:
+                    probe = _pidfd_probe(pid)
+                except ProcessLookupError:
+                    return False
+                self._probes[pid] = probe
+            if probe is not None:
+                if not probe[0].poll(0):
+                    return True
+                self._forget(pid)
+                return False
+        ok = pid_alive(pid)
+        return ok
+
+    def _forget(self, pid: int) -> None:
+        probe = self._probes.pop(pid, None)
+        if probe:
+            os.close(probe[1])
+
+    def close(self) -> None:
+        """Close every pidfd (idempotent)."""
+        with self._lock:
+            for pid in list(self._probes):
+                self._forget(pid)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+
+
+def _pidfd_probe(pid: int) -> tuple[Any, int] | None:
+    """``(poll object, pidfd)`` of ``pid``; ``None`` where pidfds are unavailable.
+
+    Raises
+    ------
+    ProcessLookupError
+        No process ``pid`` (any more).
+    """
+    import select
+
+    if pid <= 0:
+        raise ProcessLookupError(pid)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except (AttributeError, OSError):  # no pidfd_open (old kernel, sandbox, non-Linux)
+        return None
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return p, fd

@@ -12,8 +12,11 @@ so the CPU-only logic is the same code path.
 
 A completer made with a ``lag`` (the receiver's H2D controller) leaves the work to the
 thread that submits it: each ``submit`` first ``reap``s what has completed, and the
-completer thread only steps in after the lag, so a stream of messages costs no thread
-hand-off per message.
+completer thread only steps in once nobody has submitted or reaped for ``lag`` seconds,
+so a stream of messages costs no thread hand-off per message. The quiet period counts
+from the last ``submit`` / ``reap``, not from when the thread found work: a thread that
+woke while messages still stream would take the queue from the submitter, and both
+threads would then contend for the GIL on the CUDA calls they make (each releases it).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 __all__ = ["Completer"]
+
+_now = time.monotonic
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +42,8 @@ class Completer:
     name : str
         Thread name (``omnilink-d2h-cuda:0``).
     lag : float
-        Seconds the thread lets pass after it finds work before it waits on an event
-        (default 0: at once). With a lag, the submitting thread is expected to call
+        Seconds without a ``submit`` or ``reap`` the thread lets pass before it takes
+        work off the queue (default 0: at once). With a lag, the submitting thread is expected to call
         ``reap()`` as it goes: callbacks of copies that completed meanwhile then run in
         that thread, at no thread hand-off, and the completer thread only picks up what
         is left (a receiver that stopped calling, the tail of a burst). A hand-off
@@ -54,12 +60,15 @@ class Completer:
         self._idle = False
         self._lag = float(lag)
         self._closing = threading.Event()  # cuts a lag short at close
+        #: ``time.monotonic()`` of the last submit or reap (the quiet period's start)
+        self._touched = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, event: Any, callback: Callable[[], None]) -> None:
         """Run ``callback()`` once ``event`` (or at once: None) has completed: on the
         completer thread, or in a thread that calls ``reap()`` first."""
+        self._touched = _now()
         with self._cv:
             if self._closed:
                 raise RuntimeError("completer is closed")
@@ -77,6 +86,7 @@ class Completer:
     def reap(self) -> int:
         """Run here, now, the callbacks at the head of the queue whose events have
         completed (never waits on one); return how many ran."""
+        self._touched = _now()
         return self._step(block=False) or 0
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -129,6 +139,16 @@ class Completer:
                         self._cv.notify_all()
             ran += 1
 
+    def _quiet(self) -> None:
+        """Sleep (GIL released) until nobody has submitted or reaped for ``lag`` seconds,
+        or the completer closes: while messages stream, their submitter reaps."""
+        closing = self._closing
+        while not closing.is_set():
+            left = self._touched + self._lag - _now()
+            if left <= 0:
+                return
+            closing.wait(left)
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -138,6 +158,6 @@ class Completer:
                 self._idle = False
                 closing = self._queue[0] is None
             if self._lag and not closing:
-                self._closing.wait(self._lag)  # GIL released: the submitter reaps meanwhile
+                self._quiet()
             if self._step(block=True) is None:
                 return

@@ -270,17 +270,19 @@ class AsyncH2DController:
             return self.submit(payload, on_current_stream=on_current_stream)
         import torch
 
-        empty, memcpy, dev = torch.empty, self._ops.memcpy, self.device
+        empty_like, memcpy, dev = torch.empty_like, self._ops.memcpy, self.device
 
         def make_move(raw: int, tensors: list[Any], sources: list[Any]) -> Callable[[Any], Any]:
             def move(t: Any) -> Any:
                 if not t.is_cpu:
                     raise ValueError(f"submit_host copies host tensors; got one on {t.device} (use submit)")
-                d = empty(t.shape, dtype=t.dtype, device=dev)
-                n = t.numel() * t.element_size()
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                # empty_like of the contiguous host view: its shape and dtype without
+                # reading them into Python (empty(t.shape, ...) cost twice as much)
+                d = empty_like(t, device=dev)
+                n = t.nbytes
                 if n:
-                    if not t.is_contiguous():
-                        t = t.contiguous()
                     memcpy(d.data_ptr(), t.data_ptr(), n, raw)
                 tensors.append(d)
                 sources.append(t)

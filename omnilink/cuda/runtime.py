@@ -221,6 +221,8 @@ class CudaOps:
         self.rt = rt
         self.success = rt.cudaError_t.cudaSuccess
         self.kind_default = rt.cudaMemcpyKind.cudaMemcpyDefault
+        #: device to device, said outright (no pointer look-up by the driver)
+        self.kind_d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self.flags = rt.cudaEventDisableTiming
         self.not_ready = rt.cudaError_t.cudaErrorNotReady
         import torch
@@ -265,6 +267,10 @@ class CudaOps:
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """``cudaMemcpyAsync`` on ``stream`` (direction from the pointers: unified addressing)."""
         self.check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.kind_default, stream), "cudaMemcpyAsync")
+
+    def memcpy_d2d(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cudaMemcpyAsync`` between device pointers (a peer copy across devices)."""
+        self.check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.kind_d2d, stream), "cudaMemcpyAsync")
 
     def wait(self, stream: int, event: Event) -> None:
         self.check(self.rt.cudaStreamWaitEvent(stream, event.handle, 0), "cudaStreamWaitEvent")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from omnilink.cuda import Completer
 
@@ -86,6 +87,29 @@ def test_with_a_lag_the_thread_still_finishes_what_nobody_reaps():
         assert flag.wait(5)
         assert ran == [("x", "t-lag-thread")]
         assert c.drain(5)
+    finally:
+        c.close()
+
+
+def test_with_a_lag_the_thread_keeps_off_while_the_submitter_keeps_reaping():
+    # A stream of messages: the submitter reaps and submits every 10 ms, for 3 lags.
+    # The thread must leave every callback to it (taking work while the submitter is
+    # busy makes both threads fight for the GIL on each CUDA call); the last one, not
+    # reaped, is the thread's once the submitter has been quiet for a lag.
+    ran, flag, make = _recorder()
+    c = Completer("t-quiet", lag=0.5)
+    me = threading.current_thread().name
+    try:
+        t_end = time.monotonic() + 1.5
+        i = 0
+        while time.monotonic() < t_end:
+            c.reap()
+            c.submit(None, make(str(i)))
+            i += 1
+            time.sleep(0.01)
+        assert [t for _, t in ran] == [me] * (i - 1)  # all but the last, reaped here
+        assert flag.wait(5) and c.drain(5)
+        assert ran[-1] == (str(i - 1), "t-quiet")
     finally:
         c.close()
 

@@ -11,6 +11,7 @@ import signal
 import time
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,26 @@ def test_source_overwritten_after_put_arrives_intact(pair):
     assert torch.equal(rx.get("k", timeout=5)["x"], torch.arange(1000, dtype=torch.int32))
 
 
+def test_a_sender_far_ahead_looks_at_a_few_slots_not_all(monkeypatch):
+    from omnilink.connectors.cuda_ipc import connector as cic
+    from omnilink.connectors.cuda_ipc.directory import Directory
+
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=64) as rx, \
+            HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+        for i in range(64):  # every slot recorded, none waited on yet
+            tx.put(f"k{i}", {"x": torch.full((2,), i)}, timeout=5)
+        looked: list[int] = []
+        real = Directory.done_seq
+        monkeypatch.setattr(Directory, "done_seq", lambda self, i: looked.append(i) or real(self, i))
+        tx.put("k64", {"x": torch.full((2,), 64)}, timeout=5)
+        assert 0 < len(looked) <= cic.SLOT_SCAN
+        assert rx._pool.dir.rec_seq(0) == 65  # the next in turn (the oldest record) again
+        monkeypatch.setattr(Directory, "done_seq", real)
+        for i in range(65):
+            assert torch.equal(rx.get(f"k{i}", timeout=5)["x"], torch.full((2,), i))
+
+
 def test_receiver_waits_on_the_slot_event_and_marks_it_done(pair):
     tx, rx = pair
     for i in range(3):
@@ -191,27 +212,39 @@ def _raw_sender(rx):
 
 
 _PH = torch.empty(0, dtype=torch.float32)
-_GOOD = [1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]]
+
+
+def _m(gen, seq, slot, block, total, entries):
+    """A manifest as the sender writes it: [int64 numbers, tensor entries]."""
+    return [np.array((gen, seq, slot, block, total), dtype=np.int64), entries]
+
+
+_GOOD = _m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]])
 
 
 @pytest.mark.parametrize("manifest,host", [
     ("not a list", {"x": _PH}),
-    ([1, 1, 0, 0, 256], {"x": _PH}),
-    ([1, 1, 99, 0, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),            # slot out of range
-    ([1, 1, 0, 4 << 20, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),       # block outside the pool
-    ([1, 1, 0, 100, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),           # block misaligned
-    ([1, 1, 0, 0, -256, [[0, 9, 0, 16, 4]]], {"x": _PH}),            # negative size
-    ([1, 1, 0, 0, 256, [[0, 9, 0, 12, 4]]], {"x": _PH}),             # nbytes != numel*itemsize
-    ([1, 1, 0, 0, 256, [[0, 9, 248, 16, 4]]], {"x": _PH}),           # region past the block
-    ([1, 1, 0, 0, 256, [[0, 99, 0, 16, 4]]], {"x": _PH}),            # unknown dtype
-    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, 4], [0, 9, 0, 16, 4]]], {"x": _PH, "y": _PH}),  # repeated ordinal
-    ([1, 1, 0, 0, 256, [[0, 9, 2, 16, 4]]], {"x": _PH}),             # misaligned for the dtype
-    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, True]]], {"x": _PH}),          # bool is not a dim
-    ([1, 1, 0, 0, 256, [[0, 9, 0, 4] + [1] * 65]], {"x": _PH}),      # too many dims
-    ([1, 1, 0, 0, 256, [[3, 9, 0, 16, 4]]], {"x": _PH}),             # ordinal not in payload
-    ([1, 1, 0, 0, 256, [[0, 6, 0, 32, 4]]], {"x": _PH}),             # placeholder dtype differs
-    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]], {"x": torch.ones(4)}),   # not an empty placeholder
-    ([1, 1, 0, 0, 256, []], {"x": _PH}),
+    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),              # the numbers as plain ints
+    ([np.array((1, 1, 0, 0), dtype=np.int64), [[0, 9, 0, 16, 4]]], {"x": _PH}),      # 4 numbers
+    ([np.array((1, 1, 0, 0, 256), dtype=np.int32), [[0, 9, 0, 16, 4]]], {"x": _PH}),  # not int64
+    ([np.array((1, 1, 0, 0, 256), dtype=np.float64), [[0, 9, 0, 16, 4]]], {"x": _PH}),
+    ([torch.tensor((1, 1, 0, 0, 256)), [[0, 9, 0, 16, 4]]], {"x": _PH}),  # a tensor, not an array
+    (_m(1, 1, 99, 0, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),            # slot out of range
+    (_m(1, 1, 0, 4 << 20, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),       # block outside the pool
+    (_m(1, 1, 0, 100, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),           # block misaligned
+    (_m(1, 1, 0, 0, -256, [[0, 9, 0, 16, 4]]), {"x": _PH}),            # negative size
+    (_m(0, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),             # generation 0
+    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 12, 4]]), {"x": _PH}),             # nbytes != numel*itemsize
+    (_m(1, 1, 0, 0, 256, [[0, 9, 248, 16, 4]]), {"x": _PH}),           # region past the block
+    (_m(1, 1, 0, 0, 256, [[0, 99, 0, 16, 4]]), {"x": _PH}),            # unknown dtype
+    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4], [0, 9, 0, 16, 4]]), {"x": _PH, "y": _PH}),  # repeated ordinal
+    (_m(1, 1, 0, 0, 256, [[0, 9, 2, 16, 4]]), {"x": _PH}),             # misaligned for the dtype
+    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 16, True]]), {"x": _PH}),          # bool is not a dim
+    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 4] + [1] * 65]), {"x": _PH}),      # too many dims
+    (_m(1, 1, 0, 0, 256, [[3, 9, 0, 16, 4]]), {"x": _PH}),             # ordinal not in payload
+    (_m(1, 1, 0, 0, 256, [[0, 6, 0, 32, 4]]), {"x": _PH}),             # placeholder dtype differs
+    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]), {"x": torch.ones(4)}),   # not an empty placeholder
+    (_m(1, 1, 0, 0, 256, []), {"x": _PH}),
 ])
 def test_hostile_manifests_are_refused_before_use(manifest, host):
     ch = _chan()

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import posix_ipc
@@ -532,3 +533,72 @@ def test_blocked_put_sees_close_from_another_thread():
     finally:
         rx.close()
         tx.close()
+
+
+def test_peer_watch_sees_a_death_at_once_zombie_or_reaped():
+    from omnilink._util import PeerWatch
+
+    w = PeerWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert w.alive(child.pid) and w.alive(child.pid)
+        assert w.alive(os.getpid())
+        child.kill()
+        deadline = time.monotonic() + 10
+        while w.alive(child.pid):  # a zombie until reaped: dead all the same
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            assert b") Z " in f.read()  # not reaped yet
+        child.wait()
+        assert not w.alive(child.pid)  # reaped: still dead
+    finally:
+        child.kill()
+        child.wait()
+    assert not w.alive(0) and not w.alive(-5)
+    w.close()
+    assert w._probes == {}
+
+
+def test_peer_watch_without_pidfds_asks_pid_alive(monkeypatch):
+    from omnilink import _util
+
+    monkeypatch.delattr(_util.os, "pidfd_open", raising=False)
+    asked: list[int] = []
+    monkeypatch.setattr(_util, "pid_alive", lambda pid: asked.append(pid) or pid == 7)
+    w = _util.PeerWatch()
+    assert w.alive(7) and w.alive(7) and not w.alive(8)
+    assert asked == [7, 7, 8]
+
+
+def test_peer_watch_is_safe_from_several_threads():
+    # One poll object per pid: two threads polling it at once made the second raise
+    # RuntimeError("concurrent poll() invocation") (a sender's put and its heartbeat).
+    from omnilink._util import PeerWatch
+
+    w = PeerWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    errors: list[BaseException] = []
+    wrong: list[bool] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(20000):
+                if not w.alive(child.pid):
+                    wrong.append(True)
+                    return
+        except BaseException as exc:  # the failure this test is about
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        child.kill()
+        child.wait()
+    assert errors == [] and wrong == []
+    assert not w.alive(child.pid)
+    w.close()

@@ -39,9 +39,11 @@ Design
   a sender (``PeerLostError`` in ``get``) come from an inner ``ShmConnector`` on channel
   ``<channel>/cuda-ipc``. Its message is ``{"m": manifest, "h": host part}``: the host
   part is the payload with each CUDA tensor replaced by an empty CPU tensor of its dtype;
-  the manifest is ``[generation, seq, slot, block offset, block bytes, [[ordinal, dtype
-  code, offset in block, nbytes, *shape], ...]]``, plain ints, bounded and validated on
-  receipt (block inside the pool, each region inside the block, ``nbytes == numel *
+  the manifest is ``[numbers, [[ordinal, dtype code, offset in block, nbytes, *shape],
+  ...]]``, where ``numbers`` is an int64 array of ``(generation, seq, slot, block offset,
+  block bytes)`` (the values that change every message ride in the data region, so a
+  stream of same-shaped payloads sends the same header bytes and the receiver decodes
+  them by its cached plan), bounded and validated on receipt (block inside the pool, each region inside the block, ``nbytes == numel *
   itemsize``, slot in range, ordinals matching empty placeholders of that dtype). The
   receiver walks the host part in the same order (``omnilink.cuda.map_tensors``) and puts
   the views back.
@@ -66,7 +68,7 @@ Design
   when its last view dies. The sender keeps its source tensors alive until its copies
   complete (one completion thread per process).
 - **Faults.** The sender checks its receiver's pid and the directory's state every
-  0.25 s (and in each ``put``). A receiver that died or closed: the sender closes its pool
+  0.25 s (and in each ``put``, a pidfd poll: ``omnilink._util.PeerWatch``). A receiver that died or closed: the sender closes its pool
   handle and ``put`` raises ``PeerLostError`` at once (a later put attaches to a new
   receiver, if one opened the channel since). The receiver learns of a dead sender from
   the shm control plane and from the sender pid in the directory. A sender that died: the receiver's pool is intact; payloads

@@ -9,6 +9,8 @@ import time
 import weakref
 from typing import Any, TypeVar
 
+import numpy as np
+
 from omnilink._errors import (
     BlobDecodeError,
     CapacityError,
@@ -20,7 +22,7 @@ from omnilink._errors import (
     TransferTimeout,
     WouldBlock,
 )
-from omnilink._util import Deadline
+from omnilink._util import Deadline, PeerWatch
 from omnilink.blob import DTYPE_CODES, encoded_size
 from omnilink.connectors.base import BaseConnector, Role
 from omnilink.connectors.cuda_ipc.blocks import ALIGN, BlockAllocator, round_up
@@ -179,6 +181,10 @@ class _Pool:
 
 
 # ----------------------------------------------------------------------- sender side
+#: Event slots a put looks at for one already waited on before it takes the next in turn.
+SLOT_SCAN = 4
+
+
 class _Attachment:
     """A sender's view of one receiver's pool: the mapped memory, its events, the
     allocator, the slots in use."""
@@ -263,6 +269,8 @@ class CudaIpcConnector(BaseConnector):
         self._recvs = role in ("receiver", "dual")
         self._prefix = read_prefix()
         self._pid = os.getpid()
+        #: the peer's liveness, looked up on every put and get (a pidfd poll)
+        self._peers = PeerWatch()
         self._ops = self._make_ops()
         self._tx: _Attachment | None = None
         self._tx_lock = threading.RLock()
@@ -380,9 +388,16 @@ class CudaIpcConnector(BaseConnector):
         def is_int(x: Any, lo: int = 0, hi: int = _INT64_MAX) -> bool:
             return type(x) is int and lo <= x <= hi
 
-        if not isinstance(m, list) or len(m) != 6:
-            raise bad("not a 6-item list")
-        gen, seq, slot, block, total, entries = m
+        # [numbers, tensors]: the numbers that change every message (generation,
+        # sequence, event slot, block, size) ride in a 5-int64 array, so that the
+        # header of a stream of same-shaped payloads is the same bytes every time (the
+        # decoder's cached plan, no new plan learned per message).
+        if not isinstance(m, list) or len(m) != 2:
+            raise bad("not a [numbers, tensors] pair")
+        nums, entries = m
+        if type(nums) is not np.ndarray or nums.dtype != np.int64 or nums.shape != (5,):
+            raise bad("numbers are not an array of 5 int64")
+        gen, seq, slot, block, total = nums.tolist()
         if not (is_int(gen, 1) and is_int(seq, 1) and is_int(slot, 0, pool.dir.nslots - 1)):
             raise bad("generation, sequence or event slot out of range")
         if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0 and block + total <= pool.nbytes):
@@ -476,7 +491,7 @@ class CudaIpcConnector(BaseConnector):
                 raise BlobDecodeError(f"cuda_ipc: key {key!r}: the manifest names tensors the payload does not hold")
             if d.get(CLEAN_GEN) != gen:  # the sender's copies may still run: order after them
                 sp = d.get(SENDER_PID)
-                if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not pid_alive(sp))):
+                if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
                     raise PeerLostError(
                         f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
                         "its device copy could be confirmed; the payload is lost"
@@ -627,7 +642,7 @@ class CudaIpcConnector(BaseConnector):
                 raise
             tx.rec[slot] = seq
             tx.dir.set_rec_seq(slot, seq)
-            manifest = [tx.gen, seq, slot, blk, total, entries]
+            manifest = [np.array((tx.gen, seq, slot, blk, total), dtype=np.int64), entries]
             try:
                 inner.put(key, {"m": manifest, "h": host, "n": size}, timeout=deadline.remaining())
             except BaseException:
@@ -652,7 +667,7 @@ class CudaIpcConnector(BaseConnector):
         d = tx.dir
         if d.get(STATE) != STATE_OPEN:
             return "closed"
-        if tx.receiver_pid != self._pid and not pid_alive(tx.receiver_pid):
+        if tx.receiver_pid != self._pid and not self._peers.alive(tx.receiver_pid):
             return "died"
         return None
 
@@ -835,11 +850,15 @@ class CudaIpcConnector(BaseConnector):
         is always correct: all records are on one copy stream, so a receiver whose wait
         comes after the new record waits for a later point of that stream (its own copy
         is done by then); it may only wait longer. Free slots keep that from happening
-        while fewer than ``event_slots`` payloads are unread."""
+        while fewer than ``event_slots`` payloads are unread.
+
+        Slots are taken in turn, so the oldest record is the next one: only the next
+        ``SLOT_SCAN`` are looked at (a sender far ahead of its receiver found every slot
+        awaited after scanning all of them: 100 us per put on an H100 host)."""
         n = len(tx.events)
         d = tx.dir
         start = tx.next_slot
-        for k in range(n):
+        for k in range(min(n, SLOT_SCAN)):
             i = (start + k) % n
             if d.done_seq(i) >= tx.rec[i]:
                 tx.next_slot = (i + 1) % n
@@ -925,6 +944,7 @@ class CudaIpcConnector(BaseConnector):
             if cached is not None and cached[2]:
                 self._ops.destroy_events(pool.index, cached[1])
             pool.close()
+        self._peers.close()
 
 
 def _heartbeat_loop(ref: Any, stop: threading.Event, period: float, beat: str) -> None:

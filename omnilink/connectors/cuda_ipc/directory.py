@@ -184,7 +184,10 @@ class Directory:
         if head == tail:
             return []
         if head - tail > self.ring_cap or head < tail:
-            raise ConfigurationError(f"cuda_ipc: pool directory {self.name}: corrupt released ring")
+            raise ConfigurationError(
+                f"cuda_ipc: pool directory {self.name}: corrupt released ring (head {head}, tail {tail}, "
+                f"capacity {self.ring_cap})"
+            )
         out = [_PAIR.unpack_from(self.mm, self._ring + (i % self.ring_cap) * _PAIR.size)
                for i in range(tail, head)]
         self.set(RING_TAIL, head)

@@ -272,7 +272,7 @@ class CudaDeviceOps:
             for dst, t in items:
                 n = t.numel() * t.element_size()
                 if n:
-                    ops.memcpy(dst, t.data_ptr(), n, stream)
+                    ops.memcpy_d2d(dst, t.data_ptr(), n, stream)
             self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
         finally:
             ops.restore_device(prev)
@@ -320,7 +320,7 @@ class CudaDeviceOps:
 
 
 #: How long the completion thread leaves completed work to the threads that put and get.
-REAP_LAG_S = 0.0002
+REAP_LAG_S = 0.001
 _shared: Completer | None = None
 _shared_lock = threading.Lock()
 

@@ -909,6 +909,7 @@ class ShmConnector(BaseConnector):
         w = self._writer
         chan = self._chan
         tried_abandoned = False
+        force_abandoned = False  # after a wait that timed out: look for dead claimers now
         while True:
             if self._closed:  # close() posts our space semaphore to get us here
                 raise ClosedError(f"shm connector on channel {self.channel!r} was closed while put waited for space")
@@ -928,9 +929,10 @@ class ShmConnector(BaseConnector):
             try:
                 with chan.locked(_grace(deadline)):
                     freed = w.drain()
-                    if not freed and not tried_abandoned:
+                    if not freed and not tried_abandoned and (force_abandoned or w.abandoned_check_due()):
                         freed = w.reclaim_abandoned()
                         tried_abandoned = True
+                        force_abandoned = False
                     if freed:
                         continue
                     if self.reclaim_after is not None:
@@ -965,6 +967,7 @@ class ShmConnector(BaseConnector):
             woke = w.wait_space(deadline.slice(HEARTBEAT_S))
             if not woke:
                 tried_abandoned = False  # heartbeat: look for dead claimers again
+                force_abandoned = True
                 self._heartbeat()
                 lost = self._receivers_lost()
                 if lost is not None:
