@@ -1,17 +1,14 @@
-"""Reproducer of an open cuda_ipc bug: "corrupt released ring" under a long stream.
+"""Stress of cuda_ipc's released ring: a long stream between two processes, no GPU needed.
 
 Two processes stream ``N`` small payloads through the ``cuda_ipc`` backend's control
-plane over host memory (the CPU test double ``tests.cuda_ipc_double.HostCudaIpc``, so it
-runs without a GPU); the receiver drops each payload at once. In about one run in six
-on a 2-core machine (and in 2 of about 10 runs of ``bench_cuda_ipc.py`` /
-``profile`` scripts on an H100 machine) the sender's ``put`` raised
-``ConfigurationError: ... corrupt released ring (head 0, tail T, ...)``: the ring head of
-the pool directory (written only by the receiver, ``Directory.push_free``) read 0 while
-the tail and every other header field were intact. Present at least since d1696b5.
-What was ruled out so far: nested pushes (none seen), a wrong value written by
-``push_free`` (it re-read its own write each time in a debug run), torn 8-byte loads
-or stores (CPython packs "<Q" with a native 8-byte copy on little-endian machines; not
-proven to be the cause either way).
+plane over host memory (the CPU test double ``tests.cuda_ipc_double.HostCudaIpc``); the
+receiver drops each payload at once, so every payload's block comes back through the
+pool directory's released ring. Before the directory wrote its fields with one native
+8-byte store, about one run in six failed here with ``ConfigurationError: ... corrupt
+released ring (head 0, ...)``: ``struct.pack_into`` zero-fills its target before it
+writes the value, and the sender read the ring head in that instant.
+``tests/unit/test_cuda_ipc.py::test_a_field_being_written_never_reads_as_zero_in_another_process``
+is the fast regression test; this script is the long-run check.
 
 Usage: ``python benchmarks/stress_cuda_ipc_ring.py [N] [--runs R]``; exit status 1 when
 a run failed.

@@ -422,3 +422,46 @@ def test_unavailable_without_cuda_says_why():
     with pytest.raises(CudaError):
         omnilink.connect("cuda_ipc", channel=_chan(), role="sender")
     assert backend_unavailable("memory") is None
+
+
+# ------------------------------------------------ directory fields across processes
+def _hammer_ring_head(name: str, seconds: float) -> None:
+    from omnilink.connectors.cuda_ipc.directory import RING_HEAD, Directory
+
+    d = Directory.open(name)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(2000):
+            d.set(RING_HEAD, 0x35C)
+            d.set(RING_HEAD, 0x35D)
+    d.close()
+
+
+def test_a_field_being_written_never_reads_as_zero_in_another_process(procs):
+    # struct.pack_into zero-fills its target before writing the value: a ring head
+    # written that way read as 0 in the other process now and then (the sender then
+    # raised "corrupt released ring"). Each field is one native 8-byte store now.
+    from omnilink.connectors.cuda_ipc.directory import RING_HEAD, Directory
+    from omnilink.connectors.shm.segments import _unlink_quiet
+
+    d = Directory.create(read_prefix(), _chan(), device=0, uuid=b"u", pool_bytes=1 << 20,
+                         nslots=4, ring_cap=16, mem_handle=b"h")
+    try:
+        d.set(RING_HEAD, 0x35C)
+        p = start_process(procs, _hammer_ring_head, d.name, 2.0)
+        start = time.monotonic() + 120
+        while d.get(RING_HEAD) != 0x35D:  # the writer has started
+            assert time.monotonic() < start and p.is_alive(), "the writer never started"
+        seen: dict[int, int] = {}
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            for _ in range(2000):
+                v = d.get(RING_HEAD)
+                seen[v] = seen.get(v, 0) + 1
+        p.join(30)
+        assert set(seen) <= {0x35C, 0x35D}, f"torn reads: {sorted(set(seen) - {0x35C, 0x35D})}"
+        assert len(seen) == 2  # the writer really ran while we read
+    finally:
+        name = d.name
+        d.close()
+        _unlink_quiet(name)

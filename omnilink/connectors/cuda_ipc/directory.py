@@ -96,11 +96,16 @@ def _size(nslots: int, ring_cap: int) -> int:
 class Directory:
     """A mapped pool directory (see the module docstring for the layout)."""
 
-    __slots__ = ("mm", "name", "nslots", "ring_cap", "_slots", "_ring", "_held")
+    __slots__ = ("mm", "name", "nslots", "ring_cap", "_slots", "_ring", "_held", "_q")
 
     def __init__(self, mm: Any, name: str) -> None:
         self.mm = mm
         self.name = name
+        #: the segment as native u64 words: each field read and written by one 8-byte
+        #: access. ``struct.pack_into`` zero-fills its target before it writes the value,
+        #: so a process reading the field meanwhile could see 0 (a ring head of 0: the
+        #: sender's "corrupt released ring", about one run in six of a long stream).
+        self._q = memoryview(mm).cast("B").cast("Q")
         if len(mm) < _HEADER or bytes(mm[0:8]) != MAGIC:
             raise ConfigurationError(f"cuda_ipc: {name} is not a pool directory")
         self.nslots = self.get(NSLOTS)
@@ -135,10 +140,11 @@ class Directory:
 
     # ------------------------------------------------------------------ fields
     def get(self, off: int) -> int:
-        return _U64.unpack_from(self.mm, off)[0]
+        return self._q[off >> 3]
 
     def set(self, off: int, value: int) -> None:
-        _U64.pack_into(self.mm, off, value)
+        # One native 8-byte store (never struct.pack_into: see ``_q``).
+        self._q[off >> 3] = value
 
     def mem_handle(self) -> bytes:
         return bytes(self.mm[MEM_HANDLE:MEM_HANDLE + HANDLE_BYTES])
@@ -156,16 +162,16 @@ class Directory:
         self.mm[o:o + HANDLE_BYTES] = handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
 
     def rec_seq(self, i: int) -> int:
-        return _U64.unpack_from(self.mm, self._slots + i * _SLOT + HANDLE_BYTES)[0]
+        return self._q[(self._slots + i * _SLOT + HANDLE_BYTES) >> 3]
 
     def set_rec_seq(self, i: int, seq: int) -> None:
-        _U64.pack_into(self.mm, self._slots + i * _SLOT + HANDLE_BYTES, seq)
+        self._q[(self._slots + i * _SLOT + HANDLE_BYTES) >> 3] = seq
 
     def done_seq(self, i: int) -> int:
-        return _U64.unpack_from(self.mm, self._slots + i * _SLOT + HANDLE_BYTES + 8)[0]
+        return self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 8) >> 3]
 
     def set_done_seq(self, i: int, seq: int) -> None:
-        _U64.pack_into(self.mm, self._slots + i * _SLOT + HANDLE_BYTES + 8, seq)
+        self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 8) >> 3] = seq
 
     # -------------------------------------------------------------------- ring
     def push_free(self, offset: int, length: int) -> bool:
@@ -207,6 +213,7 @@ class Directory:
         return [_PAIR.unpack_from(self.mm, self._held + i * _PAIR.size) for i in range(n)]
 
     def close(self) -> None:
+        self._q.release()
         try:
             self.mm.close()
         except (BufferError, ValueError):  # pragma: no cover - a view still exported
