@@ -241,8 +241,7 @@ class PeerWatch:
                     return True
                 self._forget(pid)
                 return False
-        ok = pid_alive(pid)
-        return ok
+        return pid_alive(pid)
 
     def _forget(self, pid: int) -> None:
         probe = self._probes.pop(pid, None)

@@ -29,7 +29,7 @@ from omnilink import (
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.cuda_ipc.blocks import BlockAllocator
 from omnilink.connectors.cuda_ipc.directory import find_directories
-from omnilink.connectors.shm import ShmConnector, collect_garbage, read_prefix
+from omnilink.connectors.shm import ShmConnector, collect_garbage, read_prefix, unlink_segment
 from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps
 from tests.procs import start_process
 
@@ -442,7 +442,6 @@ def test_a_field_being_written_never_reads_as_zero_in_another_process(procs):
     # written that way read as 0 in the other process now and then (the sender then
     # raised "corrupt released ring"). Each field is one native 8-byte store now.
     from omnilink.connectors.cuda_ipc.directory import RING_HEAD, Directory
-    from omnilink.connectors.shm.segments import _unlink_quiet
 
     d = Directory.create(read_prefix(), _chan(), device=0, uuid=b"u", pool_bytes=1 << 20,
                          nslots=4, ring_cap=16, mem_handle=b"h")
@@ -464,4 +463,4 @@ def test_a_field_being_written_never_reads_as_zero_in_another_process(procs):
     finally:
         name = d.name
         d.close()
-        _unlink_quiet(name)
+        unlink_segment(name)

@@ -101,13 +101,13 @@ class Directory:
     def __init__(self, mm: Any, name: str) -> None:
         self.mm = mm
         self.name = name
+        if len(mm) < _HEADER or bytes(mm[0:8]) != MAGIC:
+            raise ConfigurationError(f"cuda_ipc: {name} is not a pool directory")
         #: the segment as native u64 words: each field read and written by one 8-byte
         #: access. ``struct.pack_into`` zero-fills its target before it writes the value,
         #: so a process reading the field meanwhile could see 0 (a ring head of 0: the
         #: sender's "corrupt released ring", about one run in six of a long stream).
-        self._q = memoryview(mm).cast("B").cast("Q")
-        if len(mm) < _HEADER or bytes(mm[0:8]) != MAGIC:
-            raise ConfigurationError(f"cuda_ipc: {name} is not a pool directory")
+        self._q = memoryview(mm).cast("B")[: len(mm) & ~7].cast("Q")
         self.nslots = self.get(NSLOTS)
         self.ring_cap = self.get(RING_CAP)
         if not (1 <= self.nslots <= MAX_SLOTS and 1 <= self.ring_cap <= MAX_RING) or len(mm) < _size(
