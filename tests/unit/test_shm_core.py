@@ -110,7 +110,7 @@ def arena():
     w = seg.ArenaWriter(read_prefix(), os.getpid(), "1" * 16, 2 * MiB, 8)
     r = seg.ArenaReader(read_prefix(), os.getpid(), "1" * 16)
     yield ch, w, r
-    r.mm.close()
+    r.close()
     w.close()
     ch.leave()
 
@@ -121,6 +121,56 @@ def _publish(ch, w, key: str, n: int = 100) -> int:
     with ch.locked():
         w.publish(idx, key.encode(), seg._OutRec(0, key, off, w.alloc.size_of(off), None), n, 0, b"")
     return idx
+
+
+def _watch_pub_seq(prefix: str, pid: int, token: str, conn, seconds: float) -> None:
+    """Child: read the arena's pub_seq without the mutex, as a polling receiver does, and
+    report how often it went backwards (a torn read) and how many values it saw."""
+    r = seg.ArenaReader(prefix, pid, token)
+    conn.send("ready")
+    while r.published() == 0:
+        pass
+    back = reads = 0
+    last = r.published()
+    seen = {last}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(1000):
+            v = r.published()
+            if v < last:
+                back += 1
+            else:
+                last = v
+            if len(seen) < 100:
+                seen.add(v)
+            reads += 1
+    conn.send((back, reads, len(seen)))
+    r.close()
+
+
+def test_pub_seq_being_published_never_reads_backwards_in_another_process(arena, procs):
+    # A receiver decides a miss by reading pub_seq without the mutex. Written with
+    # struct.pack_into (which zero-fills its target first) it could read 0 for an
+    # instant: a receiver that had never scanned (cursor 0) then reported a miss of a
+    # payload published long ago. It is one native 8-byte store now (segments._word).
+    from tests.procs import CTX, start_process
+
+    ch, w, r = arena
+    here, there = CTX.Pipe()
+    p = start_process(procs, _watch_pub_seq, read_prefix(), os.getpid(), "1" * 16, there, 1.5)
+    assert here.poll(120), "the reader never started"
+    assert here.recv() == "ready"
+    off = w.alloc.alloc(64)
+    idx = w.free_desc.pop()
+    rec = seg._OutRec(0, "k", off, w.alloc.size_of(off), None)
+    with ch.locked():
+        while not here.poll():
+            for _ in range(200):
+                w.publish(idx, b"k", rec, 64, 0, b"")
+    back, reads, distinct = here.recv()
+    p.join(30)
+    assert reads > 10_000 and distinct > 2  # it really read while we published
+    assert back == 0, f"{back} of {reads} reads of pub_seq went backwards (torn)"
 
 
 def test_queue_publish_scan_claim_release_reclaim(arena):
@@ -145,7 +195,7 @@ def test_queue_publish_scan_claim_release_reclaim(arena):
         r2 = seg.ArenaReader(read_prefix(), os.getpid(), "1" * 16)
         r2.scan(index2)
     assert set(index2) == {"a"}
-    r2.mm.close()
+    r2.close()
 
 
 def test_queue_reader_behind_the_log_rescans(arena):

@@ -76,9 +76,6 @@ from omnilink.connectors.shm.names import (
     read_prefix,
 )
 from omnilink.connectors.shm.segments import (
-    _A_PUB,
-    _C_SENDERS_GEN,
-    _U64,
     FLAG_EXTENSION,
     FLAG_OVERFLOW,
     PAGE,
@@ -1333,7 +1330,7 @@ class ShmConnector(BaseConnector):
                     if not chan.lock_within(deadline):
                         raise self._timeout("get", key, "the channel mutex", deadline.timeout)
                 try:
-                    if _U64.unpack_from(chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
+                    if chan._gen[0] != self._known_gen:  # ``senders_gen()``
                         self._refresh_locked()
                     self._scan_locked()
                     got: Any = self._claim_locked(key) if keys is None else self._claim_all_locked(keys)
@@ -1416,10 +1413,10 @@ class ShmConnector(BaseConnector):
         or report a miss of a payload published a moment ago, which any receiver may."""
         if key in self._index or self._departed:
             return False
-        if _U64.unpack_from(self._chan._mm, _C_SENDERS_GEN)[0] != self._known_gen:  # ``senders_gen()``
+        if self._chan._gen[0] != self._known_gen:  # ``senders_gen()``
             return False
         for r in self._reader_list:
-            if _U64.unpack_from(r.mm, _A_PUB)[0] != r.cursor:  # ``r.published()``, inlined
+            if r.pub[0] != r.cursor:  # ``r.published()``, inlined
                 return False
         return True
 

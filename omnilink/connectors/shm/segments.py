@@ -182,6 +182,15 @@ ARENA_MAGIC = b"OLARENA1"
 ARENA_VERSION = 2
 _A_HDR = struct.Struct("<8sIIQQQII")  # magic, version, pid, total, data_off, data_bytes, n_desc, log_len
 _A_PUB, _A_REL_HEAD, _A_REL_TAIL, _A_WAITING, _A_CLOSED, _A_EXT_GEN = 48, 56, 64, 72, 76, 80
+
+
+def _word(mm: Any, off: int) -> memoryview:
+    """The 8 bytes of ``mm`` at ``off`` (8-aligned) as one native u64: ``w[0]`` reads and
+    ``w[0] = v`` writes the field with a single 8-byte access. Fields another process
+    reads without the mutex are written this way, never with ``struct.pack_into``: it
+    zero-fills its target before writing the value, so a concurrent reader could see 0.
+    The view must be released before ``mm`` is closed."""
+    return memoryview(mm)[off : off + 8].cast("Q")
 _A_EXT_TABLE = 256
 #: Most extension segments one arena may have at a time.
 MAX_EXTENSIONS = 32
@@ -385,6 +394,9 @@ class Channel:
         except posix_ipc.Error as exc:
             raise _shm_error(f"opening channel {self.channel!r}", exc) from exc
         mm = self._mm
+        #: ``senders_gen``, read without the mutex by receivers (``_word``); the mapping
+        #: is never closed explicitly (finalizers of views may still lock the mutex)
+        self._gen = _word(mm, _C_SENDERS_GEN)
         magic = bytes(mm[0:8])
         name = self.channel.encode("utf-8")
         if magic == b"\0" * 8:
@@ -635,7 +647,7 @@ class Channel:
 
     # ----------------------------------------------------------- participants
     def senders_gen(self) -> int:
-        return _U64.unpack_from(self._mm, _C_SENDERS_GEN)[0]
+        return self._gen[0]
 
     def lost_senders(self) -> int:
         return _U32.unpack_from(self._mm, _C_LOST)[0]
@@ -644,7 +656,7 @@ class Channel:
         return bool(_U32.unpack_from(self._mm, _C_EXIT)[0])
 
     def _bump_senders_locked(self) -> None:
-        _U64.pack_into(self._mm, _C_SENDERS_GEN, self.senders_gen() + 1)
+        self._gen[0] = self._gen[0] + 1  # one 8-byte store: read without the mutex
         self.notify_all()
 
     def _participants_locked(self) -> list[tuple[int, int, str]]:
@@ -835,6 +847,8 @@ class ArenaWriter:
             _unlink_quiet(self.name)
             raise
         self.primary = Space(self.mm, lay.data_offset, lay.data_bytes, 0, b"", self.name, -1)
+        #: ``pub_seq`` of the mapping (receivers read it without the mutex: ``_word``)
+        self._pub = _word(self.mm, _A_PUB)
         self.spaces: list[Space] = [self.primary]
         self.view = self.primary.view
         self.data_offset = lay.data_offset
@@ -880,7 +894,7 @@ class ArenaWriter:
         _DESC.pack_into(mm, d, WRITTEN, 0, seq, rec.offset, length, rec.reserved, klen, flags, otoken)
         mm[d + 64 : d + 64 + klen] = key_bytes
         _U32.pack_into(mm, self._log_offset + 4 * (seq % self._log_len), idx)
-        _U64.pack_into(mm, _A_PUB, seq)
+        self._pub[0] = seq  # one 8-byte store: receivers read it without the mutex
         rec.published = time.monotonic()
         # Insertion order of ``out`` is publication order (a reused descriptor is popped
         # when reclaimed and re-inserted here): ``reclaim_unread`` relies on it.
@@ -1121,6 +1135,7 @@ class ArenaWriter:
         del self.spaces[1:]
         _unlink_quiet(self.name)
         _unlink_sem_quiet(self.sem_name)
+        self._pub.release()
         self.primary.unmap()
 
 
@@ -1143,6 +1158,8 @@ class ArenaReader:
             raise ConfigurationError(f"shm: {self.name} has an inconsistent layout")
         self.layout = lay
         self.data_offset = data_off
+        #: the sender's ``pub_seq``, read without the mutex by one 8-byte load (``_word``)
+        self.pub = _word(self.mm, _A_PUB)
         self._log_offset = lay.log_offset
         self._log_len = lay.log_len
         self._rel_offset = lay.rel_offset
@@ -1180,7 +1197,7 @@ class ArenaReader:
     def published(self) -> int:
         """The sender's publication counter, read without the mutex (see the module
         docstring: a miss needs no lock)."""
-        return _U64.unpack_from(self.mm, _A_PUB)[0]
+        return self.pub[0]
 
     def map_extension(self, token: bytes) -> None:
         """Map extension segment ``token`` if not mapped yet (mutex held: a descriptor
@@ -1219,6 +1236,7 @@ class ArenaReader:
         since payload views may still use them)."""
         self._bytes = None
         self.extensions.clear()
+        self.pub.release()
         self.mm.close()
 
     def mappings(self) -> list[tuple[str, int, int]]:
@@ -1247,7 +1265,7 @@ class ArenaReader:
         mm = self.mm
         if self.extensions:
             self._prune_extensions()
-        pub = _U64.unpack_from(mm, _A_PUB)[0]
+        pub = self.pub[0]
         cur = self.cursor
         if pub == cur:
             return
