@@ -11,9 +11,13 @@ process and one run, for the same payload:
 - payload: the thinker's decode-step chunk of ``omnilink bench pipeline`` (a bf16
   ``[1, hidden]`` hidden state, its int64 shape, one int64 token id and a ``meta`` dict
   with a 0-d bool tensor; 4 KiB at hidden 2048);
-- modes: ``hot`` (``put`` + ``get_nowait`` back to back) and ``cold`` (before each
+- modes: ``hot`` (``put`` + ``get_nowait`` back to back), ``cold`` (before each
   message, a step that streams ``--trash-mib`` of float32 through the caches, as a
-  stage's compute does; it is not timed);
+  stage's compute does; it is not timed) and ``idle`` (before each message the process
+  sleeps ``--idle-ms``, as a stage that waits for its next input does; on the 2-core
+  KVM machine a put after 10 ms asleep costs several times a hot one, for every
+  backend and the floor alike: the CPU's caches and predictors are cold after the
+  host ran something else meanwhile);
 - backends: omnilink ``shm`` and ``memory``, vLLM-Omni 0.30.0's ``SharedMemoryConnector``
   (when installed; pickle-free msgpack of its own, a fresh segment per message), and a
   *floor*: the fewest Python steps over the same libraries that move the tensors
@@ -110,7 +114,11 @@ def _open(backend: str, channel: str) -> tuple[Any, Any]:
     return tx, rx
 
 
-def measure(backend: str, iters: int, trash_mib: int, hidden: int) -> dict[str, Any]:
+MODES = ("hot", "cold", "idle")
+
+
+def measure(backend: str, iters: int, trash_mib: int, hidden: int, idle_ms: float = 10.0,
+            idle_iters: int = 300) -> dict[str, Any]:
     import torch
 
     hb = torch.randn(1, hidden).to(torch.bfloat16)
@@ -119,12 +127,15 @@ def measure(backend: str, iters: int, trash_mib: int, hidden: int) -> dict[str, 
     trash = torch.zeros(trash_mib << 18, dtype=torch.float32)
     out: dict[str, Any] = {}
     try:
-        for mode in ("hot", "cold"):
+        for mode in MODES:
             puts: list[int] = []
             gets: list[int] = []
-            for i in range(iters + iters // 5):
+            n = idle_iters if mode == "idle" else iters
+            for i in range(n + n // 5):
                 if mode == "cold":
                     trash.add_(1.0)
+                elif mode == "idle":
+                    time.sleep(idle_ms / 1e3)
                 p = _payload(hb, i)
                 key = f"{mode}{i}"
                 t0 = time.perf_counter_ns()
@@ -133,7 +144,7 @@ def measure(backend: str, iters: int, trash_mib: int, hidden: int) -> dict[str, 
                 got = rx.try_get(key)
                 t2 = time.perf_counter_ns()
                 del got
-                if i >= iters // 5:
+                if i >= n // 5:
                     puts.append(t1 - t0)
                     gets.append(t2 - t1)
             out[mode] = {"put_p50_us": statistics.median(puts) / 1e3,
@@ -144,6 +155,7 @@ def measure(backend: str, iters: int, trash_mib: int, hidden: int) -> dict[str, 
         for c in {id(tx): tx, id(rx): rx}.values():
             c.close()
     out["cold_over_hot"] = out["cold"]["sum_p50_us"] / out["hot"]["sum_p50_us"]
+    out["idle_over_hot"] = out["idle"]["sum_p50_us"] / out["hot"]["sum_p50_us"]
     return out
 
 
@@ -151,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--iters", type=int, default=1000, help="messages per backend and mode")
     ap.add_argument("--trash-mib", type=int, default=32, help="MiB streamed through the caches before each cold message")
+    ap.add_argument("--idle-ms", type=float, default=10.0, help="ms asleep before each idle message")
+    ap.add_argument("--idle-iters", type=int, default=300, help="messages per backend in the idle mode")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--backends", default="shm,memory,vllm-omni-shm,floor")
     ap.add_argument("--json", default=None)
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     for b in args.backends.split(","):
         try:
-            results[b] = measure(b, args.iters, args.trash_mib, args.hidden)
+            results[b] = measure(b, args.iters, args.trash_mib, args.hidden, args.idle_ms, args.idle_iters)
         except ImportError as exc:
             skipped[b] = str(exc)
     load1 = os.getloadavg()
@@ -174,18 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     floor = results.get("floor")
     print(f"{'backend':<15} {'mode':<5} {'put p50':>9} {'get p50':>9} {'sum p50':>9}  x floor")
     for b, r in results.items():
-        for mode in ("hot", "cold"):
+        for mode in MODES:
             m = r[mode]
             vs = f"{m['sum_p50_us'] / floor[mode]['sum_p50_us']:.1f}x" if floor and b != "floor" else ""
             print(f"{b:<15} {mode:<5} {m['put_p50_us']:9.1f} {m['get_p50_us']:9.1f} {m['sum_p50_us']:9.1f}  {vs}")
-        print(f"{'':<15} cold/hot {r['cold_over_hot']:.2f}x")
+        print(f"{'':<15} cold/hot {r['cold_over_hot']:.2f}x, idle/hot {r['idle_over_hot']:.2f}x")
     for b, why in skipped.items():
         print(f"{b}: skipped ({why})")
     print(f"payload: decode-step chunk, hidden {args.hidden} bf16; cold: {args.trash_mib} MiB streamed "
-          f"before each message; {args.iters} messages per cell, microseconds")
+          f"before each message; idle: {args.idle_ms:g} ms asleep before each; {args.iters} messages per "
+          f"hot and cold cell, {args.idle_iters} per idle cell; microseconds")
     print(f"load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     if args.json:
         rec = {"benchmark": "bench_cold", "iters": args.iters, "trash_mib": args.trash_mib, "hidden": args.hidden,
+               "idle_ms": args.idle_ms, "idle_iters": args.idle_iters,
                "results": results, "skipped": skipped, "load_before": load0, "load_after": load1,
                "machine": machine_record()}
         with open(args.json, "a") as f:

@@ -18,7 +18,7 @@ def test_bench_cold_short(tmp_path):
     out = tmp_path / "cold.jsonl"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_cold.py"), "--iters", "40", "--trash-mib", "4",
-         "--json", str(out)],
+         "--idle-ms", "1", "--idle-iters", "20", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -29,9 +29,9 @@ def test_bench_cold_short(tmp_path):
         backends.add("vllm-omni-shm")
     assert set(rec["results"]) == backends, rec["skipped"]
     for b, r in rec["results"].items():
-        for mode in ("hot", "cold"):
+        for mode, n in (("hot", 40), ("cold", 40), ("idle", 20)):
             cell = r[mode]
-            assert cell["samples"] == 40, (b, mode)
+            assert cell["samples"] == n, (b, mode)
             assert 0 < cell["put_p50_us"] and 0 < cell["get_p50_us"] and cell["sum_p50_us"] > 0
-        assert r["cold_over_hot"] > 0
-    assert "x floor" in proc.stdout and "cold/hot" in proc.stdout
+        assert r["cold_over_hot"] > 0 and r["idle_over_hot"] > 0
+    assert "x floor" in proc.stdout and "cold/hot" in proc.stdout and "idle/hot" in proc.stdout
