@@ -1378,10 +1378,47 @@ def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] 
     return views
 
 
-def _decode_fast(buf: Any, nbytes: int) -> Any:
+def _device_views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int, fetch: Any, empty: Any) -> list[Any] | None:
+    """``_views`` on a device, for a frame of torch tensors only: ``fetch(start, n)``
+    returns a device uint8 buffer that will hold the frame's bytes ``[start, start+n)``
+    (its copy enqueued), called once for the whole data region; every tensor is a view
+    of it. ``empty(shape, dtype)`` makes an empty tensor. ``None`` (before any fetch)
+    when the frame holds numpy arrays, or bool data that is not 0/1 (the general path
+    keeps or reports those)."""
+    end = 0
+    for kind, _dt, count, _shape, off, size in plan:
+        if kind == KIND_TORCH:
+            pass
+        elif kind == _PLAN_BOOL:
+            if not _bool_bytes_ok(buf, base + off, count):
+                return None
+        elif kind == _PLAN_EMPTY:
+            continue
+        else:
+            return None
+        e = off + count * size
+        if e > end:
+            end = e
+    data = fetch(base, end) if end else None
+    views: list[Any] = []
+    append = views.append
+    for kind, dt, count, shape, off, size in plan:
+        if kind == _PLAN_EMPTY:
+            append(empty(shape, dt))
+            continue
+        t = data[off : off + count * size].view(dt)
+        append(t if shape is None else t.view(shape))
+    return views
+
+
+def _decode_fast(buf: Any, nbytes: int, make_views: Any = _views) -> Any:
     """Decode the frame at the start of the writable buffer ``buf`` (``nbytes`` long:
     a memoryview, or a numpy uint8 array) by the caches: the payload, or ``_MISS`` when
-    the frame needs the general path (which then reports any error)."""
+    the frame needs the general path (which then reports any error).
+
+    ``make_views(buf, plan, base)``: the tensors of a validated plan (default: zero-copy
+    views of ``buf``; ``_device_views`` lands them on a GPU in one copy), or ``None``
+    for the general path."""
     if nbytes < PREFIX_SIZE:
         return _MISS
     end = PREFIX_SIZE + _U32.unpack_from(buf, 8)[0]
@@ -1390,11 +1427,11 @@ def _decode_fast(buf: Any, nbytes: int) -> Any:
     head = buf[:end].tobytes()
     hit = _HEADS.get(head)
     if hit is None:
-        return _decode_learn(buf, nbytes, head)
+        return _decode_learn(buf, nbytes, head, make_views)
     total, base, tree, plan, refs = hit
     if total > nbytes:
         return _MISS
-    views = _views(buf, plan, base)
+    views = make_views(buf, plan, base)
     if views is None:
         return _MISS
     out = _PLAIN_DECODER.decode(tree)
@@ -1413,7 +1450,7 @@ def _decode_fast(buf: Any, nbytes: int) -> Any:
     return out
 
 
-def _decode_learn(buf: Any, nbytes: int, head: bytes) -> Any:
+def _decode_learn(buf: Any, nbytes: int, head: bytes, make_views: Any = _views) -> Any:
     """``_decode_fast`` for a head not in ``_HEADS``: the CRC, the header's arity and the
     tree's item bound and keys are checked; the descriptors' validation
     (``_parse_header``) runs once per distinct descriptor list (``_PLANS``). Caches the
@@ -1451,7 +1488,7 @@ def _decode_learn(buf: Any, nbytes: int, head: bytes) -> Any:
     tree = split.tree
     if len(tree) > MAX_TREE_ITEMS:
         _count_items(memoryview(tree), 0, len(tree), MAX_TREE_ITEMS)
-    views = _views(buf, plan, base)
+    views = make_views(buf, plan, base)
     if views is None:
         return _MISS
     misses = _HEAD_MISSES.get(key, 0)

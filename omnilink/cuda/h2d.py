@@ -292,6 +292,66 @@ class AsyncH2DController:
 
         return self._launch(payload, on_current_stream, make_move, lambda sources: sources.clear)
 
+    def submit_frame(self, decode: Callable[[Callable[[int, int], Any], Callable[[Any, Any], Any]], Any], /, *,
+                     on_current_stream: bool, keep: Any) -> StagePayloadHandle | None:
+        """Land a received frame on the device with one copy of its data region.
+
+        ``decode(fetch, empty)`` decodes the frame: it calls ``fetch(address, n)`` (at
+        most once) for a device uint8 buffer into which the ``n`` host bytes at
+        ``address`` (page-locked or registered memory) are copied on the chosen stream,
+        and makes every tensor a view of that buffer; ``empty(shape, dtype)`` makes an
+        empty device tensor. It returns the payload, or ``None`` (before any fetch) when
+        the frame needs the general path; then so does this method, having done
+        nothing. One ``torch.empty`` and one ``cudaMemcpyAsync`` per frame, however many
+        tensors it holds (``submit_host`` makes one of each per tensor). ``keep`` (the
+        host block) is dropped once the copy has completed. Streams as ``submit_host``.
+        """
+        if self._stream is None:
+            return None
+        import torch
+
+        comp = self._completer
+        if comp.pending:
+            comp.reap()
+        ops, idx, dev = self._ops, self._index, self.device
+        bufs: list[Any] = []
+        prev = ops.swap_device(idx)
+        try:
+            if on_current_stream:
+                raw = current_raw_stream(idx)
+            else:
+                raw = self._raw
+                # After what the current stream queued before (see ``_launch``).
+                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+            empty, uint8, memcpy = torch.empty, torch.uint8, ops.memcpy
+
+            def fetch(address: int, n: int) -> Any:
+                d = empty(n, dtype=uint8, device=dev)
+                memcpy(d.data_ptr(), address, n, raw)
+                bufs.append(d)
+                return d
+
+            def empty_on_device(shape: Any, dtype: Any) -> Any:
+                return empty(shape, dtype=dtype, device=dev)
+
+            try:
+                out = decode(fetch, empty_on_device)
+            except BaseException:
+                if bufs:  # the host block goes back on this error: not while DMA reads it
+                    Event(idx).record(raw).synchronize()
+                raise
+            if out is None:
+                return None
+            event = Event(idx).record(raw)
+        finally:
+            ops.restore_device(prev)
+        if self.sync:
+            event.synchronize()
+        held = [keep]
+        del keep
+        comp.submit(event, held.clear)
+        return StagePayloadHandle(out, event, dev, bufs, waiter=comp, stream=raw)
+
     def _launch(self, payload: Any, on_current_stream: bool,
                 make_move: Callable[[int, list[Any], list[Any]], Callable[[Any], Any]],
                 finish: Callable[[list[Any]], Callable[[], None]]) -> StagePayloadHandle:

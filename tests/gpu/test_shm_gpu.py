@@ -117,6 +117,43 @@ def test_small_payloads_copy_on_the_current_stream_intact(pair):
     assert tx.stats().device_puts == 7 and rx.stats().device_gets == 7
 
 
+def test_a_device_get_lands_the_whole_payload_in_one_allocation_and_gives_the_block_back(pair):
+    # The receiver copies the frame's data region once into one device buffer; every
+    # tensor is a view of it (one allocation, one DMA per message). Small frames land on
+    # the current stream, larger ones on the copy stream; either way the arena block
+    # goes back once the copy has completed.
+    import time
+
+    import numpy as np
+
+    tx, rx = pair
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for rows in (1, 256):  # 4 KiB (current stream) and 1 MiB (copy stream) of hidden state
+        payload = {"h": torch.randn(rows, 2048, device="cuda", generator=g).to(torch.bfloat16),
+                   "shape": torch.tensor([rows, 2048]), "ids": torch.arange(16, device="cuda"),
+                   "meta": {"finished": torch.tensor(rows == 256), "chunk": rows}}
+        for i in range(3):
+            tx.put(f"r{rows}-{i}", payload, timeout=30)
+            got = rx.get(f"r{rows}-{i}", timeout=30, device="cuda:0")
+            tensors = [got["h"], got["shape"], got["ids"], got["meta"]["finished"]]
+            assert all(t.is_cuda for t in tensors)
+            assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one allocation
+            assert torch.equal(got["h"], payload["h"]) and torch.equal(got["ids"], payload["ids"])
+            assert got["shape"].tolist() == [rows, 2048] and bool(got["meta"]["finished"]) == (rows == 256)
+            assert got["meta"]["chunk"] == rows
+    # numpy arrays stay on the host: such a frame takes the general path, intact
+    tx.put("np", {"a": np.arange(6).reshape(2, 3), "t": torch.ones(4, device="cuda")}, timeout=30)
+    got = rx.get("np", timeout=30, device="cuda:0")
+    assert isinstance(got["a"], np.ndarray) and got["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert got["t"].is_cuda and got["t"].tolist() == [1.0] * 4
+    del got, tensors
+    torch.cuda.synchronize()
+    end = time.monotonic() + 30
+    while rx.stats().bytes_held and time.monotonic() < end:
+        time.sleep(0.01)  # the completer gives the blocks back once their copies are done
+    assert rx.stats().bytes_held == 0
+
+
 def test_mid_size_payloads_put_direct_and_put_async_intact(pair):
     # Between SMALL_DEVICE_BYTES and pipeline_bytes: put copies on the current stream,
     # put_async on the copy stream after the producer's event; the receiver's copy

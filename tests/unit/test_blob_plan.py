@@ -186,3 +186,68 @@ def test_heads_that_change_every_frame_stop_being_cached():
         out = omnilink.decode(_writable(omnilink.encode({"x": torch.ones(4), "t": i})))
         assert out["t"] == i and out["x"].tolist() == [1.0] * 4
     assert len(blob._HEADS) <= blob._HEADS_LEARN
+
+
+def _land_on_fake_device(frame: bytearray):
+    """``_decode_fast`` with ``_device_views``, the "device" being a separate CPU
+    buffer that ``fetch`` fills with the requested bytes: what the shm backend's GPU
+    get does with one cudaMemcpyAsync. Returns (payload, fetch calls, device buffers)."""
+    calls: list[tuple[int, int]] = []
+    bufs: list[torch.Tensor] = []
+
+    def fetch(start: int, n: int) -> torch.Tensor:
+        calls.append((start, n))
+        d = torch.frombuffer(bytearray(frame[start:start + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        bufs.append(d)
+        return d
+
+    def empty(shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def views(buf, plan, base):
+        return blob._device_views(buf, plan, base, fetch, empty)
+
+    raw = memoryview(frame)
+    return blob._decode_fast(raw, len(frame), views), calls, bufs
+
+
+@pytest.mark.parametrize("repeat", [1, 3])  # learn path, then the cached head
+def test_device_views_land_every_tensor_from_one_copy_of_the_data_region(repeat):
+    blob._HEADS.clear()
+    payload = {
+        "h": torch.arange(24, dtype=torch.float32).to(torch.bfloat16).reshape(2, 3, 4),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "s": torch.tensor(2.5, dtype=torch.float64),
+        "mask": torch.tensor([[True, False, True], [False, False, True]]),
+        "none": torch.zeros(0, 4),
+        "meta": {"k": [1, "x"], "t": (torch.ones(2, dtype=torch.int32), 3)},
+    }
+    frame = bytearray(omnilink.encode(payload))
+    for _ in range(repeat):
+        out, calls, bufs = _land_on_fake_device(frame)
+    _magic, _v, _f, hlen, _crc, dlen = struct.unpack_from("<4sHHIIQ", frame, 0)
+    # one fetch: exactly the data region, from its start to the end of the last tensor
+    assert calls == [(len(frame) - dlen, dlen)]
+    (d,) = bufs
+    lo, hi = d.data_ptr(), d.data_ptr() + d.numel()
+    tensors = [out["h"], out["ids"], out["s"], out["mask"], out["meta"]["t"][0]]
+    for got, want in zip(tensors, [payload["h"], payload["ids"], payload["s"], payload["mask"], payload["meta"]["t"][0]]):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        assert lo <= got.data_ptr() < hi  # a view of the one landed buffer, not a copy
+    assert out["none"].shape == (0, 4) and out["none"].dtype == torch.float32
+    assert out["meta"]["k"] == [1, "x"] and out["meta"]["t"][1] == 3 and type(out["meta"]["t"]) is tuple
+
+
+def test_device_views_leave_numpy_and_bad_bool_frames_to_the_general_path_before_any_copy():
+    frame = bytearray(omnilink.encode({"a": np.arange(4), "t": torch.ones(3)}))
+    out, calls, _ = _land_on_fake_device(frame)
+    assert out is blob._MISS and calls == []
+    good = bytearray(omnilink.encode({"b": torch.tensor([True, False, True]), "x": torch.ones(2)}))
+    _land_on_fake_device(good)  # the plan is known now
+    *_, dlen = struct.unpack_from("<4sHHIIQ", good, 0)
+    bad = bytearray(good)
+    bad[len(bad) - dlen] = 7  # a bool byte that is neither 0 nor 1
+    out, calls, _ = _land_on_fake_device(bad)
+    assert out is blob._MISS and calls == []
+    with pytest.raises(BlobDecodeError):
+        omnilink.decode(bad)  # the general path names it

@@ -59,7 +59,7 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import NO_WAIT, ConsumedKeys, Deadline, MAX_KEY_BYTES, duplicate_key, validate_key
-from omnilink.blob import _MISS, _decode_fast
+from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text
@@ -147,6 +147,10 @@ try:  # numpy arrays support weak references and make a cheap per-message export
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy is a dependency
     _np = None
+
+
+#: ``_land``: no payload decoded yet (``None`` is a payload)
+_UNSET = object()
 
 
 def _grace(deadline: Deadline) -> Deadline | None:
@@ -1234,7 +1238,23 @@ class ShmConnector(BaseConnector):
     def _land(self, key: str, got: tuple[Any, ...], deadline: Deadline, device: Any) -> Any:
         """Open a payload claimed under ``key`` and start its copy to ``device``: a
         ``StagePayloadHandle``."""
-        payload = self._open_payload(key, got, count_get=True)
+        gpu = self._gpu_path()
+        payload: Any = _UNSET
+        if got[5] is None and not gpu.cpu_mode:
+            dev = gpu.device_of(device)
+            if dev.type == "cuda":
+                from omnilink.cuda import StagePayloadHandle
+
+                landed = self._land_frame(key, got, gpu, dev)  # counts the get
+                if type(landed) is StagePayloadHandle:
+                    payload = landed._payload
+                    if type(payload) is not dict or (IPC_MARK not in payload and SLICED_MARK not in payload):
+                        self._count(device_gets=1)
+                        return landed
+                else:
+                    payload = landed  # decoded by the general path: host views
+        if payload is _UNSET:
+            payload = self._open_payload(key, got, count_get=True)
         if type(payload) is dict and IPC_MARK in payload:
             from omnilink.cuda import Event, StagePayloadHandle, current_raw_stream
 
@@ -1244,7 +1264,48 @@ class ShmConnector(BaseConnector):
             # whose wait(stream) orders another stream after that point.
             raw = current_raw_stream(dev.index)
             return StagePayloadHandle(out, Event(dev.index).record(raw), dev, [], stream=raw)
-        return self._gpu_path().land(payload, got[0], deadline, device, got[4])
+        return gpu.land(payload, got[0], deadline, device, got[4])
+
+    def _land_frame(self, key: str, got: tuple[Any, ...], gpu: Any, dev: Any) -> Any:
+        """Land an arena payload on CUDA ``dev`` with one copy of its frame's data region
+        into one device buffer whose views are its tensors (``submit_frame``): no host
+        views, one allocation and one DMA per message. Returns the handle, or the host
+        payload (zero-copy views, as ``get``) when the frame needs the general path
+        (numpy arrays in it, a frame the caches do not know how to decode). Counts the
+        get. The block goes back once the copy has completed."""
+        from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
+
+        reader, idx, seq, off, length, _ = got
+        whole = reader._bytes
+        if whole is None:
+            lease = reader.lease(off, length)
+        else:
+            start = reader.data_offset + off
+            lease = whole[start : start + length]
+        rel = self._releaser
+        ref = rel.track(lease, reader, idx, seq, length, key)
+        try:
+            gpu._register_reader(reader)
+            addr = reader.data_address() + off
+            raw = memoryview(lease)
+
+            def decode(fetch: Any, empty: Any) -> Any:
+                def views(buf: Any, plan: Any, base: int) -> Any:
+                    return _device_views(buf, plan, base, lambda o, n: fetch(addr + o, n), empty)
+
+                out = _decode_fast(raw, raw.nbytes, views)  # the descriptor's length is not trusted
+                return None if out is _MISS else out
+
+            landed = gpu._h2d_for(dev).submit_frame(decode, on_current_stream=length < SMALL_DEVICE_BYTES,
+                                                    keep=lease)
+            del raw
+            if landed is None:
+                landed = _decode(lease)  # the general path: host views, as ``get``
+        except BaseException:
+            rel.release(ref)
+            raise
+        self._count_op("gets", "bytes_got", length)
+        return landed
 
     def _take_ipc(self, key: str, deadline: Deadline, device: Any) -> Any:
         """The payload behind a device-IPC marker claimed under ``key``."""

@@ -16,13 +16,18 @@ Sender (``put`` of a payload holding CUDA tensors)::
 
 Receiver (``get(key, device="cuda:k")`` / ``get_handle``)::
 
-    claim + decode: zero-copy views of the sender's arena, through our own mapping,
-    page-locked once per sender arena (first CUDA get from it)
-    AsyncH2DController.submit_host: one copy per tensor on its own stream (payloads
-    under SMALL_DEVICE_BYTES: on the caller's current stream), StagePayloadHandle;
-    the arena block is released
-    once the copy has completed: by the next get that finds it done (no thread
-    hand-off while messages stream), or by the controller's completer thread
+    claim; the frame's header is decoded (by the decoder's caches) and its whole data
+    region is copied with one cudaMemcpyAsync into one device buffer, straight out of
+    our own mapping of the sender's arena, page-locked once per sender arena (first
+    CUDA get from it); every tensor is a view of that buffer (the connector's
+    ``_land_frame``, AsyncH2DController.submit_frame: one allocation and one DMA per
+    message however many tensors it holds). The copy runs on the H2D controller's
+    stream after the caller's current stream (frames under SMALL_DEVICE_BYTES: on the
+    current stream). A frame holding numpy arrays takes the general path: zero-copy
+    host views, then AsyncH2DController.submit_host, one copy per torch tensor.
+    StagePayloadHandle; the arena block is released once the copy has completed: by
+    the next get that finds it done (no thread hand-off while messages stream), or by
+    the controller's completer thread
     get(): handle.wait() = the caller's current stream waits on the copy's event
 
 The host never blocks in ``get`` for the copy, and ``put`` returns once the bytes are

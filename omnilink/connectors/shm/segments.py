@@ -1172,6 +1172,7 @@ class ArenaReader:
         #: a numpy uint8 view of the whole mapping, made on first use: a slice of it is
         #: the cheapest per-message exporter object (see ``lease``)
         self._bytes: Any = None
+        self._data_addr: int | None = None
         #: extension segments mapped so far: token -> numpy uint8 view of the mapping
         self.extensions: dict[bytes, Any] = {}
         self._ext_gen = 0
@@ -1248,6 +1249,14 @@ class ArenaReader:
             name = extension_name(self.prefix, self.pid, token.rstrip(b"\0").decode("ascii"))
             out.append((name, whole.ctypes.data, whole.nbytes))
         return out
+
+    def data_address(self) -> int:
+        """Address in this process of the first byte of the arena's data area (looked up
+        once: a transport copies straight out of the mapping, by DMA)."""
+        addr = self._data_addr
+        if addr is None:
+            addr = self._data_addr = self.address()[0] + self.data_offset
+        return addr
 
     def address(self) -> tuple[int, int]:
         """(start address, length) of this mapping in this process (for tests)."""
