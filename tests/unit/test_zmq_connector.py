@@ -736,6 +736,13 @@ def test_receiver_that_cannot_read_the_sender_gets_frames(ipc_dir, opened, monke
 def test_message_withdrawn_during_the_read_is_never_delivered(ipc_dir, opened, monkeypatch):
     # The second token check fails: the sender invalidated its token mid-read (its put
     # gave up). The receiver must drop the copy, not deliver a possibly torn payload.
+    tx, rx = _pair(opened, ipc_dir, channel="u/withdrawn")
+    # Connected first: a handshake the sender sees only after its first send requeues
+    # what it sent (a resend after a reconnect), and that resend, read with real token
+    # checks, would be delivered (correctly: this test only fakes the withdrawal), so
+    # the put below would succeed. Seen in about one full run in four before.
+    tx.put("warm", {"t": torch.ones(1 << 19)}, timeout=WAIT)
+    assert float(rx.get("warm", timeout=WAIT)["t"].sum()) == float(1 << 19)
     real = cma._check_token
     seen: dict[int, int] = {}
     failed = []
@@ -751,7 +758,6 @@ def test_message_withdrawn_during_the_read_is_never_delivered(ipc_dir, opened, m
         return real(pid, addr, nonce, scratch)
 
     monkeypatch.setattr(cma, "_check_token", flaky)
-    tx, rx = _pair(opened, ipc_dir, channel="u/withdrawn")
     with pytest.raises(TransferTimeout, match="did not acknowledge"):
         tx.put("torn", {"t": torch.ones(1 << 19)}, timeout=0.5)
     with pytest.raises(WouldBlock):
