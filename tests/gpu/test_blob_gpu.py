@@ -71,3 +71,46 @@ def test_memory_backend_get_to_cuda():
             assert t.dtype == ref.dtype and t.shape == ref.shape, name
             assert torch.equal(_bits(t), _bits(ref)), name
     assert got["meta"] == cpu["meta"]
+
+
+@pytest.mark.gpu
+def test_encode_parts_stages_cuda_tensors_after_the_queued_work():
+    # encode_parts (zmq's frames) copies CUDA tensors to the host after the work queued
+    # on the current stream: a tensor still being written by queued kernels must arrive
+    # as written, a strided one gathered, every dtype bit-exact.
+    from omnilink.blob import decode_parts, encode_parts
+
+    cpu = _cpu_payload()
+    cuda = _to(cpu, "cuda:0")
+    a = torch.randn(2048, 2048, device="cuda")
+    x = torch.zeros(1 << 20, device="cuda")
+    for _ in range(20):
+        a = a @ a / 2048.0  # queue work, then a write behind it
+    x.add_(7.0)
+    cuda["late"] = x
+    cuda["strided_cuda"] = torch.arange(64, device="cuda", dtype=torch.float32).reshape(8, 8).t()
+    meta, regions = encode_parts(cuda)
+    got = decode_parts(meta, [bytearray(r) for r in regions])
+    assert float(got["late"].min()) == 7.0 == float(got["late"].max())
+    assert torch.equal(got["strided_cuda"], torch.arange(64, dtype=torch.float32).reshape(8, 8).t())
+    for name, ref in cpu.items():
+        if isinstance(ref, torch.Tensor):
+            assert torch.equal(_bits(got[name]), _bits(ref)), name
+
+
+@pytest.mark.gpu
+def test_zmq_puts_cuda_payloads_and_lands_them_on_the_device(ipc_dir):
+    cpu = _cpu_payload()
+    cuda = _to(cpu, "cuda:0")
+    cuda["big"] = torch.randn(1 << 20, device="cuda")  # 4 MiB: by reference on ipc://
+    with omnilink.connect("zmq", channel="gpu/zmq", role="receiver", ipc_dir=ipc_dir) as rx, \
+            omnilink.connect("zmq", channel="gpu/zmq", role="sender", ipc_dir=ipc_dir) as tx:
+        for i in range(3):
+            tx.put(f"k{i}", cuda, timeout=30.0)
+            got = rx.get(f"k{i}", timeout=30.0, device="cuda:0")
+            assert got["big"].is_cuda and torch.equal(got["big"], cuda["big"])
+            for name, ref in cpu.items():
+                if isinstance(ref, torch.Tensor):
+                    assert got[name].device == torch.device("cuda:0"), name
+                    assert torch.equal(_bits(got[name]), _bits(ref)), name
+            assert got["meta"] == cpu["meta"]
