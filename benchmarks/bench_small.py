@@ -6,7 +6,7 @@ Issue 15's acceptance benchmark. One run measures, side by side:
 figure                                                  backends              target
 ======================================================  ====================  ===========
 one process: ``put`` + ``get_nowait`` of a 4 KiB        shm, memory,          shm p50
-payload, p50 / p99 per message                          vllm-omni-shm         <= 20 us
+payload, p50 / p99 per message                          vllm-omni-shm, floor  <= 20 us
 two processes: 4 KiB one-way time, one message in       shm, vllm-omni-shm    p50 <= 20 us,
 flight, receiver blocking in ``get`` (vLLM-Omni's                             p99 <= 100 us
 connector has no blocking get: its receiver polls)
@@ -26,7 +26,10 @@ What is measured
   ``meta`` dict and a speaker string); 8 MiB for the polling figure.
 - one process: one connector pair on one channel; each sample is the time of
   ``put(key, p)`` followed by ``get_nowait(key)`` (the decoded payload is dropped, so
-  its block goes back). p50 / p99 over ``--iters`` samples after a warm-up.
+  its block goes back). p50 / p99 over ``--iters`` samples after a warm-up. ``floor``:
+  the fewest Python steps over the same libraries that give the receiver typed, shaped
+  views of the tensors (``_Floor``: no keys, allocator, lifetime or validation), a lower
+  bound for any transport written in Python on this machine.
 - two processes (``spawn``): one message in flight. The sender waits for a credit,
   stamps the payload with CLOCK_MONOTONIC and puts it; the receiver takes the time
   when ``get`` (or the polling loop) returned the decoded payload. One-way time =
@@ -204,6 +207,62 @@ class _VllmOmni:
         self.conn.close()
 
 
+class _Floor:
+    """The fewest Python steps that move the payload between two ends of one process,
+    over the same libraries: a msgspec header of ``(key, dtype, shape, offset, count)``
+    per tensor plus the other items, one ``ctypes.memmove`` per tensor into a mapping,
+    a POSIX semaphore post; then acquire, header decode, one typed ``torch.frombuffer``
+    (and a view to its shape) per tensor. No keys, allocator, block lifetime, validation
+    or security checks: a lower bound, not a competitor (one process only)."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import mmap
+
+        import msgspec
+        import posix_ipc
+        import torch
+
+        self.mm = mmap.mmap(-1, 1 << 20)
+        probe = ctypes.c_char.from_buffer(self.mm)
+        self.base = ctypes.addressof(probe)
+        del probe
+        self.memmove = ctypes.memmove
+        self.sem = posix_ipc.Semaphore(None, posix_ipc.O_CREX, initial_value=0)
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+        self.tensor, self.frombuffer = torch.Tensor, torch.frombuffer
+        self.dtypes = [torch.bfloat16, torch.int64, torch.float32]
+        self.codes = {d: i for i, d in enumerate(self.dtypes)}
+        self.header = b""
+
+    def put(self, key: str, payload: dict[str, Any]) -> None:
+        off = 0
+        tensors, rest = [], {}
+        for k, v in payload.items():
+            if type(v) is self.tensor:
+                n = v.nbytes
+                self.memmove(self.base + off, v.data_ptr(), n)
+                tensors.append((k, self.codes[v.dtype], tuple(v.shape), off, v.numel()))
+                off += (n + 63) & ~63
+            else:
+                rest[k] = v
+        self.header = self.enc.encode((tensors, rest))
+        self.sem.release()
+
+    def try_get(self, key: str) -> Any:
+        self.sem.acquire(0)
+        tensors, rest = self.dec.decode(self.header)
+        mm, frombuffer, dtypes = self.mm, self.frombuffer, self.dtypes
+        for k, code, shape, off, count in tensors:
+            t = frombuffer(mm, dtype=dtypes[code], count=count, offset=off)
+            rest[k] = t.view(shape) if len(shape) != 1 else t
+        return rest
+
+    def close(self) -> None:
+        self.sem.unlink()
+        self.sem.close()
+
+
 def _open(backend: str, channel: str, role: str) -> Any:
     if backend == "vllm-omni-shm":
         return _VllmOmni(channel, role)
@@ -228,6 +287,8 @@ def one_process(backend: str, iters: int, warmup: int) -> dict[str, Any]:
     chan = f"bench-small-{os.getpid()}-{backend}"
     if backend == "vllm-omni-shm":
         tx = rx = _VllmOmni(chan, "dual")
+    elif backend == "floor":
+        tx = rx = _Floor()
     else:
         tx = rx = _Omnilink(backend, chan, "dual")
     payload = make_payload(SMALL)
@@ -640,7 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big-messages", type=int, default=40, help="two-process 8 MiB messages per mode (default 40)")
     ap.add_argument("--batches", type=int, default=1000,
                     help=f"steps of {BATCH} x 4 KiB per batch cell (default 1000)")
-    ap.add_argument("--backends", default="shm,memory,vllm-omni-shm", help="comma-separated (default all three)")
+    ap.add_argument("--backends", default="shm,memory,vllm-omni-shm,floor",
+                    help="comma-separated (default all four; floor: the fewest Python steps over the same "
+                         "libraries, one process only)")
     ap.add_argument("--cells", default="one,two,big,batch",
                     help="which parts to run: one (one process), two (two processes, 4 KiB), big (8 MiB "
                          f"polling against blocking), batch ({BATCH} x 4 KiB per step, put_many + get_many "
@@ -712,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = _Pair()
     try:
         for b in backends if "two" in cells else ():
-            if b == "memory":
+            if b in ("memory", "floor"):
                 continue  # in-process only
             res["two_process"][b] = two_process(pair, b, SMALL, args.messages, "block", warm2)
             print(f"two processes 4 KiB, {b}: {res['two_process'][b]}", file=sys.stderr)

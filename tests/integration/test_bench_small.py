@@ -26,12 +26,12 @@ def test_bench_small_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["benchmark"] == "bench_small" and rec["machine"]["cores"]
-    backends = {"shm", "memory"}
+    backends = {"shm", "memory", "floor"}
     if vllm_omni_root() is not None:
         backends.add("vllm-omni-shm")
     assert set(rec["results"]["one_process"]) == backends
-    assert set(rec["results"]["two_process"]) == backends - {"memory"}
-    assert set(rec["results"]["two_process_hot"]) == backends - {"memory"}
+    assert set(rec["results"]["two_process"]) == backends - {"memory", "floor"}
+    assert set(rec["results"]["two_process_hot"]) == backends - {"memory", "floor"}
     for cell in [*rec["results"]["one_process"].values(), *rec["results"]["two_process"].values(),
                  *rec["results"]["two_process_hot"].values(),
                  *rec["results"]["big"].values()]:
