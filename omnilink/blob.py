@@ -1378,36 +1378,69 @@ def _views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int) -> list[Any] 
     return views
 
 
+#: ``id(plan) -> (plan, layout)`` for ``_device_views``: per tensor ``(kind, dtype, size,
+#: stride, element offset)``, the data region's end, whether bool data needs a check;
+#: ``layout`` is None for a plan that needs the general path (numpy arrays). Bounded.
+_DEVICE_LAYOUTS: dict[int, tuple[Any, Any]] = {}
+_DEVICE_LAYOUTS_MAX = 512
+
+
+def _device_layout(plan: tuple[tuple[Any, ...], ...]) -> Any:
+    entries = []
+    end = 0
+    has_bool = False
+    for kind, dt, count, shape, off, size in plan:
+        if kind == _PLAN_EMPTY:
+            entries.append((kind, dt, shape, None, 0))
+            continue
+        if kind != KIND_TORCH and kind != _PLAN_BOOL:
+            return None
+        has_bool |= kind == _PLAN_BOOL
+        dims = (count,) if shape is None else tuple(shape)
+        stride = []
+        step = 1
+        for d in reversed(dims):
+            stride.append(step)
+            step *= max(d, 1)
+        entries.append((kind, dt, dims, tuple(reversed(stride)), off // size))
+        end = max(end, off + count * size)
+    return tuple(entries), end, has_bool
+
+
 def _device_views(buf: Any, plan: tuple[tuple[Any, ...], ...], base: int, fetch: Any, empty: Any) -> list[Any] | None:
     """``_views`` on a device, for a frame of torch tensors only: ``fetch(start, n)``
     returns a device uint8 buffer that will hold the frame's bytes ``[start, start+n)``
-    (its copy enqueued), called once for the whole data region; every tensor is a view
-    of it. ``empty(shape, dtype)`` makes an empty tensor. ``None`` (before any fetch)
-    when the frame holds numpy arrays, or bool data that is not 0/1 (the general path
-    keeps or reports those)."""
-    end = 0
-    for kind, _dt, count, _shape, off, size in plan:
-        if kind == KIND_TORCH:
-            pass
-        elif kind == _PLAN_BOOL:
-            if not _bool_bytes_ok(buf, base + off, count):
+    (its copy enqueued; its size rounded up to a multiple of 64 bytes, so that it can be
+    viewed as any dtype), called once for the whole data region; every tensor is a view
+    of it (one ``as_strided`` of a per-dtype view, the cheapest view torch makes of a
+    device tensor). ``empty(shape, dtype)`` makes an empty tensor. ``None`` (before any
+    fetch) when the frame holds numpy arrays, or bool data that is not 0/1 (the general
+    path keeps or reports those)."""
+    cached = _DEVICE_LAYOUTS.get(id(plan))
+    if cached is None or cached[0] is not plan:
+        if len(_DEVICE_LAYOUTS) >= _DEVICE_LAYOUTS_MAX:
+            _DEVICE_LAYOUTS.clear()
+        cached = _DEVICE_LAYOUTS[id(plan)] = (plan, _device_layout(plan))
+    layout = cached[1]
+    if layout is None:
+        return None
+    entries, end, has_bool = layout
+    if has_bool:
+        for kind, _dt, count, _shape, off, _size in plan:
+            if kind == _PLAN_BOOL and not _bool_bytes_ok(buf, base + off, count):
                 return None
-        elif kind == _PLAN_EMPTY:
-            continue
-        else:
-            return None
-        e = off + count * size
-        if e > end:
-            end = e
     data = fetch(base, end) if end else None
+    typed: dict[Any, Any] = {}
     views: list[Any] = []
     append = views.append
-    for kind, dt, count, shape, off, size in plan:
-        if kind == _PLAN_EMPTY:
-            append(empty(shape, dt))
+    for kind, dt, dims, stride, elem in entries:
+        if stride is None:
+            append(empty(dims, dt))
             continue
-        t = data[off : off + count * size].view(dt)
-        append(t if shape is None else t.view(shape))
+        v = typed.get(dt)
+        if v is None:
+            v = typed[dt] = data.view(dt)
+        append(v.as_strided(dims, stride, elem))
     return views
 
 

@@ -297,8 +297,9 @@ class AsyncH2DController:
         """Land a received frame on the device with one copy of its data region.
 
         ``decode(fetch, empty)`` decodes the frame: it calls ``fetch(address, n)`` (at
-        most once) for a device uint8 buffer into which the ``n`` host bytes at
-        ``address`` (page-locked or registered memory) are copied on the chosen stream,
+        most once) for a device uint8 buffer (of ``n`` bytes rounded up to 64) into whose
+        start the ``n`` host bytes at ``address`` (page-locked or registered memory) are
+        copied on the chosen stream,
         and makes every tensor a view of that buffer; ``empty(shape, dtype)`` makes an
         empty device tensor. It returns the payload, or ``None`` (before any fetch) when
         the frame needs the general path; then so does this method, having done
@@ -326,7 +327,8 @@ class AsyncH2DController:
             empty, uint8, memcpy = torch.empty, torch.uint8, ops.memcpy
 
             def fetch(address: int, n: int) -> Any:
-                d = empty(n, dtype=uint8, device=dev)
+                # Rounded up to 64 bytes: the buffer can be viewed as any dtype.
+                d = empty((n + 63) & ~63, dtype=uint8, device=dev)
                 memcpy(d.data_ptr(), address, n, raw)
                 bufs.append(d)
                 return d

@@ -196,8 +196,9 @@ def _land_on_fake_device(frame: bytearray):
     bufs: list[torch.Tensor] = []
 
     def fetch(start: int, n: int) -> torch.Tensor:
+        # as submit_frame's: n bytes copied into a buffer rounded up to 64 bytes
         calls.append((start, n))
-        d = torch.frombuffer(bytearray(frame[start:start + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        d = torch.frombuffer(bytearray(frame[start:start + n]) + bytes(-n % 64), dtype=torch.uint8)
         bufs.append(d)
         return d
 
