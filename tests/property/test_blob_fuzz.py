@@ -1,8 +1,11 @@
 """Hypothesis fuzzing of the decoder: garbage, flipped, cut and hostile frames.
 
 Whatever the bytes, ``decode`` either returns a payload whose every view lies inside the
-buffer, or raises a ``BlobDecodeError``: never another exception, a crash or a hang.
-Together these tests run 6,900 examples in CI (counts on each test); the seeds are
+buffer, or raises a ``BlobDecodeError``: never another exception, a crash or a hang. The
+device path of the decoder (``_device_views``: one copy of the data region, every tensor
+a view of it) copies only from inside the frame and, when it decodes a frame, makes of
+it what the general decoder makes. Together these tests run 8,000 examples in CI
+(counts on each test); the seeds are
 the hostile inputs an audit found (issue 16). ``benchmarks/fuzz_hostile.py`` runs
 100,000+ generated inputs against the decoder and every receiver.
 """
@@ -192,3 +195,69 @@ def test_hostile_trees(obj, n_tensors, extra):
             pass
         else:
             raise AssertionError("a header with extra elements decoded")
+
+
+def _device_decode_checked(buf):
+    """Decode ``buf`` the way a device get does (``_device_views``), the "device" being a
+    CPU buffer filled by ``fetch``: the one copy must stay inside the frame, and the result
+    must be what the general decoder makes of the same bytes (or a clean refusal)."""
+    fetched = []
+
+    def fetch(start, n):
+        assert 0 <= start and start + n <= len(buf), f"fetch of [{start}, {start + n}) from a {len(buf)}-byte frame"
+        fetched.append((start, n))
+        return torch.frombuffer(bytearray(buf[start:start + n]) + bytes(-n % 64), dtype=torch.uint8)
+
+    def views(b, plan, base):
+        return blob._device_views(b, plan, base, fetch, lambda shape, dt: torch.empty(shape, dtype=dt))
+
+    try:
+        out = blob._decode_fast(memoryview(buf), len(buf), views)
+    except BlobDecodeError:
+        return None
+    assert len(fetched) <= 1
+    if out is blob._MISS:
+        return None
+    ref = omnilink.decode(bytearray(buf))  # a frame the fast path took is valid for the general one
+    _assert_same(out, ref)
+    return out
+
+
+def _assert_same(a, b):
+    if isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b) if not (a.is_floating_point() or a.is_complex()) else torch.equal(
+            a.reshape(-1).view(torch.uint8) if a.numel() else a, b.reshape(-1).view(torch.uint8) if b.numel() else b)
+    elif isinstance(b, dict):
+        assert type(a) is dict and list(a) == list(b)
+        for k in b:
+            _assert_same(a[k], b[k])
+    elif isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert type(a) is type(b) and a == b
+
+
+@fuzz(500)
+@given(payloads, st.data())
+def test_device_views_of_valid_and_flipped_frames(p, data):
+    buf = bytearray(omnilink.encode(p))
+    for _ in range(2):  # learn path, then (when the head repeats) the cached head
+        _device_decode_checked(buf)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] ^= data.draw(st.integers(1, 255))
+    _device_decode_checked(buf)
+
+
+@fuzz(600)
+@given(descriptors, st.lists(st.integers(0, 6), max_size=4), st.binary(max_size=256),
+       st.one_of(st.none(), st.integers(0, (1 << 64) - 1)))
+def test_device_views_of_hostile_headers(descs, refs, data, data_len):
+    try:
+        buf = frame(descs, tree({"r": [tensor_ref(i) for i in refs]}), data, data_len=data_len)
+    except (OverflowError, msgspec.EncodeError):
+        return
+    _device_decode_checked(bytearray(buf))
