@@ -318,12 +318,7 @@ class AsyncH2DController:
         bufs: list[Any] = []
         prev = ops.swap_device(idx)
         try:
-            if on_current_stream:
-                raw = current_raw_stream(idx)
-            else:
-                raw = self._raw
-                # After what the current stream queued before (see ``_launch``).
-                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+            raw = self._copy_stream_for(on_current_stream)
             empty, uint8, memcpy = torch.empty, torch.uint8, ops.memcpy
 
             def fetch(address: int, n: int) -> Any:
@@ -354,6 +349,19 @@ class AsyncH2DController:
         comp.submit(event, held.clear)
         return StagePayloadHandle(out, event, dev, bufs, waiter=comp, stream=raw)
 
+    def _copy_stream_for(self, on_current_stream: bool) -> int:
+        """The raw stream a landing copies on (this device current): the caller's current
+        stream, or the copy stream ordered after what the current stream queued before.
+        The device memory comes from the current stream (the consumer's): a copy stream
+        that did not wait could overwrite a block the allocator recycled while an
+        earlier kernel still reads it."""
+        idx = self._index
+        if on_current_stream:
+            return current_raw_stream(idx)
+        ops, raw = self._ops, self._raw
+        ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+        return raw
+
     def _launch(self, payload: Any, on_current_stream: bool,
                 make_move: Callable[[int, list[Any], list[Any]], Callable[[Any], Any]],
                 finish: Callable[[list[Any]], Callable[[], None]]) -> StagePayloadHandle:
@@ -368,15 +376,7 @@ class AsyncH2DController:
         sources: list[Any] = []
         prev = ops.swap_device(idx)
         try:
-            if on_current_stream:
-                raw = current_raw_stream(idx)
-            else:
-                raw = self._raw
-                # The device memory comes from the caller's current stream (the
-                # consumer's): the copy waits for what that stream queued before, so a
-                # block the allocator recycled is not overwritten while an earlier
-                # kernel still reads it.
-                ops.wait(raw, ops.ordering_event(idx).record(current_raw_stream(idx)))
+            raw = self._copy_stream_for(on_current_stream)
             out = map_tensors(payload, make_move(raw, tensors, sources))
             event = Event(idx).record(raw)
         finally:

@@ -1276,12 +1276,7 @@ class ShmConnector(BaseConnector):
         from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
 
         reader, idx, seq, off, length, _ = got
-        whole = reader._bytes
-        if whole is None:
-            lease = reader.lease(off, length)
-        else:
-            start = reader.data_offset + off
-            lease = whole[start : start + length]
+        lease = reader.lease(off, length)
         rel = self._releaser
         ref = rel.track(lease, reader, idx, seq, length, key)
         try:
