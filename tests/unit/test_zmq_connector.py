@@ -734,37 +734,87 @@ def test_receiver_that_cannot_read_the_sender_gets_frames(ipc_dir, opened, monke
 
 @needs_readable
 def test_message_withdrawn_during_the_read_is_never_delivered(ipc_dir, opened, monkeypatch):
-    # The second token check fails: the sender invalidated its token mid-read (its put
-    # gave up). The receiver must drop the copy, not deliver a possibly torn payload.
+    # The put gives up (times out, invalidates its token, raises) after the receiver
+    # copied the regions and before it checks the token again: the receiver must drop
+    # the copy, not deliver a payload the caller may already be modifying.
+    #
+    # The interleaving is forced, not hoped for. The torn put's deadline passes only
+    # once the receiver has copied the regions, and the receiver's second check of that
+    # token waits until the put has raised, then reads the real token. (Failing that
+    # check by hand, as this test once did, leaves the sender's token valid: a resent
+    # copy of the message then passes its checks and is rightly delivered, and the put
+    # returns. The sender resends a message it sent before it saw the connection's
+    # handshake event, which libzmq can report after the connection carried data.)
+    real_token, real_check, real_send = cma.Token, cma._check_token, _zmq_io.SenderLoop.send
+    me = threading.get_ident()
+    torn_nonce: list[bytes] = []
+    checks = []  # the torn token's checks, in order (only the receiver loop makes them)
+    held: list[bool] = []  # what the held second check found
+    regions_read = threading.Event()  # the receiver copied torn's regions
+    put_raised = threading.Event()  # torn's put gave up and raised
+
+    def token():
+        tok = real_token()
+        if threading.get_ident() == me and not torn_nonce:
+            torn_nonce.append(tok.nonce)  # this thread's first by-reference put: "torn"
+        return tok
+
+    def check(pid, addr, nonce, scratch):
+        if not torn_nonce or nonce != torn_nonce[0]:
+            return real_check(pid, addr, nonce, scratch)
+        checks.append(nonce)
+        if len(checks) != 2:
+            return real_check(pid, addr, nonce, scratch)
+        # The first copy's second check: its regions are in the receive buffer.
+        regions_read.set()
+        put_raised.wait(WAIT)
+        ok = real_check(pid, addr, nonce, scratch)
+        held.append(ok)
+        return ok
+
+    class ExpiresOnceRead:
+        """Torn's deadline: it passes once the regions were copied and the sender has
+        seen the connection (its monitor event can lag behind the data, and the
+        timeout would then say the receiver never connected); at the latest after
+        WAIT, so a receiver that never reads cannot hang the test."""
+
+        timeout = 0.5
+
+        def __init__(self, loop) -> None:
+            self.loop = loop
+            self.end = time.monotonic() + WAIT
+
+        def remaining(self) -> float:  # called under loop.cond
+            if regions_read.is_set() and self.loop.ever_connected or time.monotonic() >= self.end:
+                return 0.0
+            return 0.02
+
+    def send(self, key, meta, regions, deadline, on_timeout):
+        if key == "torn":
+            deadline = ExpiresOnceRead(self)
+        return real_send(self, key, meta, regions, deadline, on_timeout)
+
+    monkeypatch.setattr(cma, "Token", token)
+    monkeypatch.setattr(cma, "_check_token", check)
+    monkeypatch.setattr(_zmq_io.SenderLoop, "send", send)
     tx, rx = _pair(opened, ipc_dir, channel="u/withdrawn")
-    # Connected first: a handshake the sender sees only after its first send requeues
-    # what it sent (a resend after a reconnect), and that resend, read with real token
-    # checks, would be delivered (correctly: this test only fakes the withdrawal), so
-    # the put below would succeed. Seen in about one full run in four before.
-    tx.put("warm", {"t": torch.ones(1 << 19)}, timeout=WAIT)
-    assert float(rx.get("warm", timeout=WAIT)["t"].sum()) == float(1 << 19)
-    real = cma._check_token
-    seen: dict[int, int] = {}
-    failed = []
-
-    def flaky(pid, addr, nonce, scratch):
-        # Fail the second check of one message's token, once. Counted per token address
-        # (not over all calls): a reader thread of another connector in this process
-        # could otherwise take the failing turn (seen once in a full run).
-        seen[addr] = seen.get(addr, 0) + 1
-        if seen[addr] == 2 and not failed:
-            failed.append(addr)
-            return False
-        return real(pid, addr, nonce, scratch)
-
-    monkeypatch.setattr(cma, "_check_token", flaky)
-    with pytest.raises(TransferTimeout, match="did not acknowledge"):
-        tx.put("torn", {"t": torch.ones(1 << 19)}, timeout=0.5)
+    try:
+        with pytest.raises(TransferTimeout, match="did not acknowledge"):
+            tx.put("torn", {"t": torch.ones(1 << 19)}, timeout=0.5)
+    finally:
+        put_raised.set()  # release the receiver whatever happened
+    assert regions_read.is_set()
+    # One connection delivers in order: once "fine" arrived, the receiver is done with
+    # "torn" and with any copy of it resent before the put gave up.
+    tx.put("fine", {"t": torch.ones(1 << 19)}, timeout=WAIT)
+    got = rx.get("fine", timeout=WAIT)
+    assert float(got["t"].sum()) == float(1 << 19)
+    assert held == [False]  # the sender invalidated its token before its put raised
     with pytest.raises(WouldBlock):
         rx.get_nowait("torn")
+    assert rx.stats().blocks_in_use == 1  # fine's buffer only: torn's copy was dropped
+    del got
     assert rx.stats().blocks_in_use == 0
-    tx.put("fine", {"t": torch.ones(1 << 19)}, timeout=WAIT)  # third check onwards pass
-    assert float(rx.get("fine", timeout=WAIT)["t"].sum()) == float(1 << 19)
 
 
 @needs_cma
