@@ -23,12 +23,15 @@ a round is timed on the receiver from a shared barrier to its last ``get`` plus
 ``torch.cuda.synchronize()``; GB/s = bytes / seconds, median over ``--rounds``.
 Latency: a 4 KiB payload ping-pongs between the two processes (the echo is the received
 view itself, so each leg is a real device copy); the pinger synchronizes its stream after
-each pong; one-way p50 = median RTT / 2.
+each pong; one-way p50 = median RTT / 2. The same ping-pong with 4 KiB *host* tensors over
+the shm backend (``shm, host tensors``) times the control path alone (header, keys, block,
+wake-up: no device copy, no CUDA call), which carries cuda_ipc's descriptors too: no
+device road through it can be faster than that row on the same machine.
 
 Usage (on the GPU machine, from the repository root)::
 
     python3 benchmarks/bench_cuda_ipc.py [--sizes 256MiB,64MiB,1MiB] [--rounds 5]
-        [--inflight 4] [--latency-iters 2000] [--json FILE] [--quick]
+        [--inflight 4] [--latency-iters 2000] [--json FILE] [--quick] [--latency-only]
 
 Targets (issue): same GPU 256 MiB >= 0.8x ``copy_ (local)``; 4 KiB p50 <= 60 us;
 cross-GPU >= 0.8x ``copy_ (peer)`` and >= the nccl connector.
@@ -71,7 +74,7 @@ def _connect(backend: str, role: str, channel: str, dev: str, opts: dict[str, An
     if backend == "cuda_ipc":
         extra = {"device": dev, "pool_bytes": opts["pool_bytes"]} if role == "receiver" else {"linger": 5.0}
         return omnilink.connect("cuda_ipc", channel=channel, role=role, timeout=120.0, **extra)
-    if backend == "shm":
+    if backend in ("shm", "shm-host"):
         # The host-staged road (the shm connector would otherwise pick device IPC itself).
         extra = {"arena_bytes": opts["arena_bytes"]} if role == "sender" else {}
         return omnilink.connect("shm", channel=channel, role=role, timeout=120.0, device_ipc="off", **extra)
@@ -145,8 +148,9 @@ def _latency_worker(backend: str, side: str, dev: str, channels: tuple[str, str]
             rx = _connect(backend, "receiver", channels[0], dev, opts)
             tx = _connect(backend, "sender", channels[1], dev, opts)
         get_dev = dev if backend == "shm" else None
+        host = backend == "shm-host"  # host tensors both ways: the control path alone
         try:
-            x = torch.ones(LAT_BYTES // 2, dtype=torch.bfloat16, device=dev)
+            x = torch.ones(LAT_BYTES // 2, dtype=torch.bfloat16, device="cpu" if host else dev)
             rtts = []
             warm = max(10, iters // 10)
             for i in range(warm + iters):
@@ -155,7 +159,8 @@ def _latency_worker(backend: str, side: str, dev: str, channels: tuple[str, str]
                     t0 = time.perf_counter()
                     tx.put(f"ping{i}", {"x": x})
                     got = rx.get(f"pong{i}", device=get_dev)
-                    torch.cuda.current_stream().synchronize()
+                    if not host:
+                        torch.cuda.current_stream().synchronize()
                     dt = time.perf_counter() - t0
                     if i >= warm:
                         rtts.append(dt)
@@ -406,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-nccl", action="store_true", help="skip the nccl connector (two GPUs only)")
     ap.add_argument("--cases", default="same,cross", help="same (cuda:0 -> cuda:0), cross (cuda:0 -> cuda:1)")
     ap.add_argument("--quick", action="store_true", help="1 MiB, 1 round, 100 latency iterations (a smoke test)")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="the 4 KiB ping-pongs only (the raw floor's throughput at 1 MiB, one round, comes with them)")
     ap.add_argument("--json", help="write the whole record (machine, command, results, ratios) here")
     args = ap.parse_args(argv)
 
@@ -443,17 +450,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for case, sdev, rdev in cases:
         ceiling = "copy_ (local)" if sdev == rdev else "copy_ (peer)"
-        add(case, ceiling, local_copy(sdev, rdev, sizes, rounds, args.quick))
+        if not args.latency_only:
+            add(case, ceiling, local_copy(sdev, rdev, sizes, rounds, args.quick))
         if sdev == rdev:
             # Same GPU only: across two GPUs this raw probe crashed the process on 2x H200
             # (2026-11-23; the backend's own cross-GPU path is separate code); there the
             # in-process peer copy_ is the ceiling.
-            floor_rows, floor_lat = raw_ipc_floor(sdev, rdev, sizes, rounds, args.quick, lat_iters)
+            floor_rows, floor_lat = raw_ipc_floor(sdev, rdev, parse_sizes("1MiB") if args.latency_only else sizes,
+                                                  1 if args.latency_only else rounds, args.quick, lat_iters)
             add(case, "raw IPC floor", floor_rows)
             latency.append({"case": case, "what": "raw IPC floor", "bytes": LAT_BYTES, **floor_lat})
             print(f"  {case:<17} {'raw IPC floor':<14} 4 KiB one-way p50 {floor_lat['p50_us']:.1f} us "
                   f"(p90 {floor_lat['p90_us']:.1f})", flush=True)
-        backends = ["cuda_ipc", "shm"] + (["nccl"] if sdev != rdev and not args.no_nccl else [])
+        backends = [] if args.latency_only else (
+            ["cuda_ipc", "shm"] + (["nccl"] if sdev != rdev and not args.no_nccl else []))
         for backend in backends:
             barrier = ctx.Barrier(2)
             o = dict(opts, master_port=free_port())
@@ -467,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"case": case, "what": backend, "error": str(exc)})
                 continue
             add(case, "shm (host)" if backend == "shm" else backend, rows)
-        for backend in ("cuda_ipc", "shm"):
+        for backend in ("cuda_ipc", "shm", "shm-host"):
             chs = (f"bench/lat-{tag}-{backend}-{sdev[-1]}{rdev[-1]}-a", f"bench/lat-{tag}-{backend}-{sdev[-1]}{rdev[-1]}-b")
             lo = dict(opts, pool_bytes=64 << 20, arena_bytes=16 << 20)
             try:
@@ -476,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as exc:
                 print(f"  {case:<17} latency {backend} failed: {exc}", file=sys.stderr, flush=True)
                 continue
-            latency.append({"case": case, "what": backend, "bytes": LAT_BYTES, **rec})
-            print(f"  {case:<17} {backend:<14} 4 KiB one-way p50 {rec['p50_us']:.1f} us (p90 {rec['p90_us']:.1f})",
+            what = "shm, host tensors" if backend == "shm-host" else backend
+            latency.append({"case": case, "what": what, "bytes": LAT_BYTES, **rec})
+            print(f"  {case:<17} {what:<14} 4 KiB one-way p50 {rec['p50_us']:.1f} us (p90 {rec['p90_us']:.1f})",
                   flush=True)
 
     def gbps(case: str, what: str, size: int) -> float | None:

@@ -14,7 +14,9 @@ What it measures (needs CUDA; one GPU, and cuda:0 -> cuda:1 when there are two):
    through the shm backend: GB/s at each size with several messages in flight (the
    receiver's side; the sender's blocking ``put`` one at a time, and ``put_async`` with
    8 in flight from a ring of sources: column async8), bytes
-   checked on the receiver's GPU; 4 KiB one-way latency (round trip / 2, both copies);
+   checked on the receiver's GPU; 4 KiB one-way latency (round trip / 2, both copies),
+   and the same ping-pong with a host tensor got without a device (omnilink's control
+   path alone, which every GPU message runs too);
    beside the raw floor of the same topology: a ring of 8 registered ``/dev/shm``
    slots, D2H in one process and H2D in the other with cuda-python calls and POSIX
    semaphores, nothing of omnilink (two processes sharing one GPU pay its context
@@ -348,7 +350,7 @@ def _receiver(conn, channel: str, reply: str, ipc_channel: str, ipc_pool: int, d
                 torch.cuda.synchronize()
                 conn.send((time.perf_counter(), bool(ok)))
             elif op == "ping":
-                _, count, device, tag = cmd
+                _, count, device, tag = cmd  # device None: host tensors, get without a device
                 for i in range(count):
                     got = rx.get(f"{tag}p{i}", timeout=60, device=device)
                     tx.put(f"{tag}q{i}", got, timeout=60)
@@ -447,6 +449,25 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
         lat = sorted(lat[20:])
         results["lat_p50_us"] = lat[len(lat) // 2] * 1e6
         results["lat_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
+        # The same ping-pong with a 4 KiB host tensor, got without a device: the control
+        # path alone (header, keys, block, wake-up; no copy to or from a GPU), which the
+        # GPU path runs too. No GPU -> GPU message can be faster than this row.
+        xh = x.cpu()
+        lat = []
+        for rep in range(reps):
+            tag = f"lath{rep}-"
+            parent.send(("ping", 200, None, tag))
+            for i in range(200):
+                t0 = time.perf_counter()
+                tx.put(f"{tag}p{i}", {"x": xh}, timeout=60)
+                back = rx.get(f"{tag}q{i}", timeout=60)
+                lat.append((time.perf_counter() - t0) / 2)
+                if i == 0 and rep == 0:
+                    results["ok"] &= bool(torch.equal(back["x"], xh))
+                del back
+            assert parent.recv() == "done"
+        lat = sorted(lat[20:])
+        results["lat_host_p50_us"] = lat[len(lat) // 2] * 1e6
         parent.send(("stop",))
         proc.join(60)
     finally:
@@ -605,6 +626,7 @@ def main() -> int:
     for d in devices:
         print(f"{d}: 4 KiB one-way (round trip / 2, spin_us=1000) p50 {tp[d]['lat_p50_us']:.1f} us, p99 {tp[d]['lat_p99_us']:.1f} us; "
               f"raw two-process floor p50 {floor[d]['lat_p50_us']:.1f} us, p99 {floor[d]['lat_p99_us']:.1f} us; "
+              f"the same ping-pong with host tensors (omnilink's control path alone) p50 {tp[d]['lat_host_p50_us']:.1f} us; "
               f"bytes equal: {tp[d]['ok']} (raw floor: {floor[d].get('ok')})")
     if ovl:
         print(f"overlap (10 steps, 4 bf16 8192^3 matmuls + 256 MiB each): matmul only {ovl['matmul_only_s'] * 1e3:.1f} ms, "
@@ -616,6 +638,7 @@ def main() -> int:
                 f.write(json.dumps({"machine": machine, **{k: v for k, v in r.items()}}) + "\n")
             f.write(json.dumps({"machine": machine, "latency": {d: [tp[d]["lat_p50_us"], tp[d]["lat_p99_us"]] for d in devices},
                                 "latency_raw_two_process": {d: [floor[d]["lat_p50_us"], floor[d]["lat_p99_us"]] for d in devices},
+                                "latency_host_tensors_p50": {d: tp[d]["lat_host_p50_us"] for d in devices},
                                 "overlap": ovl, "bytes_equal": all(tp[d]["ok"] for d in devices)}) + "\n")
     return 0 if all(tp[d]["ok"] for d in devices) else 2
 

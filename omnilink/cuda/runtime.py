@@ -314,20 +314,44 @@ def have_cuda_ops() -> bool:
     return True
 
 
+#: Most raw event handles a device keeps for reuse (``Event``).
+EVENT_POOL_MAX = 256
+#: device index -> raw handles of dead ``Event`` objects, ready to be recorded again
+_free_events: dict[int, list[Any]] = {}
+
+
 class Event:
-    """A CUDA event (timing disabled) of device ``index``, destroyed with the object."""
+    """A CUDA event (timing disabled) of device ``index``.
+
+    Handles are recycled: when the object dies its handle goes to a per-device free
+    list (up to ``EVENT_POOL_MAX``, then it is destroyed) and the next ``Event`` of
+    that device takes it instead of creating one (``cudaEventCreateWithFlags`` plus
+    the device switch around it cost more than the record that follows, once per
+    message). That is safe because every use of a handle is a ``record`` after which
+    only this object's holders look at it: a wait enqueued earlier on the dead
+    object's recording keeps the state it captured, and a fresh ``Event`` is always
+    recorded before it is waited on or queried (a recycled handle not yet recorded
+    may still report its last recording as pending).
+    """
 
     __slots__ = ("handle", "index", "_ops")
 
     def __init__(self, index: int) -> None:
         ops = cuda_ops()
+        self._ops = ops
+        self.index = index
+        free = _free_events.get(index)
+        if free:
+            try:
+                self.handle = free.pop()  # atomic under the GIL: no two takers get one handle
+                return
+            except IndexError:  # another thread took the last one
+                pass
         prev = ops.swap_device(index)
         try:
             self.handle = ops.check(ops.rt.cudaEventCreateWithFlags(ops.flags), "cudaEventCreateWithFlags")
         finally:
             ops.restore_device(prev)
-        self.index = index
-        self._ops = ops
 
     def record(self, stream: int) -> Event:
         """Record on ``stream`` (a raw handle of this event's device); returns ``self``."""
@@ -353,7 +377,17 @@ class Event:
 
     def __del__(self) -> None:
         try:
-            self._ops.rt.cudaEventDestroy(self.handle)
+            handle = self.handle
+        except AttributeError:  # creation failed
+            return
+        try:
+            free = _free_events.get(self.index)
+            if free is None:
+                free = _free_events.setdefault(self.index, [])
+            if len(free) < EVENT_POOL_MAX:
+                free.append(handle)
+                return
+            self._ops.rt.cudaEventDestroy(handle)
         except Exception:  # pragma: no cover - interpreter teardown
             pass
 

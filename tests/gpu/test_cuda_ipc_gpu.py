@@ -259,3 +259,6 @@ def test_benchmark_quick_configuration(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads(out.read_text())
     assert rec["results"] and all(row["gbps"] > 0 for row in rec["results"] if "gbps" in row)
+    lat = {row["what"]: row["p50_us"] for row in rec["latency"]}
+    assert set(lat) == {"raw IPC floor", "cuda_ipc", "shm", "shm, host tensors"}, lat
+    assert all(v > 0 for v in lat.values()), lat

@@ -63,8 +63,10 @@ from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text
+from omnilink.cuda.h2d import StagePayloadHandle
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
+from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
 from omnilink.connectors.shm.ipc import IPC_MARK, DeviceIpcRoute
 from omnilink.connectors.shm.ipc import MODES as IPC_MODES
 from omnilink.connectors.shm.slices import SLICED_MARK
@@ -1222,7 +1224,7 @@ class ShmConnector(BaseConnector):
 
     def _receive_handle(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
         if _is_cuda(device) and not _gpu_path_available():
-            from omnilink.cuda import StagePayloadHandle, payload_to_device
+            from omnilink.cuda import payload_to_device
 
             obj = payload_to_device(self._get(key, deadline, block), device)
             return StagePayloadHandle(obj, None, device, [])
@@ -1243,8 +1245,6 @@ class ShmConnector(BaseConnector):
         if got[5] is None and not gpu.cpu_mode:
             dev = gpu.device_of(device)
             if dev.type == "cuda":
-                from omnilink.cuda import StagePayloadHandle
-
                 landed = self._land_frame(key, got, gpu, dev)  # counts the get
                 if type(landed) is StagePayloadHandle:
                     payload = landed._payload
@@ -1256,7 +1256,7 @@ class ShmConnector(BaseConnector):
         if payload is _UNSET:
             payload = self._open_payload(key, got, count_get=True)
         if type(payload) is dict and IPC_MARK in payload:
-            from omnilink.cuda import Event, StagePayloadHandle, current_raw_stream
+            from omnilink.cuda import Event, current_raw_stream
 
             dev = self._gpu_path().device_of(device)
             out = self._take_ipc(key, deadline, dev)
@@ -1273,8 +1273,6 @@ class ShmConnector(BaseConnector):
         payload (zero-copy views, as ``get``) when the frame needs the general path
         (numpy arrays in it, a frame the caches do not know how to decode). Counts the
         get. The block goes back once the copy has completed."""
-        from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
-
         reader, idx, seq, off, length, _ = got
         lease = reader.lease(off, length)
         rel = self._releaser

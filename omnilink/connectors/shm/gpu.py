@@ -49,6 +49,7 @@ from typing import Any
 
 from omnilink._errors import BlobDecodeError, ConfigurationError, CudaError, TransportError
 from omnilink.blob import prepare
+from omnilink.cuda.runtime import cuda_ops, current_raw_stream
 from omnilink.connectors.shm.slices import (
     ABORT,
     SLICED_MARK,
@@ -236,8 +237,6 @@ class ShmGpuPath:
         (also when one of them fails to enqueue: no DMA may still write into a block that
         goes back). Without ``events``, on the tensor's device's current stream; with
         them, on that device's D2H controller stream after them."""
-        from omnilink.cuda import cuda_ops, current_raw_stream
-
         ops = cuda_ops()
         streams: dict[int, int] = {}
         try:
