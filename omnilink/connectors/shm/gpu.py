@@ -49,7 +49,7 @@ from typing import Any
 
 from omnilink._errors import BlobDecodeError, ConfigurationError, CudaError, TransportError
 from omnilink.blob import prepare
-from omnilink.cuda.runtime import cuda_ops, current_raw_stream
+from omnilink.cuda import cuda_ops, current_raw_stream
 from omnilink.connectors.shm.slices import (
     ABORT,
     SLICED_MARK,
