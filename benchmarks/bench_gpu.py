@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import uuid
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -431,42 +432,35 @@ def two_process(sizes: list[int], device: str, count_for, reps: int) -> dict:
                     results["ok"] &= ok
                     best.append(count * n / (t_end - t0) / 1e9)
                 results[mode][n] = statistics.median(best)
+        def ping_pong(x: Any, get_device: Any, prefix: str) -> list[float]:
+            """Sorted one-way times (round trip / 2) of ``x`` echoed by the receiver
+            (``get_device`` None: host tensors both ways); checks the first echo."""
+            lat = []
+            for rep in range(reps):
+                tag = f"{prefix}{rep}-"
+                parent.send(("ping", 200, get_device, tag))
+                for i in range(200):
+                    t0 = time.perf_counter()
+                    tx.put(f"{tag}p{i}", {"x": x}, timeout=60)
+                    back = rx.get(f"{tag}q{i}", timeout=60, device=None if get_device is None else "cuda:0")
+                    if get_device is not None:
+                        torch.cuda.current_stream().synchronize()
+                    lat.append((time.perf_counter() - t0) / 2)
+                    if i == 0 and rep == 0:
+                        results["ok"] &= bool(torch.equal(back["x"], x))
+                    del back
+                assert parent.recv() == "done"
+            return sorted(lat[20:])
+
         # 4 KiB one-way: round trip / 2, both copies each way.
         x = torch.randint(0, 255, (4096,), dtype=torch.uint8, device="cuda:0")
-        lat = []
-        for rep in range(reps):
-            tag = f"lat{rep}-"
-            parent.send(("ping", 200, device, tag))
-            for i in range(200):
-                t0 = time.perf_counter()
-                tx.put(f"{tag}p{i}", {"x": x}, timeout=60)
-                back = rx.get(f"{tag}q{i}", timeout=60, device="cuda:0")
-                torch.cuda.current_stream().synchronize()
-                lat.append((time.perf_counter() - t0) / 2)
-                if i == 0 and rep == 0:
-                    results["ok"] &= bool(torch.equal(back["x"], x))
-            assert parent.recv() == "done"
-        lat = sorted(lat[20:])
+        lat = ping_pong(x, device, "lat")
         results["lat_p50_us"] = lat[len(lat) // 2] * 1e6
         results["lat_p99_us"] = lat[int(len(lat) * 0.99)] * 1e6
         # The same ping-pong with a 4 KiB host tensor, got without a device: the control
         # path alone (header, keys, block, wake-up; no copy to or from a GPU), which the
         # GPU path runs too. No GPU -> GPU message can be faster than this row.
-        xh = x.cpu()
-        lat = []
-        for rep in range(reps):
-            tag = f"lath{rep}-"
-            parent.send(("ping", 200, None, tag))
-            for i in range(200):
-                t0 = time.perf_counter()
-                tx.put(f"{tag}p{i}", {"x": xh}, timeout=60)
-                back = rx.get(f"{tag}q{i}", timeout=60)
-                lat.append((time.perf_counter() - t0) / 2)
-                if i == 0 and rep == 0:
-                    results["ok"] &= bool(torch.equal(back["x"], xh))
-                del back
-            assert parent.recv() == "done"
-        lat = sorted(lat[20:])
+        lat = ping_pong(x.cpu(), None, "lath")
         results["lat_host_p50_us"] = lat[len(lat) // 2] * 1e6
         parent.send(("stop",))
         proc.join(60)
