@@ -233,6 +233,7 @@ _GOOD = _m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]])
     (_m(1, 1, 0, 4 << 20, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),       # block outside the pool
     (_m(1, 1, 0, 100, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),           # block misaligned
     (_m(1, 1, 0, 0, -256, [[0, 9, 0, 16, 4]]), {"x": _PH}),            # negative size
+    (_m(1, 1, 0, 0, 257, [[0, 9, 0, 16, 4]]), {"x": _PH}),             # size not a multiple of ALIGN
     (_m(0, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),             # generation 0
     (_m(1, 1, 0, 0, 256, [[0, 9, 0, 12, 4]]), {"x": _PH}),             # nbytes != numel*itemsize
     (_m(1, 1, 0, 0, 256, [[0, 9, 248, 16, 4]]), {"x": _PH}),           # region past the block
@@ -258,6 +259,42 @@ def test_hostile_manifests_are_refused_before_use(manifest, host):
                 rx.get("bad2", timeout=5)
             gc.collect()
             assert rx.stats().blocks_in_use == 0 and not rx._ops.waits
+
+
+def test_repeated_tensor_entries_are_checked_against_each_block():
+    # _parse remembers the tensors of the last valid manifest; one that repeats them
+    # is still checked against its own block.
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
+        with _raw_sender(rx) as raw:
+            raw.put("k", {"m": _m(1, 1, 0, 0, 512, [[0, 9, 0, 512, 128]]), "h": {"x": _PH}, "n": 1}, timeout=5)
+            with pytest.raises(PeerLostError):  # parsed and remembered; no such sender
+                rx.get("k", timeout=5)
+            assert rx._parsed is not None and rx._parsed[1] == 512
+            raw.put("bad", {"m": _m(1, 2, 0, 0, 256, [[0, 9, 0, 512, 128]]), "h": {"x": _PH}, "n": 1}, timeout=5)
+            with pytest.raises(BlobDecodeError, match="past the block"):
+                rx.get("bad", timeout=5)
+            # Floats equal to the remembered ints compare equal: the checked ints are used.
+            again = rx._parse("k2", _m(1, 3, 0, 0, 512, [[0.0, 9, 0, 512.0, 128]]))
+            assert again[5] is rx._parsed[2]
+            assert all(type(again[5][0][i]) is int for i in (0, 2, 3))
+            gc.collect()
+            assert rx.stats().blocks_in_use == 0
+
+
+def test_views_of_several_dtypes_and_shapes_are_the_tensors_sent(pair):
+    tx, rx = pair
+    payload = {"a": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4), "b": torch.arange(5, dtype=torch.int64),
+               "c": [torch.ones(3, dtype=torch.bfloat16), torch.zeros(0, 2)], "d": torch.tensor(7, dtype=torch.int16),
+               "e": torch.arange(6, dtype=torch.float64).reshape(3, 2).t()}
+    tx.put("k", payload, timeout=5)
+    got = rx.get("k", timeout=5)
+    for name in ("a", "b", "d", "e"):
+        assert got[name].dtype == payload[name].dtype and got[name].shape == payload[name].shape
+        assert torch.equal(got[name], payload[name]) and got[name].is_contiguous()
+    assert torch.equal(got["c"][0], payload["c"][0]) and got["c"][1].shape == (0, 2)
+    base = rx._pool.ptr
+    assert all(base <= got[n].data_ptr() < base + rx._pool.nbytes for n in ("a", "b", "d", "e"))
 
 
 def test_valid_manifest_from_raw_sender_needs_its_events():

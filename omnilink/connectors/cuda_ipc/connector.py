@@ -46,6 +46,7 @@ from omnilink.connectors.cuda_ipc.directory import (
     find_directories,
 )
 from omnilink.connectors.shm import HostLock, ShmConnector, pid_alive, read_prefix, unlink_segment
+from omnilink.cuda import map_tensors
 
 __all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector", "live_pool_owner"]
 
@@ -90,6 +91,21 @@ def _dtype_tables() -> tuple[dict[Any, int], dict[int, Any]]:
 
 _tables: tuple[dict[Any, int], dict[int, Any]] | None = None
 _ITEMSIZE = {code: size for code, size in DTYPE_CODES.values()}
+
+
+#: dtype -> the empty host tensor that stands for a device tensor in a put's host tree
+_PLACEHOLDERS: dict[Any, Any] = {}
+
+
+def _placeholder(dtype: Any) -> Any:
+    """The shared empty tensor of ``dtype`` that marks where a device tensor was (one per
+    dtype, never written: the encoder only reads its dtype and shape)."""
+    t = _PLACEHOLDERS.get(dtype)
+    if t is None:
+        import torch
+
+        t = _PLACEHOLDERS[dtype] = torch.empty(0, dtype=dtype)
+    return t
 
 
 def _dtypes() -> tuple[dict[Any, int], dict[int, Any]]:
@@ -279,6 +295,8 @@ class CudaIpcConnector(BaseConnector):
         self._lost_reason: str | None = None
         self._pool: _Pool | None = None
         self._rx_events: tuple[int, list[Any], bool] | None = None  # (gen, events, opened)
+        #: (tensor entries, their end, parsed) of the last valid manifest (``_parse``)
+        self._parsed: tuple[list[Any], int, list[Any]] | None = None
         self._rx_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -377,9 +395,12 @@ class CudaIpcConnector(BaseConnector):
             self._rx_events = (gen, events, opened)
             return events
 
-    def _parse(self, key: str, m: Any) -> tuple[int, int, int, int, int, list[tuple[int, Any, int, int, tuple[int, ...]]]]:
+    def _parse(self, key: str, m: Any) -> tuple[int, int, int, int, int, list[tuple[Any, ...]]]:
         """Validate a manifest before anything of it is used (a hostile sender cannot
-        make the receiver read outside its pool or build a view that lies about its size)."""
+        make the receiver read outside its pool or build a view that lies about its size).
+
+        Returns ``(gen, seq, slot, block, total, tensors)``, each tensor ``(ordinal,
+        dtype, offset, nbytes, shape, contiguous strides, offset in elements)``."""
         pool = self._open(self._pool)
 
         def bad(why: str) -> BlobDecodeError:
@@ -402,11 +423,22 @@ class CudaIpcConnector(BaseConnector):
             raise bad("generation, sequence or event slot out of range")
         if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0 and block + total <= pool.nbytes):
             raise bad(f"block [{block}, +{total}) is not inside the {pool.nbytes}-byte pool")
+        if total % ALIGN:
+            raise bad(f"block size {total} is not a multiple of {ALIGN}")
         if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_TENSORS:
             raise bad("tensor list missing or too long")
+        last = self._parsed
+        if last is not None and entries == last[0]:
+            # The tensors of the last valid manifest (a stream repeats them): only their
+            # extent against this block's size is new. ``==`` may also match floats or
+            # bools equal to those ints; what is used is the validated copy.
+            if last[1] > total:
+                raise bad(f"tensors end at {last[1]}, past the block's {total} bytes")
+            return gen, seq, slot, block, total, last[2]
         _, by_code = _dtypes()
         out = []
         seen: set[int] = set()
+        end = 0
         for e in entries:
             if not isinstance(e, list) or not 4 <= len(e) <= 4 + MAX_NDIM:
                 raise bad("tensor entry is not [ordinal, dtype, offset, nbytes, *shape]")
@@ -428,7 +460,13 @@ class CudaIpcConnector(BaseConnector):
                 raise bad(f"tensor {ordinal}: {nbytes} bytes for shape {shape} of {dt}")
             if off % itemsize:
                 raise bad(f"tensor {ordinal}: offset {off} not aligned to its dtype")
-            out.append((ordinal, dt, off, nbytes, shape))
+            stride, step = [], 1
+            for d in reversed(shape):
+                stride.append(step)
+                step *= max(d, 1)
+            out.append((ordinal, dt, off, nbytes, shape, tuple(reversed(stride)), off // itemsize))
+            end = max(end, off + nbytes)
+        self._parsed = (entries, end, out)
         return gen, seq, slot, block, total, out
 
     def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
@@ -451,8 +489,6 @@ class CudaIpcConnector(BaseConnector):
         gen, seq, slot, blk, total, entries = self._parse(key, m)
         d = pool.dir
         pool.hold(blk, total)
-        from omnilink.cuda import map_tensors
-
         counter = [0]
         used = [0]
         views: dict[int, Any] = {}
@@ -470,9 +506,16 @@ class CudaIpcConnector(BaseConnector):
 
         try:
             base, lease = self._ops.view(pool.ptr + blk, total, pool.index)
-            for ordinal, dt, off, nbytes, shape in entries:
-                views[ordinal] = base[off:off + nbytes].view(dt).view(shape)
-            del base
+            typed: dict[Any, Any] = {}
+            for ordinal, dt, off, nbytes, shape, stride, first in entries:
+                # One view of the block per dtype, one as_strided per tensor (a slice and
+                # two views per tensor cost twice as much).
+                tv = typed.get(dt)
+                if tv is None:
+                    t = base.view(dt)  # the block's size is a multiple of ALIGN (_parse)
+                    tv = typed[dt] = (t, t.storage_offset())
+                views[ordinal] = tv[0].as_strided(shape, stride, tv[1] + first)
+            del base, typed
             fin = pool.track(lease, key, blk, total)
             del lease
         except BaseException:
@@ -571,25 +614,17 @@ class CudaIpcConnector(BaseConnector):
                 "and cannot put; open it with role='sender' or 'dual'"
             )
         inner = self._open(self._inner)
-        from omnilink.cuda import map_tensors
-
         ops = self._ops
         picked: list[tuple[int, Any]] = []
         counter = [0]
-        torch = None
 
         def pick(t: Any) -> Any:
-            nonlocal torch
             i = counter[0]
             counter[0] += 1
             if not ops.is_device_tensor(t):
                 return t
-            if torch is None:
-                import torch as _torch
-
-                torch = _torch
             picked.append((i, t))
-            return torch.empty(0, dtype=t.dtype)
+            return _placeholder(t.dtype)
 
         # What put returns (the Connector contract): the payload's tensor_blob size.
         size = encoded_size(payload)
