@@ -1385,6 +1385,17 @@ _DEVICE_LAYOUTS: dict[int, tuple[Any, Any]] = {}
 _DEVICE_LAYOUTS_MAX = 512
 
 
+def _contiguous_strides(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of shape ``dims`` (as torch gives them:
+    a dimension of size 0 counts as 1)."""
+    stride = []
+    step = 1
+    for d in reversed(dims):
+        stride.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(stride))
+
+
 def _device_layout(plan: tuple[tuple[Any, ...], ...]) -> Any:
     entries = []
     end = 0
@@ -1397,12 +1408,7 @@ def _device_layout(plan: tuple[tuple[Any, ...], ...]) -> Any:
             return None
         has_bool |= kind == _PLAN_BOOL
         dims = (count,) if shape is None else tuple(shape)
-        stride = []
-        step = 1
-        for d in reversed(dims):
-            stride.append(step)
-            step *= max(d, 1)
-        entries.append((kind, dt, dims, tuple(reversed(stride)), off // size))
+        entries.append((kind, dt, dims, _contiguous_strides(dims), off // size))
         end = max(end, off + count * size)
     return tuple(entries), end, has_bool
 

@@ -23,7 +23,7 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import Deadline, PeerWatch
-from omnilink.blob import DTYPE_CODES, encoded_size
+from omnilink.blob import DTYPE_CODES, _contiguous_strides, encoded_size
 from omnilink.connectors.base import BaseConnector, Role
 from omnilink.connectors.cuda_ipc.blocks import ALIGN, BlockAllocator, round_up
 from omnilink.connectors.cuda_ipc.directory import (
@@ -460,11 +460,7 @@ class CudaIpcConnector(BaseConnector):
                 raise bad(f"tensor {ordinal}: {nbytes} bytes for shape {shape} of {dt}")
             if off % itemsize:
                 raise bad(f"tensor {ordinal}: offset {off} not aligned to its dtype")
-            stride, step = [], 1
-            for d in reversed(shape):
-                stride.append(step)
-                step *= max(d, 1)
-            out.append((ordinal, dt, off, nbytes, shape, tuple(reversed(stride)), off // itemsize))
+            out.append((ordinal, dt, off, nbytes, shape, _contiguous_strides(shape), off // itemsize))
             end = max(end, off + nbytes)
         self._parsed = (entries, end, out)
         return gen, seq, slot, block, total, out

@@ -63,7 +63,6 @@ from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text
-from omnilink.cuda import StagePayloadHandle
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
@@ -93,6 +92,7 @@ from omnilink.connectors.shm.segments import (
     create_segment,
     out_rec,
 )
+from omnilink.cuda import StagePayloadHandle
 
 __all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector"]
 

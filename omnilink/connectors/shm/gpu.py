@@ -49,7 +49,6 @@ from typing import Any
 
 from omnilink._errors import BlobDecodeError, ConfigurationError, CudaError, TransportError
 from omnilink.blob import prepare
-from omnilink.cuda import cuda_ops, current_raw_stream
 from omnilink.connectors.shm.slices import (
     ABORT,
     SLICED_MARK,
@@ -60,6 +59,7 @@ from omnilink.connectors.shm.slices import (
     plan_slices,
     slice_key,
 )
+from omnilink.cuda import cuda_ops, current_raw_stream
 
 __all__ = ["ShmGpuPath"]
 
