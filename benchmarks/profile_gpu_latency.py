@@ -13,7 +13,9 @@ Prints, in one run (medians in microseconds):
 3. two processes, omnilink shm: the same ping-pong through ``put`` /
    ``get(device=...)``, with each side's time split into put, get-wait and the rest;
 4. receiver-only and sender-only cost per message at ``--bulk-size`` (messages already
-   in the arena, or nobody consuming): which side bounds throughput.
+   in the arena, or nobody consuming): which side bounds throughput;
+5. ``--only calls``: each CUDA / torch call of a small message, back to back and right
+   after a 250 us spin or sleep (``call_costs``).
 
 For finding the fixed cost, not for figures to quote (``bench_gpu.py`` is that).
 """
@@ -78,6 +80,77 @@ def raw_one_process(size: int, n: int, index: int) -> dict:
         if i >= 100:
             ts.append(time.perf_counter() - t0)
     out["event_create_destroy_us"] = _med(ts)
+    rt.cudaStreamDestroy(stream)
+    return out
+
+
+def call_costs(size: int, n: int, index: int, gap_us: float = 250.0) -> dict:
+    """Median cost of each CUDA / torch call a small GPU message makes, back to back
+    (``hot``) and right after a ``gap_us`` spin (as a receiver that waits for its next
+    message spins) or sleep. Also an ``omnilink.cuda.Event`` made and recorded with its
+    handle recycled, and the same with recycling off (``EVENT_POOL_MAX`` = 0)."""
+    import torch
+
+    from omnilink.cuda import Event, cuda_ops
+
+    ops = cuda_ops()
+    rt = ops.rt
+    torch.cuda.set_device(index)
+    dev = torch.empty(size, dtype=torch.uint8, device=f"cuda:{index}")
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    stream = ops.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "stream")
+    ev = ops.check(rt.cudaEventCreateWithFlags(ops.flags), "event")
+    clock = time.perf_counter_ns
+
+    def raw_event() -> None:
+        e = rt.cudaEventCreateWithFlags(ops.flags)[1]
+        rt.cudaEventRecord(e, stream)
+        rt.cudaEventDestroy(e)
+
+    calls = {
+        "memcpy_h2d": lambda: ops.memcpy(dev.data_ptr(), host.data_ptr(), size, stream),
+        "memcpy_d2h_and_sync": lambda: (ops.memcpy(host.data_ptr(), dev.data_ptr(), size, stream),
+                                        rt.cudaStreamSynchronize(stream)),
+        "torch_empty": lambda: torch.empty(size, dtype=torch.uint8, device=f"cuda:{index}"),
+        "event_record": lambda: rt.cudaEventRecord(ev, stream),
+        "dtype_view_as_strided": lambda: dev.view(torch.bfloat16).as_strided((size // 2,), (1,), 0),
+        "event_raw_create_record_destroy": raw_event,
+        "event_omnilink_recycled_record": lambda: Event(index).record(stream),
+    }
+    from omnilink.cuda import runtime
+
+    def no_recycling() -> None:
+        # The same omnilink Event with its free list off: created, recorded, destroyed.
+        keep = runtime.EVENT_POOL_MAX
+        runtime.EVENT_POOL_MAX = 0
+        try:
+            Event(index).record(stream)
+        finally:
+            runtime.EVENT_POOL_MAX = keep
+
+    calls["event_omnilink_not_recycled_record"] = no_recycling
+    out: dict = {}
+    for name, fn in calls.items():
+        row = {}
+        for mode in ("hot", "after_spin", "after_sleep"):
+            ts = []
+            for i in range(n + 50):
+                if mode == "after_spin":
+                    end = clock() + int(gap_us * 1000)
+                    while clock() < end:
+                        pass
+                elif mode == "after_sleep":
+                    time.sleep(gap_us / 1e6)
+                t0 = clock()
+                fn()
+                if i >= 50:
+                    ts.append(clock() - t0)
+                if i % 64 == 63:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            row[f"{mode}_us"] = round(statistics.median(ts) / 1e3, 2)
+        out[name] = row
+    rt.cudaEventDestroy(ev)
     rt.cudaStreamDestroy(stream)
     return out
 
@@ -296,7 +369,9 @@ def main() -> int:
     ap.add_argument("--peer-device", default=None, help="the other process's device (default: --device)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile the bulk receiver and both sides of the ping-pong")
-    ap.add_argument("--only", default="raw,omnilink,bulk", help="parts to run: raw,omnilink,bulk")
+    ap.add_argument("--only", default="raw,omnilink,bulk",
+                    help="parts to run: raw,omnilink,bulk,calls (calls: each CUDA call of a small message, "
+                         "hot and after a 250 us spin or sleep)")
     args = ap.parse_args()
     import torch
 
@@ -314,6 +389,8 @@ def main() -> int:
         floor = raw_two_process([1 << 20], pidx, lambda n: 200, 3)
         res["raw_two_process_gpu"] = {"stream_1MiB_GBps": floor["stream"][1 << 20],
                                       "4KiB_one_way_p50_us": floor["lat_p50_us"], "p99_us": floor["lat_p99_us"]}
+    if "calls" in only:
+        res["calls"] = call_costs(args.size, min(args.n, 1000), index)
     if "omnilink" in only:
         res["omnilink_two_process"] = omnilink_two_process(args.size, args.n, args.device, peer, args.profile)
     if "bulk" in only:
