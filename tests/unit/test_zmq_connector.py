@@ -773,9 +773,11 @@ def test_message_withdrawn_during_the_read_is_never_delivered(ipc_dir, opened, m
         return ok
 
     class ExpiresOnceRead:
-        """Torn's deadline: it passes once the regions were copied and the sender has
+        """Torn's deadline: it passes once the regions were copied, the sender has
         seen the connection (its monitor event can lag behind the data, and the
-        timeout would then say the receiver never connected); at the latest after
+        timeout would then say the receiver never connected) and nothing waits in its
+        outbox (that late event requeues what was sent before it: a deadline passing
+        then would say the message was never handed to zmq); at the latest after
         WAIT, so a receiver that never reads cannot hang the test."""
 
         timeout = 0.5
@@ -785,7 +787,8 @@ def test_message_withdrawn_during_the_read_is_never_delivered(ipc_dir, opened, m
             self.end = time.monotonic() + WAIT
 
         def remaining(self) -> float:  # called under loop.cond
-            if regions_read.is_set() and self.loop.ever_connected or time.monotonic() >= self.end:
+            loop = self.loop
+            if regions_read.is_set() and loop.ever_connected and not loop.outbox or time.monotonic() >= self.end:
                 return 0.0
             return 0.02
 
