@@ -728,6 +728,12 @@ class PreparedBlob:
         return sum(d.nbytes for d, (k, src) in zip(self._descs, self._sources)
                    if k == KIND_TORCH and not src.is_cpu)
 
+    def devices(self) -> list[Any]:
+        """The distinct devices (not the host) of the payload's torch tensors."""
+        if not self._on_device:
+            return []
+        return list({src.device: None for k, src in self._sources if k == KIND_TORCH and not src.is_cpu})
+
     def write_host_into(self, buffer: Any, /) -> list[tuple[int, Any]]:
         """Write the frame like ``write_into`` except the bytes of device tensors.
 

@@ -475,6 +475,13 @@ class CudaIpcConnector(BaseConnector):
             obj = inner.get(key, timeout=deadline.remaining()) if block else inner.get_nowait(key)
         except TransferTimeout:
             raise self._timeout("get", key, "a sender", deadline.timeout) from None
+        return self._land_message(key, obj)
+
+    def _land_message(self, key: str, obj: Any) -> Any:
+        """The payload of a message ``_send`` made, received under ``key`` (here from the
+        inner channel; the shm backend's device-IPC route hands over the one it claimed
+        on its own channel): views of the pool, the current stream ordered after the
+        sender's copy (host not blocked)."""
         if not isinstance(obj, dict) or set(obj) != {"m", "h", "n"} or type(obj["n"]) is not int:
             raise BlobDecodeError(f"cuda_ipc: key {key!r}: not a cuda_ipc message")
         m, host, size = obj["m"], obj["h"], obj["n"]
@@ -554,19 +561,27 @@ class CudaIpcConnector(BaseConnector):
         if not self._recvs:
             dropped = inner.discard(key)
             if dropped:
-                with self._tx_lock:
-                    tx = self._tx
-                    got = tx.sent.pop(key, None) if tx is not None else None
-                    if tx is not None and got is not None:
-                        blk, slot, seq = got
-                        tx.by_block.pop(blk, None)
-                        tx.alloc.free(blk)
-                        tx.dir.set_done_seq(slot, seq)
+                self._withdrawn(key)
             return dropped
         try:
             obj = inner.get_nowait(key)
         except (WouldBlock, KeyConsumedError):
             return False
+        return self._drop_message(key, obj)
+
+    def _withdrawn(self, key: str) -> None:
+        """Sender: the message of ``key`` was withdrawn unread: its block is free again."""
+        with self._tx_lock:
+            tx = self._tx
+            got = tx.sent.pop(key, None) if tx is not None else None
+            if tx is not None and got is not None:
+                blk, slot, seq = got
+                tx.by_block.pop(blk, None)
+                tx.alloc.free(blk)
+                tx.dir.set_done_seq(slot, seq)
+
+    def _drop_message(self, key: str, obj: Any) -> bool:
+        """Receiver: a message of ``_send`` discarded unread: its block goes back."""
         m = obj.get("m") if isinstance(obj, dict) else None
         pool = self._pool
         if m is not None and pool is not None:
@@ -604,12 +619,23 @@ class CudaIpcConnector(BaseConnector):
 
     # ------------------------------------------------------------------ sender
     def _put(self, key: str, payload: Any, deadline: Deadline, ctx: Any = None) -> int:
+        inner = self._open(self._inner)
+        return self._send(key, payload, deadline, ctx,
+                          lambda msg: inner.put(key, msg, timeout=deadline.remaining()))
+
+    def _send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
+              size: int | None = None, room: Deadline | None = None) -> int:
+        """Copy the CUDA tensors of ``payload`` into a block of the receiver's pool and
+        hand ``publish`` the message that describes it (``{"m": manifest, "h": host
+        part, "n": size}``, what ``_land_message`` opens). If ``publish`` raises, the
+        block and its event slot are taken back and the error goes on. ``size``: the
+        payload's tensor_blob size when the caller knows it; ``room``: the deadline of
+        the wait for room in the pool (default ``deadline``)."""
         if not self._sends:
             raise ConfigurationError(
                 f"cuda_ipc connector on channel {self.channel!r} was opened with role='receiver' "
                 "and cannot put; open it with role='sender' or 'dual'"
             )
-        inner = self._open(self._inner)
         ops = self._ops
         picked: list[tuple[int, Any]] = []
         counter = [0]
@@ -623,13 +649,14 @@ class CudaIpcConnector(BaseConnector):
             return _placeholder(t.dtype)
 
         # What put returns (the Connector contract): the payload's tensor_blob size.
-        size = encoded_size(payload)
+        if size is None:
+            size = encoded_size(payload)
         host = map_tensors(payload, pick)
         # map_tensors' walker is a reference cycle that keeps pick's closure until the
         # garbage collector runs: hand the tensors over to a list it does not see.
         picked, chosen = [], picked
         if not chosen:
-            inner.put(key, {"m": None, "h": host, "n": size}, timeout=deadline.remaining())
+            publish({"m": None, "h": host, "n": size})
             return size
         by_dtype, _ = _dtypes()
         entries: list[list[int]] = []
@@ -662,7 +689,7 @@ class CudaIpcConnector(BaseConnector):
                     f"cuda_ipc: payload {key!r} holds {total} device bytes; the receiver's pool is "
                     f"{tx.pool_bytes} bytes (raise the receiver's pool_bytes)"
                 )
-            blk = self._alloc(tx, key, total, deadline)
+            blk = self._alloc(tx, key, total, room or deadline)
             slot = self._take_slot(tx)
             tx.seq += 1
             seq = tx.seq
@@ -675,7 +702,7 @@ class CudaIpcConnector(BaseConnector):
             tx.dir.set_rec_seq(slot, seq)
             manifest = [np.array((tx.gen, seq, slot, blk, total), dtype=np.int64), entries]
             try:
-                inner.put(key, {"m": manifest, "h": host, "n": size}, timeout=deadline.remaining())
+                publish({"m": manifest, "h": host, "n": size})
             except BaseException:
                 # Never published: nobody will wait on the slot or read the block; a later
                 # copy into it runs after this one (same copy stream).

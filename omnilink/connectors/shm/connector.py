@@ -54,6 +54,7 @@ from omnilink._errors import (
     CapacityError,
     ClosedError,
     ConfigurationError,
+    KeyConsumedError,
     PeerLostError,
     TransportError,
     WouldBlock,
@@ -120,6 +121,9 @@ DEFAULT_SLICE_BYTES = 16 << 20
 #: take a turn on the GPU).
 DEFAULT_IPC_POOL_BYTES = 256 << 20
 DEFAULT_IPC_MIN_BYTES = 16 << 20
+#: A device-IPC message's frame names IPC_MARK in its header, within this many bytes.
+_IPC_PEEK = 512
+_IPC_MARK_BYTES = IPC_MARK.encode("ascii")
 #: Seconds between liveness checks of the peers while waiting (a heartbeat, not polling:
 #: the data path is always woken by a semaphore).
 HEARTBEAT_S = 0.25
@@ -1165,7 +1169,7 @@ class ShmConnector(BaseConnector):
         if deadline is None:
             deadline = Deadline.after(self.timeout)
         if IPC_MARK in marker:
-            return self._take_ipc(key, deadline, None)
+            return self._take_ipc(key, marker, None)
         return self._gpu_path().gather(marker, deadline, None).synchronize()
 
     def _get_many(self, keys: list[str], deadline: Deadline, device: Any) -> dict[str, Any]:
@@ -1244,7 +1248,7 @@ class ShmConnector(BaseConnector):
         payload: Any = _UNSET
         if got[5] is None and not gpu.cpu_mode:
             dev = gpu.device_of(device)
-            if dev.type == "cuda":
+            if dev.type == "cuda" and not self._is_ipc_message(got):
                 landed = self._land_frame(key, got, gpu, dev)  # counts the get
                 if type(landed) is StagePayloadHandle:
                     payload = landed._payload
@@ -1259,12 +1263,25 @@ class ShmConnector(BaseConnector):
             from omnilink.cuda import Event, current_raw_stream
 
             dev = self._gpu_path().device_of(device)
-            out = self._take_ipc(key, deadline, dev)
+            out = self._take_ipc(key, payload, dev)
             # The current stream waits for the sender's copy (and any move): a handle
             # whose wait(stream) orders another stream after that point.
             raw = current_raw_stream(dev.index)
             return StagePayloadHandle(out, Event(dev.index).record(raw), dev, [], stream=raw)
         return gpu.land(payload, got[0], deadline, device, got[4])
+
+    def _is_ipc_message(self, got: tuple[Any, ...]) -> bool:
+        """Whether the arena payload claimed in ``got`` looks like a device-IPC message
+        (its header names ``IPC_MARK``): such a frame holds no tensor to land on the
+        device, so the one-copy landing is not tried. Only picks the road; the decoder
+        validates the frame either way."""
+        ipc = self._ipc
+        if ipc is None or not ipc.has_pool():
+            return False
+        reader, _idx, _seq, off, length, _ = got
+        start = reader.data_offset + off
+        head = reader.mm[start : start + min(length, _IPC_PEEK)]
+        return _IPC_MARK_BYTES in head
 
     def _land_frame(self, key: str, got: tuple[Any, ...], gpu: Any, dev: Any) -> Any:
         """Land an arena payload on CUDA ``dev`` with one copy of its frame's data region
@@ -1300,15 +1317,15 @@ class ShmConnector(BaseConnector):
         self._count_op("gets", "bytes_got", length)
         return landed
 
-    def _take_ipc(self, key: str, deadline: Deadline, device: Any) -> Any:
-        """The payload behind a device-IPC marker claimed under ``key``."""
+    def _take_ipc(self, key: str, marker: dict, device: Any) -> Any:
+        """The payload of the device-IPC message ``marker`` claimed under ``key``."""
         ipc = self._ipc
         if ipc is None:
             raise TransportError(
                 f"shm: key {key!r} on channel {self.channel!r} was sent by device IPC, but this "
                 "receiver was opened with device_ipc='off'"
             )
-        out = ipc.take(key, deadline, device)
+        out = ipc.take(key, marker, device)
         self._count(ipc_gets=1)
         return out
 
@@ -1708,9 +1725,24 @@ class ShmConnector(BaseConnector):
 
     # ====================================================== discard / release
     def _discard(self, key: str) -> bool:
+        ipc = self._ipc
+        if ipc is not None and self._recvs and ipc.has_pool():
+            # A payload sent by device IPC holds a block of this receiver's pool, named in
+            # its message: open the message (not its tensors) to give that block back.
+            try:
+                got = self._claim_wait(key, NO_WAIT, False)
+            except (WouldBlock, KeyConsumedError):
+                got = None
+            if got is not None:
+                payload = self._open_payload(key, got)
+                if type(payload) is dict and IPC_MARK in payload:
+                    ipc.drop(key, payload)
+                with self._rlock:
+                    self._consumed.add(key, "discarded")
+                return True
         dropped = self._discard_shm(key)
-        if dropped and self._ipc is not None:
-            self._ipc.discard(key)  # its device part, if it went by device IPC
+        if dropped and ipc is not None:
+            ipc.discard(key)  # a sender's device part of a payload it withdrew
         return dropped
 
     def _discard_shm(self, key: str) -> bool:

@@ -95,9 +95,10 @@ class DeviceIpcRoute:
         self._tx: Any = None
         self._tx_device: int | None = None
         self._owner: int | None = None
+        #: participants generation at which the pool's owner was the only receiver
+        self._owner_ok_gen = -1
         self._next_probe = 0.0
         self._peer_ok: dict[tuple[int, int], bool] = {}
-        self._marker = prepare({IPC_MARK: 1})
         self._closed = False
         if mode == "on" and conn._recvs:
             self.open_pool(device, strict=True)
@@ -135,11 +136,11 @@ class DeviceIpcRoute:
     def wants_pool(self) -> bool:
         return self.mode == "auto" and not self._rx_tried and self.conn._recvs
 
-    def take(self, key: str, deadline: Any, device: Any) -> Any:
-        """The payload of a marker claimed under ``key``: views of the pool on its device
-        (the current stream ordered after the sender's copy), moved to ``device`` (a
-        ``torch.device`` with an index) if it is another one; host tensors when
-        ``device`` is ``None``."""
+    def take(self, key: str, marker: dict, device: Any) -> Any:
+        """The payload of the device-IPC message ``marker`` claimed under ``key``: views
+        of the pool on its device (the current stream ordered after the sender's copy),
+        moved to ``device`` (a ``torch.device`` with an index) if it is another one; host
+        tensors when ``device`` is ``None``."""
         rx = self._rx
         if rx is None:
             raise TransportError(
@@ -147,9 +148,7 @@ class DeviceIpcRoute:
                 "receiver that owns the channel's device pool; this receiver has none (one receiver "
                 "per channel when senders use device_ipc)"
             )
-        remaining = deadline.remaining()
-        # Published before its marker: there now (the wait only covers a slow mutex).
-        got = rx.get(key, timeout=None if remaining is None else max(remaining, 1.0))
+        got = rx._land_message(key, marker[IPC_MARK])
         from omnilink.cuda import map_tensors
 
         if device is None:
@@ -166,27 +165,28 @@ class DeviceIpcRoute:
         tx = self._sender()
         if tx is None or not self._only_receiver_owns_pool():
             return None
-        if not self._reachable(payload):
+        if not self._reachable(blob):
             return None
         conn = self.conn
-        marker = self._marker
-        got = conn._take_block(key, marker.nbytes, deadline, block=True)
-        off, idx = got
+
+        def publish(msg: dict) -> None:
+            # The device part's descriptor rides the shm channel's own message: one
+            # claim, one wake-up and one decode per payload at the receiver.
+            try:
+                conn._put_arena(key, key.encode("utf-8"), prepare({IPC_MARK: msg}), deadline)
+            except BaseException as exc:
+                raise _NotPublished(exc) from exc
+
         try:
-            tx._put(key, payload, _short(deadline), events)
+            tx._send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline))
+        except _NotPublished as exc:
+            raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
-            conn._give_back_block(off, idx)
             logger.debug("shm: %r takes the host path (device IPC: %s)", key, exc)
             return None
         except (PeerLostError, ConfigurationError, CudaError) as exc:
-            conn._give_back_block(off, idx)
             self._drop_sender(f"{type(exc).__name__}: {exc}")
             return None
-        except BaseException:
-            conn._give_back_block(off, idx)
-            raise
-        marker.write_host_into(conn._block_view(off, marker.nbytes))
-        conn._publish_block(key, off, idx, marker.nbytes, deadline)
         conn._count(ipc_puts=1)
         return blob.nbytes
 
@@ -217,6 +217,7 @@ class DeviceIpcRoute:
                             self.conn.channel, exc)
                 return None
             self._tx, self._tx_device, self._owner = tx, index, owner
+            self._owner_ok_gen = -1
             logger.info("shm: channel %r sends CUDA payloads by device IPC to pid %d (cuda:%d)",
                         self.conn.channel, owner, index)
             return tx
@@ -225,6 +226,7 @@ class DeviceIpcRoute:
         with self._lock:
             tx, self._tx = self._tx, None
             self._owner = None
+            self._owner_ok_gen = -1
         if tx is not None:
             logger.info("shm: channel %r: device IPC dropped (%s); host path", self.conn.channel, why)
             try:
@@ -239,24 +241,29 @@ class DeviceIpcRoute:
         from omnilink.connectors.shm.segments import _LockTimeout
 
         conn = self.conn
+        chan = conn._chan
+        gen = chan.senders_gen()  # moves whenever a participant joins, leaves or is reaped
+        if gen == self._owner_ok_gen:
+            return True
         try:
-            with conn._chan.locked(_short(None)):
-                parts = conn._chan.participants()
+            with chan.locked(_short(None)):
+                gen = chan.senders_gen()
+                parts = chan.participants()
         except _LockTimeout:
             return False
         recv = {pid for pid, role, _ in parts if role & ROLE_RECV}
         if recv == {self._owner}:
+            self._owner_ok_gen = gen
             return True
         if self._owner not in recv:
             self._drop_sender("the pool's owner left the channel")
         return False
 
-    def _reachable(self, payload: Any) -> bool:
-        """Whether every CUDA device of ``payload`` can reach the pool's device (peer access)."""
-        from omnilink.cuda import cuda_devices_of
-
+    def _reachable(self, blob: Any) -> bool:
+        """Whether every CUDA device of the prepared payload ``blob`` can reach the pool's
+        device (peer access)."""
         pool = self._tx_device
-        for dev in cuda_devices_of(payload):
+        for dev in blob.devices():
             if dev.index == pool:
                 continue
             ok = self._peer_ok.get((dev.index, pool))
@@ -268,15 +275,24 @@ class DeviceIpcRoute:
                 return False
         return True
 
-    # ================================================================ both
+    def has_pool(self) -> bool:
+        """Whether this receiver owns a device pool (device-IPC payloads may name it)."""
+        return self._rx is not None
+
+    def drop(self, key: str, marker: dict) -> None:
+        """Receiver: the device-IPC message ``marker`` under ``key`` is discarded unread:
+        its pool block goes back (nothing viewed it)."""
+        rx = self._rx
+        if rx is not None:
+            rx._drop_message(key, marker[IPC_MARK])
+
+    # ================================================================ sender
     def discard(self, key: str) -> None:
-        """The shm side dropped ``key`` unread: drop its device part too (if it had one)."""
-        for part in (self._rx, self._tx):
-            if part is not None:
-                try:
-                    part._discard(key)
-                except Exception:  # best effort: the key may have no device part
-                    logger.debug("shm: discarding the device part of %r failed", key, exc_info=True)
+        """Sender: ``key`` was withdrawn unread from the shm channel: free its pool block
+        (if it went by device IPC)."""
+        tx = self._tx
+        if tx is not None:
+            tx._withdrawn(key)
 
     def close(self) -> None:
         self._closed = True
@@ -288,6 +304,15 @@ class DeviceIpcRoute:
                     part.close()
                 except Exception:  # pragma: no cover - best effort at close
                     logger.debug("shm: closing a device-IPC part failed", exc_info=True)
+
+
+class _NotPublished(Exception):
+    """The device part was copied but its message could not be published (the device
+    part is taken back; ``error`` goes on to the caller, no host-path retry)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _short(deadline: Any) -> Any:

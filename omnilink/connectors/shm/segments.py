@@ -33,7 +33,8 @@ Control segment ``<prefix>-c<hash>`` (4096 bytes, little-endian)::
     12     4    pid of the mutex holder (0 = free or unknown)
     16     4    waiters registered on the wake semaphore
     20     4    wake generation (bumped by every broadcast)
-    24     8    senders generation (bumped when a sender joins, leaves or is reaped)
+    24     8    participants generation (bumped when any participant joins, leaves or
+                is reaped; receivers remap senders' arenas when it moves)
     32     4    senders found dead so far (receivers turn this into PeerLostError)
     36     4    length of the channel name
     40     4    1 if the last sender to leave died, 0 if it closed
@@ -372,8 +373,7 @@ class Channel:
                         f"shm: channel {self.channel!r} already has {MAX_PARTICIPANTS} "
                         "participants; close some or use another channel"
                     )
-                if role & ROLE_SEND:
-                    self._bump_senders_locked()
+                self._bump_senders_locked()  # any participant: the device-IPC route's owner check
                 self.lost_baseline = self.lost_senders()
             self._remove_reaped(reaped)
 
@@ -431,7 +431,7 @@ class Channel:
                 self.slot = -1
                 if role & ROLE_SEND:
                     _U32.pack_into(self._mm, _C_EXIT, 0)
-                    self._bump_senders_locked()
+                self._bump_senders_locked()
                 reaped = self._reap_locked()
                 last = not self._participants_locked()
                 if last:
@@ -647,6 +647,8 @@ class Channel:
 
     # ----------------------------------------------------------- participants
     def senders_gen(self) -> int:
+        """The participants generation: moves whenever a participant (a sender or a
+        receiver) joins, leaves or is reaped; read without the mutex."""
         return self._gen[0]
 
     def lost_senders(self) -> int:
@@ -683,7 +685,7 @@ class Channel:
                 if role & ROLE_SEND:
                     _U32.pack_into(self._mm, _C_LOST, self.lost_senders() + 1)
                     _U32.pack_into(self._mm, _C_EXIT, 1)
-                    self._bump_senders_locked()
+                self._bump_senders_locked()
                 logger.info("shm channel %r: reaped dead participant pid %d", self.channel, pid)
         return reaped
 
