@@ -455,6 +455,9 @@ def road_rows(road: str, src: str, dst: str, sizes: list[int], n: int, lat_n: in
             del hidden
         parent.send(("stop",))
         rstats = parent.recv()
+        st = tx.stats()
+        rstats.update({f"sender_{f}": getattr(st, f) for f in ("ipc_puts", "device_puts", "ipc_fallbacks",
+                                                              "ipc_fallback_reason")})
         proc.join(60)
     finally:
         if tx is not None:
@@ -522,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     for r, st in extra.items():
         keep = {k: v for k, v in st.items() if v and any(w in k for w in ("ipc", "device", "fallback", "host"))}
-        print(f"# receiver stats {r}: {keep}")
+        print(f"# stats {r}: {keep}")
     traces = {}
     if args.trace:
         tsizes = parse_sizes(args.trace_sizes)

@@ -127,6 +127,11 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
     #: a device copy into the receiver's pool, no host bounce)
     ipc_puts: int = 0
     ipc_gets: int = 0
+    #: payloads that could have gone by device IPC (a receiver's pool was found and
+    #: reachable) but took the host path; ``ipc_fallback_reason`` says why the last did
+    #: (the pool full or too small, the pool's owner gone, a CUDA error)
+    ipc_fallbacks: int = 0
+    ipc_fallback_reason: str = ""
     #: unread payloads the transport dropped by itself because their receiver is gone or
     #: took too long (shm: ``reclaim_after``, ``reclaim_unread``), as opposed to
     #: ``discards`` a caller asked for
@@ -234,7 +239,7 @@ class BaseConnector:
         self._counter_lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "gets", "bytes_put", "bytes_got", "discards", "timeouts", "fallbacks",
-             "device_puts", "device_gets", "sliced", "ipc_puts", "ipc_gets", "reclaimed"), 0
+             "device_puts", "device_gets", "sliced", "ipc_puts", "ipc_gets", "ipc_fallbacks", "reclaimed"), 0
         )
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._waiter: Any = None  # omnilink.connectors._async.ArrivalWaiter, on first aget
@@ -267,7 +272,7 @@ class BaseConnector:
         """(blocks, bytes) this process holds in the transport; backends override."""
         return (0, 0)
 
-    def _arena_stats(self) -> dict[str, int]:
+    def _arena_stats(self) -> dict[str, Any]:
         """``segments``, ``bytes_mapped`` and ``bytes_held`` of ``stats()``; backends with
         an arena override."""
         return {}

@@ -125,6 +125,8 @@ def test_pool_full_falls_back_to_the_host_path_without_losing_anything():
         tx.put("b", {"x": x * 2}, timeout=30)  # no room: host path at once
         s = tx.stats()
         assert s.ipc_puts == 1 and s.device_puts == 1
+        # Counted, with the reason: a payload that took the slow road is never silent.
+        assert s.ipc_fallbacks == 1 and s.ipc_fallback_reason.startswith("TransferTimeout"), s
         got = rx.get("b", timeout=30, device="cuda:0")
         assert int(got["x"].max()) == 2 and int(held["x"].max()) == 1
 

@@ -1224,16 +1224,19 @@ class ShmConnector(BaseConnector):
             from omnilink.cuda import payload_to_device
 
             return payload_to_device(self._get(key, deadline, block), device)
-        return self._receive_handle(key, deadline, block, device).wait()
+        return self._receive_handle(key, deadline, block, device, now=True).wait()
 
-    def _receive_handle(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
+    def _receive_handle(self, key: str, deadline: Deadline, block: bool, device: Any, *,
+                        now: bool = False) -> Any:
+        """Claim ``key`` and start landing it on ``device``: a ``StagePayloadHandle``.
+        ``now``: the caller waits on it at once, on the current stream (``get``)."""
         if _is_cuda(device) and not _gpu_path_available():
             from omnilink.cuda import payload_to_device
 
             obj = payload_to_device(self._get(key, deadline, block), device)
             return StagePayloadHandle(obj, None, device, [])
         self._want_pool(device)
-        return self._land(key, self._claim_wait(key, deadline, block), deadline, device)
+        return self._land(key, self._claim_wait(key, deadline, block), deadline, device, now=now)
 
     def _want_pool(self, device: Any) -> None:
         """Open the device-IPC pool at a first ``get`` onto a CUDA device, if wanted."""
@@ -1241,9 +1244,11 @@ class ShmConnector(BaseConnector):
         if ipc is not None and ipc.wants_pool() and _is_cuda(device):
             ipc.open_pool(self._gpu_path().device_of(device))
 
-    def _land(self, key: str, got: tuple[Any, ...], deadline: Deadline, device: Any) -> Any:
+    def _land(self, key: str, got: tuple[Any, ...], deadline: Deadline, device: Any, *,
+              now: bool = False) -> Any:
         """Open a payload claimed under ``key`` and start its copy to ``device``: a
-        ``StagePayloadHandle``."""
+        ``StagePayloadHandle``. ``now``: it is waited on at once on the current stream
+        (a device-IPC payload is ordered there already: no event to record)."""
         gpu = self._gpu_path()
         payload: Any = _UNSET
         if got[5] is None and not gpu.cpu_mode:
@@ -1264,6 +1269,8 @@ class ShmConnector(BaseConnector):
 
             dev = self._gpu_path().device_of(device)
             out = self._take_ipc(key, payload, dev)
+            if now:  # get: the current stream already waits for the sender's copy
+                return StagePayloadHandle(out, None, dev, [])
             # The current stream waits for the sender's copy (and any move): a handle
             # whose wait(stream) orders another stream after that point.
             raw = current_raw_stream(dev.index)
@@ -1895,14 +1902,17 @@ class ShmConnector(BaseConnector):
             nbytes += sum(sp.alloc.used_bytes for sp in list(w.spaces)) + w.overflow_bytes
         return blocks, nbytes
 
-    def _arena_stats(self) -> dict[str, int]:
+    def _arena_stats(self) -> dict[str, Any]:
         """``segments`` and ``bytes_mapped`` of this sender's arena (with its extensions),
         and ``bytes_held``: bytes of its blocks that receivers claimed and still view,
-        plus, for a receiver, the payloads this process still views."""
+        plus, for a receiver, the payloads this process still views; the device-IPC
+        route's last fallback reason."""
+        ipc = self._ipc
+        why = {"ipc_fallback_reason": ipc.fallback_reason} if ipc is not None and ipc.fallback_reason else {}
         w = self._writer
         held = self._releaser.nbytes if self._recvs else 0
         if w is None:
-            return {"segments": 0, "bytes_mapped": 0, "bytes_held": held}
+            return {"segments": 0, "bytes_mapped": 0, "bytes_held": held, **why}
         # No lock: a put waiting for room holds ``_slock``, and stats() must not wait
         # for it. The lists are copied whole (atomic under the GIL); a descriptor's state
         # read a moment early or late only moves a block between held and not held.
@@ -1917,7 +1927,7 @@ class ShmConnector(BaseConnector):
                       if ref.reader.pid == self._pid and ref.reader.token == self._token)
             held -= own
         return {"segments": len(spaces), "bytes_mapped": sum(sp.size for sp in spaces),
-                "bytes_held": arena_held + held}
+                "bytes_held": arena_held + held, **why}
 
     def _wake(self) -> None:
         """Wake a put waiting for arena space in another thread so it sees the close."""

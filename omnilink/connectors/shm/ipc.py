@@ -97,6 +97,8 @@ class DeviceIpcRoute:
         self._owner: int | None = None
         #: participants generation at which the pool's owner was the only receiver
         self._owner_ok_gen = -1
+        #: why the last payload the route could not take went by the host path
+        self.fallback_reason = ""
         self._next_probe = 0.0
         self._peer_ok: dict[tuple[int, int], bool] = {}
         self._closed = False
@@ -182,13 +184,20 @@ class DeviceIpcRoute:
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
-            logger.debug("shm: %r takes the host path (device IPC: %s)", key, exc)
+            self._fell_back(key, f"{type(exc).__name__}: {exc}")
             return None
         except (PeerLostError, ConfigurationError, CudaError) as exc:
+            self._fell_back(key, f"{type(exc).__name__}: {exc}")
             self._drop_sender(f"{type(exc).__name__}: {exc}")
             return None
         conn._count(ipc_puts=1)
         return blob.nbytes
+
+    def _fell_back(self, key: str, why: str) -> None:
+        """Count a payload that the route could not take (``stats().ipc_fallbacks``)."""
+        self.fallback_reason = why
+        self.conn._count(ipc_fallbacks=1)
+        logger.debug("shm: %r takes the host path (device IPC: %s)", key, why)
 
     def _sender(self) -> Any:
         tx = self._tx
