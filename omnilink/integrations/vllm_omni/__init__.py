@@ -123,8 +123,21 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
 ``codec_left_context_``     ints (>= 1, >= 0, >= 1)
 ``frames``, ``initial_``
 ``codec_chunk_frames``
-``stage_id``, ``role``      injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
+``stage_id``, ``role``,     injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
+``from_stage``, ``to_stage``
+``pass_through``            list of further key names to accept as they are: keys a
+                            newer vLLM-Omni or a custom stage processor reads from
+                            ``extra`` (0.30.0's own, ``codec_chunk_ramp`` and the like,
+                            are known: ``config.VLLM_OMNI_KEYS``)
 ==========================  ===========================================================
+
+The whole ``extra`` is checked at construction, for every role (``config.check_extra``):
+an unknown key is a ``ConfigurationError`` naming it with the closest known key ("did
+you mean 'put_timeout'?"); values are type- and range-checked; ``options`` is checked
+against the backend's own signature (names with "did you mean", types, choices); a
+backend that cannot be used in this process (``cuda_ipc`` without CUDA) or a ``device``
+it does not have is refused. ``omnilink check FILE`` runs the same check on every
+omnilink edge of a deployment file, without vLLM.
 
 Aborted requests (a cancelled stream, a timeout, a client that went away) leave chunks
 nobody will read. Three things give their memory back:
