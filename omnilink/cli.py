@@ -9,7 +9,9 @@ Subcommands
     time to first audio, transport per chunk, bit-identical audio (its own options:
     ``omnilink bench pipeline --help``).
 ``omnilink info``
-    Versions, backends, ``/dev/shm`` and CUDA devices.
+    Versions (cuda-python, vLLM and vLLM-Omni among them), backends, ``/dev/shm`` (a
+    warning when it is smaller than the default arena) and CUDA devices, and whether
+    vLLM-Omni would load omnilink's plugin under the current ``VLLM_PLUGINS``.
 ``omnilink gc``
     Remove shared-memory segments and semaphores, and zmq ipc socket and lock files,
     that dead processes left behind.
@@ -214,20 +216,66 @@ def _backend_status() -> dict[str, str | None]:
     return {name: backend_unavailable(name) for name in available_backends()}
 
 
+#: Distributions ``info`` reports besides those the transfers depend on: what a
+#: vLLM-Omni deployment needs to match (none of them is imported).
+_DEPLOY_DISTRIBUTIONS = {"cuda-python": ("cuda-python", "cuda-bindings"), "vllm": ("vllm",),
+                         "vllm-omni": ("vllm-omni",)}
+
+
+def _deploy_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for key, dists in _DEPLOY_DISTRIBUTIONS.items():
+        out[key] = None
+        for dist in dists:
+            try:
+                out[key] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _shm_warnings(shm: dict[str, int] | None) -> list[str]:
+    """Why the shm backend's defaults will not be what they are elsewhere, if they won't."""
+    from omnilink.connectors.shm import DEFAULT_ARENA_BYTES
+
+    if shm is None:
+        return ["/dev/shm is not present: the shm backend cannot run here"]
+    free = shm["free_bytes"]
+    if free >= DEFAULT_ARENA_BYTES:
+        return []
+    start = max(1 << 20, (free // 4) >> 20 << 20)
+    return [
+        f"/dev/shm has {free / 2**20:.1f} MiB free, less than the default {DEFAULT_ARENA_BYTES >> 20} MiB "
+        f"arena: shm senders start at {start >> 20} MiB (a quarter of it) and a payload /dev/shm cannot "
+        "hold fails. Give it room: docker run --shm-size=1g (or --ipc=host); Kubernetes: a memory-backed "
+        "emptyDir (medium: Memory) mounted on /dev/shm"
+    ]
+
+
 def _info_record() -> dict[str, Any]:
     from omnilink._bench import cpu_model, cuda_devices, shm_usage, versions
+    from omnilink.integrations.vllm_omni.config import plugin_status
 
     import os
 
     backends = _backend_status()
+    shm = shm_usage()
+    warnings = _shm_warnings(shm)
+    states = {name: ("ok" if reason is None else f"unavailable: {reason}") for name, reason in backends.items()}
+    if warnings and states.get("shm") == "ok":
+        states["shm"] = "ok, but /dev/shm is small (see the warning)"
     return {
-        "versions": versions(),
-        "backends": {name: ("ok" if reason is None else f"unavailable: {reason}")
-                     for name, reason in backends.items()},
-        "shm": shm_usage(),
+        "versions": {**versions(), **_deploy_versions()},
+        "backends": states,
+        "shm": shm,
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cuda_devices": cuda_devices(),
+        "vllm_omni_plugin": plugin_status(),
+        "warnings": warnings,
     }
 
 
@@ -258,6 +306,14 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                   f"compute capability {d['capability']}", file=out)
     else:
         print("cuda:      not available", file=out)
+    plugin = rec["vllm_omni_plugin"]
+    print(file=out)
+    print(f"vLLM-Omni plugin: {plugin['entry_point'] or 'not installed'} "
+          f"(group vllm_omni.general_plugins)", file=out)
+    print(f"  {'loads' if plugin['loads'] else 'does NOT load'}: {plugin['reason']}", file=out)
+    for warning in rec["warnings"]:
+        print(file=out)
+        print(f"warning: {warning}", file=out)
     return EXIT_OK
 
 

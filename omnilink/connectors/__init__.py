@@ -183,7 +183,7 @@ def connect(
     channel: str,
     role: Role = "dual",
     timeout: float | None = None,
-    arena_bytes: int = ...,
+    arena_bytes: int | None = None,
     max_inflight: int = ...,
     overflow: Literal["segment", "error"] = "segment",
     linger: float = ...,

@@ -339,3 +339,55 @@ def check_extra(extra: Any, *, environ: Any = None, probe: bool = True) -> Extra
         pending_ttl=pending_ttl, hold_warn_s=hold_warn_s, reclaim_after=reclaim_after,
         zero_copy=zero_copy, device=device, max_tracked_keys=max_tracked,
     )
+
+
+#: vLLM-Omni's plugin group; it loads every plugin of it that ``VLLM_PLUGINS`` allows.
+PLUGIN_GROUP = "vllm_omni.general_plugins"
+PLUGIN_NAME = "omnilink"
+PLUGINS_ENV = "VLLM_PLUGINS"
+
+
+def plugin_status(environ: Any = None) -> dict[str, Any]:
+    """Whether vLLM-Omni would load omnilink's plugin (and so know ``OmnilinkConnector``).
+
+    vLLM-Omni 0.30.0 (``vllm_omni.plugins.load_omni_plugins_by_group``) loads each
+    entry point of ``vllm_omni.general_plugins`` whose name is in vLLM's
+    ``VLLM_PLUGINS``: unset means all; otherwise the variable is split on commas and
+    compared name by name, as written (``"omnilink,other"`` loads it, ``"other, omnilink"``
+    does not: the space stays part of the name; an empty value loads none). Imports
+    neither vLLM nor vLLM-Omni.
+
+    Returns
+    -------
+    dict
+        ``entry_point`` (``"omnilink = module:function"`` or ``None`` when omnilink is
+        not installed as a distribution), ``vllm_plugins`` (the variable, or ``None``),
+        ``loads`` (bool) and ``reason`` (one sentence saying why or why not).
+    """
+    import os
+    from importlib.metadata import entry_points
+
+    env = os.environ if environ is None else environ
+    eps = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
+    entry = f"{eps[0].name} = {eps[0].value}" if eps else None
+    allowed = env.get(PLUGINS_ENV)
+    if entry is None:
+        loads = False
+        reason = (f"omnilink's {PLUGIN_GROUP} entry point is not installed: pip install omnilink "
+                  "(a source tree on PYTHONPATH has no entry points)")
+    elif allowed is None:
+        loads = True
+        reason = f"{PLUGINS_ENV} is unset: vLLM-Omni loads every plugin, omnilink's among them"
+    else:
+        names = allowed.split(",")
+        loads = PLUGIN_NAME in names
+        if loads:
+            reason = f"{PLUGINS_ENV}={allowed!r} names {PLUGIN_NAME!r}"
+        elif PLUGIN_NAME in [n.strip() for n in names]:
+            reason = (f"{PLUGINS_ENV}={allowed!r} names {PLUGIN_NAME!r} with spaces around it; vLLM compares "
+                      f"names as written: write {','.join(n.strip() for n in names)!r}")
+        else:
+            reason = (f"{PLUGINS_ENV}={allowed!r} does not name {PLUGIN_NAME!r}: vLLM-Omni will not register "
+                      f"OmnilinkConnector (\"Unknown connector\"); add it: "
+                      f"{PLUGINS_ENV}={','.join([n for n in names if n] + [PLUGIN_NAME])}")
+    return {"entry_point": entry, "vllm_plugins": allowed, "loads": loads, "reason": reason}
