@@ -12,6 +12,10 @@ Subcommands
     Versions (cuda-python, vLLM and vLLM-Omni among them), backends, ``/dev/shm`` (a
     warning when it is smaller than the default arena) and CUDA devices, and whether
     vLLM-Omni would load omnilink's plugin under the current ``VLLM_PLUGINS``.
+``omnilink check FILE...``
+    Check vLLM-Omni deployment files edge by edge without vLLM or a GPU: the connector
+    of every stage edge, and for omnilink edges whether ``extra`` and the backend
+    options validate and the backend can run here (exit 1 when problems are found).
 ``omnilink gc``
     Remove shared-memory segments and semaphores, and zmq ipc socket and lock files,
     that dead processes left behind.
@@ -88,6 +92,22 @@ def _build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, backends, /dev/shm and CUDA devices")
     info.add_argument("--json", action="store_true", help="print one JSON object")
+
+    check = sub.add_parser(
+        "check",
+        help="check vLLM-Omni deployment files edge by edge (needs neither vLLM nor a GPU)",
+        description=(
+            "Read vLLM-Omni 0.30.0 deployment / stage-config files (YAML or JSON, base_config "
+            "resolved) as vLLM-Omni does and print, for every stage edge, the connector it gets; "
+            "for OmnilinkConnector edges, whether extra and the backend options validate and "
+            "whether the backend can run on this machine (/dev/shm size, CUDA, NCCL)."
+        ),
+        epilog="exit status: 0 no problem, 1 problems found, 2 bad usage or a file that cannot be read",
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="deployment files (.yaml, .yml, .json)")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.add_argument("--file-only", action="store_true",
+                       help="check the files only, not whether this machine can run their backends")
 
     gc = sub.add_parser("gc", help="remove shared memory and zmq ipc files left behind by dead processes")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -317,6 +337,26 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- check
+def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import msgspec
+
+    from omnilink.integrations.vllm_omni.check import CheckUsageError, check_file, format_report
+
+    reports = []
+    for path in args.files:
+        try:
+            reports.append(check_file(path, host=not args.file_only))
+        except CheckUsageError as exc:
+            raise _UsageError(str(exc)) from exc
+    problems = sum(r.problem_count for r in reports)
+    if args.json:
+        out.write(msgspec.json.encode({"files": [r.as_dict() for r in reports], "problems": problems}).decode() + "\n")
+    else:
+        print("\n\n".join(format_report(r) for r in reports), file=out)
+    return EXIT_FAIL if problems else EXIT_OK
+
+
 # ------------------------------------------------------------------------------ gc
 def _cmd_gc(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
@@ -392,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(err)
         return EXIT_USAGE
-    handler = {"bench": _cmd_bench, "info": _cmd_info, "gc": _cmd_gc}[args.command]
+    handler = {"bench": _cmd_bench, "info": _cmd_info, "check": _cmd_check, "gc": _cmd_gc}[args.command]
     try:
         return handler(args, out, err)
     except _UsageError as exc:
