@@ -213,3 +213,22 @@ def test_an_unreadable_file_is_exit_status_2(tmp_path, capsys, name, text, says)
         path.write_text(text)
     rc, out, err = _run(capsys, str(EXAMPLE), str(path))
     assert rc == 2 and says in err, err
+
+
+def test_the_deploy_file_of_the_deploying_guide_checks_clean(tmp_path, capsys):
+    import re
+
+    text = (REPO / "docs" / "deploying.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "OmnilinkConnector" in b]
+    assert len(blocks) == 1
+    path = tmp_path / "my_deploy.yaml"
+    path.write_text(blocks[0])
+    rc, out, _ = _run(capsys, str(path))
+    assert rc == 0, out
+    assert [(e.from_stage, e.to_stage, e.connector) for e in chk.check_file(path).edges] == [
+        ("0", "1", "OmnilinkConnector"), ("1", "2", "OmnilinkConnector")]
+    # The output the guide shows has the same lines, up to this machine's /dev/shm.
+    shown = text.split("```text\n", 1)[1].split("```", 1)[0]
+    strip = lambda s: [re.sub(r"\(/dev/shm: \d+ MiB free\)|starts at \d+ MiB", "", ln).strip()
+                       for ln in s.splitlines()[1:]]
+    assert strip(out) == strip(shown), out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -153,3 +155,16 @@ def test_check_backend_options_of_the_builtins():
         check_backend_options("shm", {"arena_bytes": 1.5})
     with pytest.raises(omnilink.ConfigurationError, match="did you mean 'endpoint'"):
         check_backend_options("zmq", {"endpont": "tcp://x:1"})
+
+
+@pytest.mark.skipif(shutil.which("pyright") is None,
+                    reason="pyright is not installed (pip install pyright; its wrapper fetches the "
+                           "pyright npm package on first use, so it is not in the test extra)")
+def test_pyright_rejects_the_same_typos(tmp_path):
+    snippet = tmp_path / "typed.py"
+    snippet.write_text(_TYPED)
+    r = subprocess.run(["pyright", "--pythonpath", sys.executable, str(snippet)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    errors = {int(m.group(1)) for m in re.finditer(r"typed\.py:(\d+):\d+ - error", r.stdout)}
+    typo_lines = {i + 1 for i, text in enumerate(_TYPED.splitlines()) if "# typo:" in text}
+    assert errors == typo_lines, r.stdout
