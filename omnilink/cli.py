@@ -277,7 +277,7 @@ def _shm_warnings(shm: dict[str, int] | None) -> list[str]:
 
 def _info_record() -> dict[str, Any]:
     from omnilink._bench import cpu_model, cuda_devices, shm_usage, versions
-    from omnilink.integrations.vllm_omni.config import plugin_status
+    from omnilink.integrations.vllm_omni import plugin_status
 
     import os
 
@@ -341,7 +341,7 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     import msgspec
 
-    from omnilink.integrations.vllm_omni.check import CheckUsageError, check_file, format_report
+    from omnilink.integrations.vllm_omni import CheckUsageError, check_file, format_report
 
     reports = []
     for path in args.files:

@@ -54,7 +54,7 @@ def _create(role: str, **extra):
         ({"zero_cpy": False}, "'zero_cpy'", "did you mean 'zero_copy'?"),
         ({"codec_chunk_frame": 25}, "'codec_chunk_frame'", "did you mean 'codec_chunk_frames'?"),
         ({"options": {"arena_byte": 4 << 20}}, "'arena_byte'", "did you mean 'arena_bytes'?"),
-        ({"options": {"arena_bytes": "big"}}, "'arena_bytes'", "must be an int, got 'big'"),
+        ({"options": {"arena_bytes": "big"}}, "'arena_bytes'", "must be an int or None, got 'big'"),
         ({"options": {"linger": "5s"}}, "'linger'", "must be a number"),
         ({"options": {"max_bytes": [1]}}, "'max_bytes'", "must be an int or None"),
         ({"backend": "shmm"}, "'shmm'", "did you mean 'shm'?"),

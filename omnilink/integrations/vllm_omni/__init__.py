@@ -68,6 +68,12 @@ which vLLM-Omni injects with the role). A ``put`` always opens the sending side 
 edge and a ``get`` the receiving side, whatever ``role`` says: a middle stage receives
 on one edge and sends on the next through the same adapter.
 
+Checking a deployment without vLLM (``omnilink check FILE``; module ``check``):
+``check_file`` / ``check_config`` read a deploy file as vLLM-Omni 0.30.0 does and report
+each stage edge's connector, running ``check_extra`` (module ``config``, the check the
+connector itself runs at construction) on every omnilink edge; ``plugin_status`` says
+whether ``VLLM_PLUGINS`` lets vLLM-Omni load the plugin (``omnilink info``).
+
 Versions and contract: written against vLLM-Omni 0.30.0 and tested with its real
 ``OmniConnectorFactory`` and ``OmniConnectorBase``. It follows 0.30.0's cleanup contract:
 ``cleanup(key)`` frees exactly the payload put under ``key`` ("a raw request id is not an
@@ -178,13 +184,43 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import ConfigurationError
-from omnilink.integrations.vllm_omni.config import _FACTORY_MODULE, CONNECTOR_NAME, import_failure
+from omnilink.integrations.vllm_omni.check import (
+    CheckUsageError,
+    EdgeReport,
+    FileReport,
+    check_config,
+    check_file,
+    format_report,
+    load_deploy_file,
+)
+from omnilink.integrations.vllm_omni.config import (
+    _FACTORY_MODULE,
+    CONNECTOR_NAME,
+    ExtraSettings,
+    check_extra,
+    import_failure,
+    plugin_status,
+)
 from omnilink.integrations.vllm_omni.connector import _connector_class, _load_base, _wire_abort_cleanup
 
 if TYPE_CHECKING:  # pragma: no cover
     from omnilink.integrations.vllm_omni.connector import _OmnilinkConnectorImpl
 
-__all__ = ["CONNECTOR_NAME", "OmnilinkConnector", "register"]
+__all__ = [
+    "CONNECTOR_NAME",
+    "CheckUsageError",
+    "EdgeReport",
+    "ExtraSettings",
+    "FileReport",
+    "OmnilinkConnector",
+    "check_config",
+    "check_extra",
+    "check_file",
+    "format_report",
+    "load_deploy_file",
+    "plugin_status",
+    "register",
+]
 
 logger = logging.getLogger(__name__)
 

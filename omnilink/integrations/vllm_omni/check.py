@@ -348,8 +348,7 @@ def _check_shm_space(shm_arenas: list[tuple[EdgeReport, int | None]]) -> None:
     file usually share a host); automatic ones are sized to fit."""
     if not shm_arenas:
         return
-    from omnilink.connectors.shm import DEFAULT_ARENA_BYTES
-    from omnilink.connectors.shm.names import SHM_DIR
+    from omnilink.connectors.shm import DEFAULT_ARENA_BYTES, SHM_DIR
 
     try:
         st = os.statvfs(SHM_DIR)
