@@ -11,6 +11,13 @@ A backend that needs something a process may lack (``cuda_ipc``: a CUDA device a
 cuda-python) has a ``unavailable_reason()`` on its factory; ``backend_unavailable(name)``
 returns that reason (``omnilink info`` shows it), and ``connect`` raises it as an error.
 
+Opening: ``connect("shm", ...)`` is typed per built-in backend (an overload each, no
+catch-all, so a type checker rejects a misspelt backend or option); a third party's
+backend, or a name known only at run time, opens with ``connect_backend(name, ...)``.
+A backend's option schema is its factory's signature (``_options.py``):
+``check_backend_options(name, options)`` applies it without opening anything, plus the
+factory's own ``check_options(options)`` where it defines one.
+
 The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
 ``cuda_ipc/``), whose
 ``__init__`` is its door; ``memory.py`` (the in-process reference backend) and
