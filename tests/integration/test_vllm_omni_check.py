@@ -232,3 +232,10 @@ def test_the_deploy_file_of_the_deploying_guide_checks_clean(tmp_path, capsys):
     strip = lambda s: [re.sub(r"\(/dev/shm: \d+ MiB free\)|starts at \d+ MiB", "", ln).strip()
                        for ln in s.splitlines()[1:]]
     assert strip(out) == strip(shown), out
+
+
+def test_a_json_deploy_file_is_read_like_yaml(tmp_path, capsys):
+    path = tmp_path / "deploy.json"
+    path.write_text(json.dumps(yaml.safe_load(EXAMPLE.read_text())))
+    rc, out, _ = _run(capsys, "--file-only", str(path))
+    assert rc == 0 and out.count("OmnilinkConnector 'omnilink_shm'") == 2, out
