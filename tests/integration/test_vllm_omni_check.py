@@ -239,3 +239,15 @@ def test_a_json_deploy_file_is_read_like_yaml(tmp_path, capsys):
     path.write_text(json.dumps(yaml.safe_load(EXAMPLE.read_text())))
     rc, out, _ = _run(capsys, "--file-only", str(path))
     assert rc == 0 and out.count("OmnilinkConnector 'omnilink_shm'") == 2, out
+
+
+def test_vllm_plugins_without_omnilink_is_a_problem_here(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    rc, out, _ = _run(capsys, str(EXAMPLE))
+    assert rc == 1 and "problem here: vLLM-Omni would not load omnilink's plugin here" in out, out
+    assert "VLLM_PLUGINS=lora_filesystem_resolver,omnilink" in out
+    rc, out, _ = _run(capsys, "--file-only", str(EXAMPLE))
+    assert rc == 0, out
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver,omnilink")
+    rc, out, _ = _run(capsys, str(EXAMPLE))
+    assert rc == 0, out

@@ -24,8 +24,9 @@ is not ``from_stage_<id>``, a key of a connector definition it ignores). Each
 ``OmnilinkConnector`` edge's ``extra`` goes through ``config.check_extra``, the check
 the connector itself runs at construction. Unless ``host=False``, each omnilink edge is
 also checked against this machine: the backend loads and can be used here (CUDA for
-``cuda_ipc``, NCCL for ``nccl``), the ``device`` exists, and the ``shm`` arenas fit the
-free space of ``/dev/shm``.
+``cuda_ipc``, NCCL for ``nccl``), the ``device`` exists, the ``shm`` arenas fit the
+free space of ``/dev/shm``, and vLLM-Omni would load omnilink's plugin under the
+current ``VLLM_PLUGINS``.
 
 Exit status of ``omnilink check``: 0 no problem, 1 problems found, 2 bad usage or a file
 that cannot be read or parsed.
@@ -87,14 +88,15 @@ class FileReport:
     path: str
     edges: list[EdgeReport] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    here: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def problem_count(self) -> int:
-        return len(self.problems) + sum(len(e.problems) + len(e.here) for e in self.edges)
+        return len(self.problems) + len(self.here) + sum(len(e.problems) + len(e.here) for e in self.edges)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "problems": self.problems, "notes": self.notes,
+        return {"path": self.path, "problems": self.problems, "here": self.here, "notes": self.notes,
                 "edges": [asdict(e) for e in self.edges], "problem_count": self.problem_count}
 
 
@@ -432,6 +434,12 @@ def check_config(config: dict[str, Any], *, path: str = "<config>", host: bool =
             _host(edge, settings, shm_arenas)
     if host:
         _check_shm_space(shm_arenas)
+        if any(e.connector == CONNECTOR_NAME for e in report.edges):
+            from omnilink.integrations.vllm_omni.config import plugin_status
+
+            plugin = plugin_status()
+            if not plugin["loads"]:
+                report.here.append(f"vLLM-Omni would not load omnilink's plugin here: {plugin['reason']}")
     return report
 
 
@@ -473,6 +481,8 @@ def format_report(report: FileReport) -> str:
             lines.append(f"    note: {n}")
     for p in report.problems:
         lines.append(f"  problem: {p}")
+    for p in report.here:
+        lines.append(f"  problem here: {p}")
     for n in report.notes:
         lines.append(f"  note: {n}")
     n = report.problem_count
