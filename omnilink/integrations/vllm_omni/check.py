@@ -117,7 +117,7 @@ def _read(path: Path) -> Any:
     if suffix not in (".yaml", ".yml"):
         raise CheckUsageError(f"{path}: unsupported file type {path.suffix!r}; vLLM-Omni reads .yaml, .yml and .json")
     try:
-        import yaml
+        import yaml  # type: ignore[import-untyped, unused-ignore]  # no stubs needed at run time
     except ImportError as exc:
         raise CheckUsageError(f"reading YAML needs PyYAML: pip install pyyaml ({exc})") from exc
     try:
@@ -485,6 +485,6 @@ def format_report(report: FileReport) -> str:
         lines.append(f"  problem here: {p}")
     for n in report.notes:
         lines.append(f"  note: {n}")
-    n = report.problem_count
-    lines.append(f"  {n} problem{'s' if n != 1 else ''}" if n else "  ok")
+    count = report.problem_count
+    lines.append(f"  {count} problem{'s' if count != 1 else ''}" if count else "  ok")
     return "\n".join(lines)
