@@ -29,7 +29,9 @@ def make_payload(i: int) -> dict[str, Any]:
 
 
 def sender() -> None:
-    with omnilink.connect("shm", channel=CHANNEL, role="sender", arena_bytes=64 << 20) as tx:
+    # No arena_bytes: the arena is sized to fit /dev/shm (128 MiB, or less in a small
+    # container) and grows when receivers hold on to what they got.
+    with omnilink.connect("shm", channel=CHANNEL, role="sender") as tx:
         for i in range(3):
             tx.put(f"req7_0_{i}", make_payload(i), timeout=30.0)
         # Stay alive until the receiver says it has read everything: payloads live in

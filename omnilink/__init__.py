@@ -33,6 +33,7 @@ from omnilink.connectors import (
     ConnectorStats,
     available_backends,
     connect,
+    connect_backend,
     register_backend,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "WouldBlock",
     "available_backends",
     "connect",
+    "connect_backend",
     "decode",
     "encode",
     "encode_into",

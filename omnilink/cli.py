@@ -9,7 +9,13 @@ Subcommands
     time to first audio, transport per chunk, bit-identical audio (its own options:
     ``omnilink bench pipeline --help``).
 ``omnilink info``
-    Versions, backends, ``/dev/shm`` and CUDA devices.
+    Versions (cuda-python, vLLM and vLLM-Omni among them), backends, ``/dev/shm`` (a
+    warning when it is smaller than the default arena) and CUDA devices, and whether
+    vLLM-Omni would load omnilink's plugin under the current ``VLLM_PLUGINS``.
+``omnilink check FILE...``
+    Check vLLM-Omni deployment files edge by edge without vLLM or a GPU: the connector
+    of every stage edge, and for omnilink edges whether ``extra`` and the backend
+    options validate and the backend can run here (exit 1 when problems are found).
 ``omnilink gc``
     Remove shared-memory segments and semaphores, and zmq ipc socket and lock files,
     that dead processes left behind.
@@ -86,6 +92,22 @@ def _build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, backends, /dev/shm and CUDA devices")
     info.add_argument("--json", action="store_true", help="print one JSON object")
+
+    check = sub.add_parser(
+        "check",
+        help="check vLLM-Omni deployment files edge by edge (needs neither vLLM nor a GPU)",
+        description=(
+            "Read vLLM-Omni 0.30.0 deployment / stage-config files (YAML or JSON, base_config "
+            "resolved) as vLLM-Omni does and print, for every stage edge, the connector it gets; "
+            "for OmnilinkConnector edges, whether extra and the backend options validate and "
+            "whether the backend can run on this machine (/dev/shm size, CUDA, NCCL)."
+        ),
+        epilog="exit status: 0 no problem, 1 problems found, 2 bad usage or a file that cannot be read",
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="deployment files (.yaml, .yml, .json)")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.add_argument("--file-only", action="store_true",
+                       help="check the files only, not whether this machine can run their backends")
 
     gc = sub.add_parser("gc", help="remove shared memory and zmq ipc files left behind by dead processes")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -214,20 +236,66 @@ def _backend_status() -> dict[str, str | None]:
     return {name: backend_unavailable(name) for name in available_backends()}
 
 
+#: Distributions ``info`` reports besides those the transfers depend on: what a
+#: vLLM-Omni deployment needs to match (none of them is imported).
+_DEPLOY_DISTRIBUTIONS = {"cuda-python": ("cuda-python", "cuda-bindings"), "vllm": ("vllm",),
+                         "vllm-omni": ("vllm-omni",)}
+
+
+def _deploy_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for key, dists in _DEPLOY_DISTRIBUTIONS.items():
+        out[key] = None
+        for dist in dists:
+            try:
+                out[key] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def _shm_warnings(shm: dict[str, int] | None) -> list[str]:
+    """Why the shm backend's defaults will not be what they are elsewhere, if they won't."""
+    from omnilink.connectors.shm import DEFAULT_ARENA_BYTES
+
+    if shm is None:
+        return ["/dev/shm is not present: the shm backend cannot run here"]
+    free = shm["free_bytes"]
+    if free >= DEFAULT_ARENA_BYTES:
+        return []
+    start = max(1 << 20, (free // 4) >> 20 << 20)
+    return [
+        f"/dev/shm has {free / 2**20:.1f} MiB free, less than the default {DEFAULT_ARENA_BYTES >> 20} MiB "
+        f"arena: shm senders start at {start >> 20} MiB (a quarter of it) and a payload /dev/shm cannot "
+        "hold fails. Give it room: docker run --shm-size=1g (or --ipc=host); Kubernetes: a memory-backed "
+        "emptyDir (medium: Memory) mounted on /dev/shm"
+    ]
+
+
 def _info_record() -> dict[str, Any]:
     from omnilink._bench import cpu_model, cuda_devices, shm_usage, versions
+    from omnilink.integrations.vllm_omni import plugin_status
 
     import os
 
     backends = _backend_status()
+    shm = shm_usage()
+    warnings = _shm_warnings(shm)
+    states = {name: ("ok" if reason is None else f"unavailable: {reason}") for name, reason in backends.items()}
+    if warnings and states.get("shm") == "ok":
+        states["shm"] = "ok, but /dev/shm is small (see the warning)"
     return {
-        "versions": versions(),
-        "backends": {name: ("ok" if reason is None else f"unavailable: {reason}")
-                     for name, reason in backends.items()},
-        "shm": shm_usage(),
+        "versions": {**versions(), **_deploy_versions()},
+        "backends": states,
+        "shm": shm,
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cuda_devices": cuda_devices(),
+        "vllm_omni_plugin": plugin_status(),
+        "warnings": warnings,
     }
 
 
@@ -258,7 +326,35 @@ def _cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                   f"compute capability {d['capability']}", file=out)
     else:
         print("cuda:      not available", file=out)
+    plugin = rec["vllm_omni_plugin"]
+    print(file=out)
+    print(f"vLLM-Omni plugin: {plugin['entry_point'] or 'not installed'} "
+          f"(group vllm_omni.general_plugins)", file=out)
+    print(f"  {'loads' if plugin['loads'] else 'does NOT load'}: {plugin['reason']}", file=out)
+    for warning in rec["warnings"]:
+        print(file=out)
+        print(f"warning: {warning}", file=out)
     return EXIT_OK
+
+
+# --------------------------------------------------------------------------- check
+def _cmd_check(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    import msgspec
+
+    from omnilink.integrations.vllm_omni import CheckUsageError, check_file, format_report
+
+    reports = []
+    for path in args.files:
+        try:
+            reports.append(check_file(path, host=not args.file_only))
+        except CheckUsageError as exc:
+            raise _UsageError(str(exc)) from exc
+    problems = sum(r.problem_count for r in reports)
+    if args.json:
+        out.write(msgspec.json.encode({"files": [r.as_dict() for r in reports], "problems": problems}).decode() + "\n")
+    else:
+        print("\n\n".join(format_report(r) for r in reports), file=out)
+    return EXIT_FAIL if problems else EXIT_OK
 
 
 # ------------------------------------------------------------------------------ gc
@@ -336,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(err)
         return EXIT_USAGE
-    handler = {"bench": _cmd_bench, "info": _cmd_info, "gc": _cmd_gc}[args.command]
+    handler = {"bench": _cmd_bench, "info": _cmd_info, "check": _cmd_check, "gc": _cmd_gc}[args.command]
     try:
         return handler(args, out, err)
     except _UsageError as exc:

@@ -11,6 +11,13 @@ A backend that needs something a process may lack (``cuda_ipc``: a CUDA device a
 cuda-python) has a ``unavailable_reason()`` on its factory; ``backend_unavailable(name)``
 returns that reason (``omnilink info`` shows it), and ``connect`` raises it as an error.
 
+Opening: ``connect("shm", ...)`` is typed per built-in backend (an overload each, no
+catch-all, so a type checker rejects a misspelt backend or option); a third party's
+backend, or a name known only at run time, opens with ``connect_backend(name, ...)``.
+A backend's option schema is its factory's signature (``_options.py``):
+``check_backend_options(name, options)`` applies it without opening anything, plus the
+factory's own ``check_options(options)`` where it defines one.
+
 The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
 ``cuda_ipc/``), whose
 ``__init__`` is its door; ``memory.py`` (the in-process reference backend) and
@@ -20,9 +27,7 @@ every backend shares) sit here.
 
 from __future__ import annotations
 
-import difflib
 import importlib
-import inspect
 import logging
 import threading
 from collections.abc import Iterable
@@ -30,6 +35,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from omnilink._errors import ConfigurationError, OmnilinkError
+from omnilink.connectors._options import check_options, option_schema, unknown_option_message
 from omnilink.connectors.base import BaseConnector, Connector, ConnectorStats, Role
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only: no import cost
@@ -46,7 +52,9 @@ __all__ = [
     "available_backends",
     "backend_factory",
     "backend_unavailable",
+    "check_backend_options",
     "connect",
+    "connect_backend",
     "register_backend",
 ]
 
@@ -159,8 +167,9 @@ def backend_unavailable(name: str, /) -> str | None:
 
 # One overload per built-in backend, so IDEs and type checkers see each backend's options
 # (``arena_bytes`` for shm, ``endpoint`` for zmq, ...) and the class ``connect`` returns.
-# The defaults are the backends' own (see each class's docstring); a backend registered
-# by a third party gets the last overload.
+# The defaults are the backends' own (see each class's docstring). There is no catch-all
+# overload: it would absorb a misspelt name ("shmm") or option; third-party backends
+# and run-time names go through ``connect_backend``.
 @overload
 def connect(
     backend: Literal["memory"],
@@ -181,7 +190,7 @@ def connect(
     channel: str,
     role: Role = "dual",
     timeout: float | None = None,
-    arena_bytes: int = ...,
+    arena_bytes: int | None = None,
     max_inflight: int = ...,
     overflow: Literal["segment", "error"] = "segment",
     linger: float = ...,
@@ -269,17 +278,18 @@ def connect(
 ) -> CudaIpcConnector: ...
 
 
-@overload
-def connect(backend: str, /, **options: Any) -> Connector: ...
-
-
 def connect(backend: str, /, **options: Any) -> Connector:
-    """Open a connector of ``backend`` with backend-specific keyword options.
+    """Open a connector of built-in ``backend`` with backend-specific keyword options.
 
     Common options: ``channel`` (str, required), ``role`` (``"sender"``, ``"receiver"``
     or ``"dual"``), ``timeout`` (default seconds for blocking calls). The options of
     each built-in backend are those of its class (``ShmConnector``, ``ZmqConnector``,
-    ``NcclConnector``, ``MemoryConnector``), and ``connect`` is typed per backend name.
+    ``NcclConnector``, ``MemoryConnector``, ``CudaIpcConnector``), and ``connect`` is
+    typed per backend name: a type checker rejects a misspelt backend or option, a
+    bad ``role`` and a value of the wrong type. Backends of other packages (entry
+    points, ``register_backend``) and names known only at run time open with
+    ``connect_backend(name, ...)``; ``connect`` opens them too at run time, but a
+    type checker only accepts the built-in names here.
 
     Raises
     ------
@@ -287,6 +297,37 @@ def connect(backend: str, /, **options: Any) -> Connector:
         Unknown backend; an option the backend does not take (with the closest valid
         name: "did you mean ...") or an invalid value.
     """
+    return _open(backend, options)
+
+
+def connect_backend(name: str, /, **options: Any) -> Connector:
+    """Open a connector of any backend by name: a third party's or one chosen at run time.
+
+    The same as ``connect`` at run time, typed for any ``str``: the options are not
+    checked by a type checker but by the backend's signature when called (unknown
+    names are refused with "did you mean ...").
+
+    Parameters
+    ----------
+    name : str
+        A name ``available_backends()`` lists (built-in, ``register_backend``, or the
+        ``omnilink.connectors`` entry-point group).
+    **options
+        The backend's keyword options (``channel``, ``role``, ``timeout``, ...).
+
+    Returns
+    -------
+    Connector
+
+    Raises
+    ------
+    ConfigurationError
+        Unknown backend; an option the backend does not take or an invalid value.
+    """
+    return _open(name, options)
+
+
+def _open(backend: str, options: dict[str, Any]) -> Connector:
     factory = backend_factory(backend)
     _check_option_names(backend, factory, options)
     try:
@@ -300,24 +341,44 @@ def connect(backend: str, /, **options: Any) -> Connector:
 def _check_option_names(backend: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
     """Refuse option names ``factory`` does not take, suggesting the closest valid one.
 
+    Names only: the values are the factory's to check when it is called (``connect``
+    keeps what the backends accept). ``check_backend_options`` checks the values too.
     Factories whose signature cannot be read, or that take ``**kwargs``, are left to
     check their own options.
     """
-    try:
-        params = list(inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):
+    schema = option_schema(factory)
+    if schema is None:
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return
-    valid = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    unknown = [name for name in options if name not in valid]
-    if not unknown:
-        return
-    parts = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
-    raise ConfigurationError(
-        f"unknown option{'s' if len(unknown) > 1 else ''} for backend {backend!r}: {', '.join(parts)}; "
-        f"valid options: {', '.join(sorted(valid))}"
-    )
+    unknown = [name for name in options if name not in schema]
+    if unknown:
+        raise ConfigurationError(unknown_option_message(backend, unknown, list(schema)))
+
+
+def check_backend_options(backend: str, options: dict[str, Any], /, *, where: str = "") -> None:
+    """Check ``options`` for backend ``backend`` without opening anything.
+
+    The schema is the backend's own: its factory's signature (names, and types from
+    its annotations: ints, numbers, strings, ``Literal`` choices, ``None``) and, where
+    the factory defines it, its ``check_options(options)`` hook for what a signature
+    cannot say. ``connect`` takes the same names. The vLLM-Omni adapter and
+    ``omnilink check`` call this to refuse a bad configuration before a process depends
+    on it.
+
+    Parameters
+    ----------
+    backend : str
+        A backend name ``available_backends()`` lists.
+    options : dict
+        The keyword options ``connect`` would get (``channel`` and ``role`` included or
+        not).
+    where : str, optional
+        Prefix for the error message (where the options came from).
+
+    Raises
+    ------
+    ConfigurationError
+        Unknown backend, a backend that cannot be loaded, an unknown option name (with
+        "did you mean"), or a value of the wrong type or outside its choices.
+    """
+    factory = backend_factory(backend)
+    check_options(backend, factory, options, where=where)

@@ -100,8 +100,8 @@ __all__ = ["DEFAULT_ARENA_BYTES", "ShmConnector"]
 logger = logging.getLogger(__name__)
 
 #: Default size of a sender's arena. Big enough to keep several 16-32 MiB hidden-state
-#: chunks in flight; Docker's default /dev/shm (64 MB) is too small for it, and the
-#: connector then says how to raise it.
+#: chunks in flight. Where ``/dev/shm`` is small (Docker's default is 64 MB) a sender
+#: that was not given ``arena_bytes`` starts smaller instead (see ``_auto_arena_bytes``).
 DEFAULT_ARENA_BYTES = 128 << 20
 DEFAULT_MAX_INFLIGHT = 1024
 DEFAULT_LINGER_S = 5.0
@@ -136,10 +136,29 @@ _DEFAULT_GROWTH = 8
 _DEFAULT_SHM_SHARE = 4
 
 
-def _max_bytes(arena_bytes: int, max_bytes: int | None) -> int:
+#: An arena sized automatically starts at most at this share of the free space of
+#: ``/dev/shm`` and may grow up to ``_AUTO_MAX_SHARE`` of it: a default container (64 MiB)
+#: gets a 16 MiB arena growing to 32 MiB, and a second sender on the host still fits.
+_AUTO_SHM_SHARE = 4
+_AUTO_MAX_SHARE = 2
+
+
+def _auto_arena_bytes() -> int:
+    """The arena of a sender not given ``arena_bytes``: ``DEFAULT_ARENA_BYTES``, or a
+    quarter of the free space of ``/dev/shm`` in whole MiB where that is less (never
+    below the 1 MiB minimum: the arena's creation then says how to give it room)."""
+    fit = (free_shm_bytes() // _AUTO_SHM_SHARE) >> 20 << 20
+    return max(_MIN_ARENA_BYTES, min(DEFAULT_ARENA_BYTES, fit))
+
+
+def _max_bytes(arena_bytes: int, max_bytes: int | None, *, auto: bool = False) -> int:
     """The arena's ceiling: ``max_bytes`` as given (warning when ``/dev/shm`` cannot hold
-    it now: ``put`` then waits for receivers instead of growing), or the default."""
+    it now: ``put`` then waits for receivers instead of growing), or the default; for an
+    arena sized automatically, the default of ``DEFAULT_ARENA_BYTES`` within half of
+    what is free."""
     free = free_shm_bytes()
+    if max_bytes is None and auto:
+        return max(arena_bytes, min(_DEFAULT_GROWTH * DEFAULT_ARENA_BYTES, free // _AUTO_MAX_SHARE))
     if max_bytes is None:
         return max(arena_bytes, min(_DEFAULT_GROWTH * arena_bytes, free // _DEFAULT_SHM_SHARE))
     if max_bytes > free:
@@ -322,9 +341,14 @@ class ShmConnector(BaseConnector):
         channel; ``"dual"`` does both (and receives its own puts too).
     timeout : float, optional
         Default timeout of blocking calls (``None``: no limit).
-    arena_bytes : int
-        Size of this sender's arena in ``/dev/shm`` (default 128 MiB), reserved and
-        pre-faulted at creation. ``/dev/shm`` free space is checked first.
+    arena_bytes : int, optional
+        Size of this sender's arena in ``/dev/shm``, reserved and pre-faulted at
+        creation; ``/dev/shm`` free space is checked first. Default: 128 MiB, or a
+        quarter of the free space of ``/dev/shm`` (whole MiB, at least 1 MiB) where
+        that is less, so a sender fits a default container's 64 MiB; such an arena may
+        grow up to 1 GiB within half of the free space (see ``max_bytes``), and a
+        payload larger than the arena takes an overflow segment. Only a payload that
+        ``/dev/shm`` cannot hold at all is an error (``CapacityError``).
     max_inflight : int
         Descriptors in the arena (default 1024): payloads published and not yet
         released; a sender with none left waits like one with a full arena.
@@ -430,7 +454,7 @@ class ShmConnector(BaseConnector):
         channel: str,
         role: Role = "dual",
         timeout: float | None = None,
-        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        arena_bytes: int | None = None,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         overflow: str = "segment",
         linger: float = DEFAULT_LINGER_S,
@@ -451,6 +475,11 @@ class ShmConnector(BaseConnector):
         for name, value, lo in (("ipc_pool_bytes", ipc_pool_bytes, 1 << 20), ("ipc_min_bytes", ipc_min_bytes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
+        auto_arena = arena_bytes is None
+        if arena_bytes is None:
+            arena_bytes = _auto_arena_bytes() if role in ("sender", "dual") else DEFAULT_ARENA_BYTES
+            if isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes >= _MIN_ARENA_BYTES:
+                arena_bytes = min(arena_bytes, max_bytes)  # a given ceiling bounds the start too
         if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
             raise ConfigurationError(f"arena_bytes must be an int >= {_MIN_ARENA_BYTES}, got {arena_bytes!r}")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or not 1 <= max_inflight <= 65536:
@@ -480,7 +509,7 @@ class ShmConnector(BaseConnector):
         if shrink_after is None:
             raise ConfigurationError("shrink_after must be a number of seconds >= 0, got None")
         if role in ("sender", "dual"):
-            max_bytes = _max_bytes(arena_bytes, max_bytes)
+            max_bytes = _max_bytes(arena_bytes, max_bytes, auto=auto_arena)
         self.max_bytes = max_bytes if max_bytes is not None else arena_bytes
         self.shrink_after = float(shrink_after)
         self.arena_bytes = arena_bytes

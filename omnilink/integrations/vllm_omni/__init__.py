@@ -68,6 +68,12 @@ which vLLM-Omni injects with the role). A ``put`` always opens the sending side 
 edge and a ``get`` the receiving side, whatever ``role`` says: a middle stage receives
 on one edge and sends on the next through the same adapter.
 
+Checking a deployment without vLLM (``omnilink check FILE``; module ``check``):
+``check_file`` / ``check_config`` read a deploy file as vLLM-Omni 0.30.0 does and report
+each stage edge's connector, running ``check_extra`` (module ``config``, the check the
+connector itself runs at construction) on every omnilink edge; ``plugin_status`` says
+whether ``VLLM_PLUGINS`` lets vLLM-Omni load the plugin (``omnilink info``).
+
 Versions and contract: written against vLLM-Omni 0.30.0 and tested with its real
 ``OmniConnectorFactory`` and ``OmniConnectorBase``. It follows 0.30.0's cleanup contract:
 ``cleanup(key)`` frees exactly the payload put under ``key`` ("a raw request id is not an
@@ -123,8 +129,21 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
 ``codec_left_context_``     ints (>= 1, >= 0, >= 1)
 ``frames``, ``initial_``
 ``codec_chunk_frames``
-``stage_id``, ``role``      injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
+``stage_id``, ``role``,     injected by vLLM-Omni (role ``sender``, ``receiver``, ``dual``)
+``from_stage``, ``to_stage``
+``pass_through``            list of further key names to accept as they are: keys a
+                            newer vLLM-Omni or a custom stage processor reads from
+                            ``extra`` (0.30.0's own, ``codec_chunk_ramp`` and the like,
+                            are known: ``config.VLLM_OMNI_KEYS``)
 ==========================  ===========================================================
+
+The whole ``extra`` is checked at construction, for every role (``config.check_extra``):
+an unknown key is a ``ConfigurationError`` naming it with the closest known key ("did
+you mean 'put_timeout'?"); values are type- and range-checked; ``options`` is checked
+against the backend's own signature (names with "did you mean", types, choices); a
+backend that cannot be used in this process (``cuda_ipc`` without CUDA) or a ``device``
+it does not have is refused. ``omnilink check FILE`` runs the same check on every
+omnilink edge of a deployment file, without vLLM.
 
 Aborted requests (a cancelled stream, a timeout, a client that went away) leave chunks
 nobody will read. Three things give their memory back:
@@ -165,13 +184,43 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import ConfigurationError
-from omnilink.integrations.vllm_omni.config import _FACTORY_MODULE, CONNECTOR_NAME, import_failure
+from omnilink.integrations.vllm_omni.check import (
+    CheckUsageError,
+    EdgeReport,
+    FileReport,
+    check_config,
+    check_file,
+    format_report,
+    load_deploy_file,
+)
+from omnilink.integrations.vllm_omni.config import (
+    _FACTORY_MODULE,
+    CONNECTOR_NAME,
+    ExtraSettings,
+    check_extra,
+    import_failure,
+    plugin_status,
+)
 from omnilink.integrations.vllm_omni.connector import _connector_class, _load_base, _wire_abort_cleanup
 
 if TYPE_CHECKING:  # pragma: no cover
     from omnilink.integrations.vllm_omni.connector import _OmnilinkConnectorImpl
 
-__all__ = ["CONNECTOR_NAME", "OmnilinkConnector", "register"]
+__all__ = [
+    "CONNECTOR_NAME",
+    "CheckUsageError",
+    "EdgeReport",
+    "ExtraSettings",
+    "FileReport",
+    "OmnilinkConnector",
+    "check_config",
+    "check_extra",
+    "check_file",
+    "format_report",
+    "load_deploy_file",
+    "plugin_status",
+    "register",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -25,18 +25,9 @@ from omnilink._util import validate_channel
 from omnilink.blob import encoded_size
 from omnilink.integrations.vllm_omni.config import (
     _BASE_MODULE,
-    _RESERVED_OPTIONS,
     _REAP_INTERVAL,
-    _ROLES,
     CONNECTOR_NAME,
-    DEFAULT_CHANNEL,
-    DEFAULT_HOLD_WARN_S,
-    DEFAULT_MAX_TRACKED_KEYS,
-    DEFAULT_PENDING_TTL,
-    DEFAULT_PUT_TIMEOUT,
-    _check_int,
-    default_reclaim_after,
-    _seconds,
+    check_extra,
 )
 from omnilink.integrations.vllm_omni.holds import _HoldWatch
 from omnilink.integrations.vllm_omni.index import _Entry, _request_of, _stage_of, _Tracked
@@ -83,76 +74,22 @@ class _OmnilinkConnectorImpl:
 
         if config is None:
             config = {}
-        if not isinstance(config, dict):
-            raise ConfigurationError(f"OmnilinkConnector config must be a dict, got {type(config).__name__}")
+        # Every key and backend option is checked here, for every role: a receiver
+        # whose configuration is wrong fails at start-up, never at each get.
+        settings = check_extra(config)
         self.config = config
         self.stage_id = config.get("stage_id", -1)
-        role = config.get("role")
-        if role in (None, "auto"):
-            role = "dual"
-        if role not in _ROLES:
-            raise ConfigurationError(f"OmnilinkConnector: extra['role'] must be one of {_ROLES}, got {role!r}")
-        self.role: str = role
-        backend = config.get("backend", "shm")
-        if not isinstance(backend, str) or not backend:
-            raise ConfigurationError(f"OmnilinkConnector: extra['backend'] must be a backend name, got {backend!r}")
-        from omnilink.connectors import available_backends
-
-        if backend not in available_backends():
-            raise ConfigurationError(
-                f"OmnilinkConnector: unknown backend {backend!r}; available: {', '.join(available_backends())}"
-            )
-        self.backend = backend
-        prefix = config.get("channel", DEFAULT_CHANNEL)
-        validate_channel(prefix)
-        self.channel_prefix: str = prefix
-        options = config.get("options", {})
-        if options is None:
-            options = {}
-        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
-            raise ConfigurationError(
-                f"OmnilinkConnector: extra['options'] must be a dict of backend options, got {options!r}"
-            )
-        for name in _RESERVED_OPTIONS:
-            if name in options:
-                raise ConfigurationError(
-                    f"OmnilinkConnector: extra['options'] must not set {name!r}; it comes from the stage edge "
-                    f"(use extra['channel'] for the channel prefix)"
-                )
-        self._options = dict(options)
-        self._put_timeout = _seconds(config, "put_timeout", DEFAULT_PUT_TIMEOUT, allow_none=True)
-        self._pending_ttl = _seconds(config, "pending_ttl", DEFAULT_PENDING_TTL, allow_none=True)
-        self._holds = _HoldWatch(_seconds(config, "hold_warn_s", DEFAULT_HOLD_WARN_S, allow_none=True))
-        if "reclaim_after" in config:
-            reclaim_after = _seconds(config, "reclaim_after", None, allow_none=True)
-        else:
-            reclaim_after = default_reclaim_after()
-        if backend == "shm":
-            # The backend with an arena reclaims unread payloads of abandoned requests
-            # itself, under pressure and only past the engine's input wait timeout.
-            self._options.setdefault("reclaim_after", reclaim_after)
-            reclaim_after = self._options["reclaim_after"]
-        else:
-            reclaim_after = None
-        self._reclaim_after = reclaim_after
-        zero_copy = config.get("zero_copy", True)
-        if not isinstance(zero_copy, bool):
-            raise ConfigurationError(f"OmnilinkConnector: extra['zero_copy'] must be a bool, got {zero_copy!r}")
-        self._zero_copy = zero_copy
-        self._device = config.get("device")
-        if self._device is not None and not isinstance(self._device, str):
-            raise ConfigurationError(
-                f"OmnilinkConnector: extra['device'] must be a device string, got {self._device!r}"
-            )
-        max_tracked = config.get("max_tracked_keys", DEFAULT_MAX_TRACKED_KEYS)
-        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 1:
-            raise ConfigurationError(
-                f"OmnilinkConnector: extra['max_tracked_keys'] must be an int >= 1, got {max_tracked!r}"
-            )
-        self._max_tracked = max_tracked
-        _check_int(config, "codec_chunk_frames", 1)
-        _check_int(config, "codec_left_context_frames", 0)
-        _check_int(config, "initial_codec_chunk_frames", 1)
+        self.role: str = settings.role
+        self.backend = settings.backend
+        self.channel_prefix: str = settings.channel
+        self._options = settings.options
+        self._put_timeout = settings.put_timeout
+        self._pending_ttl = settings.pending_ttl
+        self._holds = _HoldWatch(settings.hold_warn_s)
+        self._reclaim_after = settings.reclaim_after
+        self._zero_copy = settings.zero_copy
+        self._device = settings.device
+        self._max_tracked = settings.max_tracked_keys
 
         # Open the configured edge now, so a bad backend option or a too small /dev/shm
         # fails at start-up (the factory reports it) instead of at the first request.
@@ -173,14 +110,14 @@ class _OmnilinkConnectorImpl:
         conn = self._edges.get((side, channel))
         if conn is not None:
             return conn
-        from omnilink.connectors import connect
+        from omnilink.connectors import connect_backend
 
         with self._lock:
             if self._closed:
                 raise ClosedError(f"OmnilinkConnector (stage {self.stage_id}) is closed")
             conn = self._edges.get((side, channel))
             if conn is None:
-                conn = connect(self.backend, channel=channel, role=side, **self._options)
+                conn = connect_backend(self.backend, channel=channel, role=side, **self._options)
                 self._edges[(side, channel)] = conn
                 if from_stage is not None:
                     self._edge_from.setdefault(channel, from_stage)
