@@ -48,6 +48,7 @@ Benchmarks are hard: two processes on one GPU time-slice it unless an MPS server
 from __future__ import annotations
 
 import argparse
+import builtins
 import datetime
 import json
 import multiprocessing as mp
@@ -63,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnilink._bench.units import format_size, parse_sizes  # noqa: E402
 
+builtins_setattr = builtins.setattr
 USE_BYTES = 64
 SMALL = 64 << 10
 
@@ -100,15 +102,20 @@ TRACED = (
 )
 
 
-def install_tracer(spans: list, only: tuple[str, ...] = ()) -> None:
+def install_tracer(spans: list, only: tuple[str, ...] = ()) -> Any:
     """Wrap every function and method defined in TRACED (or, with ``only``, those whose
     name ends with one of ``only``: fewer wrappers, less distortion) with a span
-    recorder."""
+    recorder; returns a function that puts the originals back."""
     import functools
     import importlib
     import inspect
 
     clock = time.perf_counter_ns
+    undo: list[tuple[Any, str, Any]] = []
+
+    def setattr(owner: Any, name: str, value: Any) -> None:  # noqa: A001 - remembered for undo
+        undo.append((owner, name, getattr(owner, name)))
+        builtins_setattr(owner, name, value)
 
     def wrap(fn: Any, name: str) -> Any:
         if only and not name.endswith(only):
@@ -145,9 +152,17 @@ def install_tracer(spans: list, only: tuple[str, ...] = ()) -> None:
         for attr, obj in list(vars(mod).items()):
             src = getattr(obj, "__module__", None)
             if inspect.isfunction(obj) and src in TRACED and src != modname and not hasattr(obj, "__wrapped__"):
-                new = getattr(sys.modules[src], attr, None)
+                # by the function's own name: ``from x import f as _f`` binds ``_f`` here
+                new = getattr(sys.modules[src], obj.__name__, None)
                 if new is not None and hasattr(new, "__wrapped__"):
                     setattr(mod, attr, new)
+
+    def uninstall() -> None:
+        for owner, name, value in reversed(undo):
+            builtins_setattr(owner, name, value)
+        undo.clear()
+
+    return uninstall
 
 
 def timeline(t0s: list[int], t1s: list[int], tx: list, rx: list) -> list[dict[str, Any]]:

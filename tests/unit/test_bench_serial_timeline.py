@@ -1,0 +1,70 @@
+"""``benchmarks/bench_serial_gpu.py``'s two-process timeline (pure functions, no GPU):
+spans are assigned to the payload whose [t0, t1] holds their start, offsets are taken
+from that payload's t0, and functions that only some payloads ran say so."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_serial_gpu.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serial_gpu", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serial_gpu"] = mod
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("bench_serial_gpu", None)
+
+
+def test_timeline_assigns_spans_to_their_payload_on_one_clock(bench):
+    us = 1000  # ns
+    t0s = [0, 1000 * us, 2000 * us]
+    t1s = [500 * us, 1500 * us, 2500 * us]
+    tx = [("put", 10 * us, 110 * us), ("put", 1010 * us, 1130 * us), ("put", 2010 * us, 2090 * us),
+          ("beat", 700 * us, 705 * us)]  # between payloads: in no payload's window
+    rx = [("get", 200 * us, 300 * us), ("get", 1150 * us, 1300 * us), ("get", 2100 * us, 2200 * us),
+          ("decode", 1200 * us, 1220 * us), ("decode", 1230 * us, 1250 * us)]  # twice in payload 1
+    rows = {(r["side"], r["fn"]): r for r in bench.timeline(t0s, t1s, tx, rx)}
+    assert ("sender", "beat") not in rows
+    put = rows[("sender", "put")]
+    assert put["payloads"] == 3 and put["start_us"] == 10.0 and put["incl_us"] == 100.0
+    get = rows[("receiver", "get")]
+    assert get["start_us"] == 150.0 and get["incl_us"] == 100.0 and get["calls"] == 1
+    dec = rows[("receiver", "decode")]
+    assert dec["payloads"] == 1 and dec["calls"] == 2 and dec["incl_us"] == 40.0
+    # Sender rows first, each side by start offset.
+    order = [(r["side"], r["fn"]) for r in bench.timeline(t0s, t1s, tx, rx)]
+    assert order.index(("sender", "put")) < order.index(("receiver", "get")) < order.index(("receiver", "decode"))
+
+
+def test_tracer_records_spans_of_omnilink_functions_and_only_those_asked_for(bench):
+    torch = pytest.importorskip("torch")
+    import uuid
+
+    import omnilink
+    from omnilink.connectors.shm import connector as shm_connector
+
+    spans: list = []
+    uninstall = bench.install_tracer(spans, ("ShmConnector.put", "blob.prepare"))
+    try:
+        ch = f"t/tl-{uuid.uuid4().hex[:8]}"
+        with omnilink.connect("shm", channel=ch, role="sender", linger=0) as tx, \
+                omnilink.connect("shm", channel=ch, role="receiver") as rx:
+            tx.put("k", bench._payload(torch.zeros(4), 3), timeout=5)
+            got = rx.get("k", timeout=5)
+            assert got["meta"]["chunk_id"] == 3 and got["meta"]["finished"].dtype == torch.bool
+        names = {n for n, _, _ in spans}
+        assert names == {"shm.connector.ShmConnector.put", "blob.prepare"}, names
+        assert all(b >= a for _, a, b in spans)
+    finally:
+        uninstall()
+    # Nothing stays wrapped for the rest of the process.
+    assert not hasattr(shm_connector.ShmConnector.put, "__wrapped__")
+    assert not hasattr(shm_connector._prepare, "__wrapped__")
