@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.omnilink-installed
 LOCK := $(VENV).lock
 
-.PHONY: setup test bench clean
+.PHONY: setup test bench docs clean
 
 setup: $(STAMP)
 
@@ -40,5 +40,9 @@ test: setup
 bench: setup
 	$(PY) -m omnilink bench --json benchmarks/results/latest.jsonl --plot benchmarks/results/latest.png
 
+# The docs site, into build/site (`$(VENV)/bin/mkdocs serve` to browse while editing).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 clean:
-	rm -rf $(VENV) $(LOCK) build dist *.egg-info
+	rm -rf $(VENV) $(LOCK) build dist site *.egg-info
