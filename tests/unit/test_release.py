@@ -157,8 +157,9 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     api = (tmp_path / "site" / "api" / "index.html").read_text()
-    for name in ("omnilink.connect", "omnilink.decode", "TransferTimeout", "ChunkSender"):
-        assert name in api, f"API reference lacks {name}"
+    for name in ("omnilink.connect", "omnilink.decode", "omnilink.TransferTimeout", "omnilink.WouldBlock",
+                 "omnilink.connectors.shm.ShmConnector", "omnilink.chunking.ChunkSender", "omnilink.testing.check_connector"):
+        assert f'id="{name}"' in api, f"API reference lacks {name}"
     nav = (REPO / "mkdocs.yml").read_text()
     pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
     assert pages == set(re.findall(r":\s+([\w/.-]+\.md)$", nav, re.M)), "every page is in the nav, and only those"
