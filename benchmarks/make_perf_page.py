@@ -198,8 +198,8 @@ def render_headline(data: list[Any]) -> str:
 
 BLOCKS = (
     Block("headline", ("pipeline-cpu-epyc-2core.json", "pipeline-cuda-h100.json"),
-          "omnilink bench pipeline (CPU); omnilink bench pipeline --device cuda --prompt-tokens 4096 "
-          "--requests 4 --rounds 2 (H100)", render_headline),
+          "`omnilink bench pipeline` (2-core CPU) and `omnilink bench pipeline --device cuda --prompt-tokens 4096 "
+          "--requests 4 --rounds 2` (H100); machines and full tables on the performance page", render_headline),
     Block("pipeline-cpu-epyc-2core", ("pipeline-cpu-epyc-2core.json",),
           "omnilink bench pipeline --json FILE --plot FILE.png",
           render_pipeline),
@@ -233,8 +233,9 @@ def block_text(block: Block) -> str:
     """The generated Markdown of one block, markers included."""
     body = block.render([_load(f) for f in block.files])
     files = ", ".join(f"`{RESULTS}/{f}`" for f in block.files)
+    cmd = block.command if "`" in block.command else f"`{block.command}`"
     return (f"<!-- perf:begin {block.id} -->\n{body}\n\n"
-            f"Source: {files}, made by `{block.command}`.\n"
+            f"Source: {files}, made by {cmd}.\n"
             f"<!-- perf:end {block.id} -->")
 
 
