@@ -194,3 +194,13 @@ def test_every_result_file_kept_is_cited():
     stems = {pathlib.Path(name).name.split(".")[0] for name in out}
     assert stems == cited, f"uncited: {sorted(stems - cited)}; missing: {sorted(cited - stems)}"
     assert not any(re.search(r"20\d\d-\d\d-\d\d", name) for name in out), "name results by scenario and machine"
+
+
+def test_error_tree_in_the_docs_is_the_modules():
+    import textwrap
+
+    from omnilink import _errors
+
+    doc = _errors.__doc__ or ""
+    tree = textwrap.dedent(doc[doc.index("    OmnilinkError"):]).strip()
+    assert tree in (REPO / "docs" / "concepts.md").read_text(), "copy omnilink/_errors.py's tree into concepts.md"
