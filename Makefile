@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.omnilink-installed
 LOCK := $(VENV).lock
 
-.PHONY: setup test bench clean
+.PHONY: setup test bench docs clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,9 @@ ifdef OMNILINK_VENV_LOCKED
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,plot]"
+	# A venv made before the distribution was renamed holds the old `omnilink` one.
+	$(PY) -m pip uninstall -q -y omnilink 2>/dev/null || true
+	$(PY) -m pip install -q -e ".[test,plot,docs]"
 	# vLLM-Omni's connector modules, for the integration tests: they load them without vLLM
 	# (tests/integration/_vllm_omni_stubs.py says how).
 	$(PY) -m pip install -q --no-deps "vllm-omni==0.30.0"
@@ -38,5 +40,9 @@ test: setup
 bench: setup
 	$(PY) -m omnilink bench --json benchmarks/results/latest.jsonl --plot benchmarks/results/latest.png
 
+# The docs site, into build/site (`$(VENV)/bin/mkdocs serve` to browse while editing).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 clean:
-	rm -rf $(VENV) $(LOCK) build dist *.egg-info
+	rm -rf $(VENV) $(LOCK) build dist site *.egg-info

@@ -1,7 +1,7 @@
 """omnilink: the data plane between the stages of multi-stage inference pipelines.
 
 Importing omnilink is cheap: it never initialises CUDA, and torch is imported only when
-a payload needs it. See README.md for the tensor_blob format and the connectors.
+a payload needs it. The documentation (``docs/``) describes the tensor_blob format and the connectors.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from omnilink.connectors import (
     register_backend,
 )
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "BlobDecodeError",

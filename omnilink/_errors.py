@@ -193,8 +193,8 @@ class ChunkInvariantError(OmnilinkError, AssertionError):
 
     Raised by the ``omnilink.chunking.check_*`` helpers, which verify a chunker's output
     (ours, or a third party's) against the frames that were pushed. ``invariant`` is
-    the number of the invariant as ``omnilink.chunking`` lists them (1 to 7, also in the
-    README's "Streaming" section), or a short name for the key and prefill checks.
+    the number of the invariant as ``omnilink.chunking`` lists them (1 to 7, also on the
+    documentation's streaming page), or a short name for the key and prefill checks.
     """
 
     def __init__(self, invariant: int | str, message: str) -> None:

@@ -18,7 +18,7 @@ __all__ = ["cpu_model", "cuda_devices", "machine_record", "shm_usage", "versions
 SHM_DIR = "/dev/shm"
 
 _DISTRIBUTIONS = {
-    "omnilink": "omnilink",
+    "omnilink": "pyomnilink",  # the distribution; the import name is omnilink
     "torch": "torch",
     "numpy": "numpy",
     "msgspec": "msgspec",

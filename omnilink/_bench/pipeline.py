@@ -1262,7 +1262,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "omnilink bench pipel
             import matplotlib  # noqa: F401
         except ImportError:
             print(f"{prog}: error: --plot needs matplotlib: pip install matplotlib "
-                  "(or the plot extra: pip install 'omnilink[plot]')", file=err)
+                  "(or the plot extra: pip install 'pyomnilink[plot]')", file=err)
             return EXIT_USAGE
     if cfg.device == "cuda":
         import torch

@@ -139,7 +139,7 @@ def backend_factory(name: str, /) -> Callable[..., Connector]:
     except ImportError as exc:
         raise ConfigurationError(
             f"backend {name!r} could not be loaded ({exc}); install its dependencies, "
-            "e.g. `pip install omnilink` brings msgspec, posix_ipc and pyzmq"
+            "e.g. `pip install pyomnilink` brings msgspec, posix_ipc and pyzmq"
         ) from exc
     except AttributeError as exc:
         raise ConfigurationError(f"backend {name!r}: {target} does not exist") from exc

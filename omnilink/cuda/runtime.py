@@ -11,7 +11,7 @@
   on it sees every write the producer queued before the call.
 
 cudaHostRegister is called through cuda-python (``cuda.bindings.runtime``) when it is
-installed (``pip install omnilink[cuda]``), else through torch's own binding of the
+installed (``pip install "pyomnilink[cuda]"``), else through torch's own binding of the
 CUDA runtime (``torch.cuda.cudart()``), which every CUDA build of torch has.
 """
 
@@ -281,7 +281,7 @@ _ops_error: str | None = None
 _ops_lock = threading.Lock()
 
 #: What to run when the fast path is missing.
-CUDA_INSTALL_HINT = "pip install 'omnilink[cuda]' (cuda-python)"
+CUDA_INSTALL_HINT = "pip install 'pyomnilink[cuda]' (cuda-python)"
 
 
 def cuda_ops() -> CudaOps:

@@ -3,8 +3,8 @@ through vLLM-Omni's real factory, chunked requests of which a share is aborted, 
 arena that reclaims the aborted requests' unread chunks, and a receiver SIGKILLed half
 way that the sender reports as ``PeerLostError`` before a new receiver carries on.
 
-The long configuration (10,000 requests, 16 KiB-8 MiB chunks) is run by hand; its
-figures are in the README."""
+The long configuration (10,000 requests, 16 KiB-8 MiB chunks) is run by hand
+(``python benchmarks/soak_vllm_omni.py``); it checks the same accounting and flatness."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""The README's vLLM-Omni config, through vLLM-Omni 0.30.0's own config loader.
+"""The documented vLLM-Omni config, through vLLM-Omni 0.30.0's own config loader.
 
-``examples/vllm_omni/qwen3_omni_omnilink.yaml`` is the YAML the README shows (the README
-test checks they are the same text). Fed to vLLM-Omni's real
+``examples/vllm_omni/qwen3_omni_omnilink.yaml`` is the YAML ``docs/vllm-omni.md`` shows
+and the README excerpts (``tests/integration/test_readme.py`` checks they are the same
+text). Fed to vLLM-Omni's real
 ``load_omni_transfer_config`` (``vllm_omni.distributed.omni_connectors.utils.
 initialization``, loaded without vLLM by ``_vllm_omni_stubs``), every stage edge must
 resolve to ``OmnilinkConnector``, with the pipeline's edges known or not; and the
 connectors vLLM-Omni then builds for each stage carry a payload across the edge. The
-shape the README used to show (connectors defined, never referenced by a stage) is
+shape the README once showed (connectors defined, never referenced by a stage) is
 kept as the negative case: vLLM-Omni gives those edges ``SharedMemoryConnector``, which
 is how a user "switched" without switching.
 """

@@ -98,7 +98,7 @@ def test_version_matches_the_distribution():
     from importlib import metadata
 
     try:
-        installed = metadata.version("omnilink")
+        installed = metadata.version("pyomnilink")  # the distribution of the omnilink package
     except metadata.PackageNotFoundError:  # pragma: no cover - make test installs it
         pytest.skip("omnilink is not installed (pip install -e .)")
     assert installed == omnilink.__version__

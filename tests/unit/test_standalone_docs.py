@@ -8,7 +8,7 @@ import re
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Files a user or a contributor reads: the package, docs, build and CI files, tests, examples.
 GLOBS = ("omnilink/**/*.py", "tests/**/*.py", "examples/**/*", "benchmarks/**/*.py", "benchmarks/**/*.md",
-         "benchmarks/**/*.sh", "*.md", "Makefile", "pyproject.toml", ".ci/*")
+         "benchmarks/**/*.sh", "*.md", "docs/**/*.md", "mkdocs.yml", "Makefile", "pyproject.toml", ".ci/*")
 # Case-sensitive: the notes' names as words (``FLAG_BY_REFERENCE`` is not one).
 OUTSIDE = re.compile(r"\b(REFERENCE|DESIGN|STYLE)(\.md)?\b|\.\./shared/")
 

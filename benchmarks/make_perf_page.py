@@ -1,0 +1,302 @@
+"""Generate (or check) the figures of ``docs/performance.md`` and the README's headline table.
+
+Every figure the project publishes comes from a committed result file under
+``benchmarks/results/``, named by scenario and machine. This script is the only writer
+of the blocks between ``<!-- perf:begin ID -->`` and ``<!-- perf:end ID -->`` in the
+performance page and in README.md; each block names its result file, the machine
+recorded in it and the command that made it::
+
+    python benchmarks/make_perf_page.py            # print every block
+    python benchmarks/make_perf_page.py --write    # rewrite the blocks in place
+    python benchmarks/make_perf_page.py --check    # exit 1 if a page differs (CI runs this)
+
+To publish a new run: run the command a block names, copy its result over the file the
+block names (same scenario, same machine), ``--write``, and commit both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, REPO)
+
+from omnilink._bench.report import machine_line, markdown_tables  # noqa: E402
+
+PAGES = ("docs/performance.md", "README.md")
+RESULTS = "benchmarks/results"
+_BLOCK = re.compile(r"<!-- perf:begin (?P<id>[\w-]+) -->\n.*?<!-- perf:end (?P=id) -->", re.S)
+
+
+@dataclass(frozen=True)
+class Block:
+    id: str
+    files: tuple[str, ...]     # under benchmarks/results/
+    command: str               # what made the files (run from the repository root)
+    render: Callable[[list[Any]], str]
+
+
+# ------------------------------------------------------------------ formatting helpers
+def _num(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if x >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.2f}" if x < 10 else f"{x:.1f}")
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
+    sep = ["---" if a == "<" else "---:" for a in align]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _load(name: str) -> Any:
+    path = os.path.join(REPO, RESULTS, name)
+    with open(path, encoding="utf-8") as f:
+        if name.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        return json.load(f)
+
+
+def _gpus(machine: dict[str, Any]) -> str:
+    gpus = machine.get("gpus") or machine.get("gpu") or [d["name"] for d in machine.get("cuda_devices", [])]
+    return " + ".join(gpus) if gpus else ""
+
+
+# ------------------------------------------------------------------ renderers
+def render_bench(data: list[Any]) -> str:
+    """A run of ``omnilink bench --json``: throughput and latency tables."""
+    (records,) = data
+    for n, rec in enumerate(records, 1):
+        missing = [k for k in ("scenario", "backend", "mode", "size_bytes", "status", "machine") if k not in rec]
+        if missing:
+            raise ValueError(f"record {n} is not from `omnilink bench --json`: no {missing}")
+    m = records[0]["machine"]
+    return (f"Run {records[0]['timestamp']} on: {machine_line(m)}.\n\n"
+            + markdown_tables(records).rstrip())
+
+
+_CONNECTORS = ("omnilink-shm", "omnilink-zmq", "vllm-omni-shm", "pickle-shm")
+
+
+def render_pipeline(data: list[Any]) -> str:
+    """A run of ``omnilink bench pipeline --json``."""
+    (run,) = data
+    rows = []
+    for r in sorted(run["results"], key=lambda r: _CONNECTORS.index(r["connector"])):
+        rows.append([r["connector"] + (" (baseline)" if r["connector"] == "pickle-shm" else ""),
+                     f"{_ms(r['first_audio_ms_p50'])} / {_ms(r['first_audio_ms_p99'])} ms",
+                     f"{_ms(r['last_audio_ms_p50'])} ms",
+                     f"{_ms(r['transport_ms_p50'])} / {_ms(r['transport_ms_p99'])} ms",
+                     f"{100 * r['transport_share']:.1f} %"])
+    edges = run["results"][0]["edges"]
+    c = run["config"]
+    return (f"{run['machine_line']}.\n\n"
+            + _table(["connector", "first audio p50 / p99", "last audio p50", "transport per chunk p50 / p99",
+                      "transport share of step time"], rows, "<<<<<")
+            + f"\n\nPrompt {c['prompt_tokens']} tokens x hidden {c['hidden']}, {c['requests']} requests per round, "
+            f"device {c['device']}; per round "
+            + "; ".join(f"{e['edge']} {e['chunks']} chunks, {_bytes(e['bytes'])}" for e in edges)
+            + f". Audio bit-identical across connectors: {'yes' if run['identical'] else 'NO'}.")
+
+
+def render_bench_gpu(data: list[Any]) -> str:
+    """A run of ``benchmarks/bench_gpu.py --json``: GPU -> shm -> GPU across two processes."""
+    (records,) = data
+    m = records[0]["machine"]
+    rows, tail = [], None
+    for r in records:
+        if "size" not in r:
+            tail = r
+            continue
+        o = r["cuda:0"]
+        rows.append([_size(r["size"]), _num(o["omnilink"]), _ratio(o["ratio_slower_pinned"]),
+                     _num(o["omnilink_put_async_x8"]), _num(o["raw_two_process"]),
+                     _ratio(o["ratio_raw_two_process"]), _num(r["duplex_per_direction"]),
+                     f"{_num(r['d2h_pinned'])} / {_num(r['h2d_pinned'])}", _num(o["ipc"])])
+    text = (f"{_gpus(m)}, {m.get('cpus')} CPUs, torch {m.get('torch')}, "
+            f"MPS server {'on' if m.get('mps') else 'off'}. GB/s:\n\n"
+            + _table(["payload", "omnilink shm", "x slower pinned copy", "8 put_async in flight",
+                      "raw two-process floor", "x raw floor", "duplex ceiling", "pinned D2H / H2D (one process)",
+                      "device IPC (device_ipc=\"on\")"], rows, "<" + ">" * 8))
+    if tail and tail.get("latency"):
+        p50, p99 = tail["latency"]["cuda:0"]
+        raw50, raw99 = tail["latency_raw_two_process"]["cuda:0"]
+        text += (f"\n\n4 KiB one-way (round trip / 2): p50 {p50:.0f} us, p99 {p99:.0f} us; raw two-process "
+                 f"floor p50 {raw50:.0f} us, p99 {raw99:.0f} us.")
+    return text
+
+
+def render_pivot(data: list[Any]) -> str:
+    """``bench_cuda_ipc.py --json`` (a dict) or ``bench_nccl.py --json`` (records): GB/s by size."""
+    (raw,) = data
+    if isinstance(raw, dict):
+        m, results, latency = raw["machine"], raw["results"], raw.get("latency", [])
+        key = "what"
+        lat = [(x["what"], x["p50_us"]) for x in latency]
+    else:
+        m, results, latency = raw[0]["machine"], [r for r in raw if "gbps" in r], [r for r in raw if "p50_us" in r]
+        key = "variant"
+        lat = [(x["variant"].removeprefix("latency "), x["p50_us"]) for x in latency]
+        lat = [("raw torch.distributed" if w == "raw" else w, v) for w, v in lat]
+    sizes = sorted({r["size"] for r in results}, reverse=True)
+    names: list[str] = []
+    for r in results:
+        if r[key] not in names:
+            names.append(r[key])
+    cell = {(r[key], r["size"]): r["gbps"] for r in results}
+    rows = [[("raw torch.distributed" if n == "raw" else n)] + [_num(cell.get((n, s))) for s in sizes] for n in names]
+    text = (f"{_gpus(m)}; {m.get('cpu')}, {m.get('cores')} cores; torch {m.get('torch') or m['versions']['torch']}. "
+            "GB/s (median of rounds):\n\n"
+            + _table(["path"] + [_size(s) for s in sizes], rows, "<" + ">" * len(sizes)))
+    if lat:
+        text += "\n\n4 KiB one-way p50: " + ", ".join(f"{w} {v:.0f} us" for w, v in lat) + "."
+    return text
+
+
+def render_headline(data: list[Any]) -> str:
+    """README: transport per chunk and first audio of the streaming pipeline, CPU and GPU."""
+    cpu, gpu = data
+    by = [{r["connector"]: r for r in run["results"]} for run in (cpu, gpu)]
+    rows = []
+    for c in _CONNECTORS:
+        cells = []
+        for b in by:
+            r = b[c]
+            cells += [f"{_ms(r['transport_ms_p50'])} ms", f"{_ms(r['first_audio_ms_p50'])} ms"]
+        rows.append([c + (" (baseline)" if c == "pickle-shm" else "")] + cells)
+    return _table(["connector", "per chunk, 2-core CPU", "first audio, 2-core CPU", "per chunk, H100",
+                   "first audio, H100"], rows, "<>>>>")
+
+
+BLOCKS = (
+    Block("headline", ("pipeline-cpu-epyc-2core.json", "pipeline-cuda-h100.json"),
+          "`omnilink bench pipeline` (2-core CPU) and `omnilink bench pipeline --device cuda --prompt-tokens 4096 "
+          "--requests 4 --rounds 2` (H100); machines and full tables on the performance page", render_headline),
+    Block("pipeline-cpu-epyc-2core", ("pipeline-cpu-epyc-2core.json",),
+          "omnilink bench pipeline --json FILE --plot FILE.png",
+          render_pipeline),
+    Block("pipeline-cuda-h100", ("pipeline-cuda-h100.json",),
+          "omnilink bench pipeline --device cuda --prompt-tokens 4096 --requests 4 --rounds 2 --json FILE",
+          render_pipeline),
+    Block("pipeline-cuda-h100-mps", ("pipeline-cuda-h100-mps.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --prompt-tokens 4096 --requests 4 "
+          "--rounds 2 --json FILE", render_pipeline),
+    Block("shm-vs-pickle-epyc-2core", ("shm-vs-pickle-epyc-2core.jsonl",),
+          "omnilink bench --json FILE --plot FILE.png", render_bench),
+    Block("shm-vs-pickle-h100host-16core", ("shm-vs-pickle-h100host-16core.jsonl",),
+          "omnilink bench --json FILE", render_bench),
+    Block("bench-gpu-h100", ("bench-gpu-h100.jsonl",), "omnilink bench gpu --json FILE --plot FILE.png",
+          render_bench),
+    Block("gpu-shm-h100", ("gpu-shm-h100.jsonl",), "python benchmarks/bench_gpu.py --skip-overlap --json FILE",
+          render_bench_gpu),
+    Block("gpu-shm-h100-mps", ("gpu-shm-h100-mps.jsonl",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_gpu.py --skip-overlap --json FILE", render_bench_gpu),
+    Block("cuda-ipc-h100-mps", ("cuda-ipc-h100-mps.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_cuda_ipc.py --cases same --json FILE", render_pivot),
+    Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),
+          "python benchmarks/bench_cuda_ipc.py --cases cross --sizes 256MiB,64MiB --latency-iters 200 --rounds 2 "
+          "--json FILE", render_pivot),
+    Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --json FILE",
+          render_pivot),
+)
+
+
+def block_text(block: Block) -> str:
+    """The generated Markdown of one block, markers included."""
+    body = block.render([_load(f) for f in block.files])
+    files = ", ".join(f"`{RESULTS}/{f}`" for f in block.files)
+    cmd = block.command if "`" in block.command else f"`{block.command}`"
+    return (f"<!-- perf:begin {block.id} -->\n{body}\n\n"
+            f"Source: {files}, made by {cmd}.\n"
+            f"<!-- perf:end {block.id} -->")
+
+
+def update(text: str, blocks: dict[str, str], *, page: str) -> str:
+    """``text`` with each generated block replaced by its current rendering.
+
+    Raises
+    ------
+    ValueError
+        The page names a block this script does not know.
+    """
+    def repl(m: re.Match[str]) -> str:
+        if m.group("id") not in blocks:
+            raise ValueError(f"{page}: unknown generated block {m.group('id')!r}")
+        return blocks[m.group("id")]
+
+    return _BLOCK.sub(repl, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true", help="rewrite the generated blocks of the pages")
+    group.add_argument("--check", action="store_true", help="exit 1 if a page's blocks are out of date")
+    parser.add_argument("--root", default=REPO, help="repository root holding the pages (default: this one)")
+    args = parser.parse_args(argv)
+    try:
+        blocks = {b.id: block_text(b) for b in BLOCKS}
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"make_perf_page: cannot render: {exc!r}", file=sys.stderr)
+        return 2
+    if not (args.write or args.check):
+        sys.stdout.write("\n\n".join(blocks.values()) + "\n")
+        return 0
+    used: set[str] = set()
+    stale = []
+    for page in PAGES:
+        path = os.path.join(args.root, page)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        used |= {m.group("id") for m in _BLOCK.finditer(text)}
+        try:
+            new = update(text, blocks, page=page)
+        except ValueError as exc:
+            print(f"make_perf_page: {exc}", file=sys.stderr)
+            return 2
+        if new != text:
+            stale.append(page)
+            if args.write:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(new)
+    missing = sorted(set(blocks) - used)
+    if missing:
+        print(f"make_perf_page: blocks not on any page: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    if args.check and stale:
+        print(f"make_perf_page: out of date with benchmarks/results: {', '.join(stale)}; run "
+              "python benchmarks/make_perf_page.py --write", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
