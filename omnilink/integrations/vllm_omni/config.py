@@ -373,7 +373,7 @@ def plugin_status(environ: Any = None) -> dict[str, Any]:
     allowed = env.get(PLUGINS_ENV)
     if entry is None:
         loads = False
-        reason = (f"omnilink's {PLUGIN_GROUP} entry point is not installed: pip install omnilink "
+        reason = (f"omnilink's {PLUGIN_GROUP} entry point is not installed: pip install pyomnilink "
                   "(a source tree on PYTHONPATH has no entry points)")
     elif allowed is None:
         loads = True
