@@ -471,7 +471,7 @@ def road_rows(road: str, src: str, dst: str, sizes: list[int], n: int, lat_n: in
         parent.send(("stop",))
         rstats = parent.recv()
         st = tx.stats()
-        rstats.update({f"sender_{f}": getattr(st, f) for f in ("ipc_puts", "device_puts", "ipc_fallbacks",
+        rstats.update({f"sender_{f}": getattr(st, f, None) for f in ("ipc_puts", "device_puts", "ipc_fallbacks",
                                                               "ipc_fallback_reason")})
         proc.join(60)
     finally:

@@ -256,27 +256,6 @@ class CudaDeviceOps:
         ops = self._ops
         completer = self._completer_get()
         completer.reap()  # frees and releases whose copies are done: here, no hand-off
-        if after is None and all(t.device.index == index for _, t in items):
-            # Every tensor on the pool's device: copy on the caller's current stream
-            # there, which already orders the copy after the producer's work and the
-            # caller's later work (overwrites included) after the copy, so no ordering
-            # event, no copy-stream wait and no completion callback. The caching
-            # allocator learns of the use (record_stream) where the current stream is
-            # not a tensor's own, so a freed source is not handed out before the copy.
-            cur = self._torch.cuda.current_stream(index)
-            raw = int(cur.cuda_stream)
-            prev = self._on(index)
-            try:
-                for dst, t in items:
-                    n = t.numel() * t.element_size()
-                    if n:
-                        ops.memcpy_d2d(dst, t.data_ptr(), n, raw)
-                self._check(self.rt.cudaEventRecord(event, raw), "cudaEventRecord")
-            finally:
-                ops.restore_device(prev)
-            for _, t in items:
-                t.record_stream(cur)
-            return
         stream = self._copy_stream(index)
         devices = sorted({t.device.index for _, t in items})
         for d in devices:
