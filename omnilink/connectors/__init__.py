@@ -16,7 +16,10 @@ catch-all, so a type checker rejects a misspelt backend or option); a third part
 backend, or a name known only at run time, opens with ``connect_backend(name, ...)``.
 A backend's option schema is its factory's signature (``_options.py``):
 ``check_backend_options(name, options)`` applies it without opening anything, plus the
-factory's own ``check_options(options)`` where it defines one.
+factory's own ``check_options(options)`` where it defines one: every built-in backend
+does, with the value checks its constructor runs (ranges, combinations; one function
+called from both), leaving what needs the machine (free ``/dev/shm``, a CUDA device)
+to the constructor and ``omnilink check``.
 
 The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
 ``cuda_ipc/``), whose
@@ -360,9 +363,11 @@ def check_backend_options(backend: str, options: dict[str, Any], /, *, where: st
     The schema is the backend's own: its factory's signature (names, and types from
     its annotations: ints, numbers, strings, ``Literal`` choices, ``None``) and, where
     the factory defines it, its ``check_options(options)`` hook for what a signature
-    cannot say. ``connect`` takes the same names. The vLLM-Omni adapter and
-    ``omnilink check`` call this to refuse a bad configuration before a process depends
-    on it.
+    cannot say (every built-in backend's refuses exactly the values its constructor
+    refuses before opening anything; options left out take the constructor's
+    defaults, ``role`` included). ``connect`` takes the same names. The vLLM-Omni
+    adapter and ``omnilink check`` call this to refuse a bad configuration before a
+    process depends on it.
 
     Parameters
     ----------
@@ -378,7 +383,9 @@ def check_backend_options(backend: str, options: dict[str, Any], /, *, where: st
     ------
     ConfigurationError
         Unknown backend, a backend that cannot be loaded, an unknown option name (with
-        "did you mean"), or a value of the wrong type or outside its choices.
+        "did you mean"), a value of the wrong type or outside its choices, or one the
+        backend's ``check_options`` refuses (out of range, a combination that cannot
+        work); the message names the option.
     """
     factory = backend_factory(backend)
     check_options(backend, factory, options, where=where)

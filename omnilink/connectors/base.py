@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import msgspec
@@ -62,6 +63,62 @@ _ROLES = ("sender", "receiver", "dual")
 _Self = TypeVar("_Self", bound="BaseConnector")
 #: ``_arrivals`` wait of an unbounded ``get_many`` (it loops; any wake-up ends it sooner)
 _ARRIVAL_SLICE_S = 1.0
+
+
+def check_common_options(*, role: Any, timeout: Any) -> None:
+    """``role`` and ``timeout`` as ``BaseConnector.__init__`` checks them.
+
+    Raises
+    ------
+    ConfigurationError
+        ``role`` is not one of ``"sender"``, ``"receiver"``, ``"dual"``, or ``timeout``
+        is neither ``None`` nor a number of seconds >= 0.
+    """
+    if role not in _ROLES:
+        raise ConfigurationError(f"role must be one of {_ROLES}, got {role!r}")
+    Deadline(timeout)  # validates
+
+
+def check_constructor_options(
+    cls: Callable[..., Any], checks: Callable[..., None], options: Mapping[str, Any], /
+) -> dict[str, Any]:
+    """Refuse, opening nothing, the option values ``cls(**options)`` would refuse.
+
+    The body of the built-in backends' ``check_options`` hook. ``options`` are laid
+    over the defaults of ``cls``'s signature (the values its constructor would see),
+    then checked as ``BaseConnector.__init__`` checks ``channel`` (when given), ``role``
+    and ``timeout``, and by ``checks``: the backend's own value checks, a function whose
+    keyword-only parameters are named as the constructor's options and which the
+    constructor calls itself, so both refuse exactly the same values.
+
+    Parameters
+    ----------
+    cls : type
+        The backend's connector class.
+    checks : callable
+        Its value checks (``_check_values`` of the backend's module).
+    options : mapping
+        Keyword options as ``connect`` would receive them (``channel`` may be absent).
+
+    Returns
+    -------
+    dict
+        The values checked: ``options`` over the constructor's defaults.
+
+    Raises
+    ------
+    ConfigurationError
+        A value the constructor would refuse before opening anything.
+    """
+    values = {
+        p.name: p.default for p in inspect.signature(cls).parameters.values() if p.default is not p.empty
+    }
+    values.update(options)
+    if "channel" in values:
+        validate_channel(values["channel"])
+    check_common_options(role=values["role"], timeout=values["timeout"])
+    checks(**{name: values[name] for name in inspect.signature(checks).parameters})
+    return values
 
 
 def _check_keys(keys: list[Any]) -> None:
@@ -229,10 +286,8 @@ class BaseConnector:
         timeout: float | None = None,
     ) -> None:
         self.channel = validate_channel(channel)
-        if role not in _ROLES:
-            raise ConfigurationError(f"role must be one of {_ROLES}, got {role!r}")
+        check_common_options(role=role, timeout=timeout)
         self.role = role
-        Deadline(timeout)  # validates
         self.timeout = timeout
         self._closed = False
         self._close_lock = threading.Lock()

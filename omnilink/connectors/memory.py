@@ -42,7 +42,7 @@ from omnilink._errors import (
 )
 from omnilink._util import ConsumedKeys, Deadline, duplicate_key
 from omnilink.blob import decode, prepare
-from omnilink.connectors.base import BaseConnector, Role
+from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 
 __all__ = ["MemoryConnector"]
 
@@ -108,6 +108,23 @@ def _detach(chan: _Channel) -> None:
         )
 
 
+def _check_values(*, capacity_bytes: Any) -> None:
+    """The value checks of ``MemoryConnector``'s options (its constructor and its
+    ``check_options`` both call this).
+
+    Raises
+    ------
+    ConfigurationError
+        ``capacity_bytes`` is neither ``None`` nor a positive int.
+    """
+    if capacity_bytes is not None and (
+        isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
+    ):
+        raise ConfigurationError(
+            f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
+        )
+
+
 class MemoryConnector(BaseConnector):
     """A connector whose channel lives in this process's memory.
 
@@ -152,6 +169,25 @@ class MemoryConnector(BaseConnector):
 
     backend = "memory"
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any], /) -> None:
+        """Refuse, opening nothing, the option values the constructor would refuse.
+
+        The hook ``omnilink.connectors.check_backend_options`` calls.
+
+        Parameters
+        ----------
+        options : dict
+            Keyword options as ``connect`` would receive them.
+
+        Raises
+        ------
+        ConfigurationError
+            ``role`` or ``timeout`` invalid, or ``capacity_bytes`` neither ``None`` nor
+            a positive int.
+        """
+        check_constructor_options(cls, _check_values, options)
+
     def __init__(
         self,
         *,
@@ -161,12 +197,7 @@ class MemoryConnector(BaseConnector):
         capacity_bytes: int | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
-        ):
-            raise ConfigurationError(
-                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
-            )
+        _check_values(capacity_bytes=capacity_bytes)
         self.capacity_bytes = capacity_bytes
         # Set (under the channel's condition) before BaseConnector.close waits for the
         # put_async executor, so a put blocked on backpressure wakes and gives up instead

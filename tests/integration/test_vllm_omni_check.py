@@ -134,6 +134,11 @@ def _extra(config) -> dict:
         (lambda c: _extra(c)["options"].update(arena_byte=1), "'arena_byte' (did you mean 'arena_bytes'?)"),
         (lambda c: _extra(c)["options"].update(arena_bytes="big"), "'arena_bytes' of backend 'shm' must be an int"),
         (lambda c: _extra(c).update(backend="shmm"), "unknown backend 'shmm' (did you mean 'shm'?)"),
+        # Ranges, from the backend's own check_options (the constructor's checks).
+        (lambda c: _extra(c)["options"].update(linger=-1), "linger must be a number of seconds >= 0, got -1"),
+        (lambda c: _extra(c)["options"].update(arena_bytes=4096), "arena_bytes must be an int >= 1048576"),
+        (lambda c: _extra(c).update(backend="zmq", options={"endpoint": "tcp://127.0.0.1:*"}),
+         "zmq: a sender cannot connect to 'tcp://127.0.0.1:*'"),
         (lambda c: _extra(c).update(codec_chunk_frames=0), "extra['codec_chunk_frames'] must be an int >= 1"),
         (lambda c: c["connectors"]["omnilink_shm"].update(name="OmniLinkConnector"),
          "unknown connector 'OmniLinkConnector' (did you mean 'OmnilinkConnector'?)"),

@@ -85,6 +85,41 @@ def test_a_receiver_with_a_bad_option_never_reaches_get():
         _create("receiver", options={"arena_byte": 1 << 20})
 
 
+@pytest.mark.parametrize(
+    "backend, options, named",
+    [
+        ("shm", {"arena_bytes": 4096}, "arena_bytes"),
+        ("shm", {"linger": -1}, "linger"),
+        ("shm", {"device_ipc": "yes"}, "device_ipc"),
+        ("shm", {"max_bytes": 1000}, "max_bytes"),
+        ("zmq", {"sndhwm": 0}, "sndhwm"),
+        ("zmq", {"endpoint": "tcp//127.0.0.1:5555"}, "endpoint"),
+        ("zmq", {"curve_secret_key": "0" * 40}, "curve_allowed_clients"),
+        ("nccl", {"backend": "gloo", "master_port": 29500, "world_size": 3}, "world_size"),
+        ("nccl", {"backend": "gloo", "master_port": 0}, "master_port"),  # rank 1 cannot pick a port
+        ("nccl", {"backend": "gloo"}, "master_port"),
+        ("memory", {"capacity_bytes": 0}, "capacity_bytes"),
+        ("memory", {"timeout": -1}, "timeout"),
+    ],
+)
+def test_a_receiver_with_an_out_of_range_option_fails_at_construction(backend, options, named):
+    # Before: names and types were checked at construction, ranges only by the backend's
+    # constructor, which a receiver (no edge at construction) ran at its first get.
+    with pytest.raises(ValueError) as info:
+        _create("receiver", backend=backend, options=options).close()
+    msg = str(info.value)
+    assert "extra['options']" in msg and named in msg, msg
+
+
+def test_the_options_are_checked_for_each_side_the_stage_opens():
+    # A receiver binds tcp://HOST:* (the OS picks the port); a sender cannot connect
+    # there. A "dual" stage opens both sides lazily, so both are checked at construction.
+    options = {"endpoint": "tcp://127.0.0.1:*"}
+    _create("receiver", backend="zmq", options=options).close()
+    with pytest.raises(omnilink.ConfigurationError, match=r"extra\['options'\]: zmq: a sender cannot connect"):
+        integ.OmnilinkConnector({"role": "dual", "backend": "zmq", "options": options}).close()
+
+
 def test_a_receiver_opens_nothing_and_works_with_a_good_extra():
     prefix = os.environ.get("OMNILINK_SHM_PREFIX", "omnilink")  # this run's (tests/conftest.py)
 

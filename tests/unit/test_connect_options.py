@@ -150,7 +150,10 @@ def test_check_backend_options_uses_the_backends_own_schema(options, message):
 
 def test_check_backend_options_of_the_builtins():
     check_backend_options("shm", {"channel": "c", "arena_bytes": 1 << 20, "max_bytes": None, "linger": 1})
-    check_backend_options("zmq", {"endpoint": "tcp://127.0.0.1:5555", "curve_allowed_clients": ["k"]})
+    # A list for the Iterable[str | bytes] option; its items are well-formed Z85 keys (40
+    # characters), since values are checked as the constructor checks them ("k" is not).
+    check_backend_options("zmq", {"endpoint": "tcp://127.0.0.1:5555", "role": "receiver",
+                                  "curve_secret_key": "0" * 40, "curve_allowed_clients": ["1" * 40]})
     with pytest.raises(omnilink.ConfigurationError, match="'arena_bytes' of backend 'shm' must be an int"):
         check_backend_options("shm", {"arena_bytes": 1.5})
     with pytest.raises(omnilink.ConfigurationError, match="did you mean 'endpoint'"):

@@ -24,7 +24,7 @@ from omnilink._errors import (
 )
 from omnilink._util import Deadline, PeerWatch
 from omnilink.blob import DTYPE_CODES, _contiguous_strides, encoded_size
-from omnilink.connectors.base import BaseConnector, Role
+from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 from omnilink.connectors.cuda_ipc.blocks import ALIGN, BlockAllocator, round_up
 from omnilink.connectors.cuda_ipc.directory import (
     ACK_GEN,
@@ -116,6 +116,23 @@ def _dtypes() -> tuple[dict[Any, int], dict[int, Any]]:
 
 
 _Inner = ShmConnector
+
+
+def _check_values(*, pool_bytes: Any, event_slots: Any, max_blocks: Any) -> None:
+    """The value checks of ``CudaIpcConnector``'s own options (its constructor and its
+    ``check_options`` both call this; ``arena_bytes`` and ``linger`` are the inner shm
+    connector's to check).
+
+    Raises
+    ------
+    ConfigurationError
+        ``pool_bytes``, ``event_slots`` or ``max_blocks`` not an int in its range, named.
+    """
+    for name, value, lo, hi in (("pool_bytes", pool_bytes, 1 << 20, 1 << 46),
+                                ("event_slots", event_slots, 1, 4096),
+                                ("max_blocks", max_blocks, 1, 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigurationError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
 
 
 # --------------------------------------------------------------------- receiver side
@@ -259,6 +276,36 @@ class CudaIpcConnector(BaseConnector):
 
         return cuda_ipc_unavailable()
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any], /) -> None:
+        """Refuse, opening nothing, the option values the constructor would refuse.
+
+        The hook ``omnilink.connectors.check_backend_options`` calls. Whether this
+        process has a CUDA device and cuda-python (``unavailable_reason``) and whether
+        ``device`` exists are left to the constructor and to ``omnilink check``.
+
+        Parameters
+        ----------
+        options : dict
+            Keyword options as ``connect`` would receive them.
+
+        Raises
+        ------
+        ConfigurationError
+            ``role`` or ``timeout`` invalid; ``pool_bytes`` outside [1 MiB, 64 TiB],
+            ``event_slots`` outside [1, 4096], ``max_blocks`` outside [1, 2**20]; or what
+            ``ShmConnector.check_options`` refuses of the inner connector's options
+            (``arena_bytes`` below 1 MiB, ``linger`` not a number >= 0, a channel too
+            long for its ``/cuda-ipc`` suffix).
+        """
+        values = check_constructor_options(cls, _check_values, options)
+        # Descriptors and host tensors travel through an inner shm connector: its own
+        # checks of exactly what the constructor hands it.
+        inner = {"role": values["role"], "arena_bytes": values["arena_bytes"], "linger": values["linger"]}
+        if "channel" in values:
+            inner["channel"] = f"{values['channel']}/cuda-ipc"
+        _Inner.check_options(inner)
+
     def __init__(
         self,
         *,
@@ -273,11 +320,7 @@ class CudaIpcConnector(BaseConnector):
         linger: float = 5.0,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
-        for name, value, lo, hi in (("pool_bytes", pool_bytes, 1 << 20, 1 << 46),
-                                    ("event_slots", event_slots, 1, 4096),
-                                    ("max_blocks", max_blocks, 1, 1 << 20)):
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ConfigurationError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+        _check_values(pool_bytes=pool_bytes, event_slots=event_slots, max_blocks=max_blocks)
         self.pool_bytes = round_up(pool_bytes)
         self.event_slots = event_slots
         self.max_blocks = max_blocks

@@ -142,7 +142,7 @@ from omnilink._errors import (
 )
 from omnilink._util import CONSUMED_KEYS_REMEMBERED, ConsumedKeys, Deadline, duplicate_key, pid_alive
 from omnilink.connectors.nccl import wire
-from omnilink.connectors.base import BaseConnector, Role
+from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 
 __all__ = ["NcclConnector"]
 
@@ -271,6 +271,93 @@ class _Arrived:
         self.event: Any = None
 
 
+def _check_values(
+    *,
+    role: Any,
+    backend: Any,
+    rank: Any,
+    world_size: Any,
+    device: Any,
+    store: Any,
+    master_port: Any,
+    connect_timeout: Any,
+    send_window: Any,
+    max_inflight_bytes: Any,
+    max_pending_bytes: Any,
+    inline_bytes: Any,
+    max_inline_bytes: Any,
+    max_message_bytes: Any,
+    pack_bytes: Any,
+    header_addr: Any,
+) -> None:
+    """The value checks of ``NcclConnector``'s options (its constructor and its
+    ``check_options`` both call this): what holds on any machine, opening nothing.
+
+    Whether CUDA, NCCL or gloo are there, whether ``device`` exists, and whether the
+    store answers are the constructor's to find out.
+
+    Raises
+    ------
+    ConfigurationError
+        The first option out of its range, of the wrong type or in a combination that
+        cannot work (``role="dual"`` without ``rank``, ``backend="gloo"`` with a CUDA
+        device, no ``store`` and no ``master_port``), named.
+    """
+    if world_size != 2 or isinstance(world_size, bool):
+        raise ConfigurationError(
+            f"nccl: world_size must be 2 (a channel links exactly two ranks), got {world_size!r}; "
+            "open one channel per pair of stages"
+        )
+    if rank is None:
+        if role == "dual":
+            raise ConfigurationError("nccl: role='dual' needs an explicit rank (0 or 1)")
+        rank = 0 if role == "sender" else 1
+    if isinstance(rank, bool) or rank not in (0, 1):
+        raise ConfigurationError(f"nccl: rank must be 0 or 1, got {rank!r}")
+    for name, value, low in (
+        ("send_window", send_window, 1),
+        ("max_inflight_bytes", max_inflight_bytes, 1),
+        ("max_pending_bytes", max_pending_bytes, 1),
+        ("max_inline_bytes", max_inline_bytes, 0),
+        ("max_message_bytes", max_message_bytes, 1),
+        ("pack_bytes", pack_bytes, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
+    if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or not connect_timeout >= 0:
+        raise ConfigurationError(f"nccl: connect_timeout must be a number of seconds >= 0, got {connect_timeout!r}")
+    if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
+        raise ConfigurationError(f"nccl: header_addr must be a host name or IP address, got {header_addr!r}")
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ConfigurationError(f"nccl: backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+    if device is not None:
+        import torch  # parsing a device string initialises no CUDA
+
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigurationError(f"nccl: invalid device {device!r}: {exc}") from exc
+        # "auto" with a device is NCCL for a CUDA one, gloo for any other ("meta" too).
+        transport = backend if backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+        if transport == "nccl" and dev.type != "cuda":
+            raise ConfigurationError(f"nccl: backend 'nccl' needs a CUDA device, got {dev}")
+        if transport == "gloo" and dev.type != "cpu":
+            raise ConfigurationError(f"nccl: backend 'gloo' moves host tensors only; device must be 'cpu', got {dev}")
+    if inline_bytes is not None and (
+        isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0
+    ):
+        raise ConfigurationError(f"nccl: inline_bytes must be an int >= 0, got {inline_bytes!r}")
+    if store is None:
+        if master_port is None or isinstance(master_port, bool) or not isinstance(master_port, int):
+            raise ConfigurationError(
+                "nccl: give either store= (a torch.distributed Store both ends share) or "
+                "master_port= (rank 0 hosts a TCPStore there)"
+            )
+        # Port 0 lets the OS pick one: only the end that hosts the store (rank 0) can.
+        if not 0 <= master_port < 65536 or (master_port == 0 and rank != 0):
+            raise ConfigurationError(f"nccl: invalid master_port {master_port!r}")
+
+
 class NcclConnector(BaseConnector):
     """A point-to-point connector over ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
 
@@ -356,6 +443,34 @@ class NcclConnector(BaseConnector):
 
     backend = "nccl"
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any], /) -> None:
+        """Refuse, opening nothing, the option values the constructor would refuse.
+
+        The hook ``omnilink.connectors.check_backend_options`` calls (so does the
+        vLLM-Omni adapter at construction, for either role). Whether this process has
+        CUDA, NCCL or gloo, whether ``device`` exists and whether the store answers are
+        left to the constructor and to ``omnilink check``.
+
+        Parameters
+        ----------
+        options : dict
+            Keyword options as ``connect`` would receive them.
+
+        Raises
+        ------
+        ConfigurationError
+            ``role`` or ``timeout`` invalid; ``world_size`` not 2; ``rank`` not 0 or 1,
+            or missing for ``role="dual"``; ``send_window``, ``max_inflight_bytes``,
+            ``max_pending_bytes`` or ``max_message_bytes`` below 1, ``max_inline_bytes``,
+            ``pack_bytes`` or ``inline_bytes`` below 0; ``connect_timeout`` not a number
+            >= 0; an empty ``header_addr``; ``backend`` not ``"auto"``, ``"nccl"`` or
+            ``"gloo"``; a ``device`` torch cannot parse or of the wrong kind for
+            ``backend``; no ``store`` and ``master_port`` missing, outside [0, 65535],
+            or 0 on rank 1.
+        """
+        check_constructor_options(cls, _check_values, options)
+
     def __init__(
         self,
         *,
@@ -381,6 +496,13 @@ class NcclConnector(BaseConnector):
         header_addr: str | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
+        _check_values(
+            role=role, backend=backend, rank=rank, world_size=world_size, device=device, store=store,
+            master_port=master_port, connect_timeout=connect_timeout, send_window=send_window,
+            max_inflight_bytes=max_inflight_bytes, max_pending_bytes=max_pending_bytes,
+            inline_bytes=inline_bytes, max_inline_bytes=max_inline_bytes, max_message_bytes=max_message_bytes,
+            pack_bytes=pack_bytes, header_addr=header_addr,
+        )
         import torch
         import torch.distributed as dist
 
@@ -388,32 +510,10 @@ class NcclConnector(BaseConnector):
             raise ConfigurationError("torch.distributed is not available in this torch build")
         self._torch = torch
         self._dist = dist
-        if world_size != 2 or isinstance(world_size, bool):
-            raise ConfigurationError(
-                f"nccl: world_size must be 2 (a channel links exactly two ranks), got {world_size!r}; "
-                "open one channel per pair of stages"
-            )
-        if rank is None:
-            if role == "dual":
-                raise ConfigurationError("nccl: role='dual' needs an explicit rank (0 or 1)")
+        if rank is None:  # _check_values: "dual" names its rank
             rank = 0 if role == "sender" else 1
-        if isinstance(rank, bool) or rank not in (0, 1):
-            raise ConfigurationError(f"nccl: rank must be 0 or 1, got {rank!r}")
         self.rank = rank
         self.peer_rank = 1 - rank
-        for name, value, low in (
-            ("send_window", send_window, 1),
-            ("max_inflight_bytes", max_inflight_bytes, 1),
-            ("max_pending_bytes", max_pending_bytes, 1),
-            ("max_inline_bytes", max_inline_bytes, 0),
-            ("max_message_bytes", max_message_bytes, 1),
-            ("pack_bytes", pack_bytes, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
-        Deadline(connect_timeout)
-        if connect_timeout is None:
-            raise ConfigurationError("nccl: connect_timeout must be a number of seconds")
         self.connect_timeout = float(connect_timeout)
         self.send_window = send_window
         self.max_inflight_bytes = max_inflight_bytes
@@ -422,8 +522,6 @@ class NcclConnector(BaseConnector):
         self.max_message_bytes = max_message_bytes
         self.coalesce = bool(coalesce)
         self.pack_bytes = pack_bytes
-        if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
-            raise ConfigurationError(f"nccl: header_addr must be a host name or IP address, got {header_addr!r}")
         self.header_addr = header_addr
         #: Largest header message accepted on the header socket (ZeroMQ refuses more).
         self.max_header_bytes = blob.PREFIX_SIZE + blob.MAX_HEADER_BYTES + max_inline_bytes + _HEADER_SLACK
@@ -433,15 +531,7 @@ class NcclConnector(BaseConnector):
         self._consumed = ConsumedKeys()
 
         # ---------------------------------------------------------- backend / device
-        if backend not in ("auto", "nccl", "gloo"):
-            raise ConfigurationError(f"nccl: backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
-        if device is not None:
-            try:
-                dev = torch.device(device)
-            except (RuntimeError, TypeError) as exc:
-                raise ConfigurationError(f"nccl: invalid device {device!r}: {exc}") from exc
-        else:
-            dev = None
+        dev = torch.device(device) if device is not None else None  # parsed by _check_values
         if backend == "auto":
             if dev is not None:
                 backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -454,8 +544,6 @@ class NcclConnector(BaseConnector):
                 raise CudaError("nccl: this torch build has no NCCL; use backend='gloo'")
             if dev is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
-            if dev.type != "cuda":
-                raise ConfigurationError(f"nccl: backend 'nccl' needs a CUDA device, got {dev}")
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             if dev.index >= torch.cuda.device_count():
@@ -467,15 +555,11 @@ class NcclConnector(BaseConnector):
                 raise ConfigurationError("nccl: this torch build has no gloo backend")
             if dev is None:
                 dev = torch.device("cpu")
-            if dev.type != "cpu":
-                raise ConfigurationError(f"nccl: backend 'gloo' moves host tensors only; device must be 'cpu', got {dev}")
         self.transport = backend
         self.device = dev
         self._is_nccl = backend == "nccl"
         if inline_bytes is None:
             inline_bytes = (64 << 10) if self._is_nccl else 0
-        if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
-            raise ConfigurationError(f"nccl: inline_bytes must be an int >= 0, got {inline_bytes!r}")
         self.inline_bytes = min(inline_bytes, max_inline_bytes)
         # Zero bytes between packed tensors, ready before any stream reads them.
         self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8, device=dev) if pack_bytes else None
@@ -485,14 +569,7 @@ class NcclConnector(BaseConnector):
         # ----------------------------------------------------------------- store
         self._owned_store = None
         self.master_port = master_port
-        if store is None:
-            if master_port is None or isinstance(master_port, bool) or not isinstance(master_port, int):
-                raise ConfigurationError(
-                    "nccl: give either store= (a torch.distributed Store both ends share) or "
-                    "master_port= (rank 0 hosts a TCPStore there)"
-                )
-            if not 0 <= master_port < 65536 or (master_port == 0 and rank != 0):
-                raise ConfigurationError(f"nccl: invalid master_port {master_port!r}")
+        if store is None:  # _check_values: master_port is then a port rank may use
             try:
                 store = dist.TCPStore(
                     master_addr, master_port, None, rank == 0, _td(self.connect_timeout),

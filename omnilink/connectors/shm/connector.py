@@ -63,7 +63,7 @@ from omnilink._util import NO_WAIT, ConsumedKeys, Deadline, MAX_KEY_BYTES, dupli
 from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
-from omnilink.connectors.base import BaseConnector, Role, _keys_text
+from omnilink.connectors.base import BaseConnector, Role, _keys_text, check_constructor_options
 from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
@@ -328,6 +328,65 @@ def _gpu_path_available() -> bool:
     return _gpu_ok
 
 
+def _check_values(
+    *,
+    arena_bytes: Any,
+    max_inflight: Any,
+    overflow: Any,
+    linger: Any,
+    spin_us: Any,
+    pipeline_bytes: Any,
+    slice_bytes: Any,
+    max_bytes: Any,
+    shrink_after: Any,
+    reclaim_after: Any,
+    device_ipc: Any,
+    ipc_pool_bytes: Any,
+    ipc_min_bytes: Any,
+) -> None:
+    """The value checks of ``ShmConnector``'s options (its constructor and its
+    ``check_options`` both call this): what holds on any machine, opening nothing.
+
+    ``arena_bytes=None`` (sized from the free ``/dev/shm`` when the sender opens) is
+    never below the minimum nor above a given ``max_bytes``, so ``max_bytes`` is then
+    held to the minimum arena only.
+
+    Raises
+    ------
+    ConfigurationError
+        The first option out of its range or of the wrong type, named.
+    """
+    if device_ipc not in IPC_MODES:
+        raise ConfigurationError(f"device_ipc must be one of {IPC_MODES}, got {device_ipc!r}")
+    for name, value, lo in (("ipc_pool_bytes", ipc_pool_bytes, 1 << 20), ("ipc_min_bytes", ipc_min_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
+    if arena_bytes is not None and (
+        isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES
+    ):
+        raise ConfigurationError(f"arena_bytes must be an int >= {_MIN_ARENA_BYTES}, got {arena_bytes!r}")
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or not 1 <= max_inflight <= 65536:
+        raise ConfigurationError(f"max_inflight must be an int in [1, 65536], got {max_inflight!r}")
+    if overflow not in ("segment", "error"):
+        raise ConfigurationError(f"overflow must be 'segment' or 'error', got {overflow!r}")
+    if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= 100_000:
+        raise ConfigurationError(f"spin_us must be an int in [0, 100000], got {spin_us!r}")
+    for name, value in (("pipeline_bytes", pipeline_bytes), ("slice_bytes", slice_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+            raise ConfigurationError(f"{name} must be an int >= 4096, got {value!r}")
+    for name, value in (("linger", linger), ("shrink_after", shrink_after)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ConfigurationError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if reclaim_after is not None and (
+        isinstance(reclaim_after, bool) or not isinstance(reclaim_after, (int, float)) or not reclaim_after >= 0
+    ):
+        raise ConfigurationError(f"reclaim_after must be a number of seconds >= 0 or None, got {reclaim_after!r}")
+    floor = _MIN_ARENA_BYTES if arena_bytes is None else arena_bytes
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < floor):
+        bound = "the smallest arena" if arena_bytes is None else "arena_bytes"
+        raise ConfigurationError(f"max_bytes must be an int >= {bound} ({floor}) or None, got {max_bytes!r}")
+
+
 class ShmConnector(BaseConnector):
     """Same-host connector over POSIX shared memory (backend ``"shm"``).
 
@@ -448,6 +507,33 @@ class ShmConnector(BaseConnector):
 
     backend = "shm"
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any], /) -> None:
+        """Refuse, opening nothing, the option values the constructor would refuse.
+
+        The hook ``omnilink.connectors.check_backend_options`` calls (so does the
+        vLLM-Omni adapter at construction, for either role). What depends on the
+        machine (the free space of ``/dev/shm``, a CUDA device) is left to the
+        constructor and to ``omnilink check``.
+
+        Parameters
+        ----------
+        options : dict
+            Keyword options as ``connect`` would receive them.
+
+        Raises
+        ------
+        ConfigurationError
+            ``role`` or ``timeout`` invalid; ``arena_bytes`` below 1 MiB; ``max_inflight``
+            outside [1, 65536]; ``overflow`` not ``"segment"``/``"error"``; ``spin_us``
+            outside [0, 100000]; ``pipeline_bytes`` or ``slice_bytes`` below 4096;
+            ``linger``, ``shrink_after`` or ``reclaim_after`` not a number >= 0;
+            ``max_bytes`` below ``arena_bytes`` (or below 1 MiB); ``device_ipc`` not one
+            of ``"auto"``, ``"on"``, ``"off"``; ``ipc_pool_bytes`` below 1 MiB or
+            ``ipc_min_bytes`` below 0.
+        """
+        check_constructor_options(cls, _check_values, options)
+
     def __init__(
         self,
         *,
@@ -470,44 +556,18 @@ class ShmConnector(BaseConnector):
         ipc_device: Any = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
-        if device_ipc not in IPC_MODES:
-            raise ConfigurationError(f"device_ipc must be one of {IPC_MODES}, got {device_ipc!r}")
-        for name, value, lo in (("ipc_pool_bytes", ipc_pool_bytes, 1 << 20), ("ipc_min_bytes", ipc_min_bytes, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
+        _check_values(
+            arena_bytes=arena_bytes, max_inflight=max_inflight, overflow=overflow, linger=linger,
+            spin_us=spin_us, pipeline_bytes=pipeline_bytes, slice_bytes=slice_bytes, max_bytes=max_bytes,
+            shrink_after=shrink_after, reclaim_after=reclaim_after, device_ipc=device_ipc,
+            ipc_pool_bytes=ipc_pool_bytes, ipc_min_bytes=ipc_min_bytes,
+        )
         auto_arena = arena_bytes is None
         if arena_bytes is None:
             arena_bytes = _auto_arena_bytes() if role in ("sender", "dual") else DEFAULT_ARENA_BYTES
-            if isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes >= _MIN_ARENA_BYTES:
+            if max_bytes is not None:
                 arena_bytes = min(arena_bytes, max_bytes)  # a given ceiling bounds the start too
-        if isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES:
-            raise ConfigurationError(f"arena_bytes must be an int >= {_MIN_ARENA_BYTES}, got {arena_bytes!r}")
-        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or not 1 <= max_inflight <= 65536:
-            raise ConfigurationError(f"max_inflight must be an int in [1, 65536], got {max_inflight!r}")
-        if overflow not in ("segment", "error"):
-            raise ConfigurationError(f"overflow must be 'segment' or 'error', got {overflow!r}")
-        if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= 100_000:
-            raise ConfigurationError(f"spin_us must be an int in [0, 100000], got {spin_us!r}")
-        for name, value in (("pipeline_bytes", pipeline_bytes), ("slice_bytes", slice_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
-                raise ConfigurationError(f"{name} must be an int >= 4096, got {value!r}")
-        Deadline(linger)  # validates: a number >= 0
-        if reclaim_after is not None and (
-            isinstance(reclaim_after, bool) or not isinstance(reclaim_after, (int, float)) or not reclaim_after >= 0
-        ):
-            raise ConfigurationError(f"reclaim_after must be a number of seconds >= 0 or None, got {reclaim_after!r}")
         self.reclaim_after = None if reclaim_after is None else float(reclaim_after)
-        if linger is None:
-            raise ConfigurationError("linger must be a number of seconds >= 0, got None")
-        if max_bytes is not None and (
-            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < arena_bytes
-        ):
-            raise ConfigurationError(
-                f"max_bytes must be an int >= arena_bytes ({arena_bytes}) or None, got {max_bytes!r}"
-            )
-        Deadline(shrink_after)  # validates: a number >= 0
-        if shrink_after is None:
-            raise ConfigurationError("shrink_after must be a number of seconds >= 0, got None")
         if role in ("sender", "dual"):
             max_bytes = _max_bytes(arena_bytes, max_bytes, auto=auto_arena)
         self.max_bytes = max_bytes if max_bytes is not None else arena_bytes

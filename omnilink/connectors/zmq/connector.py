@@ -124,7 +124,7 @@ import msgspec
 
 from omnilink._errors import BlobDecodeError, ConfigurationError, OmnilinkError
 from omnilink._util import Deadline, duplicate_key
-from omnilink.connectors.base import BaseConnector, ConnectorStats, Role
+from omnilink.connectors.base import BaseConnector, ConnectorStats, Role, check_constructor_options
 
 try:
     import zmq
@@ -136,6 +136,7 @@ from omnilink.connectors.zmq import wire
 from omnilink.connectors.zmq.io import ReceiverLoop, SenderLoop
 from omnilink.connectors.zmq.support import (
     EndpointLock,
+    check_endpoint,
     remove_stale_socket,
     resolve_endpoint,
     set_options,
@@ -204,6 +205,72 @@ def _positive_float(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigurationError(f"zmq: {name} must be a number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def _check_values(
+    *,
+    role: Any,
+    endpoint: Any,
+    sndhwm: Any,
+    rcvhwm: Any,
+    max_buffered_bytes: Any,
+    copy_threshold: Any,
+    heartbeat_interval: Any,
+    peer_timeout: Any,
+    reconnect_interval: Any,
+    max_frame_bytes: Any,
+    by_reference: Any,
+    reference_threshold: Any,
+    curve_secret_key: Any,
+    curve_server_key: Any,
+    curve_allowed_clients: Any,
+) -> None:
+    """The value checks of ``ZmqConnector``'s options (its constructor and its
+    ``check_options`` both call this): what holds on any machine, opening nothing.
+
+    ``role`` decides what an endpoint and the CURVE keys must be: a receiver binds (a
+    ``tcp://HOST:*`` endpoint is fine) and admits ``curve_allowed_clients``; a sender
+    connects (to a port) with ``curve_server_key``.
+
+    Raises
+    ------
+    ConfigurationError
+        The first option out of its range, of the wrong type, or missing from a CURVE
+        set-up, named.
+    """
+    _positive_int(sndhwm, "sndhwm")
+    _positive_int(rcvhwm, "rcvhwm")
+    _positive_int(max_buffered_bytes, "max_buffered_bytes")
+    _positive_int(copy_threshold, "copy_threshold", minimum=0)
+    _positive_float(heartbeat_interval, "heartbeat_interval")
+    _positive_float(peer_timeout, "peer_timeout")
+    _positive_float(reconnect_interval, "reconnect_interval")
+    if max_frame_bytes is not None:
+        _positive_int(max_frame_bytes, "max_frame_bytes")
+    if not isinstance(by_reference, bool):
+        raise ConfigurationError(f"zmq: by_reference must be a bool, got {by_reference!r}")
+    _positive_int(reference_threshold, "reference_threshold", minimum=0)
+    receives = role in ("receiver", "dual")
+    sends = role in ("sender", "dual")
+    if endpoint is not None:
+        check_endpoint(endpoint, binding=receives)
+    if curve_secret_key is None and curve_server_key is None and curve_allowed_clients is None:
+        return
+    if curve_secret_key is None:
+        raise ConfigurationError("zmq: CURVE needs curve_secret_key (this end's secret key)")
+    _z85_key(curve_secret_key, "curve_secret_key")
+    if receives:
+        clients = [_z85_key(k, "curve_allowed_clients[]") for k in (curve_allowed_clients or ())]
+        # "dual" admits its own public key (derived from the secret one) besides these.
+        if not clients and role != "dual":
+            raise ConfigurationError(
+                "zmq: a CURVE receiver needs curve_allowed_clients, the public keys of its senders"
+            )
+    if sends:
+        if curve_server_key is None and role != "dual":
+            raise ConfigurationError("zmq: a CURVE sender needs curve_server_key (the receiver's public key)")
+        if curve_server_key is not None:
+            _z85_key(curve_server_key, "curve_server_key")
 
 
 class _Resources:
@@ -304,6 +371,35 @@ class ZmqConnector(BaseConnector):
 
     backend = "zmq"
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any], /) -> None:
+        """Refuse, opening nothing, the option values the constructor would refuse.
+
+        The hook ``omnilink.connectors.check_backend_options`` calls (so does the
+        vLLM-Omni adapter at construction, for either role). What depends on the
+        machine (the ipc directory's owner and mode, a port in use, CURVE support in
+        this libzmq) is left to the constructor and to ``omnilink check``.
+
+        Parameters
+        ----------
+        options : dict
+            Keyword options as ``connect`` would receive them.
+
+        Raises
+        ------
+        ConfigurationError
+            ``role`` or ``timeout`` invalid; ``sndhwm``, ``rcvhwm``,
+            ``max_buffered_bytes`` or ``max_frame_bytes`` below 1; ``copy_threshold``
+            or ``reference_threshold`` below 0; ``heartbeat_interval``,
+            ``peer_timeout`` or ``reconnect_interval`` not a number > 0;
+            ``by_reference`` not a bool; an ``endpoint`` that is not ``ipc://PATH`` or
+            ``tcp://HOST:PORT`` (``*`` for a receiver only); a CURVE key that is not
+            40 characters of Z85, or a CURVE set-up without ``curve_secret_key``, a
+            receiver without ``curve_allowed_clients`` or a sender without
+            ``curve_server_key``.
+        """
+        check_constructor_options(cls, _check_values, options)
+
     def __init__(
         self,
         *,
@@ -327,18 +423,18 @@ class ZmqConnector(BaseConnector):
         curve_allowed_clients: Iterable[str | bytes] | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
-        sndhwm = _positive_int(sndhwm, "sndhwm")
-        rcvhwm = _positive_int(rcvhwm, "rcvhwm")
-        max_buffered_bytes = _positive_int(max_buffered_bytes, "max_buffered_bytes")
-        copy_threshold = _positive_int(copy_threshold, "copy_threshold", minimum=0)
-        heartbeat_interval = _positive_float(heartbeat_interval, "heartbeat_interval")
-        peer_timeout = _positive_float(peer_timeout, "peer_timeout")
-        reconnect_interval = _positive_float(reconnect_interval, "reconnect_interval")
-        if max_frame_bytes is not None:
-            max_frame_bytes = _positive_int(max_frame_bytes, "max_frame_bytes")
-        if not isinstance(by_reference, bool):
-            raise ConfigurationError(f"zmq: by_reference must be a bool, got {by_reference!r}")
-        reference_threshold = _positive_int(reference_threshold, "reference_threshold", minimum=0)
+        if curve_allowed_clients is not None:
+            curve_allowed_clients = list(curve_allowed_clients)  # checked, then used: iterated twice
+        _check_values(
+            role=role, endpoint=endpoint, sndhwm=sndhwm, rcvhwm=rcvhwm, max_buffered_bytes=max_buffered_bytes,
+            copy_threshold=copy_threshold, heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout,
+            reconnect_interval=reconnect_interval, max_frame_bytes=max_frame_bytes, by_reference=by_reference,
+            reference_threshold=reference_threshold, curve_secret_key=curve_secret_key,
+            curve_server_key=curve_server_key, curve_allowed_clients=curve_allowed_clients,
+        )
+        heartbeat_interval = float(heartbeat_interval)
+        peer_timeout = float(peer_timeout)
+        reconnect_interval = float(reconnect_interval)
         receives = role in ("receiver", "dual")
         sends = role in ("sender", "dual")
         prefix = os.environ.get("OMNILINK_SHM_PREFIX", "omnilink")
@@ -348,27 +444,16 @@ class ZmqConnector(BaseConnector):
 
         secret = public = server_key = None
         allowed: set[bytes] = set()
-        if curve_secret_key is not None or curve_server_key is not None or curve_allowed_clients is not None:
+        if curve_secret_key is not None:  # _check_values: every other CURVE option needs it
             _require_curve()
-            if curve_secret_key is None:
-                raise ConfigurationError("zmq: CURVE needs curve_secret_key (this end's secret key)")
             secret = _z85_key(curve_secret_key, "curve_secret_key")
             public = zmq.curve_public(secret)
             if receives:
                 allowed = {_z85_key(k, "curve_allowed_clients[]") for k in (curve_allowed_clients or ())}
                 if role == "dual":
                     allowed.add(public)
-                if not allowed:
-                    raise ConfigurationError(
-                        "zmq: a CURVE receiver needs curve_allowed_clients, the public keys of its senders"
-                    )
             if sends:
-                if curve_server_key is None and role == "dual":
-                    server_key = public
-                elif curve_server_key is None:
-                    raise ConfigurationError("zmq: a CURVE sender needs curve_server_key (the receiver's public key)")
-                else:
-                    server_key = _z85_key(curve_server_key, "curve_server_key")
+                server_key = public if curve_server_key is None else _z85_key(curve_server_key, "curve_server_key")
         self.curve_public_key: str | None = public.decode("ascii") if public is not None else None
 
         heartbeat = {

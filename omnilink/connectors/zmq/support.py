@@ -27,6 +27,7 @@ from omnilink._errors import (
 
 __all__ = [
     "EndpointLock",
+    "check_endpoint",
     "collect_ipc_garbage",
     "default_ipc_dir",
     "ipc_paths",
@@ -109,23 +110,19 @@ def ipc_paths(channel: str, ipc_dir: str | None, prefix: str) -> tuple[str, str]
     return sock, sock[: -len(".sock")] + ".lock"
 
 
-def resolve_endpoint(
-    endpoint: str | None, *, channel: str, binding: bool, ipc_dir: str | None, prefix: str
-) -> tuple[str, str | None]:
-    """Return ``(endpoint, lock_path)`` for a socket that binds or connects.
+def check_endpoint(endpoint: Any, *, binding: bool) -> None:
+    """Refuse an ``endpoint`` option that no machine could bind or connect to.
 
-    ``lock_path`` is set for ipc endpoints: a binder must hold its lock (see
-    ``EndpointLock``).
+    The part of ``resolve_endpoint`` that reads nothing but the string, so the
+    connector's ``check_options`` can apply it without touching the filesystem.
 
     Raises
     ------
     ConfigurationError
-        An endpoint that is neither ``ipc://`` nor ``tcp://``, or a tcp endpoint a sender
-        cannot connect to (no port, ``*`` port).
+        Not a str; an ``ipc://`` endpoint without a file path, an abstract one or one
+        longer than ``MAX_IPC_PATH`` bytes; a tcp endpoint a sender cannot connect to (no
+        port, ``*`` port) or with an invalid port; any other scheme.
     """
-    if endpoint is None:
-        sock, lock = ipc_paths(channel, ipc_dir, prefix)
-        return "ipc://" + sock, lock
     if not isinstance(endpoint, str):
         raise ConfigurationError(f"zmq: endpoint must be a str, got {endpoint!r}")
     if endpoint.startswith("ipc://"):
@@ -136,9 +133,7 @@ def resolve_endpoint(
             )
         if len(path.encode()) > MAX_IPC_PATH:
             raise ConfigurationError(f"zmq: ipc path {path!r} is longer than {MAX_IPC_PATH} bytes")
-        if binding:
-            _private_dir(os.path.dirname(os.path.abspath(path)))
-        return endpoint, os.path.abspath(path) + ".lock"
+        return
     if endpoint.startswith("tcp://"):
         host, sep, port = endpoint[len("tcp://") :].rpartition(":")
         if not sep or not host or not port:
@@ -150,8 +145,34 @@ def resolve_endpoint(
             )
         if port != "*" and not port.isdigit():
             raise ConfigurationError(f"zmq: tcp endpoint {endpoint!r} has an invalid port")
-        return endpoint, None
+        return
     raise ConfigurationError(f"zmq: endpoint {endpoint!r} must start with ipc:// or tcp://")
+
+
+def resolve_endpoint(
+    endpoint: str | None, *, channel: str, binding: bool, ipc_dir: str | None, prefix: str
+) -> tuple[str, str | None]:
+    """Return ``(endpoint, lock_path)`` for a socket that binds or connects.
+
+    ``lock_path`` is set for ipc endpoints: a binder must hold its lock (see
+    ``EndpointLock``).
+
+    Raises
+    ------
+    ConfigurationError
+        What ``check_endpoint`` refuses, or an ipc directory that cannot be created or
+        that others can enter.
+    """
+    if endpoint is None:
+        sock, lock = ipc_paths(channel, ipc_dir, prefix)
+        return "ipc://" + sock, lock
+    check_endpoint(endpoint, binding=binding)
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if binding:
+            _private_dir(os.path.dirname(os.path.abspath(path)))
+        return endpoint, os.path.abspath(path) + ".lock"
+    return endpoint, None
 
 
 class EndpointLock:

@@ -140,8 +140,10 @@ Configuration (the connector's ``extra`` dict, kept as ``config``):
 The whole ``extra`` is checked at construction, for every role (``config.check_extra``):
 an unknown key is a ``ConfigurationError`` naming it with the closest known key ("did
 you mean 'put_timeout'?"); values are type- and range-checked; ``options`` is checked
-against the backend's own signature (names with "did you mean", types, choices); a
-backend that cannot be used in this process (``cuda_ipc`` without CUDA) or a ``device``
+against the backend's own signature (names with "did you mean", types, choices) and
+its ``check_options`` (the ranges and combinations its constructor refuses), for each
+side the stage opens (a ``"dual"`` stage: sender and receiver); a backend that cannot
+be used in this process (``cuda_ipc`` without CUDA) or a ``device``
 it does not have is refused. ``omnilink check FILE`` runs the same check on every
 omnilink edge of a deployment file, without vLLM.
 

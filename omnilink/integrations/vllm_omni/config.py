@@ -250,8 +250,9 @@ def check_extra(extra: Any, *, environ: Any = None, probe: bool = True) -> Extra
     ------
     ConfigurationError
         An unknown key (with "did you mean"), a value of the wrong type or range, an
-        unknown backend or backend option (checked against the backend's own signature),
-        or, with ``probe``, a backend or device unusable here. The message names the key.
+        unknown backend or backend option, or a backend option value its constructor
+        would refuse (checked by the backend's signature and ``check_options``, for each
+        side this role opens), or, with ``probe``, a backend or device unusable here. The message names the key.
     """
     from omnilink._util import validate_channel
     from omnilink.connectors import available_backends, backend_unavailable, check_backend_options
@@ -313,9 +314,13 @@ def check_extra(extra: Any, *, environ: Any = None, probe: bool = True) -> Extra
         # The backend with an arena reclaims unread payloads of abandoned requests
         # itself, under pressure and only past the engine's input wait timeout.
         options.setdefault("reclaim_after", reclaim_after)
-    # The backend's own schema (its signature), for either role: a receiver whose
-    # options are wrong would otherwise fail at every get.
-    check_backend_options(backend, options, where="OmnilinkConnector: extra['options']: ")
+    # The backend's own schema (its signature) and value checks, for each side this
+    # adapter opens (a "dual" stage opens both, one per edge direction): a receiver
+    # whose options are wrong would otherwise fail at every get. Some checks depend on
+    # the side (a zmq sender cannot connect to tcp://HOST:*, an nccl receiver cannot
+    # host a store on port 0).
+    for side in ("sender", "receiver") if role == "dual" else (role,):
+        check_backend_options(backend, {**options, "role": side}, where="OmnilinkConnector: extra['options']: ")
     if backend == "shm":
         reclaim_after = options["reclaim_after"]
     else:
