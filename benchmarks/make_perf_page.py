@@ -181,6 +181,40 @@ def render_pivot(data: list[Any]) -> str:
     return text
 
 
+def render_serial(data: list[Any]) -> str:
+    """``benchmarks/bench_serial_gpu.py --json``: one payload at a time, us per payload."""
+    (run,) = data
+    m = run["machine"]
+    rows = run["rows"]
+    roads = [r for r in dict.fromkeys(row["road"] for row in rows) if r != "raw"]
+    by = {(row["road"], row["size"]): row for row in rows}
+    sizes = sorted({row["size"] for row in rows if row["road"] != "raw"})
+    raw4k = by.get(("raw", 4096), {}).get("p50_us")
+    out = []
+    for size in sizes:
+        any_row = next(by[(r, size)] for r in roads + ["raw"] if (r, size) in by)
+        cells = [_size(size), f"{any_row['copy_us']:.0f}",
+                 f"{by[('raw', size)]['p50_us']:.0f}" if ("raw", size) in by else "-"]
+        target = any_row.get("target_us")
+        for r in roads:
+            x = by.get((r, size))
+            cells.append("-" if x is None else
+                         f"{x['p50_us']:.0f} ({x['p50_us'] / target:.2f}x)" if target else f"{x['p50_us']:.0f}")
+        cells.append(f"{target:.0f}" if target else "-")
+        out.append(cells)
+    where = m["src"] if m["src"] == m["dst"] else f"{m['src']} -> {m['dst']}"
+    gpus = m["gpu_src"] if m["gpu_src"] == m["gpu_dst"] else f"{m['gpu_src']} -> {m['gpu_dst']}"
+    text = (f"{gpus}, {where}, {m.get('cpus')} CPUs, torch {m.get('torch')}, MPS server "
+            f"{'on' if m.get('mps') else 'off'}; run {m.get('date')}. p50 microseconds per payload, "
+            "from `put` to the tensor read on the receiver's stream (in brackets: x the target):\n\n"
+            + _table(["payload", "copy_ (in process)", "raw floor"] + roads + ["target"], out,
+                     "<" + ">" * (3 + len(roads))))
+    if raw4k:
+        text += (f"\n\nTarget per size: the in-process copy plus twice the raw floor's 4 KiB "
+                 f"({raw4k:.0f} us) of this run.")
+    return text
+
+
 def render_headline(data: list[Any]) -> str:
     """README: transport per chunk and first audio of the streaming pipeline, CPU and GPU."""
     cpu, gpu = data

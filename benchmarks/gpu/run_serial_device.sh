@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The serial-consumer GPU run (issue: the fixed cost of a message): one payload at a time
+# over every same-host road, beside the raw floor and the in-process copy, on one GPU
+# without and with an MPS server, and cuda:0 -> cuda:1 when there are two GPUs.
+#
+#   (once, here) wheels of msgspec, posix_ipc and pyzmq for the device's Python in .whl/
+#   bash benchmarks/gpu/run_serial_device.sh   # there, from the repository root; OUT= a results dir
+set -uo pipefail
+OUT=${OUT:-/tmp/omnilink-serial-run}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+SIZES=${SIZES:-4KiB,1MiB,16MiB,64MiB,256MiB}
+run() {  # name, extra args
+  local name=$1; shift
+  timeout 240 python3 benchmarks/bench_serial_gpu.py --sizes "$SIZES" --json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$?"; grep -v -e Warning -e "closing its pool" "$OUT/$name.txt" | tail -9
+}
+run serial-gpu-1gpu
+nvidia-cuda-mps-control -d && sleep 1
+run serial-gpu-1gpu-mps
+echo quit | nvidia-cuda-mps-control
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  run serial-gpu-cross --src cuda:0 --dst cuda:1
+fi
