@@ -1218,7 +1218,8 @@ def _check_header(mm: Any) -> _Layout:
     magic, version, _owner, total, data_off, data_bytes, n_desc, log_len = _A_HDR.unpack_from(mm, 0)
     if magic != ARENA_MAGIC or version != ARENA_VERSION:
         raise ConfigurationError(f"is not an omnilink v{ARENA_VERSION} arena")
-    # n_desc descriptors cost 576 + 4 * 4 + 4 bytes each before the data area.
+    # A first bound (each descriptor takes 596 bytes before the data area, with its log
+    # and ring entries); the layout check below is the exact one.
     if not 0 < n_desc <= len(mm) // DESC_SIZE or log_len != 4 * n_desc or total > len(mm):
         raise ConfigurationError(
             f"has an invalid header: {n_desc} descriptors, a log of {log_len}, {total} bytes "
