@@ -1,5 +1,6 @@
 """Hostile-input fuzzing of every receiver: the decoder, the shm descriptor queue, zmq
-frames and the nccl side-channel header.
+frames, the nccl side-channel header and cuda_ipc manifests (over the CPU double of the
+device ops, ``tests/cuda_ipc_double.py``).
 
 Each input is generated from ``(target, seed, index)`` (so any finding can be replayed
 with ``--replay TARGET:INDEX``) and run in a worker process, which reports for it:
@@ -7,21 +8,30 @@ with ``--replay TARGET:INDEX``) and run in a worker process, which reports for i
 - the exception, if one escaped that is not an ``OmnilinkError`` (a finding);
 - a crash (the worker died) or a hang (no progress for ``--hang-s`` seconds);
 - the peak RSS the input added (``VmHWM`` after the input minus ``VmRSS`` before, the
-  high-water mark reset through ``/proc/self/clear_refs`` before each input).
+  high-water mark reset through ``/proc/self/clear_refs`` before each input);
+- for shm and cuda_ipc, every blocking call that overran its timeout by more than 10 %
+  plus ``OVERRUN_SLACK_S`` (an "overrun": the call returned, but late).
 
 The inputs: the audit's seeds (an empty tensor with huge other dims, 2**63 dims, a
 tree with an int dict key, extra header elements, millions of descriptors), valid
 frames from a random payload grammar with byte flips, cuts and splices, frames built
-from a grammar of hostile descriptors and trees, and raw noise; for shm the same
-frames published in a real arena whose descriptors, publish log and key bytes are then
-overwritten at random; for zmq whole multipart messages (routing frame, meta, regions,
-by-reference frames) sent to a live receiver; for nccl side-channel envelopes and
-hellos, each validated and, when it passes, built into a payload from buffers of the
-sizes it declares.
+from a grammar of hostile descriptors and trees, trees nested to and far past
+``MAX_TREE_DEPTH`` (tuple chains of up to 100,000 levels, lists, dicts, mixes, tensor
+references deep inside), and raw noise; for shm the same frames published in a real
+arena, then fields of the arena (descriptors, publish log, key bytes, header geometry,
+released-ring head, tail and entries, flags, extension table) and of the channel's
+control segment (waiter count, generations, mutex owner, participants) overwritten by
+a second process (a long-lived writer the worker drives through a pipe), with put
+and get calls on the live connectors; for zmq whole multipart messages (routing frame,
+meta, regions, by-reference frames) sent to a live receiver; for nccl side-channel
+envelopes and hellos, each validated and, when it passes, built into a payload from
+buffers of the sizes it declares; for cuda_ipc manifests (numbers and tensor entries
+with dims, strides' inputs and extents up to and past int64) sent by a raw shm sender
+to a live receiver's pool.
 
 Usage::
 
-    python benchmarks/fuzz_hostile.py --inputs 100000 [--targets decoder,shm,zmq,nccl] [--json]
+    python benchmarks/fuzz_hostile.py --inputs 100000 [--targets decoder,shm,zmq,nccl,cuda_ipc] [--json]
 
 The CI suite runs a few thousand inputs (``tests/property/test_fuzz_hostile.py``).
 """
@@ -42,11 +52,18 @@ import zlib
 from typing import Any
 
 CTX = mp.get_context("spawn")
-TARGETS = ("decoder", "shm", "zmq", "nccl")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # the cuda_ipc target's CPU double lives in tests/
+TARGETS = ("decoder", "shm", "zmq", "nccl", "cuda_ipc")
 #: Share of the inputs per target (the decoder is the common path of all of them).
-SHARE = {"decoder": 0.4, "shm": 0.2, "zmq": 0.2, "nccl": 0.2}
+SHARE = {"decoder": 0.35, "shm": 0.2, "zmq": 0.15, "nccl": 0.15, "cuda_ipc": 0.15}
 #: The stated constant of the RSS bound: peak RSS per input <= 4 x input + RSS_CONST.
 RSS_CONST = 8 << 20
+#: Timeout of the blocking calls the shm and cuda_ipc targets make, and the slack (for a
+#: loaded host's scheduler) beyond 110 % of it after which a call counts as an overrun.
+CALL_TIMEOUT_S = 0.05
+OVERRUN_SLACK_S = 0.25
 
 _PREFIX = struct.Struct("<4sHHIIQ")
 
@@ -113,12 +130,41 @@ def _valid_payload(rng: random.Random) -> Any:
     return {f"k{i}": leaf() for i in range(rng.randrange(1, 5))}
 
 
+def _nested_tree(rng: random.Random) -> bytes:
+    """Tree bytes nested to about ``MAX_TREE_DEPTH`` or far past it: chains of tuples
+    (each level an extension holding the rest), lists, dicts or a mix, with tensor
+    references, int keys or bad extensions at the bottom, sometimes many chains side
+    by side."""
+    from omnilink.blob import MAX_TREE_DEPTH
+
+    msgspec = _msgpack()
+    depth = rng.choice([MAX_TREE_DEPTH - 1, MAX_TREE_DEPTH, MAX_TREE_DEPTH + 1, 200, 1000, 10_000, 100_000])
+    pattern = rng.choice(["t", "l", "d", "tl", "td", "tdl"])
+    leaf = rng.choice([msgspec.msgpack.encode(None), msgspec.msgpack.encode(_ref(rng.randrange(3))),
+                       msgspec.msgpack.encode({1: 2}), msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b"x"))])
+    width = 1 if depth > 1000 else rng.choice([1, 1, 2, 16])
+    inner = leaf
+    for i in range(depth):
+        k = pattern[i % len(pattern)]
+        if k == "t":
+            items = b"\x91" + inner if width == 1 or i else bytes([0x90 | width]) + inner * width
+            inner = msgspec.msgpack.encode(msgspec.msgpack.Ext(2, items))
+        elif k == "l":
+            inner = b"\x91" + inner
+        else:
+            inner = b"\x81\xa1k" + inner
+    return inner
+
+
 def decoder_input(rng: random.Random) -> bytes:
     """One frame for ``omnilink.decode``."""
     import omnilink
 
     msgspec = _msgpack()
-    kind = rng.randrange(10)
+    kind = rng.randrange(12)
+    if kind >= 10:  # deep trees (issue 31 A)
+        descs = [[0, 9, [2], 0, 8]] if rng.random() < 0.5 else []
+        return _frame(descs, _nested_tree(rng), bytes(8) if descs else b"")
     if kind == 0:  # the audit's seeds and relatives
         seed = rng.randrange(6)
         if seed == 0:
@@ -243,17 +289,75 @@ def zmq_input(rng: random.Random) -> list[bytes]:
     return [bytes(routing), decoder_input(rng)] + [bytes(rng.randrange(64)) for _ in range(rng.randrange(3))]
 
 
+_SHM_DESC_FIELDS = ["pub", "log", "state", "seq", "off", "len", "klen", "flags", "token", "key"]
+#: Arena header and ring fields (issue 31 C, D) and control-segment fields.
+_SHM_ARENA_FIELDS = ["rel_head", "rel_tail", "rel_entry", "waiting", "closed", "ext_gen", "ext_entry"]
+_SHM_HEADER_FIELDS = ["hdr_n_desc", "hdr_log_len", "hdr_total", "hdr_data", "hdr_layout"]
+_SHM_CTRL_FIELDS = ["c_waiters", "c_wake_gen", "c_owner", "c_lost", "c_senders_gen", "c_part"]
+_RING_VALUES = [0, 1, 2, 7, 15, 16, 17, 1 << 31, 1 << 32, 1 << 62, (1 << 63) + 5, (1 << 64) - 2, (1 << 64) - 1]
+
+
 def shm_input(rng: random.Random) -> dict[str, Any]:
-    """A payload to publish and the corruptions to apply to the arena afterwards."""
+    """A payload to publish and the corruptions a second process writes afterwards."""
     writes = []
     for _ in range(rng.randrange(1, 4)):
-        where = rng.choice(["pub", "log", "state", "seq", "off", "len", "klen", "flags", "token", "key"])
-        writes.append((where, rng.choice(_DIMS) & ((1 << 64) - 1), rng.randrange(1 << 16)))
+        group = rng.random()
+        if group < 0.4:
+            where = rng.choice(_SHM_DESC_FIELDS)
+        elif group < 0.7:
+            where = rng.choice(_SHM_ARENA_FIELDS)
+        elif group < 0.85:
+            where = rng.choice(_SHM_HEADER_FIELDS)
+        else:
+            where = rng.choice(_SHM_CTRL_FIELDS)
+        pool = _RING_VALUES if where.startswith(("rel_", "c_", "hdr_")) and rng.random() < 0.7 else _DIMS
+        writes.append((where, rng.choice(pool) & ((1 << 64) - 1), rng.randrange(1 << 16)))
     return {"payload_seed": rng.randrange(1 << 30), "writes": writes, "raw": rng.random() < 0.2,
             "frame": decoder_input(rng) if rng.random() < 0.3 else None}
 
 
-GENERATORS = {"decoder": decoder_input, "shm": shm_input, "zmq": zmq_input, "nccl": nccl_input}
+def cuda_ipc_input(rng: random.Random) -> dict[str, Any]:
+    """A cuda_ipc message (manifest, host tree, size) as a hostile sender would put it."""
+    import numpy as np
+
+    def num() -> int:
+        return rng.choice([0, 1, 2, 3, 64, 256, 4096, 1 << 20, 1 << 22, (1 << 63) - 1, -1, -(1 << 40)])
+
+    def dim() -> int:
+        return rng.choice([0, 0, 1, 2, 4, 64, 1 << 20, 1 << 31, 1 << 40, 1 << 40, 1 << 62, (1 << 63) - 1,
+                           (1 << 63) - 1, 1 << 63, -1])
+
+    kind = rng.randrange(8)
+    if kind == 0:  # malformed shapes of the message itself
+        m: Any = rng.choice(["x", None, [], [1, 2, 3], [np.zeros(5, dtype=np.int64)], {"a": 1}])
+    else:
+        # Mostly numbers the receiver accepts, so that the tensor entries are reached.
+        nums = [rng.choice([1, 1, 1, 2, num()]), rng.choice([1, 1, 2, num()]), rng.choice([0, 0, 0, 1, 3, num()]),
+                rng.choice([0, 0, 0, 256, 4096, num()]), rng.choice([4096, 4096, 256, 1 << 16, num()])]
+        arr = np.array([v if -(1 << 63) <= v < (1 << 63) else -1 for v in nums], dtype=np.int64)
+        if rng.random() < 0.1:
+            arr = arr.astype(rng.choice([np.int32, np.float64]))
+        entries = []
+        for i in range(rng.choice([0, 1, 1, 2, 3])):
+            ndim = rng.choice([0, 1, 2, 2, 3, 3, 4, 65])
+            shape = [dim() for _ in range(ndim)]
+            if rng.random() < 0.5 and shape:
+                shape[rng.randrange(len(shape))] = 0  # empty, with the other dims hostile
+            entries.append([rng.choice([i, i, i, 0, -1, 1 << 20, 1.0, True]), rng.choice([1, 6, 9, 9, 13, 99, "x"]),
+                            rng.choice([0, 0, 0, 64, 3, num()]), rng.choice([0, 0, 0, 16, 4, num()])] + shape)
+        m = [arr, entries]
+    import torch
+
+    n_host = rng.choice([0, 1, 2, 3])
+    host: Any = {f"t{i}": torch.empty(0, dtype=rng.choice([torch.float32, torch.int64, torch.uint8]))
+                 for i in range(n_host)}
+    if rng.random() < 0.1:
+        host = rng.choice([None, [torch.ones(2)], {"t0": torch.ones(3)}])
+    return {"m": m, "h": host, "n": rng.choice([1, 0, -1, 1 << 40])}
+
+
+GENERATORS = {"decoder": decoder_input, "shm": shm_input, "zmq": zmq_input, "nccl": nccl_input,
+              "cuda_ipc": cuda_ipc_input}
 
 
 def input_size(target: str, item: Any) -> int:
@@ -261,7 +365,58 @@ def input_size(target: str, item: Any) -> int:
         return sum(len(p) for p in item)
     if target == "shm":
         return 4096 + (len(item["frame"]) if item["frame"] else 0)
+    if target == "cuda_ipc":
+        return 4096  # a manifest of at most a few hundred bytes, its host tree of empties
     return len(item)
+
+
+# ------------------------------------------------------------ the second process
+_POKER = r"""
+import json, mmap, struct, sys
+import posix_ipc
+maps = {}
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        for name, off, fmt, value in cmd:
+            mm = maps.get(name)
+            if mm is None:
+                shm = posix_ipc.SharedMemory(name)
+                mm = maps[name] = mmap.mmap(shm.fd, shm.size)
+                shm.close_fd()
+            if fmt == "hex":
+                data = bytes.fromhex(value)[: max(0, len(mm) - off)]
+                mm[off : off + len(data)] = data
+            elif 0 <= off and off + struct.calcsize(fmt) <= len(mm):
+                struct.pack_into(fmt, mm, off, value)
+        reply = "ok"
+    except Exception as exc:  # a segment gone already: nothing to write
+        reply = "skip " + type(exc).__name__
+    for name in [n for n in maps if n not in {c[0] for c in cmd}]:
+        maps.pop(name).close()
+    sys.stdout.write(reply + "\n")
+    sys.stdout.flush()
+"""
+
+
+class _Poker:
+    """A second process that writes fields into shared-memory segments on request
+    (``posix_ipc`` and ``mmap`` only: nothing of omnilink runs in it)."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _POKER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def write(self, writes: list[tuple[str, int, str, int]]) -> None:
+        self.proc.stdin.write(json.dumps(writes) + "\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
 
 
 # --------------------------------------------------------------------- the worker
@@ -293,11 +448,22 @@ class _Runner:
 
         self.target = target
         self.omnilink = omnilink
+        #: ``(call, seconds it took, its timeout)`` of every overrun (see the docstring)
+        self.overruns: list[tuple[str, float, float]] = []
+        self.calls = 0
+        if target in ("shm", "cuda_ipc"):
+            self.prefix = os.environ["OMNILINK_SHM_PREFIX"] = f"olfuzz{os.getpid()}"
         if target == "shm":
-            os.environ["OMNILINK_SHM_PREFIX"] = f"olfuzz{os.getpid()}"
-            self.tx = omnilink.connect("shm", channel="fuzz/shm", role="sender", arena_bytes=1 << 20,
-                                       max_inflight=16, linger=0.0)
-            self.rx = omnilink.connect("shm", channel="fuzz/shm", role="receiver")
+            self.poker = _Poker()
+            self.gen = 0
+            self._open_shm()
+            self.n = 0
+        elif target == "cuda_ipc":
+            from omnilink.connectors.shm import ShmConnector
+            from tests.cuda_ipc_double import HostCudaIpc
+
+            self.rx = HostCudaIpc(channel="fuzz/cipc", role="receiver", pool_bytes=4 << 20, event_slots=4)
+            self.raw = ShmConnector(channel="fuzz/cipc/cuda-ipc", role="sender", arena_bytes=1 << 20, linger=0)
             self.n = 0
         elif target == "zmq":
             import tempfile
@@ -320,8 +486,11 @@ class _Runner:
             return
         self.closed = True
         if self.target == "shm":
+            self._close_shm()
+            self.poker.close()
+        elif self.target == "cuda_ipc":
+            self.raw.close()
             self.rx.close()
-            self.tx.close()
         elif self.target == "zmq":
             import shutil
 
@@ -330,8 +499,53 @@ class _Runner:
             self.rx.close()
             shutil.rmtree(self.dir, ignore_errors=True)
 
+        if self.target in ("shm", "cuda_ipc"):
+            # Forged participants (a live pid, e.g. 1, written into the table) keep a
+            # channel's objects from being removed by its last leave: the prefix is this
+            # worker's alone, so whatever is left of it goes.
+            for entry in os.listdir("/dev/shm"):
+                if entry.startswith((self.prefix, "sem." + self.prefix)):
+                    try:
+                        os.unlink(os.path.join("/dev/shm", entry))
+                    except OSError:
+                        pass
+
     def run(self, item: Any) -> None:
         getattr(self, "_" + self.target)(item)
+
+    def between(self) -> None:
+        """Upkeep before an input (not measured as the input's): shm opens a fresh
+        channel every 64 inputs, since corruptions accumulate until every put finds
+        the arena full."""
+        if self.target == "shm" and self.n and self.n % 64 == 0:
+            self._close_shm()
+            self._open_shm()
+
+    def _timed(self, what: str, timeout: float, fn: Any) -> Any:
+        """``fn()``, recording an overrun when it returns (or raises) later than 110 % of
+        ``timeout`` plus ``OVERRUN_SLACK_S``."""
+        self.calls += 1
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            took = time.monotonic() - t0
+            if took > 1.1 * timeout + OVERRUN_SLACK_S:
+                self.overruns.append((what, round(took, 3), timeout))
+
+    def _open_shm(self) -> None:
+        self.gen += 1
+        self.channel = f"fuzz/shm{self.gen}"
+        opts = {"arena_bytes": 1 << 20, "max_inflight": 16, "linger": 0.0}
+        self.tx = self.omnilink.connect("shm", channel=self.channel, role="sender", **opts)
+        self.rx = self.omnilink.connect("shm", channel=self.channel, role="receiver")
+
+    def _close_shm(self) -> None:
+        for c in (self.rx, self.tx):
+            try:
+                c.close()
+            except self.omnilink.OmnilinkError:
+                pass
 
     # Each of these must raise nothing but OmnilinkError.
     def _decoder(self, buf: bytes) -> None:
@@ -385,48 +599,127 @@ class _Runner:
     def _shm(self, item: dict[str, Any]) -> None:
         import omnilink
         from omnilink.connectors.shm import segments
+        from omnilink.connectors.shm.names import channel_names
 
         self.n += 1
         key = f"k{self.n}"
-        w = self.tx._writer
+        tx, rx = self.tx, self.rx
+        T = CALL_TIMEOUT_S
+        w = tx._writer
         try:
-            self.tx.put(key, {"x": bytes(64), "s": item["payload_seed"]}, timeout=0.002)
+            self._timed("put", T, lambda: tx.put(key, {"x": bytes(64), "s": item["payload_seed"]}, timeout=T))
         except omnilink.TransferTimeout:
             pass  # arena full of corrupted descriptors: the reader must still behave
-        mm = w.mm
         n_desc = w.layout.n_desc
+        arena = w.name
+        ctrl = channel_names(self.prefix, self.channel)[0]
+        forged = None
+        writes: list[tuple[str, int, str, Any]] = []
         for where, value, small in item["writes"]:
             idx = small % n_desc
             d = segments._DESC_OFFSET + idx * segments.DESC_SIZE
-            if where == "pub":
-                struct.pack_into("<Q", mm, segments._A_PUB, value)
+            u32 = value & 0xFFFFFFFF
+            if where.startswith("hdr_"):
+                if forged is None:
+                    # A second sender whose header is overwritten before the receiver
+                    # maps it (at its next get): the honest sender's keys must still come.
+                    forged = omnilink.connect("shm", channel=self.channel, role="sender", arena_bytes=64 << 10,
+                                              max_inflight=4, linger=0.0)
+                    forged.put(f"f{self.n}", {"f": 1}, timeout=1.0)
+                name = forged._writer.name
+                if where == "hdr_n_desc":
+                    writes.append((name, 40, "<I", u32))
+                elif where == "hdr_log_len":
+                    writes.append((name, 44, "<I", u32))
+                elif where == "hdr_total":
+                    writes.append((name, 16, "<Q", value))
+                elif where == "hdr_data":
+                    writes.append((name, 24 + 8 * (small & 1), "<Q", value))
+                else:  # a different layout that is consistent in itself
+                    nd = value % (1 << 20)
+                    lay = segments._Layout(forged._writer.layout.total, nd, 4 * nd)
+                    writes += [(name, 40, "<I", nd), (name, 44, "<I", 4 * nd), (name, 24, "<Q", lay.data_offset),
+                               (name, 32, "<Q", lay.data_bytes & ((1 << 64) - 1))]
+            elif where == "pub":
+                writes.append((arena, segments._A_PUB, "<Q", value))
             elif where == "log":
-                struct.pack_into("<I", mm, w._log_offset + 4 * (small % w._log_len), value & 0xFFFFFFFF)
+                writes.append((arena, w._log_offset + 4 * (small % w._log_len), "<I", u32))
             elif where == "state":
-                struct.pack_into("<I", mm, d, value & 0xFFFFFFFF)
+                writes.append((arena, d, "<I", u32 if small & 1 else small % 5))
             elif where == "seq":
-                struct.pack_into("<Q", mm, d + 8, value)
+                writes.append((arena, d + 8, "<Q", value))
             elif where == "off":
-                struct.pack_into("<Q", mm, d + 16, value)
+                writes.append((arena, d + 16, "<Q", value))
             elif where == "len":
-                struct.pack_into("<Q", mm, d + 24, value)
+                writes.append((arena, d + 24, "<Q", value))
             elif where == "klen":
-                struct.pack_into("<H", mm, d + 40, value & 0xFFFF)
+                writes.append((arena, d + 40, "<H", value & 0xFFFF))
             elif where == "flags":
-                struct.pack_into("<H", mm, d + 42, value & 0xFFFF)
+                writes.append((arena, d + 42, "<H", value & 0xFFFF))
             elif where == "token":
-                mm[d + 48 : d + 64] = struct.pack("<QQ", value, value)
-            else:
-                mm[d + 64 : d + 72] = struct.pack("<Q", value)
+                writes += [(arena, d + 48, "<Q", value), (arena, d + 56, "<Q", value)]
+            elif where == "key":
+                writes.append((arena, d + 64, "<Q", value))
+            elif where == "rel_head":
+                writes.append((arena, segments._A_REL_HEAD, "<Q", value))
+            elif where == "rel_tail":
+                writes.append((arena, segments._A_REL_TAIL, "<Q", value))
+            elif where == "rel_entry":
+                head = struct.unpack_from("<Q", w.mm, segments._A_REL_HEAD)[0]
+                slot = (head + small % 3 - 1) % n_desc
+                writes.append((arena, w._rel_offset + 4 * slot, "<I", u32 if small & 1 else small % (n_desc + 2)))
+                if small & 2:
+                    writes.append((arena, segments._A_REL_HEAD, "<Q", (head + 1) & ((1 << 64) - 1)))
+            elif where == "waiting":
+                writes.append((arena, segments._A_WAITING, "<I", u32))
+            elif where == "closed":
+                writes.append((arena, segments._A_CLOSED, "<I", u32))
+            elif where == "ext_gen":
+                writes.append((arena, segments._A_EXT_GEN, "<Q", value))
+            elif where == "ext_entry":
+                e = segments._A_EXT_TABLE + (small % segments.MAX_EXTENSIONS) * segments._EXT_ENTRY.size
+                writes += [(arena, e, "<I", u32 & 1 or u32), (arena, e + 8, "<Q", value)]
+            elif where == "c_waiters":
+                writes.append((ctrl, segments._C_WAITERS, "<I", u32))
+            elif where == "c_wake_gen":
+                writes.append((ctrl, segments._C_WAKE_GEN, "<I", u32))
+            elif where == "c_owner":
+                writes.append((ctrl, segments._C_OWNER, "<I", u32))
+            elif where == "c_lost":
+                writes.append((ctrl, segments._C_LOST, "<I", u32))
+            elif where == "c_senders_gen":
+                writes.append((ctrl, segments._C_SENDERS_GEN, "<Q", value))
+            else:  # c_part: a participant entry (pid, role)
+                e = segments._C_PART + (small % segments.MAX_PARTICIPANTS) * segments._PART.size
+                writes += [(ctrl, e, "<I", u32), (ctrl, e + 4, "<B", small % 4)]
         if item["frame"] is not None:
             f = item["frame"][: w.data_bytes]
-            mm[w.data_offset : w.data_offset + len(f)] = f
-        for k in (key, f"k{self.n - 1}", "k"):
+            writes.append((arena, w.data_offset, "hex", f.hex()))
+        self.poker.write(writes)
+        key2 = f"h{self.n}"
+        try:
+            self._timed("put", T, lambda: tx.put(key2, {"h": self.n}, timeout=T))
+        except omnilink.TransferTimeout:
+            pass
+        for k, block in ((key2, True), (key, False), (f"k{self.n - 1}", False), ("k", False)):
             try:
-                got = self.rx.get_nowait(k)
+                if block:
+                    got = self._timed("get", T, lambda: rx.get(k, timeout=T))
+                else:
+                    got = rx.get_nowait(k)
                 del got
             except omnilink.OmnilinkError:
                 pass
+        if forged is not None:
+            forged.close()
+
+    def _cuda_ipc(self, item: dict[str, Any]) -> None:
+        self.n += 1
+        key = f"m{self.n}"
+        self.raw.put(key, item, timeout=5.0)
+        T = CALL_TIMEOUT_S
+        got = self._timed("get", T, lambda: self.rx.get(key, timeout=T))
+        del got
 
 
 def worker(target: str, seed: int, start: int, count: int, progress: Any, out: Any) -> None:
@@ -463,6 +756,7 @@ def worker(target: str, seed: int, start: int, count: int, progress: Any, out: A
         size = input_size(target, item)
         if i % 256 == 0:
             gc.collect()
+        runner.between()  # upkeep that is not the input's: not in its RSS
         rss0, _ = _rss()
         if can_reset:
             _reset_peak()
@@ -483,7 +777,8 @@ def worker(target: str, seed: int, start: int, count: int, progress: Any, out: A
         progress.value = i + 1
     runner.close()
     out.put(("done", target, start + count, {"max_peak": max_peak, "worst": worst, "max_ratio": max_ratio_input,
-                                            "rss_measured": can_reset}))
+                                            "rss_measured": can_reset, "calls": runner.calls,
+                                            "overruns": runner.overruns}))
 
 
 # ------------------------------------------------------------------------ driver
@@ -495,6 +790,8 @@ def run_target(target: str, n: int, seed: int, hang_s: float, batch: int, log: A
     worst: tuple[int, int, int] = (0, 0, -1)
     max_ratio = (0.0, -1)
     rss_measured = True
+    calls = 0
+    overruns: list[Any] = []
     i = 0
     t0 = time.monotonic()
     while i < n:
@@ -530,6 +827,15 @@ def run_target(target: str, n: int, seed: int, hang_s: float, batch: int, log: A
                 p.kill()
                 done = ("hang", cur)
         p.join(10)
+        if done[0] != "done":
+            # A killed or crashed worker could not close its segments: its prefix goes.
+            prefix = f"olfuzz{p.pid}"
+            for entry in os.listdir("/dev/shm"):
+                if entry.startswith((prefix + "-", "sem." + prefix + "-")):
+                    try:
+                        os.unlink(os.path.join("/dev/shm", entry))
+                    except OSError:
+                        pass
         if done[0] == "done":
             stats = done[3]
             max_peak = max(max_peak, stats["max_peak"])
@@ -538,6 +844,8 @@ def run_target(target: str, n: int, seed: int, hang_s: float, batch: int, log: A
             if stats["max_ratio"][0] > max_ratio[0]:
                 max_ratio = tuple(stats["max_ratio"])
             rss_measured &= stats["rss_measured"]
+            calls += stats["calls"]
+            overruns += stats["overruns"]
             i += count
         else:
             i = done[1] + 1  # skip the input that crashed or hung
@@ -551,6 +859,9 @@ def run_target(target: str, n: int, seed: int, hang_s: float, batch: int, log: A
         "worst_over_bound": {"peak": worst[0], "input_bytes": worst[1], "index": worst[2]} if worst[2] >= 0 else None,
         "max_peak_over_input": {"ratio": round(max_ratio[0], 1), "index": max_ratio[1]},
         "rss_measured": rss_measured,
+        "timed_calls": calls,
+        "overruns": len(overruns),
+        "worst_overruns": sorted(overruns, key=lambda o: o[1] - o[2], reverse=True)[:5],
         "seconds": round(time.monotonic() - t0, 1),
         "findings": findings[:20],
         "crash_inputs": crashes[:20],
@@ -590,6 +901,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
         "seed": args.seed,
         "rss_bound": f"peak RSS per input <= 4 x input bytes + {RSS_CONST >> 20} MiB",
+        "overrun_bound": f"a call of timeout T returns within 1.1 T + {OVERRUN_SLACK_S} s (T = {CALL_TIMEOUT_S} s)",
         "targets": {},
     }
     for t in targets:
@@ -598,12 +910,13 @@ def main(argv: list[str] | None = None) -> int:
         r = run_target(t, n, args.seed, args.hang_s, args.batch, log)
         report["targets"][t] = r
         log(f"{t}: {r['non_omnilink_exceptions']} non-omnilink exceptions, {r['crashes']} crashes, "
-            f"{r['hangs']} hangs, max peak RSS per input {r['max_peak_rss_bytes'] / 2**20:.1f} MiB, "
-            f"{r['inputs_over_rss_bound']} over the bound, {r['seconds']} s")
+            f"{r['hangs']} hangs, {r['overruns']} overruns of {r['timed_calls']} timed calls, max peak RSS "
+            f"per input {r['max_peak_rss_bytes'] / 2**20:.1f} MiB, {r['inputs_over_rss_bound']} over the bound, "
+            f"{r['seconds']} s")
     if args.json:
         print(json.dumps(report))
     bad = any(r["non_omnilink_exceptions"] or r["crashes"] or r["hangs"] or r["inputs_over_rss_bound"]
-              for r in report["targets"].values())
+              or r["overruns"] for r in report["targets"].values())
     return 1 if bad else 0
 
 

@@ -39,10 +39,13 @@ decoder allocate is bounded before it is allocated:
                    of the payload tree (containers, keys, scalars) counts one; a tree
                    of at most that many bytes cannot hold more, so only larger trees
                    are scanned before they are decoded
+    tree depth     MAX_TREE_DEPTH nested containers (dicts, lists and tuples) at most;
+                   a tuple's items are decoded from a view of the frame, never from a
+                   copy of the rest of it, so depth cannot multiply what a frame costs
     arity          the header, each descriptor: exactly the fields above, no extras
     dict keys      str only (a map with another key type is rejected)
 
-``encode`` refuses a payload above MAX_TENSORS or MAX_TREE_ITEMS, so whatever it writes
+``encode`` refuses a payload above MAX_TENSORS, MAX_TREE_ITEMS or MAX_TREE_DEPTH, so whatever it writes
 a default decoder reads.
 
 Read-only buffers (``bytes``, a received network frame): numpy arrays decoded from one
@@ -80,6 +83,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_NDIM",
     "MAX_TENSORS",
+    "MAX_TREE_DEPTH",
     "MAX_TREE_ITEMS",
     "PREFIX_SIZE",
     "VERSION",
@@ -108,6 +112,10 @@ MAX_NDIM = 64
 MAX_TENSORS = 1 << 14
 #: Most msgpack items one payload tree may hold (each costs the decoder <= ~100 bytes).
 MAX_TREE_ITEMS = 1 << 20
+#: Most containers (dicts, lists, tuples) one payload tree may nest: the decoder holds
+#: one frame of work per level, and a bound far below Python's recursion limit keeps a
+#: legal payload decodable however deep the caller's own stack is.
+MAX_TREE_DEPTH = 128
 _INT64_MAX = (1 << 63) - 1
 
 _PREFIX = struct.Struct("<4sHHIIQ")
@@ -351,7 +359,10 @@ def _count_items(buf: memoryview, pos: int, end: int, budget: int) -> tuple[int,
                 start = pos + head + 1
                 pos = start + n
                 if code == _EXT_TUPLE:
-                    # Descend: the tuple's items are built too, so they count.
+                    # Descend: the tuple's items are built too, so they count. The
+                    # stack is bounded as the decoder bounds the nesting.
+                    if len(stack) >= MAX_TREE_DEPTH:
+                        raise _too_deep()
                     stack.append((pending, end))
                     pending, end, pos = 1, min(pos, end), start
             else:
@@ -420,12 +431,15 @@ class _Walker:
     def fail(self, what: str) -> BlobEncodeError:
         return BlobEncodeError(f"{_path_str(self.path)}: {what}")
 
-    def fast(self, obj: Any) -> Any:
+    def fast(self, obj: Any, depth: int = 1) -> Any:
         """``walk`` without path bookkeeping: raises ``_Retry`` on anything unusual so
-        that ``walk`` can run again and name the offending path."""
+        that ``walk`` can run again and name the offending path. ``depth``: how many
+        containers ``obj`` is nested in, itself included if it is one."""
         t = type(obj)
         if t in _SCALARS:
             return obj
+        if depth > MAX_TREE_DEPTH and (t is dict or t is list or t is tuple):
+            raise _Retry
         if t is dict:
             out = {}
             tensor = self.tensor
@@ -436,18 +450,18 @@ class _Walker:
                 if tv in _SCALARS:
                     out[k] = v
                 elif tv is tensor:
-                    out[k] = _plain_ref(self, v) or self.fast(v)
-                elif tv is list and _SCALARS.issuperset(map(type, v)):
+                    out[k] = _plain_ref(self, v) or self.fast(v, depth + 1)
+                elif tv is list and depth < MAX_TREE_DEPTH and _SCALARS.issuperset(map(type, v)):
                     out[k] = v  # scalars only (a shape, ids): msgspec encodes the list itself
                 else:
-                    out[k] = self.fast(v)
+                    out[k] = self.fast(v, depth + 1)
             return out
         if t is list:
             if _SCALARS.issuperset(map(type, obj)):
                 return obj
-            return [v if type(v) in _SCALARS else self.fast(v) for v in obj]
+            return [v if type(v) in _SCALARS else self.fast(v, depth + 1) for v in obj]
         if t is tuple:
-            items = [v if type(v) in _SCALARS else self.fast(v) for v in obj]
+            items = [v if type(v) in _SCALARS else self.fast(v, depth + 1) for v in obj]
             return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
         if t is self.tensor:
             ref = _plain_ref(self, obj)
@@ -464,6 +478,8 @@ class _Walker:
             if t is int and not (-(1 << 63) <= obj < (1 << 64)):
                 raise self.fail(f"int {obj} does not fit in 64 bits")
             return obj
+        if (t is dict or t is list or t is tuple) and len(self.path) >= MAX_TREE_DEPTH:
+            raise self.fail(f"nested too deeply (more than MAX_TREE_DEPTH = {MAX_TREE_DEPTH} containers)")
         if t is dict:
             out = {}
             path = self.path
@@ -1253,13 +1269,87 @@ def _resolve_ext(ext: Any, views: list[Any], refs: list[Any] | None, path: tuple
             refs.append((path, index))
         return view
     if code == _EXT_TUPLE:
-        items = _PLAIN_DECODER.decode(ext.data)
-        if type(items) is not list:
-            raise BlobDecodeError(f"tuple extension holds a {type(items).__name__}, expected an array")
         if refs is not None:
             refs.append(None)  # paths cannot go through a tuple: not cacheable
-        return tuple(_resolve(items, views, None))
+        # ``path`` leads to the tuple: it is nested in len(path) containers.
+        return _resolve_tuple(ext.data, views, len(path) + 1)
     raise BlobDecodeError(f"unknown extension type {code} in payload tree")
+
+
+class _TupleItems:
+    """A tuple's encoded items as ``_TUPLE_DECODER`` returns them: a view of the bytes
+    being decoded, not a copy (a chain of nested tuples would otherwise copy the rest
+    of the frame at every level)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+
+
+def _tuple_ext(code: int, data: memoryview) -> Any:
+    if code == _EXT_TUPLE:
+        return _TupleItems(data)
+    if code == _EXT_TENSOR:
+        return _Ext(code, bytes(data))  # 4 bytes when valid; _ref_view checks
+    raise BlobDecodeError(f"unknown extension type {code} in payload tree")
+
+
+def _tuple_list(data: Any) -> list[Any]:
+    items = _TUPLE_DECODER.decode(data)
+    if type(items) is not list:
+        raise BlobDecodeError(f"tuple extension holds a {type(items).__name__}, expected an array")
+    return items
+
+
+def _too_deep() -> BlobDecodeError:
+    return BlobDecodeError(f"payload tree nests more than MAX_TREE_DEPTH ({MAX_TREE_DEPTH}) containers")
+
+
+def _resolve_tuple(data: Any, views: list[Any], depth: int) -> tuple[Any, ...]:
+    """The tuple encoded as ``data`` (its extension's bytes), nested at ``depth``.
+
+    Iterative, so the Python stack does not grow with the tree; nested tuples are
+    decoded from views of ``data`` (``_TupleItems``) and rebuilt bottom-up once their
+    items are resolved."""
+    if depth > MAX_TREE_DEPTH:
+        raise _too_deep()
+    top = _tuple_list(data)
+    stack: list[tuple[Any, int]] = [(top, depth)]
+    pop, push = stack.pop, stack.append
+    # (container, slot, items list) of every nested tuple in the order found: a tuple
+    # is always found after the one holding it, so the reverse order builds inner
+    # tuples before outer ones.
+    tuples: list[tuple[Any, Any, list[Any]]] = []
+    while stack:
+        o, d = pop()
+        if type(o) is dict:
+            for k in o:
+                if type(k) is not str:
+                    raise BlobDecodeError(
+                        f"payload tree: dict key {k!r} of type {type(k).__name__} (keys must be str)"
+                    )
+            it: Any = o.items()
+        else:
+            it = enumerate(o)
+        for k, v in it:
+            tv = type(v)
+            if tv is _Ext:
+                o[k] = _ref_view(v, views)[1]
+            elif tv is _TupleItems:
+                if d >= MAX_TREE_DEPTH:
+                    raise _too_deep()
+                items = _tuple_list(v.data)
+                o[k] = items
+                tuples.append((o, k, items))
+                push((items, d + 1))
+            elif tv is dict or tv is list:
+                if d >= MAX_TREE_DEPTH:
+                    raise _too_deep()
+                push((v, d + 1))
+    for o, k, items in reversed(tuples):
+        o[k] = tuple(items)
+    return tuple(top)
 
 
 def _resolve(obj: Any, views: list[Any], refs: list[Any] | None) -> Any:
@@ -1273,6 +1363,8 @@ def _resolve(obj: Any, views: list[Any], refs: list[Any] | None) -> Any:
     pop, push = stack.pop, stack.append
     while stack:
         o, path = pop()
+        if len(path) >= MAX_TREE_DEPTH:
+            raise _too_deep()
         if type(o) is dict:
             for k, v in o.items():
                 if type(k) is not str:
@@ -1315,6 +1407,8 @@ _HEAD_MISSES: dict[tuple[bytes, int], int] = {}
 _HEADS_LEARN = 8
 _PLAIN_DECODER = msgspec.msgpack.Decoder()
 _Ext = msgspec.msgpack.Ext
+#: Decodes a tuple's items: a nested tuple comes back as a view of its bytes.
+_TUPLE_DECODER = msgspec.msgpack.Decoder(ext_hook=_tuple_ext)
 #: ``_decode_fast`` could not decode the frame (the general path will, or will say why)
 _MISS = object()
 

@@ -1,6 +1,8 @@
 """The bounded CI run of ``benchmarks/fuzz_hostile.py``: 2,000 hostile inputs across the
-decoder, the shm descriptor queue, zmq frames and the nccl side-channel header, each in a
-worker process that reports escaped non-omnilink exceptions, crashes, hangs and the peak
+decoder (deep trees included), the shm segments (descriptors, header, released ring,
+control segment, written by a second process), zmq frames, the nccl side-channel header
+and cuda_ipc manifests (CPU double), each in a worker process that reports escaped
+non-omnilink exceptions, crashes, hangs, calls that overran their timeout and the peak
 RSS each input added. The long run (100,000+ inputs) is the same script with
 ``--inputs 100000``; its figures are in the CHANGELOG.
 """
@@ -27,12 +29,14 @@ def test_hostile_inputs_raise_only_omnilink_errors():
     )
     assert proc.stdout.strip(), proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(report["targets"]) == {"decoder", "shm", "zmq", "nccl"}
+    assert set(report["targets"]) == {"decoder", "shm", "zmq", "nccl", "cuda_ipc"}
     for target, r in report["targets"].items():
         assert r["inputs"] >= 200, (target, r["inputs"])
         assert r["non_omnilink_exceptions"] == 0, (target, r["findings"])
         assert r["crashes"] == 0 and r["hangs"] == 0, (target, r["crash_inputs"], r["hang_inputs"])
         assert r["inputs_over_rss_bound"] == 0, (target, r["worst_over_bound"])
+        assert r["overruns"] == 0, (target, r["worst_overruns"])
+    assert report["targets"]["shm"]["timed_calls"] >= 400  # the live calls were made
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

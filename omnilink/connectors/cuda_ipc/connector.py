@@ -495,10 +495,21 @@ class CudaIpcConnector(BaseConnector):
                 raise bad(f"unknown dtype code {code!r}")
             if not (is_int(off) and is_int(nbytes) and off + nbytes <= total) or not all(is_int(s) for s in shape):
                 raise bad(f"tensor {ordinal}: region [{off!r}, +{nbytes!r}) or shape {shape!r} invalid")
+            itemsize = _ITEMSIZE[code]
             numel = 1
+            # Bytes the non-zero dims address: every contiguous stride is a product of
+            # later dims (a 0 counts as 1) and every extent stride * (dim - 1), so all
+            # of them fit in int64 when this does, and torch counts numel over these
+            # dims before any 0 can zero it. An empty tensor with a 2**40 x 2**40 rest
+            # would otherwise reach as_strided (TypeError, or numel overflow).
+            span = itemsize
             for s in shape:
                 numel *= s
-            itemsize = _ITEMSIZE[code]
+                if s:
+                    span *= s
+            if span > _INT64_MAX:
+                raise bad(f"tensor {ordinal}: shape {shape} overflows int64 (its non-zero dims "
+                          f"times itemsize {itemsize} exceed 2**63 - 1 bytes)")
             if numel * itemsize != nbytes:
                 raise bad(f"tensor {ordinal}: {nbytes} bytes for shape {shape} of {dt}")
             if off % itemsize:

@@ -189,8 +189,10 @@ def _grace(deadline: Deadline) -> Deadline | None:
 
 def _make_lease(mm: Any, offset: int, length: int) -> Any:
     """A fresh exporter object over ``mm[offset:offset+length]`` (an overflow segment):
-    decode's views keep it alive, so a weak reference to it dies with the last view."""
-    return _np.frombuffer(mm, dtype=_np.uint8, count=length, offset=offset)
+    decode's views keep it alive, so a weak reference to it dies with the last view.
+    ``length`` comes from a descriptor another process can write: cut to the mapping
+    (the decoder then reports a frame longer than its bytes)."""
+    return _np.frombuffer(mm, dtype=_np.uint8, count=max(0, min(length, len(mm) - offset)), offset=offset)
 
 
 class _Lease(weakref.ref):
@@ -1006,6 +1008,11 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         tried_abandoned = False
         force_abandoned = False  # after a wait that timed out: look for dead claimers now
+        # Rounds that took blocks back and found no room yet: each frees a descriptor, so
+        # more than n_desc of them in a row means released-ring entries forged by another
+        # process; from then on a round that frees something waits like a full arena.
+        freeing_rounds = 0
+        max_freeing = w.layout.n_desc + 1
         while True:
             if self._closed:  # close() posts our space semaphore to get us here
                 raise ClosedError(f"shm connector on channel {self.channel!r} was closed while put waited for space")
@@ -1029,7 +1036,8 @@ class ShmConnector(BaseConnector):
                         freed = w.reclaim_abandoned()
                         tried_abandoned = True
                         force_abandoned = False
-                    if freed:
+                    if freed and freeing_rounds < max_freeing:
+                        freeing_rounds += 1
                         continue
                     if self.reclaim_after is not None:
                         # Abandoned payloads (old, read past) go before the arena grows
@@ -1061,6 +1069,7 @@ class ShmConnector(BaseConnector):
             if expired:
                 raise self._full_timeout(key, n, deadline)
             woke = w.wait_space(deadline.slice(HEARTBEAT_S))
+            freeing_rounds = 0
             if not woke:
                 tried_abandoned = False  # heartbeat: look for dead claimers again
                 force_abandoned = True

@@ -28,7 +28,7 @@ import secrets
 import threading
 
 from omnilink._errors import ConfigurationError
-from omnilink._util import pid_alive  # re-exported: the shm modules import it from here
+from omnilink._util import pid_alive as _pid_alive
 
 __all__ = [
     "SHM_DIR",
@@ -46,6 +46,16 @@ __all__ = [
 ]
 
 SHM_DIR = "/dev/shm"
+#: Largest value of a pid_t: a pid read from shared memory above it was not written by
+#: a process of ours (``os.kill`` would raise ``OverflowError`` on it).
+_PID_T_MAX = 0x7FFFFFFF
+
+
+def pid_alive(pid: int) -> bool:
+    """``omnilink._util.pid_alive`` for a pid read from shared memory, which any process
+    of the user can overwrite: a value no pid can have is a dead process, not an error.
+    The shm modules import it from here."""
+    return 0 < pid <= _PID_T_MAX and _pid_alive(pid)
 _PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,99}")
 _OWNED_RE = re.compile(r"-([aoe])([0-9]+)-([0-9a-f]{16})(-s)?$")
 _CHANNEL_RE = re.compile(r"-c([0-9a-f]{24})(-m|-w)?$")

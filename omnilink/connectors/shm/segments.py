@@ -93,6 +93,23 @@ behind); a log entry is valid only while the descriptor's ``seq`` still equals i
 (``published``; an aligned 8-byte load, and a stale value only delays the news to its
 next look).
 
+Fields other processes write
+----------------------------
+Every process of the user can write both segments, so whatever this module reads from
+them is checked against what the reader itself knows before it is used: a receiver
+maps an arena only if its header describes exactly the layout ``arena_layout`` gives
+for its descriptor count and fits its mapping (so ``n_desc`` and ``log_len`` bound
+every later offset), takes a ``pub_seq`` that went backwards as a reason to rescan,
+and pushes on the released ring only while ``tail <= head < tail + n_desc``. The sender
+drains at most ``n_desc`` entries, each only if it names an outstanding descriptor of
+its own that is RELEASED; a ring found inconsistent is rebuilt from the descriptors
+themselves (every RELEASED one of ours is taken back, ``head = tail = 0``), so a forged
+head costs one scan of ``n_desc`` descriptors, never a loop of ``head - tail`` passes
+under the mutex. Counters are incremented modulo their width and the wake-ups posted
+per broadcast are capped. Nothing another process writes can make a call loop longer
+than its own bounds, or raise anything but an omnilink error; it can still make
+payloads go missing, which a same-user process can do anyway.
+
 Extension segments (the elastic arena)
 --------------------------------------
 Receivers may keep their payloads' views for a request's lifetime, so the blocks they
@@ -201,6 +218,9 @@ MAX_KEY = 512
 _DESC = struct.Struct("<IIQQQQHH4x16s")  # state, claimer, seq, off, len, reserved, klen, flags, token
 _D_STATE_CLAIMER = _II
 _DESC_OFFSET = PAGE
+#: The same offsets in u32 / u64 words (``ArenaWriter.drain`` indexes word views).
+_DESC_WORD, _DESC_WORDS = _DESC_OFFSET // 4, DESC_SIZE // 4
+_Q_REL_HEAD, _Q_REL_TAIL = _A_REL_HEAD // 8, _A_REL_TAIL // 8
 
 #: a mutex holder that shows pid 0 this long is assumed to have died in the few
 #: instructions between taking the semaphore and writing its pid
@@ -211,6 +231,15 @@ _LOCK_SLICE_S = 0.2
 #: holder for a while; a dead holder is detected and taken over regardless).
 MUTEX_GRACE_S = 5.0
 _MUTEX_SPIN_NS = 20_000
+#: Most wake-ups one broadcast posts: one per waiting thread, and no host runs this many
+#: receiver threads on one channel; a larger ``waiters`` count was written by someone
+#: else (a waiter not woken wakes on its heartbeat anyway).
+MAX_WAKE_POSTS = 4096
+#: Released-ring positions at or past this were not counted up to by receivers (2**62
+#: releases is centuries at 10**8 per second): a forged head or tail.
+_RING_LIMIT = 1 << 62
+_U32_MASK = 0xFFFFFFFF
+_U64_MASK = 0xFFFFFFFFFFFFFFFF
 _sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
@@ -584,7 +613,7 @@ class Channel:
     # --------------------------------------------------------- wake semaphore
     def register_waiter(self) -> int:
         mm = self._mm
-        _U32.pack_into(mm, _C_WAITERS, _U32.unpack_from(mm, _C_WAITERS)[0] + 1)
+        _U32.pack_into(mm, _C_WAITERS, (_U32.unpack_from(mm, _C_WAITERS)[0] + 1) & _U32_MASK)
         return _U32.unpack_from(mm, _C_WAKE_GEN)[0]
 
     def withdraw_waiter(self, gen: int) -> None:
@@ -602,8 +631,8 @@ class Channel:
         mm = self._mm
         n, gen = _II.unpack_from(mm, _C_WAITERS)
         if n:
-            _II.pack_into(mm, _C_WAITERS, 0, (gen + 1) & 0xFFFFFFFF)
-            self._wake_posts += n
+            _II.pack_into(mm, _C_WAITERS, 0, (gen + 1) & _U32_MASK)
+            self._wake_posts = min(self._wake_posts + n, MAX_WAKE_POSTS)
 
     def wait(self, timeout: float, spin_ns: int = 0, yield_after_ns: int | None = None) -> bool:
         """Wait for a token of the wake semaphore (mutex not held); ``False`` on timeout.
@@ -658,7 +687,7 @@ class Channel:
         return bool(_U32.unpack_from(self._mm, _C_EXIT)[0])
 
     def _bump_senders_locked(self) -> None:
-        self._gen[0] = self._gen[0] + 1  # one 8-byte store: read without the mutex
+        self._gen[0] = (self._gen[0] + 1) & _U64_MASK  # one 8-byte store: read without the mutex
         self.notify_all()
 
     def _participants_locked(self) -> list[tuple[int, int, str]]:
@@ -683,7 +712,7 @@ class Channel:
                 _PART.pack_into(self._mm, off, 0, 0, b"")
                 reaped.append((pid, role, token.rstrip(b"\0").decode("ascii", "replace")))
                 if role & ROLE_SEND:
-                    _U32.pack_into(self._mm, _C_LOST, self.lost_senders() + 1)
+                    _U32.pack_into(self._mm, _C_LOST, (self.lost_senders() + 1) & _U32_MASK)
                     _U32.pack_into(self._mm, _C_EXIT, 1)
                 self._bump_senders_locked()
                 logger.info("shm channel %r: reaped dead participant pid %d", self.channel, pid)
@@ -851,6 +880,11 @@ class ArenaWriter:
         self.primary = Space(self.mm, lay.data_offset, lay.data_bytes, 0, b"", self.name, -1)
         #: ``pub_seq`` of the mapping (receivers read it without the mutex: ``_word``)
         self._pub = _word(self.mm, _A_PUB)
+        #: the header page as u64 words and the descriptors, log and ring as u32 words:
+        #: ``drain`` reads and writes its fields by index (cheaper than struct calls,
+        #: and each access is one aligned load or store). Released before the unmap.
+        self._q = memoryview(self.mm)[:PAGE].cast("Q")
+        self._u32 = memoryview(self.mm)[: lay.data_offset].cast("I")
         self.spaces: list[Space] = [self.primary]
         self.view = self.primary.view
         self.data_offset = lay.data_offset
@@ -903,35 +937,74 @@ class ArenaWriter:
         self.out[idx] = rec
 
     def drain(self) -> int:
-        """Reclaim every descriptor receivers pushed on the released ring."""
-        mm = self.mm
-        head, tail = _QQ.unpack_from(mm, _A_REL_HEAD)
-        if head == tail:
+        """Reclaim every descriptor receivers pushed on the released ring.
+
+        The ring's head and tail and its entries are written by other processes: at most
+        ``n_desc`` entries are read (no descriptor is on the ring twice), and an entry is
+        taken back only if it names a descriptor of ours that is RELEASED. A ring that
+        breaks either rule is rebuilt by ``_resync_ring``."""
+        q = self._q
+        head = q[_Q_REL_HEAD]
+        tail = q[_Q_REL_TAIL]
+        if head == tail and head < _RING_LIMIT:
             return 0
+        n_desc = self._n_desc
+        if not tail < head <= tail + n_desc or head >= _RING_LIMIT:
+            return self._resync_ring(f"head {head} and tail {tail} of a ring of {n_desc}")
         n = 0
-        rel, n_desc = self._rel_offset, self._n_desc
+        u32 = self._u32
+        ring = self._rel_offset >> 2
         out = self.out
         frontier = self.frontier
+        bad = 0
         while tail < head:
-            idx = _U32.unpack_from(mm, rel + 4 * (tail % n_desc))[0]
+            idx = u32[ring + tail % n_desc]
             tail += 1
             rec = out.get(idx)
-            if rec is not None:
-                if rec.published > frontier:
-                    frontier = rec.published
-                sp = rec.space
-                if sp is not None and sp.slot < 0 and rec.overflow is None:
-                    # ``_reclaim`` of a block of the arena itself, inline
-                    del out[idx]
-                    _U32.pack_into(mm, _DESC_OFFSET + idx * DESC_SIZE, FREE)
-                    sp.alloc.free(rec.offset)
-                    self.free_desc.append(idx)
-                    n += 1
-                    continue
+            if rec is None:
+                bad += 1
+                continue
+            d = _DESC_WORD + idx * _DESC_WORDS
+            # Only a RELEASED descriptor is ours to take back: an entry naming one still
+            # WRITTEN (unread) or CLAIMED (in use) was not pushed by its reader.
+            if u32[d] != RELEASED:
+                bad += 1
+                continue
+            if rec.published > frontier:
+                frontier = rec.published
+            sp = rec.space
+            if sp is not None and sp.slot < 0 and rec.overflow is None:
+                # ``_reclaim`` of a block of the arena itself, inline
+                del out[idx]
+                u32[d] = FREE
+                sp.alloc.free(rec.offset)
+                self.free_desc.append(idx)
+                n += 1
+                continue
             if self._reclaim(idx):
                 n += 1
         self.frontier = frontier
-        _U64.pack_into(mm, _A_REL_TAIL, tail)
+        q[_Q_REL_TAIL] = tail
+        if bad:
+            # A forged entry may have overwritten an honest one: find its descriptor too.
+            n += self._resync_ring(f"{bad} entr{'y' if bad == 1 else 'ies'} naming no descriptor released to us")
+        return n
+
+    def _resync_ring(self, what: str) -> int:
+        """Rebuild the released ring after another process corrupted it (mutex held):
+        take back every descriptor of ours that is RELEASED, then empty the ring.
+        Returns how many were taken back."""
+        logger.warning("shm arena %s: released ring corrupted (%s); rescanning the descriptors", self.name, what)
+        mm = self.mm
+        n = 0
+        for idx, rec in list(self.out.items()):
+            state, _claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
+            if state == RELEASED and seq == rec.seq:
+                if rec.published > self.frontier:
+                    self.frontier = rec.published
+                if self._reclaim(idx):
+                    n += 1
+        _QQ.pack_into(mm, _A_REL_HEAD, 0, 0)
         return n
 
     def _reclaim(self, idx: int) -> bool:
@@ -958,14 +1031,20 @@ class ArenaWriter:
     def reclaim_abandoned(self) -> int:
         """Reclaim blocks CLAIMED by processes that died holding them (a scan of every
         outstanding descriptor, a liveness look-up per claimer: callers on a busy path
-        ask ``abandoned_check_due`` first)."""
+        ask ``abandoned_check_due`` first), and RELEASED ones missing from the released
+        ring (a receiver found the ring corrupted and could not push them): the ring is
+        drained first, under the same hold of the mutex, so none is on it."""
+        n = self.drain()
         self.abandoned_at = time.monotonic()
         mm = self.mm
         alive: dict[int, bool] = {}
-        n = 0
         for idx in list(self.out):
-            state, claimer = _II.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
-            if state == CLAIMED:
+            state, claimer, seq = _DESC_HEAD.unpack_from(mm, _DESC_OFFSET + idx * DESC_SIZE)
+            if state == RELEASED and seq == self.out[idx].seq:
+                logger.info("shm arena %s: reclaiming released block %d that missed the ring", self.name, idx)
+                self._reclaim(idx)
+                n += 1
+            elif state == CLAIMED:
                 ok = alive.get(claimer)
                 if ok is None:
                     ok = alive[claimer] = pid_alive(claimer)
@@ -996,7 +1075,7 @@ class ArenaWriter:
     def add_extension(self, sp: Space) -> None:
         """List a new extension segment in the table (mutex held)."""
         _EXT_ENTRY.pack_into(self.mm, _A_EXT_TABLE + sp.slot * _EXT_ENTRY.size, 1, sp.size, sp.token)
-        _U64.pack_into(self.mm, _A_EXT_GEN, _U64.unpack_from(self.mm, _A_EXT_GEN)[0] + 1)
+        _U64.pack_into(self.mm, _A_EXT_GEN, (_U64.unpack_from(self.mm, _A_EXT_GEN)[0] + 1) & _U64_MASK)
         self.spaces.append(sp)
 
     def retire_idle(self, idle_s: float, now: float) -> list[Space]:
@@ -1008,7 +1087,7 @@ class ArenaWriter:
             for sp in gone:
                 _EXT_ENTRY.pack_into(self.mm, _A_EXT_TABLE + sp.slot * _EXT_ENTRY.size, 0, 0, b"")
                 self.spaces.remove(sp)
-            _U64.pack_into(self.mm, _A_EXT_GEN, _U64.unpack_from(self.mm, _A_EXT_GEN)[0] + 1)
+            _U64.pack_into(self.mm, _A_EXT_GEN, (_U64.unpack_from(self.mm, _A_EXT_GEN)[0] + 1) & _U64_MASK)
         return gone
 
     def free_slot(self) -> int:
@@ -1138,11 +1217,42 @@ class ArenaWriter:
         _unlink_quiet(self.name)
         _unlink_sem_quiet(self.sem_name)
         self._pub.release()
+        self._q.release()
+        self._u32.release()
         self.primary.unmap()
 
 
+def _check_header(mm: Any) -> _Layout:
+    """The layout an arena's header describes, checked against the mapping it is read
+    from (its length is the one thing another process cannot change after the map):
+    exactly what ``arena_layout`` gives for its own descriptor count, inside the
+    mapping. Raises ``ConfigurationError`` (its message completes "shm: <name> ...")."""
+    if len(mm) < _DESC_OFFSET:
+        raise ConfigurationError(f"is {len(mm)} bytes, too small for an arena")
+    magic, version, _owner, total, data_off, data_bytes, n_desc, log_len = _A_HDR.unpack_from(mm, 0)
+    if magic != ARENA_MAGIC or version != ARENA_VERSION:
+        raise ConfigurationError(f"is not an omnilink v{ARENA_VERSION} arena")
+    # A first bound (each descriptor takes 596 bytes before the data area, with its log
+    # and ring entries); the layout check below is the exact one.
+    if not 0 < n_desc <= len(mm) // DESC_SIZE or log_len != 4 * n_desc or total > len(mm):
+        raise ConfigurationError(
+            f"has an invalid header: {n_desc} descriptors, a log of {log_len}, {total} bytes "
+            f"in a mapping of {len(mm)} (corrupted by another process?)"
+        )
+    lay = _Layout(total, n_desc, log_len)
+    if lay.data_offset != data_off or lay.data_bytes != data_bytes or lay.data_bytes <= 0:
+        raise ConfigurationError(
+            f"has an inconsistent layout: data at {data_off} (+{data_bytes}), expected "
+            f"{lay.data_offset} (+{lay.data_bytes}) (corrupted by another process?)"
+        )
+    return lay
+
+
 class ArenaReader:
-    """A receiver's mapping of one sender's arena (mapped once, scanned incrementally)."""
+    """A receiver's mapping of one sender's arena (mapped once, scanned incrementally).
+
+    The layout is read and checked once, at the map (``_check_header``); later writes
+    to the header's geometry are never looked at."""
 
     def __init__(self, prefix: str, pid: int, token: str) -> None:
         self.prefix = prefix
@@ -1150,16 +1260,14 @@ class ArenaReader:
         self.token = token
         self.name = arena_name(prefix, pid, token)
         self.mm = open_segment(self.name)  # ExistentialError propagates: sender is gone
-        magic, version, owner, total, data_off, data_bytes, n_desc, log_len = _A_HDR.unpack_from(self.mm, 0)
-        if magic != ARENA_MAGIC or version != ARENA_VERSION or total > len(self.mm):
+        try:
+            lay = _check_header(self.mm)
+        except ConfigurationError as exc:
             self.mm.close()
-            raise ConfigurationError(f"shm: {self.name} is not an omnilink v{ARENA_VERSION} arena")
-        lay = _Layout(total, n_desc, log_len)
-        if lay.data_offset != data_off:
-            self.mm.close()
-            raise ConfigurationError(f"shm: {self.name} has an inconsistent layout")
+            raise ConfigurationError(f"shm: {self.name} {exc}") from None
+        n_desc = lay.n_desc
         self.layout = lay
-        self.data_offset = data_off
+        self.data_offset = lay.data_offset
         #: the sender's ``pub_seq``, read without the mutex by one 8-byte load (``_word``)
         self.pub = _word(self.mm, _A_PUB)
         self._log_offset = lay.log_offset
@@ -1282,8 +1390,10 @@ class ArenaReader:
             return
         self.cursor = pub
         log_len = self._log_len
-        if pub - cur > log_len:
-            # Fell behind the log: read every descriptor once.
+        if pub - cur > log_len or pub < cur:
+            # Fell behind the log: read every descriptor once. So also when the counter
+            # went back (only another process's write does that; the publications the
+            # sender made since then may be anywhere behind the forged value).
             for idx in range(self._n_desc):
                 d = _DESC_OFFSET + idx * DESC_SIZE
                 state, seq, klen = _DESC_SCAN.unpack_from(mm, d)
@@ -1378,9 +1488,16 @@ class ArenaReader:
         if state != CLAIMED or claimer != pid or dseq != seq:
             return  # already reclaimed (e.g. the sender saw us as dead); nothing to do
         _U32.pack_into(mm, d, RELEASED)
-        head = _U64.unpack_from(mm, _A_REL_HEAD)[0]
-        _U32.pack_into(mm, self._rel_offset + 4 * (head % self._n_desc), idx)
-        _U64.pack_into(mm, _A_REL_HEAD, head + 1)
+        head, tail = _QQ.unpack_from(mm, _A_REL_HEAD)
+        n_desc = self._n_desc
+        if not tail <= head < tail + n_desc or head >= _RING_LIMIT:
+            # Not a ring a receiver can push on: leave the descriptor RELEASED; the
+            # sender takes it back when it finds the ring corrupted (``_resync_ring``)
+            # or misses it on the ring (``reclaim_abandoned``).
+            self._corrupt(f"released ring has head {head} and tail {tail} for {n_desc} descriptors")
+        else:
+            _U32.pack_into(mm, self._rel_offset + 4 * (head % n_desc), idx)
+            _U64.pack_into(mm, _A_REL_HEAD, head + 1)
         if mm[_A_WAITING]:  # the flag is 0 or 1: its low byte says it
             self._notify_sender()
 

@@ -150,6 +150,10 @@ logger = logging.getLogger(__name__)
 #: High-water mark of the ack direction: acks are tiny and must never be dropped for room.
 _ACK_HWM = 100_000
 _ZAP_DOMAIN = b"omnilink"
+#: Most seconds a sender's construction waits for its connection to a receiver that is
+#: listening (``SenderLoop.wait_connected``; milliseconds on one host). Bounded by the
+#: connector's ``timeout`` when that is shorter.
+CONNECT_WAIT_S = 1.0
 
 
 def curve_keypair() -> tuple[str, str]:
@@ -515,6 +519,9 @@ class ZmqConnector(BaseConnector):
                         reference_threshold if by_reference and resolved.startswith("ipc://") else None
                     ),
                 )
+                # Return connected when the receiver is up (see ``wait_connected``).
+                wait = CONNECT_WAIT_S if self.timeout is None else min(self.timeout, CONNECT_WAIT_S)
+                res.sender.wait_connected(wait)
         except BaseException:
             self._closed = True
             res.close()

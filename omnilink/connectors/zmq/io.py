@@ -79,6 +79,10 @@ RELEASE_GRACE_S = 5.0
 ACK_LINGER_MS = 200
 #: Messages read per poll wake-up before re-checking the pause and stop flags.
 READ_BATCH = 64
+#: Most seconds a ``get`` about to report every sender lost waits for the receiver loop
+#: to take in what already reached its socket (``ReceiverLoop._sync``): one pass of the
+#: loop, so normally microseconds; bounded for a loop busy with a large message.
+SYNC_S = 1.0
 #: Bytes a malformed message's error entry counts against ``max_buffered_bytes``: it
 #: holds no frames, but a flood of them must still push back on the sender.
 ERROR_ENTRY_BYTES = 4096
@@ -95,6 +99,9 @@ _MON_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+#: The sender also watches for failed connection attempts (nobody listening): its
+#: ``wait_connected`` stops waiting at the first.
+_SENDER_MON_EVENTS = _MON_EVENTS | zmq.EVENT_CONNECT_RETRIED
 _HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
@@ -258,6 +265,10 @@ class ReceiverLoop(_Loop):
         self.had_peer = False
         self.no_peer_since: float | None = None
         self.last_peer = endpoint
+        # A caller about to report every sender lost first has the loop take in what
+        # already reached the socket (``_sync``): requests made, and the latest served.
+        self.sync_req = 0
+        self.sync_done = 0
         self.malformed = 0
         self.auth_failures = 0
         self.fallbacks = 0
@@ -287,10 +298,19 @@ class ReceiverLoop(_Loop):
             events = dict(poller.poll())
             if self.waker.fd in events:
                 self.waker.drain()
-            if self.mon in events:
+            with self.cond:
+                # Read after the waker was drained: a request made before its wake-up is
+                # served by this pass, one made after it finds the waker set again.
+                sync = self.sync_req
+            syncing = sync != self.sync_done
+            if syncing or self.mon in events:
                 self._drain_monitor(self.mon, self._on_event)
-            if reading and self.sock in events:
+            if reading and (syncing or self.sock in events):
                 self._drain_socket()
+            if syncing:
+                with self.cond:
+                    self.sync_done = sync
+                    self.cond.notify_all()
 
     def _drain_socket(self) -> None:
         for _ in range(READ_BATCH):
@@ -524,11 +544,42 @@ class ReceiverLoop(_Loop):
             self.cond.notify_all()
 
     # --------------------------------------------------------------- callers
+    def _lost_at(self) -> float | None:
+        """Under ``cond``: when every sender counts as lost (``no_peer_since`` +
+        ``peer_timeout``), or ``None``. A connection accepted and not yet through its
+        handshake is a sender coming (a replacement of the one that left): not lost
+        while it is open; if its handshake fails, zmq closes it and the clock that was
+        running goes on."""
+        if self.no_peer_since is None or self.live_fds:
+            return None
+        return self.no_peer_since + self.peer_timeout
+
+    def _sync(self, deadline: Deadline) -> None:
+        """Under ``cond``: have the loop read the monitor and the socket once now, and
+        wait for it (at most ``SYNC_S``, within ``deadline``). Connection events and
+        messages reach the loop thread asynchronously: a ``get`` made just after a new
+        sender connected and sent would otherwise see only the old sender's loss, and
+        report it (the shm backend looks at its senders table under the mutex in each
+        ``get`` for the same reason)."""
+        self.sync_req += 1
+        req = self.sync_req
+        self.waker.wake()
+        limit = Deadline(SYNC_S)
+        while self.sync_done < req and not self.closed and self.failure is None:
+            wait = limit.remaining()
+            left = deadline.remaining()
+            if left is not None:
+                wait = min(wait, left)
+            if wait <= 0:
+                return
+            self.cond.wait(wait)
+
     def take(
         self, key: str, deadline: Deadline, block: bool, on_timeout: Callable[[float | None], OmnilinkError]
     ) -> tuple[Any, int]:
         """Pop ``key``'s payload and its encoded size, waiting until it arrives, the
         deadline passes, or every sender is lost."""
+        synced = False
         with self.cond:
             while True:
                 if self.closed:
@@ -547,8 +598,12 @@ class ReceiverLoop(_Loop):
                 if not block:
                     raise WouldBlock(f"zmq: key {key!r} has not arrived on channel {self.channel!r}")
                 now = time.monotonic()
-                lost_at = None if self.no_peer_since is None else self.no_peer_since + self.peer_timeout
+                lost_at = self._lost_at()
                 if lost_at is not None and now >= lost_at:
+                    if not synced:
+                        synced = True
+                        self._sync(deadline)
+                        continue  # look at the index and the peers again
                     raise PeerLostError(
                         f"zmq: every sender of channel {self.channel!r} ({self.endpoint}) disconnected "
                         f"{now - self.no_peer_since:.1f} s ago and none came back within "
@@ -566,6 +621,7 @@ class ReceiverLoop(_Loop):
         """Keys ready to ``take`` now, taking none (for ``aget``): returns as soon as one
         is not in ``known``, or after ``timeout``; raises when nothing can come any more."""
         deadline = Deadline(timeout)
+        synced = False
         with self.cond:
             while True:
                 if self.closed:
@@ -575,8 +631,12 @@ class ReceiverLoop(_Loop):
                     return avail
                 self._check_failed()
                 now = time.monotonic()
-                lost_at = None if self.no_peer_since is None else self.no_peer_since + self.peer_timeout
+                lost_at = self._lost_at()
                 if lost_at is not None and now >= lost_at:
+                    if not synced:
+                        synced = True
+                        self._sync(deadline)
+                        continue
                     raise PeerLostError(
                         f"zmq: every sender of channel {self.channel!r} ({self.endpoint}) disconnected "
                         f"{now - self.no_peer_since:.1f} s ago and none came back within "
@@ -744,8 +804,34 @@ class SenderLoop:
         self.sock_closed = False
         self._poller: zmq.Poller | None = None
         self._polled: zmq.Socket | None = None
+        self.connect_retries = 0
         self.sock = make_socket()
-        self.mon = self.sock.get_monitor_socket(_MON_EVENTS)
+        self.mon = self.sock.get_monitor_socket(_SENDER_MON_EVENTS)
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the connection to the receiver to be up (its
+        handshake done), before any ``put``: called once, by the thread that made the
+        loop, while no other thread can use the sockets. Returns early, ``False``, when
+        the receiver refused the connection or nobody listens at the endpoint (a sender
+        may start before its receiver: that is not waited for).
+
+        A sender whose constructor returned is then a live peer to a receiver that is
+        up, as an shm sender is once it joined the channel: a ``get`` made at once, as
+        this sender's first ``put`` starts, cannot find every sender lost because the
+        connection was still being made (the receiver learns of it with
+        ``ReceiverLoop._sync``)."""
+        deadline = Deadline(timeout)
+        while True:
+            self._drain_monitor()
+            with self.cond:
+                if self.connected:
+                    return True
+                if self.refused is not None or self.connect_retries:
+                    return False
+            left = deadline.remaining()
+            if not left or not self.mon.poll(max(1, int(left * 1000))):
+                with self.cond:
+                    return self.connected
 
     # ------------------------------------------------------------ driving
     def _take_socket(self) -> bool:
@@ -908,6 +994,8 @@ class SenderLoop:
                 if self.connected and self.disconnected_since is None:
                     self.disconnected_since = time.monotonic()
                 self.connected = False
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.connect_retries += 1
             elif event in _HANDSHAKE_FAILED:
                 self.refused = _HANDSHAKE_FAILED[event]
                 logger.warning(
@@ -936,7 +1024,7 @@ class SenderLoop:
         self.mon.close(linger=0)
         self.sock.close(linger=0)
         self.sock = self.make_socket()
-        self.mon = self.sock.get_monitor_socket(_MON_EVENTS)
+        self.mon = self.sock.get_monitor_socket(_SENDER_MON_EVENTS)
         with self.cond:
             self.connected = False
             self.epoch += 1
