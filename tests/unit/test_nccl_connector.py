@@ -116,6 +116,26 @@ def test_absent_peer_times_out(store):
             rx.wait_connected(0.1)
 
 
+def test_connect_without_rank_0_honours_connect_timeout():
+    """Issue 31 E: a receiver whose rank 0 never comes gives up within its
+    connect_timeout (the TCPStore client alone took 2 to 3.3 times as long: a second
+    full try after a random back-off)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens here once the socket is closed
+    timeout = 1.0
+    for attempt in range(3):  # the back-off is random: one try may end in time by luck
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="no TCPStore answered"):
+            omnilink.connect("nccl", channel="u/absent", role="receiver", backend="gloo",
+                             master_port=port, connect_timeout=timeout)
+        took = time.monotonic() - start
+        assert took <= timeout * 1.25 + 0.5, f"attempt {attempt}: connect took {took:.2f} s"
+
+
 def test_role_rules(store):
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         with pytest.raises(ConfigurationError, match="cannot get"):

@@ -180,6 +180,42 @@ def _gloo_wait(work: Any) -> None:
     work.wait(_FOREVER)
 
 
+def _tcp_store_client(dist: Any, addr: str, port: int, timeout: float, channel: str) -> Any:
+    """A ``TCPStore`` client of rank 0's store, built within ``timeout`` seconds.
+
+    The client's constructor retries a refused connection after a random back-off and
+    tries once more for a whole ``timeout``, so by itself it returns after 2 to 3.3
+    times ``timeout`` when no store answers. It runs in a thread of its own here and the
+    caller stops waiting at ``timeout``; the thread ends by itself once its own retries
+    are spent (a store that answers late is dropped with it). Waiting for a server to
+    start listening has no wake-up to wait on: the retries are torch's, not ours.
+
+    Raises
+    ------
+    RuntimeError, ValueError
+        The constructor's own error (no store answered in time: a ``RuntimeError`` too).
+    """
+    result: list[Any] = []
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            result.append(dist.TCPStore(addr, port, None, False, _td(timeout), wait_for_workers=False))
+        except BaseException as exc:  # handed to the caller below
+            result.append(exc)
+        finally:
+            done.set()
+
+    # Not a daemon: a process that exits meanwhile waits for the thread (bounded by the
+    # client's own retries) instead of killing it inside torch's C++ code, which aborts.
+    threading.Thread(target=attempt, daemon=False, name=f"omnilink-nccl-store-{channel}").start()
+    if not done.wait(timeout):
+        raise RuntimeError(f"the client socket has timed out after {timeout} s")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
 def _poll_ms(seconds: float | None) -> int:
     return -1 if seconds is None else max(0, math.ceil(seconds * 1000))
 
@@ -494,10 +530,13 @@ class NcclConnector(BaseConnector):
             if not 0 <= master_port < 65536 or (master_port == 0 and rank != 0):
                 raise ConfigurationError(f"nccl: invalid master_port {master_port!r}")
             try:
-                store = dist.TCPStore(
-                    master_addr, master_port, None, rank == 0, _td(self.connect_timeout),
-                    wait_for_workers=False,
-                )
+                if rank == 0:
+                    store = dist.TCPStore(
+                        master_addr, master_port, None, True, _td(self.connect_timeout),
+                        wait_for_workers=False,
+                    )
+                else:
+                    store = _tcp_store_client(dist, master_addr, master_port, self.connect_timeout, channel)
             except (RuntimeError, ValueError) as exc:
                 if rank == 0:
                     raise ConfigurationError(
