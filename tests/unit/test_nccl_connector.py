@@ -1,5 +1,5 @@
 """Unit tests of the nccl backend over gloo (CPU): options, rank and peer mismatches,
-flow control, inline host data, clean peer close, and the side-channel wire format."""
+flow control, inline host data, clean peer close, and the slot and envelope wire format."""
 
 from __future__ import annotations
 
@@ -174,37 +174,64 @@ def test_inline_and_p2p_mix(store):
 
 
 def test_inline_total_is_bounded(store):
-    with _open(store, "sender", inline_bytes=1024, max_inline_bytes=2048) as tx:
+    with _open(store, "sender", inline_bytes=1024, max_inline_bytes=2048) as tx, _open(store, "receiver"):
         with pytest.raises(ConfigurationError, match="inline"):
             tx.put("k", [torch.zeros(256) for _ in range(3)], timeout=WAIT)
 
 
-def test_small_tensors_travel_in_one_pack(store):
-    """Small tensors go by one transfer: on the receiver they are views of one buffer at
-    64-byte aligned offsets; a large one keeps a buffer of its own. The pack is the
-    sender's snapshot: the caller may change its tensors once put returns."""
+def test_small_tensors_travel_in_the_slot(store):
+    """A payload whose tensors fit the slot is ONE transfer: on the receiver its tensors
+    are views of the slot at 64-byte aligned offsets; a tensor too large for the slot
+    gets a buffer of its own. The slot is the sender's snapshot: the caller may change
+    its tensors once put returns."""
     a, b, big = torch.ones(1000), torch.arange(10, dtype=torch.int16), torch.randn(1 << 19)
     expected = {"a": a.clone(), "b": b.clone(), "big": big.clone()}
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         sp = wire.plan_send({"a": a, "b": b, "big": big}, device=tx.device, nccl=False, inline_bytes=0,
-                            max_inline_total=0, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad)
-        assert sp.plan == [wire.PACK, wire.PACK, wire.P2P] and len(sp.p2p) == 2
-        assert sp.p2p[0].numel() == 4032 + 20  # a at 0, b at the next multiple of 64
+                            max_inline_total=0, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad,
+                            slot_bytes=rx.slot_bytes)
+        assert sp.plan == [wire.SLOT, wire.SLOT, wire.P2P] and len(sp.p2p) == 1 and len(sp.slot) == 2
         tx.put("k", {"a": a, "b": b, "big": big}, timeout=WAIT)
         a.fill_(7)
         b.fill_(7)
         got = rx.get("k", timeout=WAIT)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
-    pack = got["a"].untyped_storage()
-    assert got["b"].untyped_storage().data_ptr() == pack.data_ptr() and pack.nbytes() == 4052
+    slot = got["a"].untyped_storage()
+    assert got["b"].untyped_storage().data_ptr() == slot.data_ptr() and slot.nbytes() == rx.slot_bytes
     assert got["b"].data_ptr() - got["a"].data_ptr() == 4032
-    assert got["big"].untyped_storage().data_ptr() != pack.data_ptr()
+    assert (got["a"].data_ptr() - slot.data_ptr()) % 64 == 0
+    assert got["big"].untyped_storage().data_ptr() != slot.data_ptr()
     assert got["big"].untyped_storage().nbytes() == 4 << 19
 
 
+def test_small_tensors_beyond_the_slot_travel_in_one_pack(store):
+    """Small tensors that do not fit the slot go by one transfer, the pack: on the
+    receiver they are views of one buffer at 64-byte aligned offsets; one that fits
+    stays in the slot; a large one keeps its own buffer."""
+    payload = {"a": torch.ones(1000), "b": torch.arange(1000, dtype=torch.int16),
+               "c": torch.arange(10, dtype=torch.int16), "big": torch.randn(1 << 19)}
+    expected = {name: t.clone() for name, t in payload.items()}
+    with _open(store, "sender") as tx, _open(store, "receiver", slot_bytes=1024) as rx:
+        sp = wire.plan_send(payload, device=tx.device, nccl=False, inline_bytes=0, max_inline_total=0,
+                            key="k", pack_bytes=tx.pack_bytes, pad=tx._pad, slot_bytes=rx.slot_bytes)
+        assert sp.plan == [wire.PACK, wire.PACK, wire.SLOT, wire.P2P] and len(sp.p2p) == 2
+        assert sp.p2p[0].numel() == 4032 + 2000  # a at 0, b at the next multiple of 64
+        tx.put("k", payload, timeout=WAIT)
+        for t in payload.values():
+            t.fill_(7)
+        got = rx.get("k", timeout=WAIT)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    pack = got["a"].untyped_storage()
+    assert got["b"].untyped_storage().data_ptr() == pack.data_ptr() and pack.nbytes() == 6032
+    assert got["b"].data_ptr() - got["a"].data_ptr() == 4032
+    assert got["c"].untyped_storage().nbytes() == 1024  # in the slot
+    assert got["big"].untyped_storage().data_ptr() != pack.data_ptr()
+
+
 def test_packing_off_gives_each_tensor_its_buffer(store):
-    with _open(store, "sender", pack_bytes=0) as tx, _open(store, "receiver") as rx:
+    with _open(store, "sender", pack_bytes=0) as tx, _open(store, "receiver", slot_bytes=1024) as rx:
         tx.put("k", {"a": torch.ones(1000), "b": torch.zeros(1000)}, timeout=WAIT)
         got = rx.get("k", timeout=WAIT)
     a, b = got["a"], got["b"]
@@ -340,6 +367,15 @@ def test_oversized_payload_is_refused_by_the_sender(store):
         assert rx.get("small", timeout=WAIT)["t"].shape == (16,)
 
 
+def _forge_slot(tx, rx, raw, *, head=None):
+    """Send ``raw`` as the next slot on tx's slot group, bypassing tx's own checks."""
+    slot = np.zeros(rx.slot_bytes, dtype=np.uint8)
+    slot[: wire.SLOT_HEAD] = np.frombuffer(head or wire.slot_head(len(raw), True), dtype=np.uint8)
+    slot[wire.SLOT_HEAD: wire.SLOT_HEAD + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    with tx._send_lock:
+        tx._slot_pgs[tx._out].send([torch.from_numpy(slot)], rx.rank, 0).wait()
+
+
 def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
     # The audit: a 64-byte envelope declaring 1 TiB reached torch.empty(1 TiB) and the
     # link then failed with PeerLostError. A sender that ignores the receiver's limit
@@ -356,17 +392,58 @@ def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
 
     with _open(store, "sender") as tx, _open(store, "receiver", max_message_bytes=1 << 20) as rx:
         tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
         forged = frame([[0, 2, [big], 0, big]], tree({"t": tensor_ref(0)}), data_len=big)
         meta = forged[: 24 + int.from_bytes(forged[8:12], "little")]
         assert len(meta) < 64
         env = wire.Envelope(0, "huge", meta, [wire.P2P], [])
         monkeypatch.setattr(torch, "empty", spy_empty)
-        with tx._send_lock:
-            tx._hdr_out.send(wire.encode_envelope(env))
+        _forge_slot(tx, rx, wire.encode_envelope(env))
         with pytest.raises(omnilink.CapacityError, match="max_message_bytes=1048576"):
             rx.get("huge", timeout=WAIT)
         monkeypatch.setattr(torch, "empty", real_empty)
         assert big not in sizes
+
+
+@pytest.mark.parametrize(
+    "head, match",
+    [
+        (b"XXXX" + bytes(12), "malformed slot head"),
+        (wire.slot_head(1 << 31, False), "envelope of 2147483648 bytes"),  # in bulk, beyond the bound
+        (wire.slot_head(1 << 20, True), "more than its 16384 bytes"),  # in the slot, beyond it
+    ],
+)
+def test_forged_slot_head_fails_the_link_before_allocation(store, monkeypatch, head, match):
+    """A slot whose head cannot be right is a named error for every waiter, and nothing
+    it declares is allocated (the bulk envelope is bounded by max_header_bytes)."""
+    sizes = []
+    real_empty = torch.empty
+
+    def spy_empty(*args, **kwargs):
+        sizes.extend(a for a in args if isinstance(a, int))
+        return real_empty(*args, **kwargs)
+
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
+        monkeypatch.setattr(torch, "empty", spy_empty)
+        _forge_slot(tx, rx, b"", head=head)
+        with pytest.raises(BlobDecodeError, match=match):
+            rx.get("anything", timeout=WAIT)
+        monkeypatch.setattr(torch, "empty", real_empty)
+        assert not [n for n in sizes if n > rx.slot_bytes]
+
+
+def test_slot_carrying_more_than_its_room_is_refused(store):
+    """SLOT tensors declared past the end of the slot: BlobDecodeError, no view made."""
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
+        meta = wire.plan_send({"t": torch.zeros(20000, dtype=torch.uint8)}, device=tx.device, nccl=False,
+                              inline_bytes=0, max_inline_total=0, key="k").meta
+        _forge_slot(tx, rx, wire.encode_envelope(wire.Envelope(0, "k", meta, [wire.SLOT], [])))
+        with pytest.raises(BlobDecodeError, match="beyond its 16384-byte slot"):
+            rx.get("k", timeout=WAIT)
 
 
 def test_credit_out_of_sequence_fails_the_link(store):
@@ -394,31 +471,6 @@ def test_header_larger_than_the_peer_accepts_is_refused_before_sending(store):
         assert rx.get("short", timeout=WAIT)["t"].tolist() == [1.0, 1.0]
 
 
-def test_a_stranger_on_the_header_socket_is_not_heard(store):
-    """The header socket takes one peer: another process connecting to it cannot slip
-    envelopes into the stream."""
-    import zmq
-
-    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
-        tx.put("a", {"t": torch.ones(2)}, timeout=WAIT)
-        assert rx.get("a", timeout=WAIT)["t"].tolist() == [1.0, 1.0]
-        endpoint = rx._hdr_in.getsockopt(zmq.LAST_ENDPOINT).decode()
-        ctx = zmq.Context()
-        try:
-            stranger = ctx.socket(zmq.PAIR)
-            stranger.setsockopt(zmq.LINGER, 0)
-            stranger.connect(endpoint)
-            forged = wire.encode_envelope(wire.Envelope(1, "forged", b"", [], []))
-            stranger.send(forged)
-            tx.put("b", {"t": torch.zeros(2)}, timeout=WAIT)
-            assert rx.get("b", timeout=WAIT)["t"].tolist() == [0.0, 0.0]
-            with pytest.raises(TransferTimeout):
-                rx.get("forged", timeout=0.3)
-            stranger.close()
-        finally:
-            ctx.term()
-
-
 def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypatch):
     """A payload is built as soon as its receives are posted (its header is enough), but
     get_nowait says WouldBlock until its bytes have landed, get waits for them, aget
@@ -436,7 +488,8 @@ def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypat
             return real_post(pg, tensors, send=send)
 
         monkeypatch.setattr(tx, "_post", held_post)
-        putter = threading.Thread(target=tx.put, args=("k", {"t": torch.arange(1000)}), kwargs={"timeout": WAIT})
+        # 80 KB: beyond the slot, so a bulk buffer of its own follows the slot.
+        putter = threading.Thread(target=tx.put, args=("k", {"t": torch.arange(10000)}), kwargs={"timeout": WAIT})
         putter.start()
         try:
             with rx._cond:
@@ -454,7 +507,7 @@ def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypat
         finally:
             gate.set()
             putter.join(WAIT)
-        assert torch.equal(got["t"], torch.arange(1000))
+        assert torch.equal(got["t"], torch.arange(10000))
 
 
 def test_peer_closed_cleanly(store):
@@ -533,7 +586,7 @@ def test_envelope_that_disagrees_with_its_header(changes, match):
 
 
 def test_garbage_envelope_is_decode_error():
-    with pytest.raises(BlobDecodeError, match="malformed header-channel envelope"):
+    with pytest.raises(BlobDecodeError, match="malformed envelope"):
         wire.decode_envelope(b"\x93\x01")
     with pytest.raises(BlobDecodeError, match="malformed hello"):
         wire.decode_hello(msgspec.msgpack.encode({"protocol": "x"}))
@@ -550,15 +603,15 @@ def test_envelope_or_hello_with_invalid_utf8_is_a_blob_decode_error():
     # Found by benchmarks/fuzz_hostile.py: msgspec raises UnicodeDecodeError (not a
     # msgspec error) for a str field that is not UTF-8.
     raw = msgspec.msgpack.encode([0, "k", b"", [], []]).replace(b"\xa1k", b"\xa2\xc3\xe9")
-    with pytest.raises(omnilink.BlobDecodeError, match="malformed header-channel envelope"):
+    with pytest.raises(omnilink.BlobDecodeError, match="malformed envelope"):
         wire.decode_envelope(raw)
     hello = msgspec.msgpack.encode({"role": "k"}).replace(b"\xa1k", b"\xa2\xc3\xe9")
     with pytest.raises(omnilink.BlobDecodeError, match="malformed hello"):
         wire.decode_hello(hello)
 
 
-def test_peers_on_two_hosts_use_tcp_header_sockets(store, monkeypatch):
-    """Ends that report different host names bind their header sockets with tcp:// on
+def test_peers_on_two_hosts_use_a_tcp_credit_socket(store, monkeypatch):
+    """Ends that report different host names bind their credit socket with tcp:// on
     ``header_addr`` (ipc:// only works on one host)."""
     import socket
 
@@ -572,7 +625,7 @@ def test_peers_on_two_hosts_use_tcp_header_sockets(store, monkeypatch):
         with _open(store, "receiver", header_addr="127.0.0.1") as rx:
             tx.put("k", {"t": torch.arange(5), "u": torch.ones(2)}, timeout=WAIT)
             assert rx.get("k", timeout=WAIT)["t"].tolist() == [0, 1, 2, 3, 4]
-            for sock in (rx._hdr_in, tx._credit_in):
+            for sock in (tx._credit_in,):
                 assert sock.getsockopt(zmq.LAST_ENDPOINT).decode().startswith("tcp://127.0.0.1:")
     finally:
         tx.close()
