@@ -9,17 +9,22 @@ variants alternate round by round:
                 the default process group, received into a preallocated tensor (the
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
-                tensor, "meta": {...}}``: header on the connector's header socket,
-                receive into a freshly allocated tensor, ``get`` returns once the data
-                has arrived;
+                tensor, "meta": {...}}``: header in the payload's slot on the NCCL
+                stream, receive into a freshly allocated tensor, ``get`` returns once
+                the data has arrived;
 - ``omnilink +16 small`` (1 MiB and up) the same plus 16 small tensors of 4 KiB
                 (positions, masks, ids...), which travel together in one packed send;
-- ``omnilink x8`` (256 MiB and up) the same bytes as 8 tensors of SIZE/8 (one
-                coalesced NCCL group per payload).
+                its ``vs plain`` column is its GB/s over the ``omnilink`` row's;
+- ``raw serial`` / ``omnilink serial``  a consumer that uses each payload before the
+                next is sent: the receiver sums the SIZE tensor on its stream and reads
+                the sum on the host, then answers with a 1-element ``torch.distributed``
+                send that the sender waits for (the same answer for both); ratio =
+                omnilink serial / raw serial.
 
-Each round moves ``iters`` payloads back to back and is timed on the receiver from a
-barrier to the last arrival (``torch.cuda.synchronize`` on NCCL); GB/s = bytes of the
-SIZE tensor / seconds; ratio = GB/s / raw GB/s of the same size.
+Each streaming round moves ``iters`` payloads back to back (serial rounds at most 50)
+and is timed on the receiver from a barrier to the last arrival
+(``torch.cuda.synchronize`` on NCCL); GB/s = bytes of the SIZE tensor / seconds;
+ratio = GB/s / raw GB/s of the same size.
 
 Latency (``--latency-iters``, 4 KiB): ping-pong between the ranks, one-way = half the
 round trip, p50 over the iterations. ``raw`` waits for each receive on the host
@@ -127,10 +132,6 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
 
     def make_payload(nbytes: int, variant: str, seed: int) -> dict[str, Any]:
         payload: dict[str, Any] = {"meta": {"finished": False}}
-        if variant == "omnilink x8":
-            rows = nbytes // 2 // COLS // 8
-            payload["hidden_states.parts"] = [rand_bf16(rows * COLS, seed + i).view(rows, COLS) for i in range(8)]
-            return payload
         rows, rest = divmod(nbytes // 2, COLS)
         hidden = rand_bf16(nbytes // 2, seed)
         payload["hidden_states.output"] = hidden.view(rows, COLS) if not rest else hidden
@@ -153,9 +154,49 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         sync()
         return time.perf_counter() - t0
 
+    ack = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def consume(t: Any) -> float:
+        # Uses the payload on the receiver's stream and reads the result on the host.
+        return float(torch.sum(t, dtype=torch.float32).item())
+
+    def answer() -> None:
+        if rank == 1:
+            dist.send(ack, dst=0)
+        else:
+            dist.recv(ack, src=1)
+            sync()
+
+    def serial_round(nbytes: int, n: int, variant: str) -> float:
+        """One payload at a time: the sender sends the next once the receiver used it."""
+        buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        payload = None
+        if rank == 0:
+            buf.copy_(rand_bf16(nbytes // 2, nbytes))
+            payload = make_payload(nbytes, "omnilink", nbytes)
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if variant == "raw serial":
+                if rank == 0:
+                    dist.send(buf, dst=1)
+                else:
+                    dist.recv(buf, src=0)
+                    consume(buf)
+            else:
+                key = f"req{seq[0]}_0_0"
+                seq[0] += 1
+                if rank == 0:
+                    conn.put(key, payload)
+                else:
+                    consume(conn.get(key)["hidden_states.output"])
+            answer()
+        sync()
+        return time.perf_counter() - t0
+
     def flat_tensors(payload: dict[str, Any]) -> list[Any]:
         ts = []
-        for name in ("hidden_states.output", "hidden_states.parts", "small"):
+        for name in ("hidden_states.output", "small"):
             v = payload.get(name)
             if v is not None:
                 ts.extend(v if isinstance(v, list) else [v])
@@ -208,27 +249,33 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     try:
         for nbytes in opts["sizes"]:
             n = opts["iters"] or iters_for(nbytes, backend)
+            n_serial = min(n, 50)
             variants = ["omnilink"]
             if nbytes >= (1 << 20):
                 variants.append("omnilink +16 small")
-            if nbytes >= (256 << 20):
-                variants.append("omnilink x8")
             exact = {v: check(nbytes, v) for v in variants}
+            exact["omnilink serial"] = exact["omnilink"]
             raw_round(nbytes, 2)  # warm-up
             for v in variants:
                 conn_round(nbytes, 2, v)
-            times: dict[str, list[float]] = {"raw": [], **{v: [] for v in variants}}
+            for v in ("raw serial", "omnilink serial"):
+                serial_round(nbytes, 2, v)
+            times: dict[str, list[float]] = {"raw": [], **{v: [] for v in variants},
+                                             "raw serial": [], "omnilink serial": []}
             for _ in range(opts["rounds"]):
                 times["raw"].append(raw_round(nbytes, n))
                 for v in variants:
                     times[v].append(conn_round(nbytes, n, v))
+                for v in ("raw serial", "omnilink serial"):
+                    times[v].append(serial_round(nbytes, n_serial, v))
             if rank == 1:
                 for name, ts in times.items():
+                    k = n_serial if name.endswith("serial") else n
                     med = statistics.median(ts)
                     results.append({
-                        "size": nbytes, "variant": name, "iters": n, "rounds": opts["rounds"],
-                        "median_s": med, "gbps": nbytes * n / med / 1e9,
-                        "all_gbps": [nbytes * n / t / 1e9 for t in ts],
+                        "size": nbytes, "variant": name, "iters": k, "rounds": opts["rounds"],
+                        "median_s": med, "gbps": nbytes * k / med / 1e9,
+                        "all_gbps": [nbytes * k / t / 1e9 for t in ts],
                         "bit_exact": exact.get(name, True),
                     })
         lat = latency(opts["latency_iters"]) if opts["latency_iters"] else None
@@ -327,22 +374,29 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print("benchmark failed:", error, file=sys.stderr)
         return 1
-    results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"]))
+    order = {"raw": 0, "omnilink": 1, "omnilink +16 small": 2, "raw serial": 3, "omnilink serial": 4}
+    results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"], order.get(r["variant"], 9)))
     rec = machine(backend)
     where = " + ".join(rec["gpus"]) if rec["gpus"] else f"{rec['cpu']} ({rec['cores']} cores)"
     extra = f", NCCL {rec['nccl']}, driver {rec['driver']}" if backend == "nccl" else ""
     print(f"# nccl connector vs raw torch.distributed send/recv over {backend}, {where}, "
           f"torch {rec['torch']}{extra}")
-    print(f"{'size':>9} | {'variant':<20} | {'GB/s':>8} | {'ratio':>6} | bit-exact")
-    print(f"{'-' * 9}-+-{'-' * 20}-+-{'-' * 8}-+-{'-' * 6}-+-{'-' * 9}")
+    print(f"{'size':>9} | {'variant':<20} | {'GB/s':>8} | {'ratio':>6} | {'vs plain':>8} | bit-exact")
+    print(f"{'-' * 9}-+-{'-' * 20}-+-{'-' * 8}-+-{'-' * 6}-+-{'-' * 8}-+-{'-' * 9}")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    raw = {r["size"]: r["gbps"] for r in results if r["variant"] == "raw"}
+    gbps = {(r["size"], r["variant"]): r["gbps"] for r in results if "gbps" in r}
     lat = {r["variant"]: r for r in results if r["variant"].startswith("latency")}
     for r in results:
         if "gbps" in r:
-            r["ratio_vs_raw"] = r["gbps"] / raw[r["size"]]
+            # Serial rows against raw's serial row; streaming rows against raw's.
+            base = "raw serial" if r["variant"].endswith("serial") else "raw"
+            r["ratio_vs_raw"] = r["gbps"] / gbps[(r["size"], base)]
+            plain = ""
+            if r["variant"] == "omnilink +16 small":
+                r["ratio_vs_plain"] = r["gbps"] / gbps[(r["size"], "omnilink")]
+                plain = f"{r['ratio_vs_plain']:8.3f}"
             print(f"{format_size(r['size']):>9} | {r['variant']:<20} | {r['gbps']:8.2f} | "
-                  f"{r['ratio_vs_raw']:6.3f} | {r['bit_exact']}")
+                  f"{r['ratio_vs_raw']:6.3f} | {plain:>8} | {r['bit_exact']}")
     if lat:
         base = lat["latency raw"]["p50_us"]
         print(f"\n{format_size(LATENCY_BYTES)} one-way latency (half a ping-pong), p50 / p99 us:")
