@@ -187,3 +187,87 @@ def test_many_payloads_small_window_any_order():
             assert torch.equal(got["ids"].cpu(), torch.arange(i % 9 + 1))
         with pytest.raises(omnilink.KeyConsumedError):
             rx.get("k5", timeout=WAIT)
+
+
+@pytest.mark.multigpu
+def test_small_device_payload_is_one_slot(gpu_pair):
+    """A payload that fits the slot travels as ONE NCCL operation: on cuda:1 its tensors
+    are views of the slot, bit-exact, and the sender may overwrite them on its stream
+    right after put (the slot was filled on that stream before put returned)."""
+    from omnilink.connectors.nccl import wire
+
+    tx, rx = gpu_pair
+    tx.wait_connected(WAIT)
+    rx.wait_connected(WAIT)
+    g = torch.Generator(device="cuda:0").manual_seed(9)
+    hidden = torch.randn(2048, device="cuda:0", generator=g).to(torch.bfloat16)  # 4 KiB
+    ids = torch.arange(17, device="cuda:0")
+    payload = {"hidden_states.output": hidden, "ids.output": ids, "meta": {"finished": False},
+               "host": torch.tensor([1.5, 2.5])}
+    sp = wire.plan_send(payload, device=tx.device, nccl=True, inline_bytes=tx.inline_bytes,
+                        max_inline_total=tx.max_inline_bytes, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad,
+                        slot_bytes=rx.slot_bytes)
+    assert sp.plan == [wire.SLOT, wire.SLOT, wire.INLINE] and sp.p2p == []
+    expected = {"hidden_states.output": hidden.cpu(), "ids.output": ids.cpu()}
+    for i in range(20):  # many, so that slots are re-posted behind the ring's first ones
+        tx.put(f"one{i}", payload, timeout=WAIT)
+        hidden.add_(1)  # queued on the sender's stream after put: must not reach cuda:1
+        got = rx.get(f"one{i}", timeout=WAIT)
+        for name, want in expected.items():
+            t = got[name]
+            assert t.device == torch.device("cuda:1")
+            assert t.untyped_storage().nbytes() == rx.slot_bytes, f"{name} is not in the slot"
+            assert torch.equal(_bits(t), _bits(want)), (i, name)
+        assert got["host"].device.type == "cpu" and got["host"].tolist() == [1.5, 2.5]
+        expected["hidden_states.output"] = hidden.cpu()
+
+
+@pytest.mark.multigpu
+def test_header_beyond_the_slot_and_packed_small_tensors(gpu_pair):
+    """A header larger than the slot goes first in bulk (its receiver brings it to the
+    host before posting the rest); small device tensors beside a large one travel in
+    the pack, not the slot."""
+    tx, rx = gpu_pair
+    names = [f"speaker-{i:05d}" * 8 for i in range(400)]
+    big = torch.randn(1 << 20, device="cuda:0")
+    small = [torch.full((1024,), float(i), device="cuda:0") for i in range(16)]
+    tx.put("tree", {"names": names, "big": big, "small": small}, timeout=WAIT)
+    got = rx.get("tree", timeout=WAIT)
+    assert got["names"] == names
+    assert torch.equal(got["big"].cpu(), big.cpu())
+    base = got["small"][0].untyped_storage()
+    for i, t in enumerate(got["small"]):
+        assert t.device == torch.device("cuda:1") and bool((t == float(i)).all())
+        assert t.untyped_storage().data_ptr() == base.data_ptr()
+    assert base.nbytes() != rx.slot_bytes  # the pack
+
+
+@pytest.mark.multigpu
+def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
+    """While the link is idle the receiver keeps slot receives posted (kernels waiting
+    for a peer). Work on cuda:1's other streams (more streams than CUDA's default 8
+    hardware queues) must still complete: a hang here is a false dependency."""
+    import threading
+
+    tx, rx = gpu_pair
+    tx.put("k", {"t": torch.ones(4, device="cuda:0")}, timeout=WAIT)
+    assert rx.get("k", timeout=WAIT)["t"].sum().item() == 4.0
+    done = threading.Event()
+
+    def work() -> None:
+        streams = [torch.cuda.Stream(device="cuda:1") for _ in range(40)]
+        outs = []
+        for s in streams:
+            with torch.cuda.stream(s):
+                a = torch.randn(256, 256, device="cuda:1")
+                outs.append((a @ a).sum())
+        outs.append(torch.ones(8, device="cuda:1").sum())  # the current (default) stream
+        torch.cuda.synchronize("cuda:1")
+        done.set()
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    assert done.wait(60), "work on cuda:1 did not finish while slot receives were posted"
+    # And the link still works after it.
+    tx.put("k2", {"t": torch.full((3,), 2.0, device="cuda:0")}, timeout=WAIT)
+    assert rx.get("k2", timeout=WAIT)["t"].tolist() == [2.0, 2.0, 2.0]

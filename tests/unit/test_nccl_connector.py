@@ -230,6 +230,26 @@ def test_small_tensors_beyond_the_slot_travel_in_one_pack(store):
     assert got["big"].untyped_storage().data_ptr() != pack.data_ptr()
 
 
+def test_envelope_larger_than_the_slot_goes_first_in_bulk(store, monkeypatch):
+    """A header that does not fit the slot (a large tree, much inline data) travels as
+    the payload's first bulk buffer; the slot says so, the payload arrives whole, and
+    the next payload uses its slot again."""
+    payload = {"names": [f"speaker-{i:05d}" * 8 for i in range(400)], "t": torch.arange(300),
+               "u": torch.ones(5)}
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.wait_connected(WAIT)
+        raw = []
+        real = wire.encode_envelope
+        monkeypatch.setattr(wire, "encode_envelope", lambda env: raw.append(real(env)) or raw[-1])
+        tx.put("big-tree", payload, timeout=WAIT)
+        tx.put("after", {"t": torch.arange(3)}, timeout=WAIT)
+        assert len(raw[0]) > rx.slot_bytes and len(raw[1]) < rx.slot_bytes
+        got = rx.get("big-tree", timeout=WAIT)
+        assert got["names"] == payload["names"]
+        assert torch.equal(got["t"], payload["t"]) and torch.equal(got["u"], payload["u"])
+        assert rx.get("after", timeout=WAIT)["t"].tolist() == [0, 1, 2]
+
+
 def test_packing_off_gives_each_tensor_its_buffer(store):
     with _open(store, "sender", pack_bytes=0) as tx, _open(store, "receiver", slot_bytes=1024) as rx:
         tx.put("k", {"a": torch.ones(1000), "b": torch.zeros(1000)}, timeout=WAIT)
