@@ -271,3 +271,43 @@ def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
     # And the link still works after it.
     tx.put("k2", {"t": torch.full((3,), 2.0, device="cuda:0")}, timeout=WAIT)
     assert rx.get("k2", timeout=WAIT)["t"].tolist() == [2.0, 2.0, 2.0]
+
+
+_ONE_QUEUE_SCRIPT = r"""
+import threading, torch, torch.distributed as dist, omnilink
+store = dist.HashStore()
+tx = omnilink.connect("nccl", channel="gpu/one-queue", role="sender", device="cuda:0", store=store)
+rx = omnilink.connect("nccl", channel="gpu/one-queue", role="receiver", device="cuda:1", store=store)
+for i in range(3):
+    tx.put(f"k{i}", {"t": torch.full((1 << 18,), float(i), device="cuda:0"), "s": torch.ones(3, device="cuda:0")})
+    assert rx.get(f"k{i}", timeout=60)["t"][0].item() == float(i)
+a = torch.randn(512, 512, device="cuda:1")
+s = torch.cuda.Stream(device="cuda:1")
+with torch.cuda.stream(s):
+    b = (a @ a).sum()
+c = (a @ a).sum()
+torch.cuda.synchronize("cuda:1")
+tx.put("last", {"t": torch.ones(1 << 18, device="cuda:0")})
+assert rx.get("last", timeout=60)["t"].sum().item() == float(1 << 18)
+tx.close(); rx.close()
+print("OK")
+"""
+
+
+@pytest.mark.multigpu
+def test_posted_receives_with_one_hardware_queue():
+    """The worst case for receives posted ahead: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every
+    stream of the process in one hardware queue, so any wait queued behind a slot
+    receive that never lands would block all other work. Payloads, compute on two
+    streams of cuda:1 and a last payload must all complete (in a child, bounded)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ONE_QUEUE_SCRIPT], env=env, capture_output=True,
+                              text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("with one hardware queue, work on cuda:1 hung behind the slot receives posted ahead")
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
