@@ -633,7 +633,7 @@ class NcclConnector(BaseConnector):
         self._send_stream: Any = None  # NCCL: slots without device data go from here
         self._recv_streams: Any = None  # NCCL: (slot stream, bulk stream) of the receiver
         self._pump_seq = 0  # the slot the poster waits for or handles
-        self._meta_cache: dict[bytes, Any] = {}
+        self._meta_cache: dict[Any, tuple[Any, list[int], int, int]] = {}
         self._ctl_pg: Any = None
         self._sid = ""
         self._out = f"{rank}to{1 - rank}"
@@ -1390,22 +1390,32 @@ class NcclConnector(BaseConnector):
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return  # woken by close or by the goodbye, not by a slot
             ring.popleft()
-            post_slot()
             self._take(seq, buf, host)
+            # Re-posted after the payload is listed: the ring holds recv_depth - 1 more
+            # slots meanwhile, and the reader of this one does not wait for the posting.
+            post_slot()
             seq += 1
             self._posted = seq
 
-    def _parse(self, env: wire.Envelope) -> Any:
-        """``wire.parse_meta`` with the tensor_blob header of a meta seen recently kept
-        (checked once: the plan is still checked against it every time)."""
-        header = self._meta_cache.get(env.meta)
-        if header is None:
-            header = wire.parse_meta(env)
-            if len(self._meta_cache) >= _META_CACHE:
-                self._meta_cache.clear()
-            self._meta_cache[env.meta] = header
-            return header
-        return wire.parse_meta(env, header)
+    def _parse(self, env: wire.Envelope) -> tuple[Any, list[int], int, int]:
+        """``(header, bulk sizes, frame size, SLOT bytes)`` of an envelope, validated.
+
+        What a stage sends chunk after chunk has the same meta, plan and inline sizes:
+        the result of the last ``_META_CACHE`` distinct ones is kept, keyed by all three
+        (the meta bytes fix the descriptors; the plan and inline sizes are what
+        ``wire.parse_meta`` checks against them)."""
+        key = (env.meta, tuple(env.plan), tuple(len(part) for part in env.inline))
+        hit = self._meta_cache.get(key)
+        if hit is not None:
+            return hit
+        header = wire.parse_meta(env)
+        sizes = wire.check_sizes(header, env.plan)
+        frame = blob.peek_header(env.meta)[2]
+        used = wire.slot_layout(header, env.plan)[1]
+        if len(self._meta_cache) >= _META_CACHE:
+            self._meta_cache.clear()
+        hit = self._meta_cache[key] = (header, sizes, frame, used)
+        return hit
 
     def _take(self, seq: int, slot: Any, host: Any) -> None:
         """Read the landed slot ``seq`` and post its payload's bulk receives.
@@ -1422,9 +1432,7 @@ class NcclConnector(BaseConnector):
         env = wire.decode_envelope(env_raw)
         if env.seq != seq:
             raise BlobDecodeError(f"nccl: slot {seq} of channel {self.channel!r} says seq {env.seq}")
-        header = self._parse(env)
-        sizes = wire.check_sizes(header, env.plan)
-        frame = blob.peek_header(env.meta)[2]
+        header, sizes, frame, used = self._parse(env)
         if frame > self.max_message_bytes:
             raise CapacityError(
                 f"nccl: rank {self.peer_rank} announced key {env.key!r} of {frame} bytes on channel "
@@ -1432,8 +1440,7 @@ class NcclConnector(BaseConnector):
                 "was allocated, and the link cannot continue (the sender ignored the limit)"
             )
         sstart = wire.slot_start(env_len)
-        if wire.SLOT in env.plan:
-            _offsets, used = wire.slot_layout(header, env.plan)
+        if used:
             if not in_slot or sstart + used > self.slot_bytes:
                 raise BlobDecodeError(
                     f"nccl: key {env.key!r} plans {used} bytes of SLOT tensors at {sstart}, beyond its "
