@@ -409,8 +409,10 @@ class NcclConnector(BaseConnector):
         of 64 between 1 KiB and 1 MiB); published to the peer. The header and the small
         tensors that fit travel in it: a payload that fits is one operation.
     recv_depth : int
-        Slot receives kept posted ahead (default 16): how many payloads may land before
-        the receiver's host has read any.
+        Slot receives kept posted ahead (default 4): how many payloads may land before
+        the receiver's host has read any (a sender further ahead waits on its GPU, not
+        its host). Each is an NCCL receive queued while the link is idle; the first
+        one's kernel stays resident, the others queue behind it.
 
     Raises
     ------
@@ -451,7 +453,7 @@ class NcclConnector(BaseConnector):
         pack_bytes: int = 1 << 20,
         header_addr: str | None = None,
         slot_bytes: int = 16 << 10,
-        recv_depth: int = 16,
+        recv_depth: int = 4,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         import torch
