@@ -54,11 +54,18 @@ queued behind the previous payload's bulk data on the caller's stream: the recei
 reads header i+1 and posts its bulk receives while payload i's bytes are still moving,
 and the bulk group's stream never idles between payloads.
 
-Costs of receives posted ahead, accepted: one NCCL receive kernel stays resident on the
+Costs of receives posted ahead: one NCCL receive kernel stays resident on the
 receiver's GPU while the link is idle (a few thread blocks waiting, on a stream of
-NCCL's own); and, as with any NCCL operation waiting for its peer, CUDA may serialise
-other streams behind it when more streams than ``CUDA_DEVICE_MAX_CONNECTIONS``
-hardware queues are in use (set that to 32 where many streams run beside a link).
+NCCL's own), and the operations queued behind the posted slots (the next slot
+receives, their copies and events) wait until the sender sends again. CUDA feeds the
+streams of a process through ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 by
+default); streams that share a queue run in the order their work was queued, so work
+queued on a stream that shares a queue with one of those waiting operations waits
+too, until the next payload comes. With one queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+as some training stacks set) that includes this payload's own bulk receive: a link
+must not be used there. Where many streams run beside a link, set it to 32. (Known
+limit of this protocol: an idle link could stop keeping receives posted, at the cost
+of a host wake-up for the first payload after it.)
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
