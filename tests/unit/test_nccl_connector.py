@@ -250,6 +250,55 @@ def test_envelope_larger_than_the_slot_goes_first_in_bulk(store, monkeypatch):
         assert rx.get("after", timeout=WAIT)["t"].tolist() == [0, 1, 2]
 
 
+def _until(cond, what):
+    """A hang-guard for state another thread reaches (the deadline is generous)."""
+    import time
+
+    end = time.monotonic() + WAIT
+    while not cond():
+        if time.monotonic() > end:
+            pytest.fail(f"{what} did not happen within {WAIT} s")
+        time.sleep(0.01)
+
+
+def test_idle_link_keeps_no_receive_posted(store):
+    """Once no put came for idle_fill seconds the sender fills the receiver's posted slot
+    receives; the receiver takes the fillers without posting new ones (nothing stays
+    waiting on an idle link), and the next put rings it to post them again."""
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.put("a", {"t": torch.arange(5)}, timeout=WAIT)
+        assert rx.get("a", timeout=WAIT)["t"].tolist() == list(range(5))
+        _until(lambda: not tx._armed and not rx._ring, "the fill of an idle link")
+        tx._idle_fill_s = 3600.0  # no further fill while the rest is checked
+        tx.put("b", {"t": torch.arange(3), "big": torch.ones(1 << 14)}, timeout=WAIT)
+        got = rx.get("b", timeout=WAIT)
+        assert got["t"].tolist() == [0, 1, 2] and got["big"].shape == (1 << 14,)
+        assert tx._armed
+        _until(lambda: len(rx._ring) == rx.recv_depth, "re-posting after the doorbell")
+
+
+def test_bursts_across_fills_arrive_whole(store):
+    """Bursts separated by idle gaps (each ends in a fill): every payload, sent before or
+    after a fill, arrives once and intact, got in any order."""
+    import random
+
+    with _open(store, "sender", send_window=8) as tx, _open(store, "receiver", recv_depth=2) as rx:
+        tx._idle_fill_s = 0.02
+        rng = random.Random(5)
+        for burst in range(4):
+            keys = [f"b{burst}-{i}" for i in range(12)]
+            for i, key in enumerate(keys):
+                payload = {"i": i, "t": torch.full((1 << (6 + i % 8),), float(i))}
+                tx.put(key, payload, timeout=WAIT)
+            _until(lambda: not tx._armed, f"the fill after burst {burst}")
+            rng.shuffle(keys)
+            for key in keys:
+                got = rx.get(key, timeout=WAIT)
+                i = got["i"]
+                assert got["t"].shape == (1 << (6 + i % 8),) and bool((got["t"] == float(i)).all())
+        assert rx.stats().gets == 48
+
+
 def test_packing_off_gives_each_tensor_its_buffer(store):
     with _open(store, "sender", pack_bytes=0) as tx, _open(store, "receiver", slot_bytes=1024) as rx:
         tx.put("k", {"a": torch.ones(1000), "b": torch.zeros(1000)}, timeout=WAIT)
@@ -393,6 +442,8 @@ def _forge_slot(tx, rx, raw, *, head=None):
     slot[: wire.SLOT_HEAD] = np.frombuffer(head or wire.slot_head(len(raw), True), dtype=np.uint8)
     slot[wire.SLOT_HEAD: wire.SLOT_HEAD + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     with tx._send_lock:
+        if not tx._armed:
+            tx._ring_bell(None)  # an idle link: the receiver posts slot receives again
         tx._slot_pgs[tx._out].send([torch.from_numpy(slot)], rx.rank, 0).wait()
 
 

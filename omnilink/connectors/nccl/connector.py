@@ -4,9 +4,9 @@ Everything of a payload travels by point-to-point ``send``/``recv`` on the same 
 streams as its data (gloo between CPUs, so CI runs the same code): a fixed-size *slot*
 holding the header (its tensor_blob meta, see ``omnilink.connectors.nccl.wire``) and
 the small tensors, then the larger buffers. Credits come back, batched, on a ZeroMQ
-socket. The torch.distributed store (a ``TCPStore``) both ends share serves the
-rendezvous only: hellos, rank claims, the process groups' own setup and the credit
-socket's address, exchanged once. Nothing is pickled.
+socket, and a doorbell socket re-arms an idle receiver. The torch.distributed store (a
+``TCPStore``) both ends share serves the rendezvous only: hellos, rank claims, the
+process groups' own setup and the two sockets' addresses, exchanged once. Nothing is pickled.
 
 One channel links exactly two ranks. Each connector builds its own process groups over
 the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
@@ -32,6 +32,9 @@ plus one gloo group for the goodbye::
                                                       completer thread
                                                         waits for each bulk to land
       credit socket (read lazily) <---- zmq PAIR ----   credit "0..seq received" (batched)
+    filler thread: idle for idle_fill -> recv_depth
+      filler slots ================================>  taken, not re-posted: disarmed
+    next put: doorbell ------------- zmq PAIR ---->  poster posts recv_depth again
 
 A payload costs at most one slot send and one coalesced group of bulk sends (the pack
 of small device tensors, then each large tensor), and a payload that fits its slot is
@@ -54,18 +57,19 @@ queued behind the previous payload's bulk data on the caller's stream: the recei
 reads header i+1 and posts its bulk receives while payload i's bytes are still moving,
 and the bulk group's stream never idles between payloads.
 
-Costs of receives posted ahead: one NCCL receive kernel stays resident on the
-receiver's GPU while the link is idle (a few thread blocks waiting, on a stream of
-NCCL's own), and the operations queued behind the posted slots (the next slot
-receives, their copies and events) wait until the sender sends again. CUDA feeds the
-streams of a process through ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 by
-default); streams that share a queue run in the order their work was queued, so work
-queued on a stream that shares a queue with one of those waiting operations waits
-too, until the next payload comes. With one queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``,
-as some training stacks set) that includes this payload's own bulk receive: a link
-must not be used there. Where many streams run beside a link, set it to 32. (Known
-limit of this protocol: an idle link could stop keeping receives posted, at the cost
-of a host wake-up for the first payload after it.)
+What receives posted ahead cost, and why an idle link fills them: a posted slot
+receive is an NCCL kernel waiting for the sender, and the operations queued behind it
+(the next slot receives, their copies and events) wait with it. CUDA feeds the streams
+of a process through ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 by default);
+streams that share a queue run in the order their work was queued, so work on a stream
+sharing a queue with one of those waiting operations (with one queue: every stream,
+this payload's bulk receive included) waits until the next slot lands. So a sender
+that has put nothing for ``idle_fill`` (50 ms) sends filler slots for every receive
+the receiver has posted (``wire``: fillers); the receiver then has nothing posted and
+waits on a ZeroMQ doorbell that the sender's next ``put`` rings just before its slot.
+Work held up by a posted receive is thus late by at most ``idle_fill``, an idle link
+keeps no kernel resident, and the first payload after an idle spell pays one socket
+wake-up on the receiver (its sender waits for nothing).
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
@@ -151,6 +155,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from typing import Any, cast
 
 import zmq
@@ -185,6 +190,9 @@ _BREAK_TAG = 0x6F6C
 #: Room in an envelope beyond the tensor_blob header and the inline bytes: the
 #: key, the plan and msgpack's framing of up to ``blob.MAX_TENSORS`` inline parts.
 _HEADER_SLACK = 1 << 20
+#: Seconds without a put after which a sender fills the receiver's posted slot receives
+#: (``wire``: fillers), so that an idle link keeps no NCCL operation waiting.
+_IDLE_FILL_S = 0.05
 #: Largest slot a link may use (every payload sends a whole slot).
 _MAX_SLOT_BYTES = 1 << 20
 #: Envelopes whose parsed tensor_blob header is kept for the next payload of the same
@@ -418,8 +426,8 @@ class NcclConnector(BaseConnector):
     recv_depth : int
         Slot receives kept posted ahead (default 4): how many payloads may land before
         the receiver's host has read any (a sender further ahead waits on its GPU, not
-        its host). Each is an NCCL receive queued while the link is idle; the first
-        one's kernel stays resident, the others queue behind it.
+        its host). Published to the peer, which fills them after ``idle_fill`` (50 ms)
+        without a put, so that an idle link keeps none posted.
 
     Raises
     ------
@@ -642,6 +650,21 @@ class NcclConnector(BaseConnector):
         self._send_stream: Any = None  # NCCL: slots without device data go from here
         self._recv_streams: Any = None  # NCCL: (slot stream, bulk stream) of the receiver
         self._pump_seq = 0  # the slot the poster waits for or handles
+        self._ring: collections.deque[tuple[Any, Any, Any]] = collections.deque()  # posted slots
+        # Sender: whether the receiver keeps slot receives posted (False once filled),
+        # when the last put went, and the filler thread's wake-ups.
+        self._armed = True
+        self._last_put = time.monotonic()
+        self._fill_armed = threading.Event()
+        self._fill_armed.set()
+        self._fill_stop = threading.Event()
+        self._idle_fill_s = _IDLE_FILL_S
+        self._filler: Any = None  # the filler slot, made once
+        self._bell_out: Any = None  # under _send_lock
+        self._bell_in: Any = None  # poster thread
+        self._pump_waker: _Waker | None = None
+        self._bell_poller: Any = None
+        self._bell_authed = False
         self._meta_cache: dict[Any, tuple[Any, list[int], int, int]] = {}
         self._ctl_pg: Any = None
         self._sid = ""
@@ -663,7 +686,7 @@ class NcclConnector(BaseConnector):
             device_type=dev.type, host=self._host, pid=os.getpid(), token=self._token,
             send_window=send_window, max_message_bytes=max_message_bytes,
             max_header_bytes=self.max_header_bytes, max_inflight_bytes=max_inflight_bytes,
-            slot_bytes=slot_bytes,
+            slot_bytes=slot_bytes, recv_depth=recv_depth,
         )
         try:
             self._st_main.set(f"hello/{rank}", wire.encode_hello(hello))
@@ -830,35 +853,46 @@ class NcclConnector(BaseConnector):
             self._spawn(self._done_loop, "completer")
         if self._out in self._pgs and not self._is_nccl:
             self._spawn(self._reap_loop, "reaper")
+        if self._out in self._pgs:
+            self._spawn(self._fill_loop, "filler")
         self._ready.set()
 
     def _open_sockets(self, st: Any, deadline: Deadline, same_host: bool) -> None:
-        """Bind the credit socket (a sending end reads credits there), trade addresses
-        through the store (once), connect the peer's, and send the session id first."""
+        """Bind the sockets this end reads (a sender: credits; a receiver: the doorbell),
+        trade addresses through the store (once), connect the peer's, and send the
+        session id first on each."""
         ctx = self._zctx = zmq.Context()
         sending = self._out in self._dirs
         receiving = self._in in self._dirs
-        mine = {"c": ""}
-        if sending:
+        sid = self._sid.encode()
+
+        def bind(name: str) -> tuple[Any, str]:
             s = ctx.socket(zmq.PAIR)
             s.setsockopt(zmq.LINGER, 0)
             # Unbounded queues: the send window bounds what is ever queued.
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, max(wire.CREDIT_SIZE, len(self._sid)))
+            s.setsockopt(zmq.MAXMSGSIZE, max(wire.CREDIT_SIZE, len(sid)))
             if same_host:
-                s.bind(f"ipc://@omnilink-nccl-{self._token}-{self.rank}-c")
+                s.bind(f"ipc://@omnilink-nccl-{self._token}-{self.rank}-{name}")
             else:
                 s.bind(f"tcp://{self._bind_address()}:*")
-            self._credit_in = s
-            mine["c"] = s.getsockopt_string(zmq.LAST_ENDPOINT)
+            return s, s.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        mine = {"c": "", "d": ""}
+        if sending:
+            self._credit_in, mine["c"] = bind("c")
             self._credit_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-credit")
             self._credit_poller = zmq.Poller()
             self._credit_poller.register(self._credit_in, zmq.POLLIN)
             self._credit_poller.register(self._credit_waker.rx, zmq.POLLIN)
+        if receiving:
+            self._bell_in, mine["d"] = bind("d")
+            self._pump_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-pump")
+            self._bell_poller = zmq.Poller()
+            self._bell_poller.register(self._bell_in, zmq.POLLIN)
+            self._bell_poller.register(self._pump_waker.rx, zmq.POLLIN)
         st.set(f"{self._sid}zmq/{self.rank}", wire.encode_endpoints(mine))
-        if not receiving:
-            return
         peer_key = f"{self._sid}zmq/{self.peer_rank}"
         try:
             st.wait([peer_key], _td(deadline.remaining()))
@@ -866,22 +900,29 @@ class NcclConnector(BaseConnector):
             if _is_timeout(exc):
                 raise PeerLostError(
                     f"nccl: rank {self.peer_rank} of channel {self.channel!r} did not publish its "
-                    f"credit socket within connect_timeout={self.connect_timeout} s"
+                    f"sockets within connect_timeout={self.connect_timeout} s"
                 ) from exc
             raise
-        endpoint = wire.decode_endpoints(st.get(peer_key))["c"]
-        if not endpoint.startswith(("ipc://@omnilink-nccl-", "tcp://")):
-            raise ConfigurationError(
-                f"nccl: rank {self.peer_rank} of channel {self.channel!r} published no usable "
-                f"credit socket ({endpoint!r})"
-            )
-        s = ctx.socket(zmq.PAIR)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, 0)
-        s.setsockopt(zmq.RCVHWM, 0)
-        s.connect(endpoint)
-        s.send(self._sid.encode())
-        self._credit_out = s
+        theirs = wire.decode_endpoints(st.get(peer_key))
+
+        def connect(endpoint: str, what: str) -> Any:
+            if not endpoint.startswith(("ipc://@omnilink-nccl-", "tcp://")):
+                raise ConfigurationError(
+                    f"nccl: rank {self.peer_rank} of channel {self.channel!r} published no usable "
+                    f"{what} socket ({endpoint!r})"
+                )
+            s = ctx.socket(zmq.PAIR)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(endpoint)
+            s.send(sid)
+            return s
+
+        if receiving:
+            self._credit_out = connect(theirs["c"], "credit")
+        if sending:
+            self._bell_out = connect(theirs["d"], "doorbell")
 
     def _bind_address(self) -> str:
         """The local address the peer on another host can reach (see ``header_addr``)."""
@@ -1049,9 +1090,10 @@ class NcclConnector(BaseConnector):
             pass  # the connection is closed now (or was already)
 
     def _wake_all(self) -> None:
-        """Wake threads blocked on the credit socket (puts waiting for credits)."""
-        if self._credit_waker is not None:
-            self._credit_waker.wake()
+        """Wake threads blocked on a socket (puts waiting for credits, a disarmed poster)."""
+        for waker in (self._credit_waker, self._pump_waker):
+            if waker is not None:
+                waker.wake()
 
     def _wake(self) -> None:
         self._wake_all()
@@ -1104,6 +1146,8 @@ class NcclConnector(BaseConnector):
             if repeat:
                 self._verdicts[seq] = None
             try:
+                if not self._armed:
+                    self._ring_bell(key)
                 if self._is_nccl:
                     torch = self._torch
                     with torch.cuda.device(self.device):
@@ -1113,6 +1157,7 @@ class NcclConnector(BaseConnector):
             except BaseException:
                 self._verdicts.pop(seq, None)
                 raise
+            self._last_put = time.monotonic()
             self._send_seq = seq + 1
             self._inflight.append((seq, wire_bytes))
             self._inflight_bytes += wire_bytes
@@ -1125,6 +1170,67 @@ class NcclConnector(BaseConnector):
                 # Under the send lock: the credits are read here only.
                 self._check_repeat(key, seq, deadline)
         return sp.nbytes
+
+    def _ring_bell(self, key: str | None) -> None:
+        """The receiver was filled (idle link): ask it to post slot receives again. The
+        put goes on at once: its slot send waits on the GPU (gloo: in gloo) until then.
+        Under ``_send_lock``."""
+        try:
+            self._bell_out.send(b"\x01", zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise self._translate(exc, key) from exc
+        self._armed = True
+        self._fill_armed.set()
+
+    def _fill_loop(self) -> None:
+        """Fill the receiver's posted slot receives once no put came for ``idle_fill``
+        seconds, so that an idle link keeps no operation waiting on either GPU (see
+        ``wire``: fillers). A timer: it sleeps until the link has been idle that long."""
+        stop = self._fill_stop
+        while True:
+            self._fill_armed.wait()
+            if stop.is_set():
+                return
+            left = self._last_put + self._idle_fill_s - time.monotonic()
+            if left > 0:
+                stop.wait(left)
+                continue
+            with self._send_lock:
+                if stop.is_set() or self._closing or self._peer_state is not None or self._link_error is not None:
+                    return
+                if not self._armed or time.monotonic() - self._last_put < self._idle_fill_s:
+                    continue
+                self._send_fillers()
+                self._armed = False
+                self._fill_armed.clear()
+
+    def _send_fillers(self) -> None:
+        """Send the receiver's ``recv_depth`` filler slots (under ``_send_lock``)."""
+        torch = self._torch
+        uint8 = torch.uint8
+        peer = self._peer
+        pg = self._slot_pgs[self._out]
+        try:
+            if self._is_nccl:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._send_stream):
+                    if self._filler is None:
+                        staging = torch.zeros(peer.slot_bytes, dtype=uint8, pin_memory=True)
+                        staging.numpy()[: wire.SLOT_HEAD] = memoryview(wire.filler_head())
+                        filler = torch.empty(peer.slot_bytes, dtype=uint8, device=self.device)
+                        filler.copy_(staging, non_blocking=True)
+                        self._filler = filler  # only ever read, on this stream and NCCL's
+                    for _ in range(peer.recv_depth):
+                        pg.send([self._filler], self.peer_rank, 0)
+            else:
+                import numpy as np
+
+                slot = np.zeros(peer.slot_bytes, dtype=np.uint8)
+                slot[: wire.SLOT_HEAD] = memoryview(wire.filler_head())
+                t = torch.from_numpy(slot)
+                works = [pg.send([t], self.peer_rank, 0) for _ in range(peer.recv_depth)]
+                self._reap_q.put((works, [t]))
+        except RuntimeError as exc:
+            raise self._translate(exc, None) from exc
 
     @staticmethod
     def _slot_end(flats: list[Any]) -> int:
@@ -1358,7 +1464,8 @@ class NcclConnector(BaseConnector):
             # slot buffers come from the slot stream, which waits for their receives.
             torch.cuda.set_device(dev)
             torch.cuda.set_stream(self._recv_streams[0])
-        ring: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+        ring = self._ring
+        depth = self.recv_depth
 
         def post_slot() -> None:
             if nccl:
@@ -1376,7 +1483,7 @@ class NcclConnector(BaseConnector):
                 buf = torch.empty(slot_bytes, dtype=uint8)
                 ring.append((buf, buf, slot_pg.recv([buf], peer, 0)))
 
-        for _ in range(self.recv_depth):
+        for _ in range(depth):
             post_slot()
         seq = 0
         while True:
@@ -1384,6 +1491,14 @@ class NcclConnector(BaseConnector):
             total = self._recv_total
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return
+            if not ring:
+                # Every posted receive was filled (an idle link): none stays posted until
+                # the sender rings, right before its next slot.
+                if not self._await_bell(seq):
+                    return
+                for _ in range(depth):
+                    post_slot()
+                continue
             buf, host, landed = ring[0]
             try:
                 if nccl:
@@ -1399,12 +1514,50 @@ class NcclConnector(BaseConnector):
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return  # woken by close or by the goodbye, not by a slot
             ring.popleft()
+            if wire.is_filler(host.numpy()):
+                continue  # not re-posted: the last one leaves the ring empty
             self._take(seq, buf, host)
             # Re-posted after the payload is listed: the ring holds recv_depth - 1 more
             # slots meanwhile, and the reader of this one does not wait for the posting.
             post_slot()
             seq += 1
             self._posted = seq
+
+    def _await_bell(self, seq: int) -> bool:
+        """Wait (woken by the socket or the waker) for the sender's doorbell; ``False``
+        when the link ended meanwhile. The first message must be the session id."""
+        sock = self._bell_in
+        waker = cast(_Waker, self._pump_waker)
+        poller = self._bell_poller
+        while True:
+            total = self._recv_total
+            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
+                return False
+            try:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                try:
+                    if waker.rx in dict(poller.poll()):
+                        waker.drain()
+                except zmq.ZMQError:
+                    if self._closing:
+                        return False
+                    raise
+                continue
+            except zmq.ZMQError as exc:
+                if self._closing:
+                    return False
+                self._peer_gone("lost", f"the doorbell socket of channel {self.channel!r} failed ({exc})")
+                return False
+            if not self._bell_authed:
+                if raw != self._sid.encode():
+                    raise BlobDecodeError(
+                        f"nccl: the first message on the doorbell socket of channel {self.channel!r} is "
+                        "not this session's id (another process connected to it)"
+                    )
+                self._bell_authed = True
+                continue
+            return True
 
     def _parse(self, env: wire.Envelope) -> tuple[Any, list[int], int, int]:
         """``(header, bulk sizes, frame size, SLOT bytes)`` of an envelope, validated.
@@ -1825,6 +1978,8 @@ class NcclConnector(BaseConnector):
             self._send_lock.release()
 
     def _close(self) -> None:
+        self._fill_stop.set()
+        self._fill_armed.set()
         setup = self._threads[0]
         if setup.is_alive():
             # Still looking for the peer: wake its hello wait (an empty hello is created
@@ -1876,14 +2031,14 @@ class NcclConnector(BaseConnector):
         left = []
         if self._send_lock.acquire(timeout=2.0):
             try:
-                for s in (self._credit_in, self._credit_waker):
+                for s in (self._credit_in, self._credit_waker, self._bell_out):
                     if s is not None:
                         s.close()
             finally:
                 self._send_lock.release()
         else:
             left.append("sender")
-        for thread, parts in (("completer", (self._credit_out,)),):
+        for thread, parts in (("completer", (self._credit_out,)), ("poster", (self._bell_in, self._pump_waker))):
             if any(f"-{thread}-" in name for name in stuck):
                 left.append(thread)
                 continue

@@ -12,7 +12,8 @@ Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
     offset  size  field
     0       4     magic b"OLNS"
     4       4     envelope length E (u32 little-endian)
-    8       4     where the envelope is: 0 in this slot (at 16), 1 first bulk buffer
+    8       4     where the envelope is: 0 in this slot (at 16), 1 first bulk buffer,
+                  2 nowhere: a FILLER slot (E = 0), which carries no payload
     12      4     reserved, 0
     16      E     envelope (when in the slot)
     S       ...   SLOT tensors, S = 16 + E rounded up to 64; each at the next multiple
@@ -43,6 +44,15 @@ Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
                     + 1 byte verdict  ``1``: payload ``seq`` was dropped because its key
                     was still pending on the receiver (``DuplicateKeyError``), else 0
                     (credits come back on a ZeroMQ socket, batched: see the connector)
+
+Fillers: receives posted ahead are NCCL operations that wait until the sender sends,
+and other work queued behind them waits too; so a link does not keep them posted while
+idle. Once no ``put`` came for ``idle_fill`` seconds, the sender sends exactly
+``recv_depth`` FILLER slots (the receiver's posted receives, all that are left once
+every real slot was read); the receiver takes them without posting new ones and is
+then disarmed. The sender's next ``put`` first rings the receiver's doorbell (one
+ZeroMQ message), on which it posts ``recv_depth`` slot receives again; the ``put``
+itself waits for nothing (its slot send waits on the GPU until the receive is posted).
 
 On an NCCL link a slot carries device (SLOT) tensors only when the payload has no bulk
 buffer: such a slot must wait for the caller's stream (its tensors are made there),
@@ -93,6 +103,8 @@ __all__ = [
     "encode_endpoints",
     "encode_envelope",
     "encode_hello",
+    "filler_head",
+    "is_filler",
     "pack_layout",
     "parse_meta",
     "plan_send",
@@ -115,8 +127,8 @@ _SLOT_MAGIC = b"OLNS"
 _SLOT_HEAD = struct.Struct("<4sIII")
 #: Bytes of the slot's fixed head (magic, envelope length, where, reserved).
 SLOT_HEAD = _SLOT_HEAD.size
-#: The envelope's place, third field of the slot head.
-ENV_IN_SLOT, ENV_IN_BULK = 0, 1
+#: The envelope's place, third field of the slot head; FILLER: no payload (see below).
+ENV_IN_SLOT, ENV_IN_BULK, FILLER = 0, 1, 2
 #: Smallest slot a link may use: the head plus a small envelope.
 MIN_SLOT_BYTES = 1024
 
@@ -160,13 +172,17 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight_bytes: int | None = None
     #: Size of every slot this end receives (the sender sends exactly this many bytes).
     slot_bytes: int = 16384
+    #: Slot receives this end posts when it (re)arms (the sender fills exactly as many).
+    recv_depth: int = 4
 
 
 class Endpoints(msgspec.Struct, frozen=True):
-    """The address of the credit socket a sending end binds, traded once through the store."""
+    """The addresses of the sockets one end binds, traded once through the store."""
 
     #: Where the peer sends credits to this end ("" if this end does not send).
     c: str
+    #: Where the peer rings this end's doorbell ("" if this end does not receive).
+    d: str = ""
 
 
 _ENV_ENCODER = msgspec.msgpack.Encoder()
@@ -192,9 +208,9 @@ def decode_endpoints(raw: bytes) -> dict[str, str]:
         ep = _ENDPOINTS_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise BlobDecodeError(f"nccl: malformed socket addresses in the store: {exc}") from exc
-    if len(ep.c) > _MAX_ENDPOINT:
+    if len(ep.c) > _MAX_ENDPOINT or len(ep.d) > _MAX_ENDPOINT:
         raise BlobDecodeError("nccl: a socket address in the store is longer than 512 characters")
-    return {"c": ep.c}
+    return {"c": ep.c, "d": ep.d}
 
 
 def encode_hello(hello: Hello) -> bytes:
@@ -239,6 +255,17 @@ def decode_envelope(raw: Any) -> Envelope:
 def slot_head(env_len: int, in_slot: bool) -> bytes:
     """The 16-byte head of a slot whose envelope is ``env_len`` bytes."""
     return _SLOT_HEAD.pack(_SLOT_MAGIC, env_len, ENV_IN_SLOT if in_slot else ENV_IN_BULK, 0)
+
+
+def filler_head() -> bytes:
+    """The head of a filler slot: no envelope, no payload."""
+    return _SLOT_HEAD.pack(_SLOT_MAGIC, 0, FILLER, 0)
+
+
+def is_filler(raw: Any) -> bool:
+    """Whether the slot ``raw`` is a filler (exactly ``filler_head``)."""
+    magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
+    return where == FILLER and magic == _SLOT_MAGIC and env_len == 0 and reserved == 0
 
 
 def read_slot_head(raw: Any, slot_bytes: int, max_header_bytes: int) -> tuple[int, bool]:
