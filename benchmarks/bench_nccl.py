@@ -34,6 +34,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
+        [--slot-bytes 16384] [--recv-depth 4]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo).
@@ -94,7 +95,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=ports[1], timeout=120.0,
+        master_port=ports[1], timeout=120.0, slot_bytes=opts["slot_bytes"], recv_depth=opts["recv_depth"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -296,7 +297,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         dist.destroy_process_group()
 
 
-def machine(backend: str) -> dict[str, Any]:
+def machine(backend: str, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from omnilink._bench.machine import machine_record
@@ -304,6 +305,7 @@ def machine(backend: str) -> dict[str, Any]:
     rec = machine_record()
     rec["torch"] = torch.__version__
     rec["backend"] = backend
+    rec["connector"] = {"slot_bytes": opts["slot_bytes"], "recv_depth": opts["recv_depth"]}
     if backend != "nccl":
         rec["gpus"] = []
         return rec
@@ -336,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-iters", type=int, default=200, help="4 KiB ping-pongs (0: skip)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds the whole run may take")
     ap.add_argument("--json", help="append one JSON object per cell to this file")
+    ap.add_argument("--slot-bytes", type=int, default=16 << 10, help="the connector's slot_bytes (default 16384)")
+    ap.add_argument("--recv-depth", type=int, default=4, help="the connector's recv_depth (default 4)")
     args = ap.parse_args(argv)
     import torch
 
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
-        "latency_iters": args.latency_iters,
+        "latency_iters": args.latency_iters, "slot_bytes": args.slot_bytes, "recv_depth": args.recv_depth,
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     order = {"raw": 0, "omnilink": 1, "omnilink +16 small": 2, "raw serial": 3, "omnilink serial": 4}
     results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"], order.get(r["variant"], 9)))
-    rec = machine(backend)
+    rec = machine(backend, opts)
     where = " + ".join(rec["gpus"]) if rec["gpus"] else f"{rec['cpu']} ({rec['cores']} cores)"
     extra = f", NCCL {rec['nccl']}, driver {rec['driver']}" if backend == "nccl" else ""
     print(f"# nccl connector vs raw torch.distributed send/recv over {backend}, {where}, "
