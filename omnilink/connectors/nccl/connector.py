@@ -1475,8 +1475,10 @@ class NcclConnector(BaseConnector):
                 # the slot lands, no host round trip stands between it and its reader.
                 host = torch.empty(slot_bytes, dtype=uint8, pin_memory=True)
                 host.copy_(buf, non_blocking=True)
-                # A blocking event: an idle link's reader sleeps instead of spinning.
-                landed = torch.cuda.Event(blocking=True)
+                # CUDA's default wait spins (the fastest wake-up); it is bounded: slot
+                # receives stay posted at most idle_fill after the last put (fillers),
+                # and a disarmed reader sleeps on the doorbell socket.
+                landed = torch.cuda.Event()
                 landed.record()
                 ring.append((buf, host, landed))
             else:
