@@ -19,7 +19,7 @@ plus one gloo group for the goodbye::
                                                       poster thread, at connect:
                                                         recv_depth slot receives posted,
                                                         each followed by its D2H copy
-    put(key, payload)                                   and a (blocking) event
+    put(key, payload)                                   and an event
       header + small host data -> pinned -> slot
       slot: send (send stream) ==== slot group ====>  slot lands, copied to host, event
       pack, big tensors: one coalesced group of       poster: event wait, read header,
