@@ -34,7 +34,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--slot-bytes 16384] [--recv-depth 4]
+        [--slot-bytes 16384] [--recv-depth 4] [--profile]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo).
@@ -75,11 +75,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What ``--profile`` times in both processes, perf_counter_ns around each call: the
+#: sender's put, its plan and its sends; the receiver's slot read (``_take``: parse,
+#: allocation, bulk receives posted, views), the views and tree, and ``get``.
+PROFILED_WIRE = ("plan_send", "encode_envelope", "decode_envelope", "build_views", "decode_tree")
+PROFILED_CONNECTOR = ("_put", "_send_nccl", "_send_gloo", "_post", "_take", "_ready_early", "_get")
+
+
+def install_step_timers() -> dict[str, list[int]]:
+    """Wrap the steps of ``PROFILED_*``; return ``{step: [total ns, calls]}``, filled as
+    they run (in every thread of this process)."""
+    import functools
+
+    from omnilink.connectors.nccl import connector, wire
+
+    acc: dict[str, list[int]] = {}
+    targets = [(wire, n) for n in PROFILED_WIRE] + [(connector.NcclConnector, n) for n in PROFILED_CONNECTOR]
+    for owner, name in targets:
+        fn = getattr(owner, name)
+        cell = acc.setdefault(name, [0, 0])
+
+        def timed(*args: Any, _fn: Any = fn, _cell: list[int] = cell, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _cell[0] += time.perf_counter_ns() - t0
+                _cell[1] += 1
+
+        setattr(owner, name, functools.wraps(fn)(timed))
+    return acc
+
+
 def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
     import torch
     import torch.distributed as dist
 
     import omnilink
+
+    steps = install_step_timers() if opts["profile"] else None
 
     backend = opts["backend"]
     nccl = backend == "nccl"
@@ -288,6 +322,11 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                     "p50_us": statistics.median(ts) * 1e6,
                     "p99_us": sorted(ts)[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6,
                 })
+        if steps is not None:
+            results.append({"size": 0, "variant": f"steps rank {rank}", "steps": {
+                name: {"total_ms": ns / 1e6, "calls": calls, "us_per_call": ns / calls / 1e3 if calls else 0.0}
+                for name, (ns, calls) in steps.items()
+            }})
         out.put(("results", rank, results))
     except Exception as exc:
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
@@ -340,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="append one JSON object per cell to this file")
     ap.add_argument("--slot-bytes", type=int, default=16 << 10, help="the connector's slot_bytes (default 16384)")
     ap.add_argument("--recv-depth", type=int, default=4, help="the connector's recv_depth (default 4)")
+    ap.add_argument("--profile", action="store_true",
+                    help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
     args = ap.parse_args(argv)
     import torch
 
@@ -351,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
         "latency_iters": args.latency_iters, "slot_bytes": args.slot_bytes, "recv_depth": args.recv_depth,
+        "profile": args.profile,
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -408,10 +450,17 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_vs_raw"] = r["p50_us"] / base
             print(f"  {name.removeprefix('latency '):<9} {r['p50_us']:9.1f} / {r['p99_us']:9.1f}   "
                   f"x{r['ratio_vs_raw']:.2f} of raw")
+    for r in results:
+        if "steps" in r:
+            print(f"\n{r['variant']}: us per call (calls), over the whole run")
+            for name, st in sorted(r["steps"].items(), key=lambda kv: -kv[1]["total_ms"]):
+                if st["calls"]:
+                    print(f"  {name:<16} {st['us_per_call']:9.1f}  ({st['calls']})")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in results:
-                f.write(json.dumps({"scenario": "nccl-vs-raw", "time": stamp, **r, "machine": rec}) + "\n")
+                scenario = "nccl-steps" if "steps" in r else "nccl-vs-raw"
+                f.write(json.dumps({"scenario": scenario, "time": stamp, **r, "machine": rec}) + "\n")
     return 0
 
 

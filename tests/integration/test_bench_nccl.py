@@ -20,11 +20,13 @@ def test_bench_nccl_gloo_short(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_nccl.py"), "--backend", "gloo",
          "--sizes", "64KiB,1MiB", "--rounds", "1", "--iters", "3", "--latency-iters", "5",
-         "--timeout", "240", "--json", str(out)],
+         "--timeout", "240", "--profile", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
+    steps = {r["variant"]: r["steps"] for r in recs if r["scenario"] == "nccl-steps"}
+    recs = [r for r in recs if r["scenario"] != "nccl-steps"]
     cells = {(r["size"], r["variant"]): r for r in recs}
     serial = {(n, v) for n in (64 << 10, 1 << 20) for v in ("raw serial", "omnilink serial")}
     assert set(cells) == {
@@ -49,3 +51,10 @@ def test_bench_nccl_gloo_short(tmp_path):
         assert one["ratio_vs_raw"] == one["gbps"] / cells[(n, "raw serial")]["gbps"]
     assert "| omnilink +16 small" in proc.stdout and "one-way latency" in proc.stdout
     assert "| omnilink serial" in proc.stdout and "vs plain" in proc.stdout
+    # --profile: both processes timed their steps (rank 0 sends the streams and pings,
+    # rank 1 reads them and answers the pings).
+    assert set(steps) == {"steps rank 0", "steps rank 1"}
+    for rank, names in (("0", ("_put", "plan_send", "_send_gloo")), ("1", ("_take", "build_views", "_get"))):
+        for name in names:
+            st = steps[f"steps rank {rank}"][name]
+            assert st["calls"] > 0 and st["us_per_call"] > 0, (rank, name, st)
