@@ -244,9 +244,10 @@ def test_header_beyond_the_slot_and_packed_small_tensors(gpu_pair):
 
 @pytest.mark.multigpu
 def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
-    """While the link is idle the receiver keeps slot receives posted (kernels waiting
-    for a peer). Work on cuda:1's other streams (more streams than CUDA's default 8
-    hardware queues) must still complete: a hang here is a false dependency."""
+    """Right after a payload the receiver keeps slot receives posted (kernels waiting for
+    the sender) until the link has been idle for idle_fill. Work on cuda:1's other
+    streams (more streams than CUDA's default 8 hardware queues) must complete: one
+    sharing a hardware queue with a posted receive waits at most until the fill."""
     import threading
 
     tx, rx = gpu_pair
