@@ -505,6 +505,17 @@ def test_forged_slot_head_fails_the_link_before_allocation(store, monkeypatch, h
         assert not [n for n in sizes if n > rx.slot_bytes]
 
 
+@pytest.mark.parametrize("raw", [b"", b"OLNS", bytes(15), b"\xff" * 64, wire.filler_head()[:12]])
+def test_slot_head_of_garbage_is_a_decode_error(raw):
+    """Any bytes read as a slot head: a named error or a filler, never a foreign one."""
+    assert not wire.is_filler(raw)
+    with pytest.raises(BlobDecodeError, match="slot"):
+        wire.read_slot_head(raw, 16384, 1 << 20)
+    assert wire.is_filler(wire.filler_head() + bytes(100))
+    with pytest.raises(BlobDecodeError, match="malformed slot head"):
+        wire.read_slot_head(wire.filler_head(), 16384, 1 << 20)  # a filler has no envelope
+
+
 def test_slot_carrying_more_than_its_room_is_refused(store):
     """SLOT tensors declared past the end of the slot: BlobDecodeError, no view made."""
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:

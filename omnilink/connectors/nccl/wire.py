@@ -30,7 +30,8 @@ Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
                                   of its receive buffer; host data on gloo)
                         2 STAGED  host data on an NCCL link: copied to the sender's
                                   device, sent as a bulk buffer, copied back to host
-                        3 INLINE  small host data on an NCCL link, in ``inline``
+                        3 INLINE  small host data (``inline_bytes``, by default on
+                                  NCCL links only), in ``inline``
                         4 PACK    in the pack: one bulk buffer holding every PACK tensor
                         5 SLOT    in the slot itself (after the envelope)
       inline  [bytes] the INLINE tensors' bytes, in descriptor order
@@ -264,6 +265,8 @@ def filler_head() -> bytes:
 
 def is_filler(raw: Any) -> bool:
     """Whether the slot ``raw`` is a filler (exactly ``filler_head``)."""
+    if len(raw) < SLOT_HEAD:
+        return False
     magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
     return where == FILLER and magic == _SLOT_MAGIC and env_len == 0 and reserved == 0
 
@@ -277,6 +280,8 @@ def read_slot_head(raw: Any, slot_bytes: int, max_header_bytes: int) -> tuple[in
         Not a slot (magic, where, reserved), or an envelope that cannot be where the
         head says (longer than the slot's room, or than ``max_header_bytes``).
     """
+    if len(raw) < SLOT_HEAD:
+        raise BlobDecodeError(f"nccl: slot of {len(raw)} bytes, shorter than its {SLOT_HEAD}-byte head")
     magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
     if magic != _SLOT_MAGIC or where not in (ENV_IN_SLOT, ENV_IN_BULK) or reserved:
         raise BlobDecodeError(
