@@ -261,8 +261,6 @@ def connect(
     coalesce: bool = True,
     pack_bytes: int = ...,
     header_addr: str | None = None,
-    slot_bytes: int = ...,
-    recv_depth: int = ...,
 ) -> NcclConnector: ...
 
 
