@@ -326,8 +326,11 @@ def raw_rows(src: str, dst: str, sizes: list[int], n: int, lat_n: int) -> dict[i
         flags = rt.cudaEventInterprocess | rt.cudaEventDisableTiming
         evs = [ops.check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags") for _ in range(2)]
         copy_stream = ops.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+        # The events' IPC handles while their device is current (asked from another
+        # device, the driver crashed the process on 2x H100).
+        handles = [_handle_bytes(ops.check(rt.cudaIpcGetEventHandle(e), "cudaIpcGetEventHandle")) for e in evs]
         ops.restore_device(prev)
-        parent.send([_handle_bytes(ops.check(rt.cudaIpcGetEventHandle(e), "cudaIpcGetEventHandle")) for e in evs])
+        parent.send(handles)
         for nbytes in sizes:
             x = torch.empty(nbytes, dtype=torch.uint8, device=src)
             torch.cuda.synchronize()
