@@ -253,6 +253,12 @@ BLOCKS = (
           render_bench_gpu),
     Block("gpu-shm-h100-mps", ("gpu-shm-h100-mps.jsonl",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_gpu.py --skip-overlap --json FILE", render_bench_gpu),
+    Block("serial-gpu-h100", ("serial-gpu-h100.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --json FILE "
+          "(benchmarks/gpu/run_serial_device.sh)", render_serial),
+    Block("serial-gpu-h100-mps", ("serial-gpu-h100-mps.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
     Block("cuda-ipc-h100-mps", ("cuda-ipc-h100-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_cuda_ipc.py --cases same --json FILE", render_pivot),
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),
