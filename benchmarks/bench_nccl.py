@@ -9,17 +9,22 @@ variants alternate round by round:
                 the default process group, received into a preallocated tensor (the
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
-                tensor, "meta": {...}}``: header on the connector's header socket,
-                receive into a freshly allocated tensor, ``get`` returns once the data
-                has arrived;
+                tensor, "meta": {...}}``: header in the payload's slot on the NCCL
+                stream, receive into a freshly allocated tensor, ``get`` returns once
+                the data has arrived;
 - ``omnilink +16 small`` (1 MiB and up) the same plus 16 small tensors of 4 KiB
                 (positions, masks, ids...), which travel together in one packed send;
-- ``omnilink x8`` (256 MiB and up) the same bytes as 8 tensors of SIZE/8 (one
-                coalesced NCCL group per payload).
+                its ``vs plain`` column is its GB/s over the ``omnilink`` row's;
+- ``raw serial`` / ``omnilink serial``  a consumer that uses each payload before the
+                next is sent: the receiver sums the SIZE tensor on its stream and reads
+                the sum on the host, then answers with a 1-element ``torch.distributed``
+                send that the sender waits for (the same answer for both); ratio =
+                omnilink serial / raw serial.
 
-Each round moves ``iters`` payloads back to back and is timed on the receiver from a
-barrier to the last arrival (``torch.cuda.synchronize`` on NCCL); GB/s = bytes of the
-SIZE tensor / seconds; ratio = GB/s / raw GB/s of the same size.
+Each streaming round moves ``iters`` payloads back to back (serial rounds at most 50)
+and is timed on the receiver from a barrier to the last arrival
+(``torch.cuda.synchronize`` on NCCL); GB/s = bytes of the SIZE tensor / seconds;
+ratio = GB/s / raw GB/s of the same size.
 
 Latency (``--latency-iters``, 4 KiB): ping-pong between the ranks, one-way = half the
 round trip, p50 over the iterations. ``raw`` waits for each receive on the host
@@ -29,6 +34,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
+        [--slot-bytes 16384] [--recv-depth 4] [--profile]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo).
@@ -69,11 +75,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What ``--profile`` times in both processes, perf_counter_ns around each call: the
+#: sender's put, its plan and its sends; the receiver's slot read (``_take``: parse,
+#: allocation, bulk receives posted, views), the views and tree, and ``get``.
+PROFILED_WIRE = ("plan_send", "encode_envelope", "decode_envelope", "build_views", "decode_tree")
+PROFILED_CONNECTOR = ("_put", "_send_nccl", "_send_gloo", "_post", "_take", "_ready_early", "_get")
+
+
+def install_step_timers() -> dict[str, list[int]]:
+    """Wrap the steps of ``PROFILED_*``; return ``{step: [total ns, calls]}``, filled as
+    they run (in every thread of this process)."""
+    import functools
+
+    from omnilink.connectors.nccl import connector, wire
+
+    acc: dict[str, list[int]] = {}
+    targets = [(wire, n) for n in PROFILED_WIRE] + [(connector.NcclConnector, n) for n in PROFILED_CONNECTOR]
+    for owner, name in targets:
+        fn = getattr(owner, name)
+        cell = acc.setdefault(name, [0, 0])
+
+        def timed(*args: Any, _fn: Any = fn, _cell: list[int] = cell, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _cell[0] += time.perf_counter_ns() - t0
+                _cell[1] += 1
+
+        setattr(owner, name, functools.wraps(fn)(timed))
+    return acc
+
+
 def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
     import torch
     import torch.distributed as dist
 
     import omnilink
+
+    steps = install_step_timers() if opts["profile"] else None
 
     backend = opts["backend"]
     nccl = backend == "nccl"
@@ -89,7 +129,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=ports[1], timeout=120.0,
+        master_port=ports[1], timeout=120.0, slot_bytes=opts["slot_bytes"], recv_depth=opts["recv_depth"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -127,10 +167,6 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
 
     def make_payload(nbytes: int, variant: str, seed: int) -> dict[str, Any]:
         payload: dict[str, Any] = {"meta": {"finished": False}}
-        if variant == "omnilink x8":
-            rows = nbytes // 2 // COLS // 8
-            payload["hidden_states.parts"] = [rand_bf16(rows * COLS, seed + i).view(rows, COLS) for i in range(8)]
-            return payload
         rows, rest = divmod(nbytes // 2, COLS)
         hidden = rand_bf16(nbytes // 2, seed)
         payload["hidden_states.output"] = hidden.view(rows, COLS) if not rest else hidden
@@ -153,9 +189,49 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         sync()
         return time.perf_counter() - t0
 
+    ack = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def consume(t: Any) -> float:
+        # Uses the payload on the receiver's stream and reads the result on the host.
+        return float(torch.sum(t, dtype=torch.float32).item())
+
+    def answer() -> None:
+        if rank == 1:
+            dist.send(ack, dst=0)
+        else:
+            dist.recv(ack, src=1)
+            sync()
+
+    def serial_round(nbytes: int, n: int, variant: str) -> float:
+        """One payload at a time: the sender sends the next once the receiver used it."""
+        buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        payload = None
+        if rank == 0:
+            buf.copy_(rand_bf16(nbytes // 2, nbytes))
+            payload = make_payload(nbytes, "omnilink", nbytes)
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if variant == "raw serial":
+                if rank == 0:
+                    dist.send(buf, dst=1)
+                else:
+                    dist.recv(buf, src=0)
+                    consume(buf)
+            else:
+                key = f"req{seq[0]}_0_0"
+                seq[0] += 1
+                if rank == 0:
+                    conn.put(key, payload)
+                else:
+                    consume(conn.get(key)["hidden_states.output"])
+            answer()
+        sync()
+        return time.perf_counter() - t0
+
     def flat_tensors(payload: dict[str, Any]) -> list[Any]:
         ts = []
-        for name in ("hidden_states.output", "hidden_states.parts", "small"):
+        for name in ("hidden_states.output", "small"):
             v = payload.get(name)
             if v is not None:
                 ts.extend(v if isinstance(v, list) else [v])
@@ -208,27 +284,33 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     try:
         for nbytes in opts["sizes"]:
             n = opts["iters"] or iters_for(nbytes, backend)
+            n_serial = min(n, 50)
             variants = ["omnilink"]
             if nbytes >= (1 << 20):
                 variants.append("omnilink +16 small")
-            if nbytes >= (256 << 20):
-                variants.append("omnilink x8")
             exact = {v: check(nbytes, v) for v in variants}
+            exact["omnilink serial"] = exact["omnilink"]
             raw_round(nbytes, 2)  # warm-up
             for v in variants:
                 conn_round(nbytes, 2, v)
-            times: dict[str, list[float]] = {"raw": [], **{v: [] for v in variants}}
+            for v in ("raw serial", "omnilink serial"):
+                serial_round(nbytes, 2, v)
+            times: dict[str, list[float]] = {"raw": [], **{v: [] for v in variants},
+                                             "raw serial": [], "omnilink serial": []}
             for _ in range(opts["rounds"]):
                 times["raw"].append(raw_round(nbytes, n))
                 for v in variants:
                     times[v].append(conn_round(nbytes, n, v))
+                for v in ("raw serial", "omnilink serial"):
+                    times[v].append(serial_round(nbytes, n_serial, v))
             if rank == 1:
                 for name, ts in times.items():
+                    k = n_serial if name.endswith("serial") else n
                     med = statistics.median(ts)
                     results.append({
-                        "size": nbytes, "variant": name, "iters": n, "rounds": opts["rounds"],
-                        "median_s": med, "gbps": nbytes * n / med / 1e9,
-                        "all_gbps": [nbytes * n / t / 1e9 for t in ts],
+                        "size": nbytes, "variant": name, "iters": k, "rounds": opts["rounds"],
+                        "median_s": med, "gbps": nbytes * k / med / 1e9,
+                        "all_gbps": [nbytes * k / t / 1e9 for t in ts],
                         "bit_exact": exact.get(name, True),
                     })
         lat = latency(opts["latency_iters"]) if opts["latency_iters"] else None
@@ -240,6 +322,11 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                     "p50_us": statistics.median(ts) * 1e6,
                     "p99_us": sorted(ts)[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6,
                 })
+        if steps is not None:
+            results.append({"size": 0, "variant": f"steps rank {rank}", "steps": {
+                name: {"total_ms": ns / 1e6, "calls": calls, "us_per_call": ns / calls / 1e3 if calls else 0.0}
+                for name, (ns, calls) in steps.items()
+            }})
         out.put(("results", rank, results))
     except Exception as exc:
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
@@ -249,7 +336,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         dist.destroy_process_group()
 
 
-def machine(backend: str) -> dict[str, Any]:
+def machine(backend: str, opts: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from omnilink._bench.machine import machine_record
@@ -257,6 +344,7 @@ def machine(backend: str) -> dict[str, Any]:
     rec = machine_record()
     rec["torch"] = torch.__version__
     rec["backend"] = backend
+    rec["connector"] = {"slot_bytes": opts["slot_bytes"], "recv_depth": opts["recv_depth"]}
     if backend != "nccl":
         rec["gpus"] = []
         return rec
@@ -289,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-iters", type=int, default=200, help="4 KiB ping-pongs (0: skip)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds the whole run may take")
     ap.add_argument("--json", help="append one JSON object per cell to this file")
+    ap.add_argument("--slot-bytes", type=int, default=16 << 10, help="the connector's slot_bytes (default 16384)")
+    ap.add_argument("--recv-depth", type=int, default=4, help="the connector's recv_depth (default 4)")
+    ap.add_argument("--profile", action="store_true",
+                    help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
     args = ap.parse_args(argv)
     import torch
 
@@ -299,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
-        "latency_iters": args.latency_iters,
+        "latency_iters": args.latency_iters, "slot_bytes": args.slot_bytes, "recv_depth": args.recv_depth,
+        "profile": args.profile,
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -327,22 +420,29 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print("benchmark failed:", error, file=sys.stderr)
         return 1
-    results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"]))
-    rec = machine(backend)
+    order = {"raw": 0, "omnilink": 1, "omnilink +16 small": 2, "raw serial": 3, "omnilink serial": 4}
+    results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"], order.get(r["variant"], 9)))
+    rec = machine(backend, opts)
     where = " + ".join(rec["gpus"]) if rec["gpus"] else f"{rec['cpu']} ({rec['cores']} cores)"
     extra = f", NCCL {rec['nccl']}, driver {rec['driver']}" if backend == "nccl" else ""
     print(f"# nccl connector vs raw torch.distributed send/recv over {backend}, {where}, "
           f"torch {rec['torch']}{extra}")
-    print(f"{'size':>9} | {'variant':<20} | {'GB/s':>8} | {'ratio':>6} | bit-exact")
-    print(f"{'-' * 9}-+-{'-' * 20}-+-{'-' * 8}-+-{'-' * 6}-+-{'-' * 9}")
+    print(f"{'size':>9} | {'variant':<20} | {'GB/s':>8} | {'ratio':>6} | {'vs plain':>8} | bit-exact")
+    print(f"{'-' * 9}-+-{'-' * 20}-+-{'-' * 8}-+-{'-' * 6}-+-{'-' * 8}-+-{'-' * 9}")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    raw = {r["size"]: r["gbps"] for r in results if r["variant"] == "raw"}
+    gbps = {(r["size"], r["variant"]): r["gbps"] for r in results if "gbps" in r}
     lat = {r["variant"]: r for r in results if r["variant"].startswith("latency")}
     for r in results:
         if "gbps" in r:
-            r["ratio_vs_raw"] = r["gbps"] / raw[r["size"]]
+            # Serial rows against raw's serial row; streaming rows against raw's.
+            base = "raw serial" if r["variant"].endswith("serial") else "raw"
+            r["ratio_vs_raw"] = r["gbps"] / gbps[(r["size"], base)]
+            plain = ""
+            if r["variant"] == "omnilink +16 small":
+                r["ratio_vs_plain"] = r["gbps"] / gbps[(r["size"], "omnilink")]
+                plain = f"{r['ratio_vs_plain']:8.3f}"
             print(f"{format_size(r['size']):>9} | {r['variant']:<20} | {r['gbps']:8.2f} | "
-                  f"{r['ratio_vs_raw']:6.3f} | {r['bit_exact']}")
+                  f"{r['ratio_vs_raw']:6.3f} | {plain:>8} | {r['bit_exact']}")
     if lat:
         base = lat["latency raw"]["p50_us"]
         print(f"\n{format_size(LATENCY_BYTES)} one-way latency (half a ping-pong), p50 / p99 us:")
@@ -350,10 +450,17 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_vs_raw"] = r["p50_us"] / base
             print(f"  {name.removeprefix('latency '):<9} {r['p50_us']:9.1f} / {r['p99_us']:9.1f}   "
                   f"x{r['ratio_vs_raw']:.2f} of raw")
+    for r in results:
+        if "steps" in r:
+            print(f"\n{r['variant']}: us per call (calls), over the whole run")
+            for name, st in sorted(r["steps"].items(), key=lambda kv: -kv[1]["total_ms"]):
+                if st["calls"]:
+                    print(f"  {name:<16} {st['us_per_call']:9.1f}  ({st['calls']})")
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in results:
-                f.write(json.dumps({"scenario": "nccl-vs-raw", "time": stamp, **r, "machine": rec}) + "\n")
+                scenario = "nccl-steps" if "steps" in r else "nccl-vs-raw"
+                f.write(json.dumps({"scenario": scenario, "time": stamp, **r, "machine": rec}) + "\n")
     return 0
 
 

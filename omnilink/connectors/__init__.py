@@ -261,6 +261,8 @@ def connect(
     coalesce: bool = True,
     pack_bytes: int = ...,
     header_addr: str | None = None,
+    slot_bytes: int = ...,
+    recv_depth: int = ...,
 ) -> NcclConnector: ...
 
 

@@ -187,3 +187,130 @@ def test_many_payloads_small_window_any_order():
             assert torch.equal(got["ids"].cpu(), torch.arange(i % 9 + 1))
         with pytest.raises(omnilink.KeyConsumedError):
             rx.get("k5", timeout=WAIT)
+
+
+@pytest.mark.multigpu
+def test_small_device_payload_is_one_slot(gpu_pair):
+    """A payload that fits the slot travels as ONE NCCL operation: on cuda:1 its tensors
+    are views of the slot, bit-exact, and the sender may overwrite them on its stream
+    right after put (the slot was filled on that stream before put returned)."""
+    from omnilink.connectors.nccl import wire
+
+    tx, rx = gpu_pair
+    tx.wait_connected(WAIT)
+    rx.wait_connected(WAIT)
+    g = torch.Generator(device="cuda:0").manual_seed(9)
+    hidden = torch.randn(2048, device="cuda:0", generator=g).to(torch.bfloat16)  # 4 KiB
+    ids = torch.arange(17, device="cuda:0")
+    payload = {"hidden_states.output": hidden, "ids.output": ids, "meta": {"finished": False},
+               "host": torch.tensor([1.5, 2.5])}
+    sp = wire.plan_send(payload, device=tx.device, nccl=True, inline_bytes=tx.inline_bytes,
+                        max_inline_total=tx.max_inline_bytes, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad,
+                        slot_bytes=rx.slot_bytes)
+    assert sp.plan == [wire.SLOT, wire.SLOT, wire.INLINE] and sp.p2p == []
+    expected = {"hidden_states.output": hidden.cpu(), "ids.output": ids.cpu()}
+    for i in range(20):  # many, so that slots are re-posted behind the ring's first ones
+        tx.put(f"one{i}", payload, timeout=WAIT)
+        hidden.add_(1)  # queued on the sender's stream after put: must not reach cuda:1
+        got = rx.get(f"one{i}", timeout=WAIT)
+        for name, want in expected.items():
+            t = got[name]
+            assert t.device == torch.device("cuda:1")
+            assert t.untyped_storage().nbytes() == rx.slot_bytes, f"{name} is not in the slot"
+            assert torch.equal(_bits(t), _bits(want)), (i, name)
+        assert got["host"].device.type == "cpu" and got["host"].tolist() == [1.5, 2.5]
+        expected["hidden_states.output"] = hidden.cpu()
+
+
+@pytest.mark.multigpu
+def test_header_beyond_the_slot_and_packed_small_tensors(gpu_pair):
+    """A header larger than the slot goes first in bulk (its receiver brings it to the
+    host before posting the rest); small device tensors beside a large one travel in
+    the pack, not the slot."""
+    tx, rx = gpu_pair
+    names = [f"speaker-{i:05d}" * 8 for i in range(400)]
+    big = torch.randn(1 << 20, device="cuda:0")
+    small = [torch.full((1024,), float(i), device="cuda:0") for i in range(16)]
+    tx.put("tree", {"names": names, "big": big, "small": small}, timeout=WAIT)
+    got = rx.get("tree", timeout=WAIT)
+    assert got["names"] == names
+    assert torch.equal(got["big"].cpu(), big.cpu())
+    base = got["small"][0].untyped_storage()
+    for i, t in enumerate(got["small"]):
+        assert t.device == torch.device("cuda:1") and bool((t == float(i)).all())
+        assert t.untyped_storage().data_ptr() == base.data_ptr()
+    assert base.nbytes() != rx.slot_bytes  # the pack
+
+
+@pytest.mark.multigpu
+def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
+    """Right after a payload the receiver keeps slot receives posted (kernels waiting for
+    the sender) until the link has been idle for idle_fill. Work on cuda:1's other
+    streams (more streams than CUDA's default 8 hardware queues) must complete: one
+    sharing a hardware queue with a posted receive waits at most until the fill."""
+    import threading
+
+    tx, rx = gpu_pair
+    tx.put("k", {"t": torch.ones(4, device="cuda:0")}, timeout=WAIT)
+    assert rx.get("k", timeout=WAIT)["t"].sum().item() == 4.0
+    done = threading.Event()
+
+    def work() -> None:
+        streams = [torch.cuda.Stream(device="cuda:1") for _ in range(40)]
+        outs = []
+        for s in streams:
+            with torch.cuda.stream(s):
+                a = torch.randn(256, 256, device="cuda:1")
+                outs.append((a @ a).sum())
+        outs.append(torch.ones(8, device="cuda:1").sum())  # the current (default) stream
+        torch.cuda.synchronize("cuda:1")
+        done.set()
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    assert done.wait(60), "work on cuda:1 did not finish while slot receives were posted"
+    # And the link still works after it.
+    tx.put("k2", {"t": torch.full((3,), 2.0, device="cuda:0")}, timeout=WAIT)
+    assert rx.get("k2", timeout=WAIT)["t"].tolist() == [2.0, 2.0, 2.0]
+
+
+_ONE_QUEUE_SCRIPT = r"""
+import threading, torch, torch.distributed as dist, omnilink
+store = dist.HashStore()
+tx = omnilink.connect("nccl", channel="gpu/one-queue", role="sender", device="cuda:0", store=store)
+rx = omnilink.connect("nccl", channel="gpu/one-queue", role="receiver", device="cuda:1", store=store)
+for i in range(3):
+    tx.put(f"k{i}", {"t": torch.full((1 << 18,), float(i), device="cuda:0"), "s": torch.ones(3, device="cuda:0")})
+    assert rx.get(f"k{i}", timeout=60)["t"][0].item() == float(i)
+a = torch.randn(512, 512, device="cuda:1")
+s = torch.cuda.Stream(device="cuda:1")
+with torch.cuda.stream(s):
+    b = (a @ a).sum()
+c = (a @ a).sum()
+torch.cuda.synchronize("cuda:1")
+tx.put("last", {"t": torch.ones(1 << 18, device="cuda:0")})
+assert rx.get("last", timeout=60)["t"].sum().item() == float(1 << 18)
+tx.close(); rx.close()
+print("OK")
+"""
+
+
+@pytest.mark.multigpu
+def test_posted_receives_with_one_hardware_queue():
+    """The worst case for receives posted ahead: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every
+    stream of the process in one hardware queue, so a wait queued behind a slot receive
+    that has not landed holds all later work until it lands. The sender fills the
+    posted receives once the link is idle (idle_fill, 50 ms), so payloads, compute on
+    two streams of cuda:1 and a last payload all complete (in a child, bounded), late
+    by at most about idle_fill each."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ONE_QUEUE_SCRIPT], env=env, capture_output=True,
+                              text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("with one hardware queue, work on cuda:1 hung behind the slot receives posted ahead")
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

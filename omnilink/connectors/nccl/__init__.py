@@ -4,9 +4,10 @@ This package is the public door of the backend; its modules are internal:
 
 =============  ==========================================================================
 ``connector``  ``NcclConnector``: its own two-rank process groups (NCCL on GPUs, gloo on
-               CPU), the header and credit sockets, the receiving threads, put / get
-``wire``       the header envelope and credit that travel beside the tensors, the pack
-               layout of small tensors, and their validation
+               CPU; a slot and a bulk group per direction), the credit socket, the
+               receiving threads, put / get
+``wire``       the slot (head, envelope, small tensors) and the credit, the pack and
+               slot layouts of small tensors, and their validation
 =============  ==========================================================================
 
 Exports: ``NcclConnector``.

@@ -1,50 +1,80 @@
 """The ``nccl`` backend: payloads between two processes through ``torch.distributed``.
 
-Tensor bytes travel by point-to-point ``send``/``recv`` of a process group (NCCL between
-GPUs, gloo between CPUs, so CI runs the same code), received straight into fresh tensors
-on the receiver's device. The header of each payload (its tensor_blob meta, see
-``omnilink.connectors.nccl.wire``) travels on a channel made for messages: a ZeroMQ
-``PAIR`` socket per direction, and the receiver's credits come back on another. The
-torch.distributed store (a ``TCPStore``) both ends share serves the rendezvous only:
-hellos, rank claims, the process groups' own setup and the two socket addresses,
-exchanged once. Nothing is pickled.
+Everything of a payload travels by point-to-point ``send``/``recv`` on the same NCCL
+streams as its data (gloo between CPUs, so CI runs the same code): a fixed-size *slot*
+holding the header (its tensor_blob meta, see ``omnilink.connectors.nccl.wire``) and
+the small tensors, then the larger buffers. Credits come back, batched, on a ZeroMQ
+socket, and a doorbell socket re-arms an idle receiver. The torch.distributed store (a
+``TCPStore``) both ends share serves the rendezvous only: hellos, rank claims, the
+process groups' own setup and the two sockets' addresses, exchanged once. Nothing is pickled.
 
 One channel links exactly two ranks. Each connector builds its own process groups over
 the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
-group), so it never disturbs the application's own torch.distributed setup::
+group), so it never disturbs the application's own torch.distributed setup: per
+direction a *slot* group and a *bulk* group (two communicators, each in its own order),
+plus one gloo group for the goodbye::
 
     rank 0 (e.g. sender, cuda:0)                      rank 1 (e.g. receiver, cuda:1)
     ----------------------------                      ------------------------------
-    put(key, payload)                                 poster thread
-      window: credits read only near its limit          header socket recv (blocks)
-      header socket send(envelope) ---- zmq PAIR --->   allocate tensors on cuda:1
-      pg.send(pack), pg.send(t0) ... === NCCL =====>    pg.recv(pack), pg.recv(t0) ...
-      (coalesced into one NCCL group)                   (coalesced), event on a side stream
-      caller's stream waits for the sends               views + tree built from the header:
-                                                        inbox[key] = payload (bytes landing)
+                                                      poster thread, at connect:
+                                                        recv_depth slot receives posted,
+                                                        each followed by its D2H copy
+    put(key, payload)                                   and an event
+      header + small host data -> pinned -> slot
+      slot: send (send stream) ==== slot group ====>  slot lands, copied to host, event
+      pack, big tensors: one coalesced group of       poster: event wait, read header,
+      sends (caller's stream waits) === bulk ====>      post that payload's bulk recvs
+                                                        (bulk stream, into new buffers),
+                                                        views + tree -> inbox[key],
+                                                        post the next slot receive
                                                       get(key): Condition wait, then the
-                                                        event (no polling, no hand-off)
+                                                        bulk event (no polling, no hand-off)
                                                       completer thread
-                                                        event.synchronize() / work.wait()
+                                                        waits for each bulk to land
       credit socket (read lazily) <---- zmq PAIR ----   credit "0..seq received" (batched)
+    filler thread: idle for idle_fill -> recv_depth
+      filler slots ================================>  taken, not re-posted: disarmed
+    next put: doorbell ------------- zmq PAIR ---->  poster posts recv_depth again
 
-Why a socket and not a header tensor sent by the process group ahead of the data (the
-other design considered): on NCCL such a header would queue on the same stream behind
-the previous payload's bytes, and the receiver would have to copy it to the host and
-synchronize before it could size and post the next receive, so every payload would pay
-a device round trip with the pipe drained; and headers have no fixed size (trees, keys,
-inline host data), which would need a fixed maximum plus an overflow path. On the
-socket, headers reach the receiver's host while earlier payloads are still on the
-wire, so it posts receive ``i+1`` before ``i`` lands; a send is a few microseconds and
-never a round trip; any size goes; and pyzmq is a dependency already. The sockets are
-``ipc://`` (abstract namespace, no file) when both ends share a host, else ``tcp://`` on
-``header_addr``; each end binds the sockets it reads (at most one peer each, so no one
-else can join) and the first message on each must be the session's id.
+A payload costs at most one slot send and one coalesced group of bulk sends (the pack
+of small device tensors, then each large tensor), and a payload that fits its slot is
+ONE operation. No host round trip per message on either side: the sender waits for
+nothing (credits are read only near the window's end), the receiver's host learns a
+header from memory its GPU already copied.
+
+Why the header rides the GPU stream and not a socket (the design before, protocol 2):
+both cost the receiver a wake-up per payload, but the socket adds one: the header
+arrives on the host (a socket wake-up, about the cost of an event wait) and only then
+can the receive be posted, while the sender's data waits on the GPU for it; so each
+payload paid the socket hop, a thread hand-off and the posting in series, about 170 us
+per message measured on 2x H100. Here the slot receive is posted long before the
+payload exists, the slot's copy to the host is queued behind it, and reading the header
+costs one event wait plus the parse (a parse cached per distinct header). The D2H copy
+of 16 KiB is about 2 us of GPU time, not a host round trip: nothing on the host waits
+for it but the reader that needs the header anyway. A slot that carries only header
+bytes (the payload has bulk buffers) is sent from a stream of its own, so it is not
+queued behind the previous payload's bulk data on the caller's stream: the receiver
+reads header i+1 and posts its bulk receives while payload i's bytes are still moving,
+and the bulk group's stream never idles between payloads.
+
+What receives posted ahead cost, and why an idle link fills them: a posted slot
+receive is an NCCL kernel waiting for the sender, and the operations queued behind it
+(the next slot receives, their copies and events) wait with it. CUDA feeds the streams
+of a process through ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 by default);
+streams that share a queue run in the order their work was queued, so work on a stream
+sharing a queue with one of those waiting operations (with one queue: every stream,
+this payload's bulk receive included) waits until the next slot lands. So a sender
+that has put nothing for ``idle_fill`` (50 ms) sends filler slots for every receive
+the receiver has posted (``wire``: fillers); the receiver then has nothing posted and
+waits on a ZeroMQ doorbell that the sender's next ``put`` rings just before its slot.
+Work held up by a posted receive is thus late by at most ``idle_fill``, an idle link
+keeps no kernel resident, and the first payload after an idle spell pays one socket
+wake-up on the receiver (its sender waits for nothing).
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
-     put: header sent        poster: receives posted             bytes landed
-    -----------------> ANNOUNCED ----------------> IN FLIGHT -------------------> READY
+     put: slot + bulk sent    poster: slot read, receives posted    bytes landed
+    ---------------------> ANNOUNCED -------------------> IN FLIGHT ---------------> READY
                                                    (listed at once when its views   |
                                                     need none of its bytes: get     |
                                                     then waits for them; else built |
@@ -62,18 +92,17 @@ Semantics, chosen and tested:
   (one memcpy) because gloo reads it whenever the receiver is ready. Host tensors on an
   NCCL link ride inside the envelope when small (``inline_bytes``) and are otherwise
   staged through the device (copied up, sent, copied back to host on the receiver).
-- Small tensors travel together: those of at most ``pack_bytes`` that would each need a
-  transfer (device tensors on NCCL, host ones on gloo) are copied into one buffer on
-  the sender (one kernel on NCCL; on gloo it is the snapshot) and sent by one send when
-  there are two or more; the receiver gets them by one recv into one buffer and returns
-  views of it (the buffer lives as long as any of them). Large tensors keep their own
-  zero-copy transfer.
-- The receiver posts receives eagerly from its own thread, so a ``put`` followed by a
+- Small tensors travel together: in the slot when they fit (device tensors on NCCL only
+  when the payload has no bulk buffer, see ``wire``), else those of at most
+  ``pack_bytes`` in one pack buffer when there are two or more. On the receiver they are
+  views of the slot or the pack (the buffer lives as long as any of them). Large
+  tensors keep their own zero-copy transfer.
+- The receiver reads slots eagerly from its own thread, so a ``put`` followed by a
   ``get`` in one thread never deadlocks and out-of-order ``get`` works. A payload whose
-  tensors can be built without its bytes (device data on NCCL; on gloo anything but
+  tensors can be built without its bulk bytes (device data on NCCL; on gloo anything but
   bool data, whose bytes are checked; never host data staged through the device) is
   listed as soon as its receives are posted, and ``get`` waits for its bytes itself (a
-  CUDA event recorded after the receives): ``get`` still returns once they have landed,
+  CUDA event recorded after them): ``get`` still returns once they have landed,
   ``get_nowait`` says ``WouldBlock`` until then, but no thread hand-off stands between
   the arrival and the caller. The completer only confirms arrivals and credits them.
 - Flow control by credits, not acknowledgements: at most ``send_window`` payloads (and
@@ -88,10 +117,13 @@ Semantics, chosen and tested:
   that is still taken when nothing else is held.
 - Peer death: a third, gloo process group carries only a "goodbye" message; its one
   outstanding receive fails at once when the peer's process dies (the TCP connection
-  drops), so waiters get ``PeerLostError`` instead of hanging. A clean ``close`` of the
-  peer is told apart: payloads already received stay readable, later ``get`` of keys
-  that can no longer come raise ``PeerLostError`` at once. A peer that hangs without
-  dying is reported by the timeouts (``TransferTimeout``).
+  drops), so waiters get ``PeerLostError`` instead of hanging (on NCCL the data groups
+  are then aborted: their kernels would wait forever). A clean ``close`` of the peer is
+  told apart: payloads already received stay readable, later ``get`` of keys that can
+  no longer come raise ``PeerLostError`` at once. A peer that hangs without dying is
+  reported by the timeouts (``TransferTimeout``). ``close`` ends the receives posted
+  ahead (an NCCL abort; on gloo, a wait that times out closes the group's connection)
+  after the goodbye, so nothing stays blocked.
 - The key contract of every backend: a second ``put`` of a key still unread on the
   receiver raises ``DuplicateKeyError`` and the first payload stays deliverable. The
   sender remembers the last 65,536 keys it put; a ``put`` of one of them (only those:
@@ -99,16 +131,15 @@ Semantics, chosen and tested:
   receiver's credit of that very payload, whose verdict says whether the key was still
   pending (the receiver then drops the second payload). A ``get`` of a key this
   receiver consumed or discarded raises ``KeyConsumedError``.
-- Hostile or broken headers: the header socket refuses messages larger than the bound
-  the receiver published (``max_header_bytes``, enforced by ZeroMQ before any
-  allocation; the sender refuses larger ones itself with ``CapacityError``). The
-  receiver validates each envelope (tensor_blob limits, plan against descriptors) and
-  checks its size against ``max_message_bytes`` before it allocates anything; the
-  sender refuses larger payloads itself (``CapacityError``, from the limit the receiver
-  published). A payload whose tensors arrived but whose tree is malformed becomes a
-  ``BlobDecodeError`` for its key and the link keeps serving; an envelope the receiver
-  cannot size (so the byte stream would lose step), a stranger on a socket or a credit
-  out of sequence fails the link with that named error, never with an allocation.
+- Hostile or broken slots: the receiver validates each slot's head (magic, an envelope
+  of at most ``max_header_bytes``, inside the slot or as the first bulk buffer), each
+  envelope (tensor_blob limits, plan against descriptors, SLOT tensors inside the slot)
+  and checks the payload's size against ``max_message_bytes`` before it allocates
+  anything; the sender refuses larger payloads itself (``CapacityError``, from the
+  limits the receiver published). A payload whose tensors arrived but whose tree is
+  malformed becomes a ``BlobDecodeError`` for its key and the link keeps serving; a slot
+  the receiver cannot size (so the byte stream would lose step) or a credit out of
+  sequence fails the link with that named error, never with an allocation.
 - A peer restart needs both ends to reopen the channel (the process groups are built
   once); the zmq backend is the one that reconnects.
 """
@@ -124,6 +155,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from typing import Any, cast
 
 import zmq
@@ -153,9 +185,19 @@ _FOREVER = datetime.timedelta(days=3650)
 _WAKE = b"-"
 _CTL_BYE = 1
 _CTL_BYE_REPLY = 2
-#: Room on the header socket beyond the tensor_blob header and the inline bytes: the
+#: Gloo tag of the receive that is never matched (``_break_group``).
+_BREAK_TAG = 0x6F6C
+#: Room in an envelope beyond the tensor_blob header and the inline bytes: the
 #: key, the plan and msgpack's framing of up to ``blob.MAX_TENSORS`` inline parts.
 _HEADER_SLACK = 1 << 20
+#: Seconds without a put after which a sender fills the receiver's posted slot receives
+#: (``wire``: fillers), so that an idle link keeps no NCCL operation waiting.
+_IDLE_FILL_S = 0.05
+#: Largest slot a link may use (every payload sends a whole slot).
+_MAX_SLOT_BYTES = 1 << 20
+#: Envelopes whose parsed tensor_blob header is kept for the next payload of the same
+#: structure (a stage sends the same tree, shapes and dtypes chunk after chunk).
+_META_CACHE = 256
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -325,6 +367,8 @@ def _check_values(
     max_message_bytes: Any,
     pack_bytes: Any,
     header_addr: Any,
+    slot_bytes: Any = 16 << 10,
+    recv_depth: Any = 4,
 ) -> None:
     """The value checks of ``NcclConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -357,9 +401,16 @@ def _check_values(
         ("max_inline_bytes", max_inline_bytes, 0),
         ("max_message_bytes", max_message_bytes, 1),
         ("pack_bytes", pack_bytes, 0),
+        ("recv_depth", recv_depth, 1),
+        ("slot_bytes", slot_bytes, wire.MIN_SLOT_BYTES),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
+    if slot_bytes % blob.FRAME_ALIGN or slot_bytes > _MAX_SLOT_BYTES:
+        raise ConfigurationError(
+            f"nccl: slot_bytes must be a multiple of {blob.FRAME_ALIGN} and at most {_MAX_SLOT_BYTES}, "
+            f"got {slot_bytes!r}"
+        )
     if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or not connect_timeout >= 0:
         raise ConfigurationError(f"nccl: connect_timeout must be a number of seconds >= 0, got {connect_timeout!r}")
     if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
@@ -453,16 +504,26 @@ class NcclConnector(BaseConnector):
         (default 4 GiB); published to the peer, whose ``put`` refuses larger ones with
         ``CapacityError``. A header declaring more is rejected before any allocation.
     coalesce : bool
-        Post the sends/receives of one payload as one NCCL group (default True).
+        Post the bulk sends/receives of one payload as one NCCL group (default True).
     pack_bytes : int
-        Tensors of at most this size that would each need a transfer of their own
+        Tensors of at most this size that would each need a bulk buffer of their own
         (device tensors on NCCL, host ones on gloo) travel together, copied into one
         buffer and sent by one send, when a payload has two or more (default 1 MiB;
         0 turns packing off). On the receiver they are views of one buffer.
     header_addr : str, optional
-        Address (IP or host name) this end binds its header sockets on when the peer is
-        on another host. Default: the local address that routes to the ``TCPStore``'s
-        host, else this host name's address. Unused on one host (``ipc://`` then).
+        Address (IP or host name) a sending end binds its credit socket on when the peer
+        is on another host. Default: the local address that routes to the
+        ``TCPStore``'s host, else this host name's address. Unused on one host
+        (``ipc://`` then).
+    slot_bytes : int
+        Size of the slot of every payload this end receives (default 16 KiB, a multiple
+        of 64 between 1 KiB and 1 MiB); published to the peer. The header and the small
+        tensors that fit travel in it: a payload that fits is one operation.
+    recv_depth : int
+        Slot receives kept posted ahead (default 4): how many payloads may land before
+        the receiver's host has read any (a sender further ahead waits on its GPU, not
+        its host). Published to the peer, which fills them after ``idle_fill`` (50 ms)
+        without a put, so that an idle link keeps none posted.
 
     Raises
     ------
@@ -530,6 +591,8 @@ class NcclConnector(BaseConnector):
         coalesce: bool = True,
         pack_bytes: int = 1 << 20,
         header_addr: str | None = None,
+        slot_bytes: int = 16 << 10,
+        recv_depth: int = 4,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
@@ -537,7 +600,7 @@ class NcclConnector(BaseConnector):
             master_port=master_port, connect_timeout=connect_timeout, send_window=send_window,
             max_inflight_bytes=max_inflight_bytes, max_pending_bytes=max_pending_bytes,
             inline_bytes=inline_bytes, max_inline_bytes=max_inline_bytes, max_message_bytes=max_message_bytes,
-            pack_bytes=pack_bytes, header_addr=header_addr,
+            pack_bytes=pack_bytes, header_addr=header_addr, slot_bytes=slot_bytes, recv_depth=recv_depth,
         )
         import torch
         import torch.distributed as dist
@@ -558,8 +621,10 @@ class NcclConnector(BaseConnector):
         self.max_message_bytes = max_message_bytes
         self.coalesce = bool(coalesce)
         self.pack_bytes = pack_bytes
+        self.slot_bytes = slot_bytes
+        self.recv_depth = recv_depth
         self.header_addr = header_addr
-        #: Largest header message accepted on the header socket (ZeroMQ refuses more).
+        #: Largest envelope accepted (a slot announcing more fails the link unallocated).
         self.max_header_bytes = blob.PREFIX_SIZE + blob.MAX_HEADER_BYTES + max_inline_bytes + _HEADER_SLACK
         # Sender: keys put recently (a repeat waits for its ack: DuplicateKeyError).
         self._sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -598,8 +663,8 @@ class NcclConnector(BaseConnector):
             inline_bytes = (64 << 10) if self._is_nccl else 0
         self.inline_bytes = min(inline_bytes, max_inline_bytes)
         # Zero bytes between packed tensors, ready before any stream reads them.
-        self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8, device=dev) if pack_bytes else None
-        if self._pad is not None and self._is_nccl:
+        self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8, device=dev)
+        if self._is_nccl:
             torch.cuda.synchronize(dev)
 
         # ----------------------------------------------------------------- store
@@ -659,22 +724,37 @@ class NcclConnector(BaseConnector):
         self._bye_lock = threading.Lock()
         self._bye_sent = False
         self._threads: list[threading.Thread] = []
-        self._pgs: dict[str, Any] = {}
+        self._pgs: dict[str, Any] = {}  # direction -> bulk group
+        self._slot_pgs: dict[str, Any] = {}  # direction -> slot group
+        self._send_stream: Any = None  # NCCL: slots without device data go from here
+        self._recv_streams: Any = None  # NCCL: (slot stream, bulk stream) of the receiver
+        self._pump_seq = 0  # the slot the poster waits for or handles
+        self._ring: collections.deque[tuple[Any, Any, Any]] = collections.deque()  # posted slots
+        # Sender: whether the receiver keeps slot receives posted (False once filled),
+        # when the last put went, and the filler thread's wake-ups.
+        self._armed = True
+        self._last_put = time.monotonic()
+        self._fill_armed = threading.Event()
+        self._fill_armed.set()
+        self._fill_stop = threading.Event()
+        self._idle_fill_s = _IDLE_FILL_S
+        self._filler: Any = None  # the filler slot, made once
+        self._bell_out: Any = None  # under _send_lock
+        self._bell_in: Any = None  # poster thread
+        self._pump_waker: _Waker | None = None
+        self._bell_poller: Any = None
+        self._bell_authed = False
+        self._meta_cache: dict[Any, tuple[Any, list[int], int, int]] = {}
         self._ctl_pg: Any = None
         self._sid = ""
         self._out = f"{rank}to{1 - rank}"
         self._in = f"{1 - rank}to{rank}"
         self._reap_q: queue.Queue[Any] = queue.Queue()
         self._done_q: queue.Queue[Any] = queue.Queue()
-        self._side_stream: Any = None
-        # ZeroMQ: the header channel (out: we send headers; in: we receive them) and the
-        # credits coming back; each socket is used by one thread at a time.
+        # ZeroMQ: the credits coming back; each socket is used by one thread at a time.
         self._zctx: Any = None
-        self._hdr_out: Any = None  # under _send_lock
         self._credit_in: Any = None  # under _send_lock
-        self._hdr_in: Any = None  # poster thread
         self._credit_out: Any = None  # completer thread
-        self._post_waker: _Waker | None = None
         self._credit_waker: _Waker | None = None
         self._credit_poller: Any = None
         self._peer_header_limit: int | None = None
@@ -685,6 +765,7 @@ class NcclConnector(BaseConnector):
             device_type=dev.type, host=self._host, pid=os.getpid(), token=self._token,
             send_window=send_window, max_message_bytes=max_message_bytes,
             max_header_bytes=self.max_header_bytes, max_inflight_bytes=max_inflight_bytes,
+            slot_bytes=slot_bytes, recv_depth=recv_depth,
         )
         try:
             self._st_main.set(f"hello/{rank}", wire.encode_hello(hello))
@@ -825,21 +906,25 @@ class NcclConnector(BaseConnector):
         self._open_sockets(st, deadline, same_host)
         self._ctl_pg = self._make_gloo(f"{self._sid}ctl/", same_host)
         for d in dirs:
-            if self._is_nccl:
-                self._pgs[d] = self._make_nccl(f"{self._sid}pg/{d}/")
-            else:
-                self._pgs[d] = self._make_gloo(f"{self._sid}pg/{d}/", same_host)
+            # Two groups per direction: slots (posted ahead on the receiver) and bulk
+            # buffers (posted once a slot was read); each keeps its own order.
+            for groups, name in ((self._slot_pgs, "slot"), (self._pgs, "bulk")):
+                if self._is_nccl:
+                    groups[d] = self._make_nccl(f"{self._sid}pg/{d}/{name}/")
+                else:
+                    groups[d] = self._make_gloo(f"{self._sid}pg/{d}/{name}/", same_host)
         torch = self._torch
         if self._is_nccl:
-            # Create the NCCL communicators now (a tiny exchange per direction) rather
-            # than inside the first put, whose wait could not then be bounded.
+            # Create the NCCL communicators now (a tiny exchange per group) rather than
+            # inside the first put, whose wait could not then be bounded.
             with torch.cuda.device(self.device):
-                self._side_stream = torch.cuda.Stream(self.device)
+                self._send_stream = torch.cuda.Stream(self.device)
+                self._recv_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
                 for d in dirs:
-                    t = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                    pg = self._pgs[d]
-                    w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
-                    w.wait()
+                    for pg in (self._slot_pgs[d], self._pgs[d]):
+                        t = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                        w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
+                        w.wait()
                 torch.cuda.current_stream(self.device).synchronize()
         self._spawn(self._watch, "watcher")
         if self._in in self._pgs:
@@ -847,40 +932,45 @@ class NcclConnector(BaseConnector):
             self._spawn(self._done_loop, "completer")
         if self._out in self._pgs and not self._is_nccl:
             self._spawn(self._reap_loop, "reaper")
+        if self._out in self._pgs:
+            self._spawn(self._fill_loop, "filler")
         self._ready.set()
 
     def _open_sockets(self, st: Any, deadline: Deadline, same_host: bool) -> None:
-        """Bind the sockets this end reads, trade addresses through the store (once),
-        connect the sockets it writes, and send the session id first on each."""
+        """Bind the sockets this end reads (a sender: credits; a receiver: the doorbell),
+        trade addresses through the store (once), connect the peer's, and send the
+        session id first on each."""
         ctx = self._zctx = zmq.Context()
         sending = self._out in self._dirs
         receiving = self._in in self._dirs
-        if same_host:
-            base = f"ipc://@omnilink-nccl-{self._token}-{self.rank}"
-        else:
-            base = f"tcp://{self._bind_address()}"
+        sid = self._sid.encode()
 
-        def bind(name: str, limit: int | None) -> tuple[Any, str]:
+        def bind(name: str) -> tuple[Any, str]:
             s = ctx.socket(zmq.PAIR)
             s.setsockopt(zmq.LINGER, 0)
             # Unbounded queues: the send window bounds what is ever queued.
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.SNDHWM, 0)
-            if limit is not None:
-                s.setsockopt(zmq.MAXMSGSIZE, limit)
-            s.bind(f"{base}-{name}" if same_host else f"{base}:*")
+            s.setsockopt(zmq.MAXMSGSIZE, max(wire.CREDIT_SIZE, len(sid)))
+            if same_host:
+                s.bind(f"ipc://@omnilink-nccl-{self._token}-{self.rank}-{name}")
+            else:
+                s.bind(f"tcp://{self._bind_address()}:*")
             return s, s.getsockopt_string(zmq.LAST_ENDPOINT)
 
-        mine = {"h": "", "c": ""}
-        if receiving:
-            self._hdr_in, mine["h"] = bind("h", self.max_header_bytes)
-            self._post_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-post")
+        mine = {"c": "", "d": ""}
         if sending:
-            self._credit_in, mine["c"] = bind("c", max(wire.CREDIT_SIZE, len(self._sid)))
+            self._credit_in, mine["c"] = bind("c")
             self._credit_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-credit")
             self._credit_poller = zmq.Poller()
             self._credit_poller.register(self._credit_in, zmq.POLLIN)
             self._credit_poller.register(self._credit_waker.rx, zmq.POLLIN)
+        if receiving:
+            self._bell_in, mine["d"] = bind("d")
+            self._pump_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-pump")
+            self._bell_poller = zmq.Poller()
+            self._bell_poller.register(self._bell_in, zmq.POLLIN)
+            self._bell_poller.register(self._pump_waker.rx, zmq.POLLIN)
         st.set(f"{self._sid}zmq/{self.rank}", wire.encode_endpoints(mine))
         peer_key = f"{self._sid}zmq/{self.peer_rank}"
         try:
@@ -889,11 +979,10 @@ class NcclConnector(BaseConnector):
             if _is_timeout(exc):
                 raise PeerLostError(
                     f"nccl: rank {self.peer_rank} of channel {self.channel!r} did not publish its "
-                    f"header sockets within connect_timeout={self.connect_timeout} s"
+                    f"sockets within connect_timeout={self.connect_timeout} s"
                 ) from exc
             raise
         theirs = wire.decode_endpoints(st.get(peer_key))
-        sid = self._sid.encode()
 
         def connect(endpoint: str, what: str) -> Any:
             if not endpoint.startswith(("ipc://@omnilink-nccl-", "tcp://")):
@@ -909,10 +998,10 @@ class NcclConnector(BaseConnector):
             s.send(sid)
             return s
 
-        if sending:
-            self._hdr_out = connect(theirs["h"], "header")
         if receiving:
             self._credit_out = connect(theirs["c"], "credit")
+        if sending:
+            self._bell_out = connect(theirs["d"], "doorbell")
 
     def _bind_address(self) -> str:
         """The local address the peer on another host can reach (see ``header_addr``)."""
@@ -1014,9 +1103,21 @@ class NcclConnector(BaseConnector):
         kind, count = int(buf[0]), int(buf[1])
         with self._cond:
             self._recv_total = count
+        # Closed before the reply: once the peer has its reply it may break the links,
+        # and what then fails here must read as a clean close, not a death.
+        self._peer_gone("closed", f"rank {self.peer_rank} closed channel {self.channel!r}")
         if kind == _CTL_BYE:
             self._send_bye(_CTL_BYE_REPLY)
-        self._peer_gone("closed", f"rank {self.peer_rank} closed channel {self.channel!r}")
+        self._stop_poster_if_done()
+
+    def _stop_poster_if_done(self) -> None:
+        """After the peer's goodbye: wake a poster that waits for a slot that will never
+        come (it read every payload the peer sent). It publishes ``_pump_seq`` before it
+        reads ``_recv_total`` and we the reverse, so one of us sees the other's write."""
+        total = self._recv_total
+        if total is None or self._in not in self._slot_pgs or self._pump_seq < total:
+            return
+        self._break_group(self._slot_pgs[self._in])
 
     def _send_bye(self, kind: int, wait: float | None = None) -> None:
         with self._bye_lock:
@@ -1039,16 +1140,37 @@ class NcclConnector(BaseConnector):
                 self._peer_reason = reason
             self._cond.notify_all()
         if state == "lost" and self._is_nccl:
-            for pg in self._pgs.values():
-                try:
-                    pg.abort()  # NCCL kernels waiting for a dead peer would never end
-                except RuntimeError:
-                    pass
+            for pg in self._data_groups():
+                self._break_group(pg)  # NCCL kernels waiting for a dead peer would never end
         self._wake_all()
 
+    def _data_groups(self) -> list[Any]:
+        return [*self._slot_pgs.values(), *self._pgs.values()]
+
+    def _break_group(self, pg: Any) -> None:
+        """End every operation pending on ``pg`` with an error, now.
+
+        NCCL: abort the communicator (its kernels exit). Gloo has no abort that wakes a
+        waiting receive, but a wait that times out closes the group's connection to the
+        peer, which fails every pending operation on both ends: a receive that nobody
+        will ever match is waited for 1 ms.
+        """
+        if self._is_nccl:
+            try:
+                pg.abort()
+            except RuntimeError as exc:
+                logger.debug("nccl: aborting a process group of %r: %r", self.channel, exc)
+            return
+        torch = self._torch
+        try:
+            w = pg.recv([torch.empty(1, dtype=torch.uint8)], self.peer_rank, _BREAK_TAG)
+            w.wait(datetime.timedelta(milliseconds=1))
+        except RuntimeError:
+            pass  # the connection is closed now (or was already)
+
     def _wake_all(self) -> None:
-        """Wake threads blocked on the sockets (poster, puts waiting for credits)."""
-        for waker in (self._post_waker, self._credit_waker):
+        """Wake threads blocked on a socket (puts waiting for credits, a disarmed poster)."""
+        for waker in (self._credit_waker, self._pump_waker):
             if waker is not None:
                 waker.wake()
 
@@ -1066,18 +1188,20 @@ class NcclConnector(BaseConnector):
             raise ConfigurationError(
                 f"nccl connector on channel {self.channel!r} was opened with role='receiver' and cannot put"
             )
+        self._wait_ready(deadline, key)
+        peer = self._peer
+        slot_bytes = peer.slot_bytes
         sp = wire.plan_send(
             payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
             max_inline_total=self.max_inline_bytes, key=key, pack_bytes=self.pack_bytes, pad=self._pad,
+            slot_bytes=slot_bytes,
         )
-        self._wait_ready(deadline, key)
-        limit = self._peer.max_message_bytes
+        limit = peer.max_message_bytes
         if limit is not None and sp.nbytes > limit:
             raise CapacityError(
                 f"nccl: payload of key {key!r} is {sp.nbytes} bytes, more than the "
                 f"max_message_bytes={limit} rank {self.peer_rank} accepts on channel {self.channel!r}"
             )
-        pg = self._pgs[self._out]
         with self._send_lock:
             self._check_send_state(key)
             repeat = key in self._sent_keys
@@ -1092,26 +1216,30 @@ class NcclConnector(BaseConnector):
                     f"{hlimit} rank {self.peer_rank} accepts on channel {self.channel!r} "
                     "(a huge tree or too much inline data; lower inline_bytes)"
                 )
-            self._wait_window(sp.p2p_bytes, deadline, key)
+            in_slot = wire.SLOT_HEAD + len(raw) <= slot_bytes
+            if sp.slot and not (in_slot and wire.slot_start(len(raw)) + self._slot_end(sp.slot) <= slot_bytes):
+                # The room was estimated from an upper bound of the envelope's size.
+                raise CapacityError(f"nccl: the slot tensors of key {key!r} do not fit the slot")  # pragma: no cover
+            wire_bytes = sp.p2p_bytes + (0 if in_slot else len(raw))
+            self._wait_window(wire_bytes, deadline, key)
             if repeat:
                 self._verdicts[seq] = None
             try:
-                self._hdr_out.send(raw, zmq.NOBLOCK, copy=len(raw) < 65536)
-            except zmq.ZMQError as exc:
-                self._verdicts.pop(seq, None)
-                raise self._translate(exc, key) from exc
-            self._send_seq = seq + 1
-            self._inflight.append((seq, sp.p2p_bytes))
-            self._inflight_bytes += sp.p2p_bytes
-            if sp.p2p:
+                if not self._armed:
+                    self._ring_bell(key)
                 if self._is_nccl:
                     torch = self._torch
                     with torch.cuda.device(self.device):
-                        works = self._post(pg, sp.p2p, send=True)
-                        for w in works:
-                            w.wait()  # the caller's stream waits for the sends: reuse is safe
+                        self._send_nccl(raw, in_slot, sp, slot_bytes)
                 else:
-                    self._reap_q.put((self._post(pg, sp.p2p, send=True), sp.p2p))
+                    self._send_gloo(raw, in_slot, sp, slot_bytes)
+            except BaseException:
+                self._verdicts.pop(seq, None)
+                raise
+            self._last_put = time.monotonic()
+            self._send_seq = seq + 1
+            self._inflight.append((seq, wire_bytes))
+            self._inflight_bytes += wire_bytes
             sent = self._sent_keys
             sent[key] = None
             sent.move_to_end(key)
@@ -1121,6 +1249,155 @@ class NcclConnector(BaseConnector):
                 # Under the send lock: the credits are read here only.
                 self._check_repeat(key, seq, deadline)
         return sp.nbytes
+
+    def _ring_bell(self, key: str | None) -> None:
+        """The receiver was filled (idle link): ask it to post slot receives again. The
+        put goes on at once: its slot send waits on the GPU (gloo: in gloo) until then.
+        Under ``_send_lock``."""
+        try:
+            self._bell_out.send(b"\x01", zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise self._translate(exc, key) from exc
+        self._armed = True
+        self._fill_armed.set()
+
+    def _fill_loop(self) -> None:
+        """Fill the receiver's posted slot receives once no put came for ``idle_fill``
+        seconds, so that an idle link keeps no operation waiting on either GPU (see
+        ``wire``: fillers). A timer: it sleeps until the link has been idle that long."""
+        stop = self._fill_stop
+        while True:
+            self._fill_armed.wait()
+            if stop.is_set():
+                return
+            left = self._last_put + self._idle_fill_s - time.monotonic()
+            if left > 0:
+                stop.wait(left)
+                continue
+            with self._send_lock:
+                if stop.is_set() or self._closing or self._peer_state is not None or self._link_error is not None:
+                    return
+                if not self._armed or time.monotonic() - self._last_put < self._idle_fill_s:
+                    continue
+                self._send_fillers()
+                self._armed = False
+                self._fill_armed.clear()
+
+    def _send_fillers(self) -> None:
+        """Send the receiver's ``recv_depth`` filler slots (under ``_send_lock``)."""
+        torch = self._torch
+        uint8 = torch.uint8
+        peer = self._peer
+        pg = self._slot_pgs[self._out]
+        try:
+            if self._is_nccl:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._send_stream):
+                    if self._filler is None:
+                        staging = torch.zeros(peer.slot_bytes, dtype=uint8, pin_memory=True)
+                        staging.numpy()[: wire.SLOT_HEAD] = memoryview(wire.filler_head())
+                        filler = torch.empty(peer.slot_bytes, dtype=uint8, device=self.device)
+                        filler.copy_(staging, non_blocking=True)
+                        self._filler = filler  # only ever read, on this stream and NCCL's
+                    for _ in range(peer.recv_depth):
+                        pg.send([self._filler], self.peer_rank, 0)
+            else:
+                import numpy as np
+
+                slot = np.zeros(peer.slot_bytes, dtype=np.uint8)
+                slot[: wire.SLOT_HEAD] = memoryview(wire.filler_head())
+                t = torch.from_numpy(slot)
+                works = [pg.send([t], self.peer_rank, 0) for _ in range(peer.recv_depth)]
+                self._reap_q.put((works, [t]))
+        except RuntimeError as exc:
+            raise self._translate(exc, None) from exc
+
+    @staticmethod
+    def _slot_end(flats: list[Any]) -> int:
+        end = 0
+        for t in flats:
+            end = wire._align(end) + int(t.numel())
+        return end
+
+    def _send_nccl(self, raw: bytes, in_slot: bool, sp: wire.SendPlan, slot_bytes: int) -> None:
+        """Post one payload's slot and bulk buffers (the link's device is current).
+
+        A slot with device tensors is filled and sent on the caller's stream, which then
+        waits for it (the caller may reuse its tensors: the stream contract). A slot of
+        host bytes only goes from the connector's send stream, so it does not queue
+        behind the bulk data of earlier payloads on the caller's stream: the receiver
+        reads it and posts this payload's bulk receives while those are still moving.
+        """
+        torch = self._torch
+        uint8 = torch.uint8
+        dev = self.device
+        head = wire.slot_head(len(raw), in_slot)
+        n = wire.SLOT_HEAD + (len(raw) if in_slot else 0)
+        # Pinned staging from torch's caching host allocator: the copy records its
+        # stream, so the block is not reused before the copy has read it.
+        staging = torch.empty(n, dtype=uint8, pin_memory=True)
+        view = staging.numpy()
+        view[: wire.SLOT_HEAD] = memoryview(head)
+        if in_slot:
+            view[wire.SLOT_HEAD:] = memoryview(raw)
+        peer = self.peer_rank
+        slot_pg = self._slot_pgs[self._out]
+        try:
+            if sp.slot:
+                slot = torch.empty(slot_bytes, dtype=uint8, device=dev)
+                slot[:n].copy_(staging, non_blocking=True)
+                start = wire.slot_start(len(raw))
+                parts: list[Any] = []
+                end = 0
+                for flat in sp.slot:
+                    at = wire._align(end)
+                    if at > end:
+                        parts.append(self._pad[: at - end])
+                    parts.append(flat)
+                    end = at + int(flat.numel())
+                torch.cat(parts, out=slot[start: start + end])
+                slot_pg.send([slot], peer, 0).wait()
+                return
+            with torch.cuda.stream(self._send_stream):
+                slot = torch.empty(slot_bytes, dtype=uint8, device=dev)
+                slot[:n].copy_(staging, non_blocking=True)
+                slot_pg.send([slot], peer, 0)
+            bulk = sp.p2p
+            if not in_slot:
+                env = torch.empty(len(raw), dtype=uint8, pin_memory=True)
+                env.numpy()[:] = memoryview(raw)
+                bulk = [env.to(dev, non_blocking=True), *bulk]
+            if bulk:
+                for w in self._post(self._pgs[self._out], bulk, send=True):
+                    w.wait()  # the caller's stream waits for the sends: reuse is safe
+        except RuntimeError as exc:
+            raise self._translate(exc, None) from exc
+
+    def _send_gloo(self, raw: bytes, in_slot: bool, sp: wire.SendPlan, slot_bytes: int) -> None:
+        """Post one payload's slot and bulk buffers on gloo; the reaper keeps them alive
+        until sent (gloo reads them when the receiver is ready)."""
+        import numpy as np
+
+        torch = self._torch
+        slot = np.zeros(slot_bytes, dtype=np.uint8)
+        slot[: wire.SLOT_HEAD] = memoryview(wire.slot_head(len(raw), in_slot))
+        if in_slot:
+            slot[wire.SLOT_HEAD: wire.SLOT_HEAD + len(raw)] = memoryview(raw)
+        if sp.slot:
+            at = wire.slot_start(len(raw))
+            end = 0
+            for flat in sp.slot:
+                start = wire._align(end)
+                n = int(flat.numel())
+                slot[at + start: at + start + n] = flat.numpy()
+                end = start + n
+        bulk = sp.p2p if in_slot else [torch.frombuffer(bytearray(raw), dtype=torch.uint8), *sp.p2p]
+        st = torch.from_numpy(slot)
+        try:
+            works = [self._slot_pgs[self._out].send([st], self.peer_rank, 0)]
+        except RuntimeError as exc:
+            raise self._translate(exc, None) from exc
+        works += self._post(self._pgs[self._out], bulk, send=True) if bulk else []
+        self._reap_q.put((works, [st, *bulk]))
 
     def _check_repeat(self, key: str, seq: int, deadline: Deadline) -> None:
         """Wait for the credit of a repeated key's payload; raise DuplicateKeyError if the
@@ -1237,7 +1514,7 @@ class NcclConnector(BaseConnector):
                 try:
                     _gloo_wait(w)
                 except RuntimeError as exc:
-                    if self._closing:
+                    if self._closing or self._peer_state is not None:
                         return
                     self._peer_gone("lost", f"sending to rank {self.peer_rank} failed ({exc})")
                     return
@@ -1251,29 +1528,92 @@ class NcclConnector(BaseConnector):
 
     # ================================================================== receiving
     def _post_loop(self) -> None:
-        """Read envelopes in sequence order and post their receives (eagerly)."""
+        """Keep ``recv_depth`` slot receives posted; read each slot in sequence order as it
+        lands and post its payload's bulk receives (eagerly: a put followed by a get in
+        one thread never deadlocks, and keys may be got in any order)."""
         torch = self._torch
-        sock = self._hdr_in
-        waker = cast(_Waker, self._post_waker)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(waker.rx, zmq.POLLIN)
-        pg = self._pgs[self._in]
+        slot_pg = self._slot_pgs[self._in]
+        peer = self.peer_rank
         dev = self.device
         uint8 = torch.uint8
-        if self._is_nccl:
+        slot_bytes = self.slot_bytes
+        nccl = self._is_nccl
+        if nccl:
             # This thread's own device and stream (thread-local in torch), set once: the
-            # receives' buffers come from the side stream, which waits for the receives.
+            # slot buffers come from the slot stream, which waits for their receives.
             torch.cuda.set_device(dev)
-            torch.cuda.set_stream(self._side_stream)
-        sid = self._sid.encode()
-        authed = False
+            torch.cuda.set_stream(self._recv_streams[0])
+        ring = self._ring
+        depth = self.recv_depth
+
+        def post_slot() -> None:
+            if nccl:
+                buf = torch.empty(slot_bytes, dtype=uint8, device=dev)
+                slot_pg.recv([buf], peer, 0).wait()
+                # The slot's bytes reach the host behind its receive, queued now: when
+                # the slot lands, no host round trip stands between it and its reader.
+                host = torch.empty(slot_bytes, dtype=uint8, pin_memory=True)
+                host.copy_(buf, non_blocking=True)
+                # CUDA's default wait spins (the fastest wake-up); it is bounded: slot
+                # receives stay posted at most idle_fill after the last put (fillers),
+                # and a disarmed reader sleeps on the doorbell socket.
+                landed = torch.cuda.Event()
+                landed.record()
+                ring.append((buf, host, landed))
+            else:
+                buf = torch.empty(slot_bytes, dtype=uint8)
+                ring.append((buf, buf, slot_pg.recv([buf], peer, 0)))
+
+        for _ in range(depth):
+            post_slot()
         seq = 0
         while True:
-            self._post_seq = seq
+            self._pump_seq = seq
             total = self._recv_total
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return
+            if not ring:
+                # Every posted receive was filled (an idle link): none stays posted until
+                # the sender rings, right before its next slot.
+                if not self._await_bell(seq):
+                    return
+                for _ in range(depth):
+                    post_slot()
+                continue
+            buf, host, landed = ring[0]
+            try:
+                if nccl:
+                    landed.synchronize()
+                else:
+                    _gloo_wait(landed)
+            except RuntimeError as exc:
+                if self._closing or self._peer_state is not None:
+                    return
+                self._peer_gone("lost", f"the process of rank {peer} died or dropped the connection ({exc})")
+                return
+            total = self._recv_total
+            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
+                return  # woken by close or by the goodbye, not by a slot
+            ring.popleft()
+            if wire.is_filler(host.numpy()):
+                continue  # not re-posted: the last one leaves the ring empty
+            self._take(seq, buf, host)
+            # Re-posted after the payload is listed: the ring holds recv_depth - 1 more
+            # slots meanwhile, and the reader of this one does not wait for the posting.
+            post_slot()
+            seq += 1
+            self._posted = seq
+
+    def _await_bell(self, seq: int) -> bool:
+        """Wait (woken by the socket or the waker) for the sender's doorbell; ``False``
+        when the link ended meanwhile. The first message must be the session id."""
+        sock = self._bell_in
+        waker = cast(_Waker, self._pump_waker)
+        poller = self._bell_poller
+        while True:
+            total = self._recv_total
+            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
+                return False
             try:
                 raw = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
@@ -1282,92 +1622,160 @@ class NcclConnector(BaseConnector):
                         waker.drain()
                 except zmq.ZMQError:
                     if self._closing:
-                        return
+                        return False
                     raise
                 continue
             except zmq.ZMQError as exc:
                 if self._closing:
-                    return
-                self._peer_gone("lost", f"the header socket of channel {self.channel!r} failed ({exc})")
-                return
-            if not authed:
-                if raw != sid:
+                    return False
+                self._peer_gone("lost", f"the doorbell socket of channel {self.channel!r} failed ({exc})")
+                return False
+            if not self._bell_authed:
+                if raw != self._sid.encode():
                     raise BlobDecodeError(
-                        f"nccl: the first message on the header socket of channel {self.channel!r} is "
+                        f"nccl: the first message on the doorbell socket of channel {self.channel!r} is "
                         "not this session's id (another process connected to it)"
                     )
-                authed = True
+                self._bell_authed = True
                 continue
-            # Everything an envelope declares is validated, and its size checked against
-            # max_message_bytes, before anything is allocated. An envelope that cannot be
-            # sized leaves no way to stay in step with the sends: it fails the link with
-            # its named error (raised to _guard), never with an allocation.
-            env = wire.decode_envelope(raw)
-            if env.seq != seq:
-                raise BlobDecodeError(f"nccl: envelope {seq} of channel {self.channel!r} says seq {env.seq}")
-            header = wire.parse_meta(env)
-            sizes = wire.check_sizes(header, env.plan)
-            nbytes = sum(sizes)
-            frame = blob.peek_header(env.meta)[2]
-            if frame > self.max_message_bytes:
-                raise CapacityError(
-                    f"nccl: rank {self.peer_rank} announced key {env.key!r} of {frame} bytes on channel "
-                    f"{self.channel!r}, more than max_message_bytes={self.max_message_bytes}; nothing "
-                    "was allocated, and the link cannot continue (the sender ignored the limit)"
-                )
-            item = _Arrived(seq, env.key, nbytes, frame)
-            with self._cond:
-                # Backpressure: hold off while unread payloads fill the budget.
-                while (
-                    self._pending_bytes
-                    and self._pending_bytes + nbytes > self.max_pending_bytes
-                    and not self._closing
-                ):
-                    self._cond.wait()
-                if self._closing:
-                    return
-                if self._inbox.get(env.key):
-                    item.duplicate = True  # received below, then dropped with its verdict
-                else:
-                    self._pending_bytes += nbytes
-                    self._inbox.setdefault(env.key, collections.deque()).append(item)
-                    self._consumed.forget(env.key)
-            event = None
-            if self._is_nccl:
-                bufs = [torch.empty(n, dtype=uint8, device=dev) for n in sizes]
-                works = self._post(pg, bufs, send=False) if bufs else []
-                for w in works:
-                    w.wait()  # the side stream waits for the receives
-                item.device_tensors = bufs
-                if wire.STAGED in env.plan:
-                    # Host data staged through the device: back to (pinned) host memory
-                    # on the side stream, after the receives.
-                    host_bufs = []
-                    for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
-                        if staged:
-                            h = torch.empty(buf.numel(), dtype=uint8, pin_memory=True)
-                            h.copy_(buf, non_blocking=True)
-                            buf = h
-                        host_bufs.append(buf)
-                    item.device_tensors = [b for b in host_bufs if b.is_cuda]
-                    bufs = host_bufs
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                bufs = [torch.empty(n, dtype=uint8) for n in sizes]
-                works = self._post(pg, bufs, send=False) if bufs else []
-            if not item.duplicate and wire.early_ready(header, env.plan, nccl=self._is_nccl):
-                # Building the payload's views and tree needs none of its bytes: it is
-                # ready now, and get waits for its receives itself (the completer,
-                # which credits the sender, is not in the way).
-                self._ready_early(item, env, header, bufs, event if event is not None else _Landed())
-            self._done_q.put((item, env, header, bufs, works, event))
-            seq += 1
-            self._posted = seq
+            return True
 
-    def _ready_early(self, item: _Arrived, env: wire.Envelope, header: Any, bufs: list[Any], landed: Any) -> None:
+    def _parse(self, env: wire.Envelope) -> tuple[Any, list[int], int, int]:
+        """``(header, bulk sizes, frame size, SLOT bytes)`` of an envelope, validated.
+
+        What a stage sends chunk after chunk has the same meta, plan and inline sizes:
+        the result of the last ``_META_CACHE`` distinct ones is kept, keyed by all three
+        (the meta bytes fix the descriptors; the plan and inline sizes are what
+        ``wire.parse_meta`` checks against them)."""
+        key = (env.meta, tuple(env.plan), tuple(len(part) for part in env.inline))
+        hit = self._meta_cache.get(key)
+        if hit is not None:
+            return hit
+        header = wire.parse_meta(env)
+        sizes = wire.check_sizes(header, env.plan)
+        frame = blob.peek_header(env.meta)[2]
+        used = wire.slot_layout(header, env.plan)[1]
+        if len(self._meta_cache) >= _META_CACHE:
+            self._meta_cache.clear()
+        hit = self._meta_cache[key] = (header, sizes, frame, used)
+        return hit
+
+    def _take(self, seq: int, slot: Any, host: Any) -> None:
+        """Read the landed slot ``seq`` and post its payload's bulk receives.
+
+        Everything the slot declares is validated, and the payload's size checked
+        against ``max_message_bytes``, before anything is allocated. A slot that cannot
+        be sized leaves no way to stay in step with the sends: it fails the link with
+        its named error (raised to ``_guard``), never with an allocation.
+        """
+        torch = self._torch
+        raw = host.numpy()
+        env_len, in_slot = wire.read_slot_head(raw, self.slot_bytes, self.max_header_bytes)
+        env_raw = raw[wire.SLOT_HEAD: wire.SLOT_HEAD + env_len] if in_slot else self._recv_envelope(env_len)
+        env = wire.decode_envelope(env_raw)
+        if env.seq != seq:
+            raise BlobDecodeError(f"nccl: slot {seq} of channel {self.channel!r} says seq {env.seq}")
+        header, sizes, frame, used = self._parse(env)
+        if frame > self.max_message_bytes:
+            raise CapacityError(
+                f"nccl: rank {self.peer_rank} announced key {env.key!r} of {frame} bytes on channel "
+                f"{self.channel!r}, more than max_message_bytes={self.max_message_bytes}; nothing "
+                "was allocated, and the link cannot continue (the sender ignored the limit)"
+            )
+        sstart = wire.slot_start(env_len)
+        if used:
+            if not in_slot or sstart + used > self.slot_bytes:
+                raise BlobDecodeError(
+                    f"nccl: key {env.key!r} plans {used} bytes of SLOT tensors at {sstart}, beyond its "
+                    f"{self.slot_bytes}-byte slot"
+                )
+        nbytes = sum(sizes)
+        item = _Arrived(seq, env.key, nbytes, frame)
+        with self._cond:
+            # Backpressure: hold off while unread payloads fill the budget.
+            while (
+                self._pending_bytes
+                and self._pending_bytes + nbytes > self.max_pending_bytes
+                and not self._closing
+            ):
+                self._cond.wait()
+            if self._closing:
+                return
+            if self._inbox.get(env.key):
+                item.duplicate = True  # received below, then dropped with its verdict
+            else:
+                self._pending_bytes += nbytes
+                self._inbox.setdefault(env.key, collections.deque()).append(item)
+                self._consumed.forget(env.key)
+        event = None
+        works: list[Any] = []
+        uint8 = torch.uint8
+        if self._is_nccl:
+            bufs: list[Any] = []
+            if sizes:
+                with torch.cuda.stream(self._recv_streams[1]):
+                    bufs = [torch.empty(n, dtype=uint8, device=self.device) for n in sizes]
+                    works = self._post(self._pgs[self._in], bufs, send=False)
+                    for w in works:
+                        w.wait()  # the bulk stream waits for the receives
+                    if wire.STAGED in env.plan:
+                        # Host data staged through the device: back to (pinned) host
+                        # memory on the bulk stream, after the receives.
+                        host_bufs = []
+                        for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
+                            if staged:
+                                h = torch.empty(buf.numel(), dtype=uint8, pin_memory=True)
+                                h.copy_(buf, non_blocking=True)
+                                buf = h
+                            host_bufs.append(buf)
+                        bufs = host_bufs
+                    event = torch.cuda.Event()
+                    event.record()
+            item.device_tensors = [b for b in bufs if b.is_cuda]
+            if wire.SLOT in env.plan:
+                item.device_tensors.append(slot)
+        else:
+            bufs = [torch.empty(n, dtype=uint8) for n in sizes]
+            works = self._post(self._pgs[self._in], bufs, send=False) if bufs else []
+        if not item.duplicate and wire.early_ready(header, env.plan, nccl=self._is_nccl):
+            # Building the payload's views and tree needs none of its bulk bytes: it is
+            # ready now, and get waits for them itself (the completer, which credits
+            # the sender, is not in the way). Without bulk buffers it has landed.
+            landed = event if event is not None else (_Landed() if works else None)
+            self._ready_early(item, env, header, bufs, landed, slot, sstart)
+        self._done_q.put((item, env, header, bufs, works, event, slot, sstart))
+
+    def _recv_envelope(self, n: int) -> Any:
+        """The envelope that did not fit its slot: the payload's first bulk buffer (rare:
+        a huge tree or much inline data), received and brought to the host now."""
+        torch = self._torch
+        pg = self._pgs[self._in]
+        if not self._is_nccl:
+            buf = torch.empty(n, dtype=torch.uint8)
+            for w in self._post(pg, [buf], send=False):
+                _gloo_wait(w)
+            return buf.numpy()
+        with torch.cuda.stream(self._recv_streams[1]):
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            for w in self._post(pg, [buf], send=False):
+                w.wait()
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+            landed = torch.cuda.Event(blocking=True)
+            landed.record()
+        landed.synchronize()
+        if self._closing or self._peer_state == "lost":
+            raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+        return host.numpy()
+
+    def _ready_early(
+        self, item: _Arrived, env: wire.Envelope, header: Any, bufs: list[Any], landed: Any, slot: Any,
+        sstart: int,
+    ) -> None:
         try:
-            views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
+            views = wire.build_views(
+                header, env.plan, env.inline, bufs, device=self.device, slot=slot, slot_start=sstart,
+            )
             payload = wire.decode_tree(header, views)
         except OmnilinkError as exc:
             logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
@@ -1399,7 +1807,7 @@ class NcclConnector(BaseConnector):
             entry = self._done_q.get()
             if entry is None:
                 return
-            item, env, header, bufs, works, event = entry
+            item, env, header, bufs, works, event, slot, sstart = entry
             early = item.done or item.error is not None
             try:
                 try:
@@ -1416,7 +1824,9 @@ class NcclConnector(BaseConnector):
                             item.event.set()  # a get waiting for it checks the link state
                             self._cond.notify_all()
                 if not early:
-                    views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device)
+                    views = wire.build_views(
+                        header, env.plan, env.inline, bufs, device=self.device, slot=slot, slot_start=sstart,
+                    )
                     payload = wire.decode_tree(header, views)
             except BaseException as exc:
                 if self._closing:
@@ -1456,7 +1866,7 @@ class NcclConnector(BaseConnector):
                         self._recv_done = item.seq + 1
                         self._cond.notify_all()
             # Drop this thread's references: the payload lives as long as its reader wants.
-            payload = entry = None
+            payload = entry = slot = None
             views = bufs = []
             owed += 1
             owed_bytes += item.nbytes
@@ -1649,6 +2059,8 @@ class NcclConnector(BaseConnector):
             self._send_lock.release()
 
     def _close(self) -> None:
+        self._fill_stop.set()
+        self._fill_armed.set()
         setup = self._threads[0]
         if setup.is_alive():
             # Still looking for the peer: wake its hello wait (an empty hello is created
@@ -1661,7 +2073,18 @@ class NcclConnector(BaseConnector):
             setup.join(self.connect_timeout)
         self._wake_all()
         if self._ctl_pg is not None and self._peer_state is None:
-            self._send_bye(_CTL_BYE, wait=min(self.connect_timeout, 10.0))
+            wait = min(self.connect_timeout, 10.0)
+            self._send_bye(_CTL_BYE, wait=wait)
+            # The reply says the peer has marked us closed: only then break the links,
+            # so that what fails on its side reads as a clean close.
+            watcher = next((t for t in self._threads if "-watcher-" in t.name), None)
+            if watcher is not None:
+                watcher.join(wait)
+        # The poster always waits for a slot that will not come now, and the slot and
+        # bulk receives it posted ahead stay pending: end them (an NCCL abort, a gloo
+        # connection closed), which also wakes every thread blocked in one.
+        for pg in self._data_groups():
+            self._break_group(pg)
         self._reap_q.put(None)
         self._done_q.put(None)
         me = threading.current_thread()
@@ -1671,21 +2094,6 @@ class NcclConnector(BaseConnector):
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             logger.debug("nccl: threads still blocked at close of %r: %s", self.channel, stuck)
-        if self._is_nccl:
-            # An NCCL send whose receive will never be posted (the peer closed first), or
-            # a receive the peer will never feed, keeps a kernel waiting: then abort.
-            # Otherwise shut down gracefully (frees the communicator's resources).
-            unfinished = (
-                bool(stuck)
-                or self._peer_state == "lost"
-                or (self._out in self._pgs and self._send_seq - 1 > self._acked_upto)
-                or (self._in in self._pgs and self._posted > self._recv_done)
-            )
-            for pg in self._pgs.values():
-                try:
-                    pg.abort() if unfinished else pg.shutdown()
-                except RuntimeError as exc:
-                    logger.debug("nccl: closing a process group of %r: %r", self.channel, exc)
         with self._cond:
             self._inbox.clear()
             self._pending_bytes = 0
@@ -1694,6 +2102,7 @@ class NcclConnector(BaseConnector):
         self._release_claim()
         if not stuck:
             self._pgs.clear()
+            self._slot_pgs.clear()
             self._ctl_pg = None
 
     def _close_sockets(self, stuck: list[str]) -> None:
@@ -1703,14 +2112,14 @@ class NcclConnector(BaseConnector):
         left = []
         if self._send_lock.acquire(timeout=2.0):
             try:
-                for s in (self._hdr_out, self._credit_in, self._credit_waker):
+                for s in (self._credit_in, self._credit_waker, self._bell_out):
                     if s is not None:
                         s.close()
             finally:
                 self._send_lock.release()
         else:
             left.append("sender")
-        for thread, parts in (("poster", (self._hdr_in, self._post_waker)), ("completer", (self._credit_out,))):
+        for thread, parts in (("completer", (self._credit_out,)), ("poster", (self._bell_in, self._pump_waker))):
             if any(f"-{thread}-" in name for name in stuck):
                 left.append(thread)
                 continue

@@ -1,44 +1,69 @@
-"""What the ``nccl`` backend sends on its header channel, and how it rebuilds a payload.
+"""What the ``nccl`` backend sends for one payload, and how the receiver rebuilds it.
 
-The header of a payload never travels with its tensor bytes. It is a small msgpack
-*envelope* sent on the link's header channel (a ZeroMQ ``PAIR`` socket, see
-``omnilink.connectors.nccl.connector``); the bytes travel by point-to-point
-``send``/``recv`` of the process group. The envelope embeds the payload's tensor_blob
-``meta`` (prefix + ``BlobHeader``: descriptors and payload tree, see ``omnilink.blob``),
-made by ``omnilink.blob.prepare`` without copying a single tensor byte, so the nccl
-backend speaks the project's one wire format for everything but the data region::
+Everything of a payload travels by point-to-point ``send``/``recv`` of the link's
+process groups, on the same NCCL streams as the data: no side channel carries headers.
+Each direction has two groups (two NCCL communicators): the *slot* group carries one
+fixed-size slot per payload, the *bulk* group the payload's larger buffers. The
+receiver keeps ``recv_depth`` slot receives posted ahead, so a slot lands without
+waiting for the receiver's host; the bulk receives are posted once its slot was read.
 
-    header message  msgpack array  [seq, key, meta, plan, inline, flags]
+Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
+
+    offset  size  field
+    0       4     magic b"OLNS"
+    4       4     envelope length E (u32 little-endian)
+    8       4     where the envelope is: 0 in this slot (at 16), 1 first bulk buffer,
+                  2 nowhere: a FILLER slot (E = 0), which carries no payload
+    12      4     reserved, 0
+    16      E     envelope (when in the slot)
+    S       ...   SLOT tensors, S = 16 + E rounded up to 64; each at the next multiple
+                  of 64 in descriptor order (the same rule as the pack)
+    ...           the rest of the slot is unspecified (never read)
+
+    envelope  msgpack array  [seq, key, meta, plan, inline, flags]
       seq     u64     position in the sender's stream (0, 1, 2, ...)
       key     str     the payload's key
       meta    bytes   tensor_blob prefix + header (tensor i = descriptor i)
       plan    [u8]    how tensor i travels, one code per descriptor:
                         0 EMPTY   no bytes (numel == 0)
-                        1 P2P     its own send/recv, straight into a tensor on the
-                                  receiver's device
-                        2 STAGED  host data on an nccl link: copied to the sender's
-                                  device, sent, copied back to host
-                        3 INLINE  small host data carried in ``inline``
-                        4 PACK    a small tensor carried in the payload's pack: one
-                                  buffer holding every PACK tensor, sent by one
-                                  send and received by one recv
+                        1 P2P     a bulk buffer of its own (device data on NCCL: a view
+                                  of its receive buffer; host data on gloo)
+                        2 STAGED  host data on an NCCL link: copied to the sender's
+                                  device, sent as a bulk buffer, copied back to host
+                        3 INLINE  small host data (``inline_bytes``, by default on
+                                  NCCL links only), in ``inline``
+                        4 PACK    in the pack: one bulk buffer holding every PACK tensor
+                        5 SLOT    in the slot itself (after the envelope)
       inline  [bytes] the INLINE tensors' bytes, in descriptor order
       flags   u8      bit 0 REPEAT: the sender put this key recently and waits for
                       the receiver's verdict (a duplicate or not) on this payload
 
-    pack layout     PACK tensors in descriptor order, each at the next multiple of
-                    64 bytes (``FRAME_ALIGN``: any dtype's view is aligned); the pack
-                    is as long as the end of its last tensor; padding bytes are zero
+    bulk buffers, in this order: the envelope (only when it did not fit the slot),
+                    the pack (if any PACK tensor), one per P2P/STAGED descriptor
 
     credit message  8-byte little-endian i64  ``seq``: payloads 0..seq fully received
                     + 1 byte verdict  ``1``: payload ``seq`` was dropped because its key
                     was still pending on the receiver (``DuplicateKeyError``), else 0
+                    (credits come back on a ZeroMQ socket, batched: see the connector)
 
-Both ends derive the list of transfers of one payload from the envelope alone: the
-pack first (if any PACK tensor), then one transfer per P2P/STAGED descriptor in
-descriptor order. The receiver posts the ``recv``s right after reading the envelope,
-the sender posts the matching ``send``s right after sending it, so both ends issue the
-operations in the same order (what NCCL requires).
+Fillers: receives posted ahead are NCCL operations that wait until the sender sends,
+and other work queued behind them waits too; so a link does not keep them posted while
+idle. Once no ``put`` came for ``idle_fill`` seconds, the sender sends exactly
+``recv_depth`` FILLER slots (the receiver's posted receives, all that are left once
+every real slot was read); the receiver takes them without posting new ones and is
+then disarmed. The sender's next ``put`` first rings the receiver's doorbell (one
+ZeroMQ message), on which it posts ``recv_depth`` slot receives again; the ``put``
+itself waits for nothing (its slot send waits on the GPU until the receive is posted).
+
+On an NCCL link a slot carries device (SLOT) tensors only when the payload has no bulk
+buffer: such a slot must wait for the caller's stream (its tensors are made there),
+while a slot of header bytes alone is sent from a stream of its own, ahead of the bulk
+data queued behind earlier payloads. So a small payload is ONE operation (its slot), a
+larger one its slot plus one coalesced group of bulk buffers (pack, then large ones).
+
+Both ends derive every size and offset from the envelope alone, and the receiver checks
+them (tensor_blob limits, plan against descriptors, the slot region inside the slot,
+``max_message_bytes``) before it allocates anything.
 """
 
 from __future__ import annotations
@@ -60,6 +85,8 @@ __all__ = [
     "P2P",
     "PACK",
     "PACK_MAX_BYTES",
+    "SLOT",
+    "SLOT_HEAD",
     "STAGED",
     "Endpoints",
     "Envelope",
@@ -77,19 +104,34 @@ __all__ = [
     "encode_endpoints",
     "encode_envelope",
     "encode_hello",
+    "filler_head",
+    "is_filler",
     "pack_layout",
     "parse_meta",
     "plan_send",
+    "read_slot_head",
+    "slot_head",
+    "slot_layout",
+    "slot_start",
     "staged_transfers",
 ]
 
-EMPTY, P2P, STAGED, INLINE, PACK = 0, 1, 2, 3, 4
-_PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE", PACK: "PACK"}
+EMPTY, P2P, STAGED, INLINE, PACK, SLOT = 0, 1, 2, 3, 4, 5
+_PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE", PACK: "PACK", SLOT: "SLOT"}
 FLAG_REPEAT = 1
 _FLAGS_KNOWN = FLAG_REPEAT
 
-#: Version of this header protocol; both ends must speak the same one.
-PROTOCOL = 2
+#: Version of this protocol; both ends must speak the same one.
+PROTOCOL = 3
+
+_SLOT_MAGIC = b"OLNS"
+_SLOT_HEAD = struct.Struct("<4sIII")
+#: Bytes of the slot's fixed head (magic, envelope length, where, reserved).
+SLOT_HEAD = _SLOT_HEAD.size
+#: The envelope's place, third field of the slot head; FILLER: no payload (see below).
+ENV_IN_SLOT, ENV_IN_BULK, FILLER = 0, 1, 2
+#: Smallest slot a link may use: the head plus a small envelope.
+MIN_SLOT_BYTES = 1024
 
 #: Most bytes one payload's pack holds; further small tensors get their own transfer
 #: (the pack costs the sender a copy and the receiver one buffer shared by its views).
@@ -100,7 +142,7 @@ CREDIT_SIZE = _CREDIT.size
 
 
 class Envelope(msgspec.Struct, array_like=True, frozen=True):
-    """The header-channel record of one payload (see the module docstring)."""
+    """The envelope of one payload (see the module docstring)."""
 
     seq: int
     key: str
@@ -129,15 +171,19 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     max_header_bytes: int | None = None
     #: Most bytes this end keeps announced and not yet received as a sender.
     max_inflight_bytes: int | None = None
+    #: Size of every slot this end receives (the sender sends exactly this many bytes).
+    slot_bytes: int = 16384
+    #: Slot receives this end posts when it (re)arms (the sender fills exactly as many).
+    recv_depth: int = 4
 
 
 class Endpoints(msgspec.Struct, frozen=True):
     """The addresses of the sockets one end binds, traded once through the store."""
 
-    #: Where the peer sends headers to this end ("" if this end does not receive).
-    h: str
     #: Where the peer sends credits to this end ("" if this end does not send).
     c: str
+    #: Where the peer rings this end's doorbell ("" if this end does not receive).
+    d: str = ""
 
 
 _ENV_ENCODER = msgspec.msgpack.Encoder()
@@ -163,9 +209,9 @@ def decode_endpoints(raw: bytes) -> dict[str, str]:
         ep = _ENDPOINTS_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
         raise BlobDecodeError(f"nccl: malformed socket addresses in the store: {exc}") from exc
-    if len(ep.h) > _MAX_ENDPOINT or len(ep.c) > _MAX_ENDPOINT:
+    if len(ep.c) > _MAX_ENDPOINT or len(ep.d) > _MAX_ENDPOINT:
         raise BlobDecodeError("nccl: a socket address in the store is longer than 512 characters")
-    return {"h": ep.h, "c": ep.c}
+    return {"c": ep.c, "d": ep.d}
 
 
 def encode_hello(hello: Hello) -> bytes:
@@ -191,7 +237,7 @@ def encode_envelope(env: Envelope) -> bytes:
 
 
 def decode_envelope(raw: Any) -> Envelope:
-    """Decode an envelope received on the header channel.
+    """Decode an envelope read from a slot (or the first bulk buffer).
 
     Raises
     ------
@@ -201,10 +247,58 @@ def decode_envelope(raw: Any) -> Envelope:
     try:
         env = _ENV_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-        raise BlobDecodeError(f"nccl: malformed header-channel envelope: {exc}") from exc
+        raise BlobDecodeError(f"nccl: malformed envelope: {exc}") from exc
     if env.flags & ~_FLAGS_KNOWN or env.flags < 0:
         raise BlobDecodeError(f"nccl: envelope of key {env.key!r} has unknown flags {env.flags:#x}")
     return env
+
+
+def slot_head(env_len: int, in_slot: bool) -> bytes:
+    """The 16-byte head of a slot whose envelope is ``env_len`` bytes."""
+    return _SLOT_HEAD.pack(_SLOT_MAGIC, env_len, ENV_IN_SLOT if in_slot else ENV_IN_BULK, 0)
+
+
+def filler_head() -> bytes:
+    """The head of a filler slot: no envelope, no payload."""
+    return _SLOT_HEAD.pack(_SLOT_MAGIC, 0, FILLER, 0)
+
+
+def is_filler(raw: Any) -> bool:
+    """Whether the slot ``raw`` is a filler (exactly ``filler_head``)."""
+    if len(raw) < SLOT_HEAD:
+        return False
+    magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
+    return where == FILLER and magic == _SLOT_MAGIC and env_len == 0 and reserved == 0
+
+
+def read_slot_head(raw: Any, slot_bytes: int, max_header_bytes: int) -> tuple[int, bool]:
+    """Validate a slot's head; return ``(envelope length, envelope in the slot)``.
+
+    Raises
+    ------
+    BlobDecodeError
+        Not a slot (magic, where, reserved), or an envelope that cannot be where the
+        head says (longer than the slot's room, or than ``max_header_bytes``).
+    """
+    if len(raw) < SLOT_HEAD:
+        raise BlobDecodeError(f"nccl: slot of {len(raw)} bytes, shorter than its {SLOT_HEAD}-byte head")
+    magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
+    if magic != _SLOT_MAGIC or where not in (ENV_IN_SLOT, ENV_IN_BULK) or reserved:
+        raise BlobDecodeError(
+            f"nccl: malformed slot head (magic {bytes(magic)!r}, where {where}, reserved {reserved})"
+        )
+    if env_len == 0 or env_len > max_header_bytes:
+        raise BlobDecodeError(
+            f"nccl: slot announces an envelope of {env_len} bytes (this end accepts 1..{max_header_bytes})"
+        )
+    if where == ENV_IN_SLOT and SLOT_HEAD + env_len > slot_bytes:
+        raise BlobDecodeError(f"nccl: slot holds an envelope of {env_len} bytes, more than its {slot_bytes} bytes")
+    return env_len, where == ENV_IN_SLOT
+
+
+def slot_start(env_len: int) -> int:
+    """Offset of the first SLOT tensor in a slot whose envelope is ``env_len`` bytes."""
+    return _align(SLOT_HEAD + env_len)
 
 
 def encode_credit(seq: int, duplicate: bool) -> bytes:
@@ -236,20 +330,27 @@ class SendPlan:
         One transport code per tensor_blob descriptor.
     inline : list[bytes]
         Bytes of the INLINE descriptors.
+    slot : list[Any]
+        Flat uint8 tensors of the SLOT descriptors, in descriptor order (device tensors
+        on NCCL, host ones on gloo), to be copied into the slot.
     p2p : list[Any]
-        The transfers, in order: the pack (if any) then, for each P2P/STAGED descriptor,
-        a flat uint8 tensor to send (on the connector's device). On gloo these are
-        snapshots the caller cannot touch.
+        The bulk buffers, in order: the pack (if any) then, for each P2P/STAGED
+        descriptor, a flat uint8 tensor to send (on the connector's device). On gloo
+        these are snapshots the caller cannot touch.
     nbytes : int
         tensor_blob frame size of the payload (what ``put`` returns).
     """
 
-    __slots__ = ("meta", "plan", "inline", "p2p", "nbytes", "p2p_bytes")
+    __slots__ = ("meta", "plan", "inline", "slot", "p2p", "nbytes", "p2p_bytes")
 
-    def __init__(self, meta: bytes, plan: list[int], inline: list[bytes], p2p: list[Any], nbytes: int) -> None:
+    def __init__(
+        self, meta: bytes, plan: list[int], inline: list[bytes], p2p: list[Any], nbytes: int,
+        slot: list[Any] | None = None,
+    ) -> None:
         self.meta = meta
         self.plan = plan
         self.inline = inline
+        self.slot = slot if slot is not None else []
         self.p2p = p2p
         self.nbytes = nbytes
         self.p2p_bytes = sum(int(t.numel()) for t in p2p)
@@ -278,6 +379,8 @@ def plan_send(
     key: str,
     pack_bytes: int = 0,
     pad: Any = None,
+    slot_room: int = 0,
+    slot_bytes: int = 0,
 ) -> SendPlan:
     """Walk ``payload`` and decide how each tensor travels.
 
@@ -290,12 +393,20 @@ def plan_send(
     inline_bytes : int
         Host tensors and arrays of at most this many bytes ride inside the envelope.
     pack_bytes : int
-        Tensors of at most this many bytes that would get a transfer of their own
+        Tensors of at most this many bytes that would get a bulk buffer of their own
         travel together in the pack (device tensors on NCCL, host ones on gloo), when
         there are at least two of them.
     pad : torch.Tensor, optional
         ``FRAME_ALIGN`` zero bytes on ``device`` (padding between packed tensors);
         needed when ``pack_bytes`` is set.
+    slot_room : int
+        Bytes of the slot free for SLOT tensors (device tensors on NCCL, host ones on
+        gloo), filled in descriptor order at 64-byte aligned offsets. On NCCL they stay
+        in the slot only when nothing else needs a bulk buffer (see the module
+        docstring); else they go to the pack.
+    slot_bytes : int
+        The link's slot size: when given, ``slot_room`` is what is left of it once the
+        envelope is in (estimated from above, from this payload's header and key).
 
     Raises
     ------
@@ -311,10 +422,14 @@ def plan_send(
     prepared = blob.prepare(payload)
     descs = prepared._descs
     sources = prepared._sources
+    if slot_bytes:
+        slot_room = max(0, slot_bytes - slot_start(_envelope_bound(prepared, key, nccl, inline_bytes)))
     plan: list[int] = []
     inline: list[bytes] = []
-    singles: list[Any] = []  # (descriptor index, flat tensor) of own transfers
+    singles: list[Any] = []  # (descriptor index, flat tensor) of own bulk buffers
     packable: list[tuple[int, Any]] = []
+    slotted: list[tuple[int, Any]] = []
+    slot_end = 0
     inline_total = 0
     cuda_link = device.type == "cuda"
     for i, (d, (kind, src)) in enumerate(zip(descs, sources)):
@@ -344,6 +459,14 @@ def plan_send(
             plan.append(INLINE)
             inline.append(_host_bytes(kind, src))
             continue
+        if host != nccl and nbytes <= slot_room:
+            start = _align(slot_end)
+            if start + nbytes <= slot_room:
+                # Small enough for the slot: no bulk buffer of its own.
+                slot_end = start + nbytes
+                plan.append(SLOT)
+                slotted.append((i, _flat_bytes(src, uint8) if not host else _host_flat(torch, kind, src)))
+                continue
         if not host:
             # Device tensor on the link's device: sent straight from the caller's memory
             # (NCCL orders the send after the caller's stream; the process group keeps
@@ -365,6 +488,14 @@ def plan_send(
                 # Gloo reads the buffer whenever the receiver is ready, possibly after
                 # put returned: send a private snapshot so the caller may reuse it.
                 singles.append((i, _host_copy(flat) if _shares_memory(flat, src) else flat))
+    if nccl and slotted and (singles or packable):
+        # A slot with device data waits for the caller's stream; one without goes ahead
+        # of the bulk data (module docstring): these join the pack instead.
+        for i, flat in slotted:
+            plan[i] = P2P
+            (packable if int(flat.numel()) <= pack_bytes else singles).append((i, flat))
+        slotted = []
+        packable.sort(key=lambda item: item[0])
     p2p: list[Any] = []
     packed: set[int] = set()
     if len(packable) >= 2:
@@ -395,8 +526,19 @@ def plan_send(
     if packable:
         singles.sort(key=lambda item: item[0])
     p2p.extend(t for _, t in singles)
-    return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
-    return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
+    return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes, [t for _, t in slotted])
+
+
+def _envelope_bound(prepared: Any, key: str, nccl: bool, inline_bytes: int) -> int:
+    """An upper bound of the envelope's size: its meta, key and inline parts, one byte
+    per plan code, and at most 5 bytes of msgpack head per part plus 32 for the array,
+    seq and flags."""
+    n = len(prepared.meta) + len(key.encode()) + 2 * len(prepared._descs) + 64
+    if inline_bytes:
+        for d, (kind, src) in zip(prepared._descs, prepared._sources):
+            if 0 < d.nbytes <= inline_bytes and (kind != blob.KIND_TORCH or src.device.type == "cpu"):
+                n += d.nbytes + 5
+    return n
 
 
 def _host_copy(flat: Any) -> Any:
@@ -455,23 +597,27 @@ def _host_bytes(kind: int, src: Any) -> bytes:
     return np.ascontiguousarray(src).tobytes()
 
 
-def parse_meta(env: Envelope) -> blob.BlobHeader:
+def parse_meta(env: Envelope, header: blob.BlobHeader | None = None) -> blob.BlobHeader:
     """Validate ``env.meta`` and the plan against it; return the tensor_blob header.
+
+    ``header``: the header already parsed and validated from these very meta bytes (a
+    cache's); only the plan and inline parts are then checked against it.
 
     Raises
     ------
     BlobDecodeError
         Malformed meta, a plan or inline list that disagrees with the descriptors.
     """
-    meta = env.meta
-    header_len, data_len, _total = blob.peek_header(meta)
-    if len(meta) != blob.PREFIX_SIZE + header_len:
-        raise BlobDecodeError(
-            f"nccl: meta of key {env.key!r} is {len(meta)} bytes, its prefix says "
-            f"{blob.PREFIX_SIZE + header_len}"
-        )
-    raw = memoryview(meta)
-    header = blob._parse_header(raw, header_len, data_len)
+    if header is None:
+        meta = env.meta
+        header_len, data_len, _total = blob.peek_header(meta)
+        if len(meta) != blob.PREFIX_SIZE + header_len:
+            raise BlobDecodeError(
+                f"nccl: meta of key {env.key!r} is {len(meta)} bytes, its prefix says "
+                f"{blob.PREFIX_SIZE + header_len}"
+            )
+        raw = memoryview(meta)
+        header = blob._parse_header(raw, header_len, data_len)
     if len(env.plan) != len(header.tensors):
         raise BlobDecodeError(
             f"nccl: envelope of key {env.key!r} plans {len(env.plan)} tensors, its header "
@@ -501,16 +647,22 @@ def parse_meta(env: Envelope) -> blob.BlobHeader:
     return header
 
 
-def pack_layout(header: blob.BlobHeader, plan: list[int]) -> tuple[list[int], int]:
-    """Offsets of the PACK descriptors in the pack (in descriptor order) and its size."""
+def pack_layout(header: blob.BlobHeader, plan: list[int], code: int = PACK) -> tuple[list[int], int]:
+    """Offsets of the descriptors planned ``code`` (PACK: in the pack; SLOT: in the slot's
+    region) in descriptor order, each at the next multiple of 64, and the region's size."""
     offsets: list[int] = []
     end = 0
-    for code, d in zip(plan, header.tensors):
-        if code == PACK:
+    for c, d in zip(plan, header.tensors):
+        if c == code:
             start = _align(end)
             offsets.append(start)
             end = start + d.nbytes
     return offsets, end
+
+
+def slot_layout(header: blob.BlobHeader, plan: list[int]) -> tuple[list[int], int]:
+    """``pack_layout`` of the SLOT descriptors (offsets from the slot region's start)."""
+    return pack_layout(header, plan, SLOT)
 
 
 def check_sizes(header: blob.BlobHeader, plan: list[int]) -> list[int]:
@@ -540,19 +692,24 @@ def staged_transfers(plan: list[int]) -> list[bool]:
     return [False, *flags] if PACK in plan else flags
 
 
-def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], received: list[Any], *, device: Any) -> list[Any]:
-    """One object per descriptor, from the received buffers and the inline parts.
+def build_views(
+    header: blob.BlobHeader, plan: list[int], inline: list[bytes], received: list[Any], *, device: Any,
+    slot: Any = None, slot_start: int = 0,
+) -> list[Any]:
+    """One object per descriptor, from the received buffers, the slot and the inline parts.
 
-    ``received`` holds the uint8 tensors of the transfers, in the order of
+    ``received`` holds the uint8 tensors of the bulk buffers, in the order of
     ``check_sizes`` (STAGED ones already copied back to host). Device tensors are views
-    of their own receive buffer (PACK ones: of the pack); host data is a view of its
-    buffer or a copy of its inline part.
+    of their own receive buffer (PACK ones: of the pack, SLOT ones: of the slot, whose
+    region starts at ``slot_start``); host data is a view of its buffer or a copy of
+    its inline part.
 
     Raises
     ------
     BlobDecodeError
-        A dtype this build does not have, bool bytes other than 0/1 in host data, or
-        host data (a numpy array, a STAGED tensor) in device memory.
+        A dtype this build does not have, bool bytes other than 0/1 in host data, host
+        data (a numpy array, a STAGED tensor) in device memory, or SLOT tensors that do
+        not fit the slot.
     """
     import numpy as np
     import torch
@@ -565,6 +722,13 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
     offsets, pack_size = pack_layout(header, plan)
     pack: Any = next(it_recv) if pack_size else None
     it_offsets = iter(offsets)
+    slot_offsets, slot_size = slot_layout(header, plan)
+    if slot_size and (slot is None or slot_start + slot_size > int(slot.numel())):
+        raise BlobDecodeError(
+            f"SLOT tensors of {slot_size} bytes from offset {slot_start} do not fit the slot"
+        )
+    it_slot = iter(slot_offsets)
+    typed_views: dict[tuple[int, Any], Any] = {}
     bool_code = blob.DTYPE_CODES["bool"][0]
     for i, (code, d) in enumerate(zip(plan, header.tensors)):
         if d.kind == blob.KIND_TORCH:
@@ -586,9 +750,20 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
             region = np.frombuffer(bytearray(next(it_inline)), dtype=np.uint8)
             buf = None
         else:
-            if code == PACK:
-                start = next(it_offsets)
-                buf = pack[start: start + d.nbytes]
+            if code == PACK or code == SLOT:
+                whole, start = (pack, next(it_offsets)) if code == PACK else (slot, slot_start + next(it_slot))
+                if d.kind == blob.KIND_TORCH and (whole.is_cuda or d.dtype != bool_code):
+                    # A tensor of the pack or the slot (host bool data goes below, to have
+                    # its bytes checked): one as_strided of the buffer's view as its dtype
+                    # (made once per dtype), the cheapest view torch makes (a slice and
+                    # two views cost 2.5x as much).
+                    typed = typed_views.get((code, dt))
+                    if typed is None:
+                        typed = typed_views[(code, dt)] = _typed(whole, dt)
+                    views.append(typed.as_strided(d.shape, blob._contiguous_strides(tuple(d.shape)),
+                                                  start // dt.itemsize))
+                    continue
+                buf = whole[start: start + d.nbytes]
             else:
                 buf = next(it_recv)
             if buf.device.type != "cpu":
@@ -611,6 +786,17 @@ def build_views(header: blob.BlobHeader, plan: list[int], inline: list[bytes], r
             a = region.view(dt).reshape(d.shape)
             views.append(a[()] if d.kind == blob.KIND_NUMPY_SCALAR else a)
     return views
+
+
+def _typed(whole: Any, dt: Any) -> Any:
+    """``whole`` (a uint8 buffer whose storage starts at its first byte) as ``dt``: its
+    whole itemsizes (every tensor of the region starts at a multiple of 64 and spans
+    whole items, so it lies inside)."""
+    if whole.storage_offset():
+        raise BlobDecodeError("nccl: a receive buffer does not start its storage")  # pragma: no cover
+    n = int(whole.numel())
+    usable = n - n % dt.itemsize
+    return (whole if usable == n else whole[:usable]).view(dt)
 
 
 def decode_tree(header: blob.BlobHeader, views: list[Any]) -> Any:
