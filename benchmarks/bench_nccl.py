@@ -10,7 +10,8 @@ variants alternate round by round:
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
                 tensor, "meta": {...}}``: header in the payload's slot on the NCCL
-                stream, receive into a freshly allocated tensor, ``get`` returns once
+                stream (its receive posted when the sender's doorbell announces the
+                payload), receive into a freshly allocated tensor, ``get`` returns once
                 the data has arrived;
 - ``omnilink +16 small`` (1 MiB and up) the same plus 16 small tensors of 4 KiB
                 (positions, masks, ids...), which travel together in one packed send;
@@ -37,7 +38,8 @@ Usage::
         [--slot-bytes 16384] [--recv-depth 4] [--profile]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
-visible, else gloo).
+visible, else gloo). A worker that hangs prints every thread's Python stack
+(``faulthandler``) and exits 15 s before ``--timeout``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def install_step_timers() -> dict[str, list[int]]:
 
 
 def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
+    import faulthandler
+
+    # A hang ends this process with every thread's Python stack on stderr, before the
+    # parent gives up on the run.
+    faulthandler.dump_traceback_later(opts["hang_s"], exit=True)
     import torch
     import torch.distributed as dist
 
@@ -378,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds the whole run may take")
     ap.add_argument("--json", help="append one JSON object per cell to this file")
     ap.add_argument("--slot-bytes", type=int, default=16 << 10, help="the connector's slot_bytes (default 16384)")
-    ap.add_argument("--recv-depth", type=int, default=4, help="the connector's recv_depth (default 4)")
+    ap.add_argument("--recv-depth", type=int, default=4, help="the connector's recv_depth: slots posted at once (default 4)")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
     args = ap.parse_args(argv)
@@ -392,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
         "latency_iters": args.latency_iters, "slot_bytes": args.slot_bytes, "recv_depth": args.recv_depth,
-        "profile": args.profile,
+        "profile": args.profile, "hang_s": max(5.0, args.timeout - 15.0),
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -414,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         error = f"no result within {args.timeout} s"
     finally:
         for p in procs:
-            p.join(60)
+            p.join(60 if error is None else 20)  # a hung worker dumps its stacks and exits
             if p.is_alive():
                 p.kill()
     if error is not None:

@@ -244,10 +244,9 @@ def test_header_beyond_the_slot_and_packed_small_tensors(gpu_pair):
 
 @pytest.mark.multigpu
 def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
-    """Right after a payload the receiver keeps slot receives posted (kernels waiting for
-    the sender) until the link has been idle for idle_fill. Work on cuda:1's other
-    streams (more streams than CUDA's default 8 hardware queues) must complete: one
-    sharing a hardware queue with a posted receive waits at most until the fill."""
+    """Right after a payload no receive stays posted (the receiver posts one only for a
+    payload whose sends are queued). Work on cuda:1's other streams (more streams than
+    CUDA's default 8 hardware queues) must complete."""
     import threading
 
     tx, rx = gpu_pair
@@ -297,12 +296,11 @@ print("OK")
 
 @pytest.mark.multigpu
 def test_posted_receives_with_one_hardware_queue():
-    """The worst case for receives posted ahead: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every
-    stream of the process in one hardware queue, so a wait queued behind a slot receive
-    that has not landed holds all later work until it lands. The sender fills the
-    posted receives once the link is idle (idle_fill, 50 ms), so payloads, compute on
-    two streams of cuda:1 and a last payload all complete (in a child, bounded), late
-    by at most about idle_fill each."""
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of the process in one hardware
+    queue, so a wait queued behind a receive that has not landed would hold all later
+    work until it lands: payloads, compute on two streams of cuda:1 and a last payload
+    all complete (in a child, bounded), since no receive is posted before its payload
+    was sent."""
     import os
     import subprocess
     import sys
@@ -314,3 +312,78 @@ def test_posted_receives_with_one_hardware_queue():
     except subprocess.TimeoutExpired:
         pytest.fail("with one hardware queue, work on cuda:1 hung behind the slot receives posted ahead")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+_LAZY_WORKER = r"""
+import faulthandler, sys, torch, omnilink
+faulthandler.dump_traceback_later(float(sys.argv[4]), exit=True)  # a hang prints every thread
+rank, port, role = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dev = torch.device("cuda", rank)
+torch.cuda.set_device(dev)
+kw = {"rank": rank} if role == "dual" else {}
+conn = omnilink.connect("nccl", channel="gpu/lazy", role=role if role == "dual" else ("sender", "receiver")[rank],
+                        device=str(dev), master_port=port, connect_timeout=60, timeout=60, **kw)
+conn.wait_connected(60)
+# Kernels this process never launched (each its own module under lazy loading).
+first_time = [
+    lambda: torch.cumsum(torch.arange(1000, device=dev, dtype=torch.int16), 0),
+    lambda: torch.randn(1000, device=dev, dtype=torch.float64).sum(),
+    lambda: torch.sort(torch.rand(1000, device=dev).half())[0],
+    lambda: torch.special.erfinv(torch.rand(64, device=dev, dtype=torch.float64)),
+]
+if rank == 0:
+    import time
+    time.sleep(0.5)  # the receiver had time to post receives ahead, were it to
+    first_time[0]()  # before the first put: a receive posted by this process would hold it
+    torch.cuda.synchronize(dev)
+    for i in range(3):
+        conn.put(f"k{i}", {"t": torch.full((1 << 16,), float(i), device=dev), "s": torch.ones(3, device=dev)})
+else:
+    for i in range(3):
+        got = conn.get(f"k{i}")
+        first_time[i + 1]()  # right after a get, with the link idle
+        torch.cuda.synchronize(dev)
+        assert got["t"][0].item() == float(i) and got["s"].sum().item() == 3.0
+conn.close()
+print("OK", rank, flush=True)
+"""
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("role", ["sender/receiver", "dual"])
+def test_first_time_kernels_beside_a_link_never_hang(role, tmp_path):
+    """The hang of receives posted ahead (2x H100, CUDA 13, NCCL 2.28): under lazy module
+    loading a first-time kernel launch waits for the kernels resident on the device, and
+    a posted receive is one until its sender sends. The sending process launches a new
+    kernel after connecting and before its first put; the receiving one a new kernel
+    right after each get. Both must finish: each worker dumps its threads' stacks and
+    exits after 45 s (faulthandler), and the test kills what is left after 60 s."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "lazy_worker.py"
+    script.write_text(_LAZY_WORKER)
+    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY", PYTHONUNBUFFERED="1")
+    port = workers.free_port()
+    kind = "dual" if role == "dual" else "split"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(port), kind, "45"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=60)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs.append(p.communicate()[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"OK {rank}" in out, f"rank {rank} (exit {p.returncode}):\n{out[-6000:]}"

@@ -52,8 +52,17 @@ def digest(payload: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def _dump_if_hung() -> None:
+    """A worker still running after 100 s (the tests wait 120 s for its reports) prints
+    every thread's Python stack and exits: a hang fails with a diagnostic."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(100.0, exit=True)
+
+
 def sender(port: int, channel: str, backend: str, device: str, count: int, nbytes: int, out: Any) -> None:
     """Rank 0: host the store, put ``count`` payloads, report each digest, close."""
+    _dump_if_hung()
     import omnilink
 
     try:
@@ -72,6 +81,7 @@ def sender(port: int, channel: str, backend: str, device: str, count: int, nbyte
 
 def receiver(port: int, channel: str, backend: str, device: str, keys: list[str], out: Any) -> None:
     """Rank 1: get each key (in the order given), report digest and device."""
+    _dump_if_hung()
     import omnilink
 
     try:

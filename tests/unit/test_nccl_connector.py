@@ -261,42 +261,70 @@ def _until(cond, what):
         time.sleep(0.01)
 
 
-def test_idle_link_keeps_no_receive_posted(store):
-    """Once no put came for idle_fill seconds the sender fills the receiver's posted slot
-    receives; the receiver takes the fillers without posting new ones (nothing stays
-    waiting on an idle link), and the next put rings it to post them again."""
-    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
-        tx.put("a", {"t": torch.arange(5)}, timeout=WAIT)
-        assert rx.get("a", timeout=WAIT)["t"].tolist() == list(range(5))
-        _until(lambda: not tx._armed and not rx._ring, "the fill of an idle link")
-        tx._idle_fill_s = 3600.0  # no further fill while the rest is checked
-        tx.put("b", {"t": torch.arange(3), "big": torch.ones(1 << 14)}, timeout=WAIT)
-        got = rx.get("b", timeout=WAIT)
-        assert got["t"].tolist() == [0, 1, 2] and got["big"].shape == (1 << 14,)
-        assert tx._armed
-        _until(lambda: len(rx._ring) == rx.recv_depth, "re-posting after the doorbell")
+def test_no_receive_is_posted_before_its_payload_is_sent(store):
+    """A posted receive is a kernel resident on the GPU until its sender sends, and with
+    lazy module loading a first-time kernel launch waits for it: so a link posts a slot
+    receive only for a payload whose sends are queued (the sender rings after queueing
+    them), none at connect, none on an idle link, and none in the direction a dual end
+    never receives on."""
+    import time
+
+    with _open(store, "dual", rank=0) as a, _open(store, "dual", rank=1) as b:
+        a.wait_connected(WAIT)
+        b.wait_connected(WAIT)
+        time.sleep(0.2)  # the posters had time to post ahead, were they to
+        assert (a._slots_posted, b._slots_posted) == (0, 0)
+        assert not a._ring and not b._ring
+        for i in range(3):
+            a.put(f"k{i}", {"t": torch.arange(5), "big": torch.ones(1 << 14)}, timeout=WAIT)
+        for i in range(3):
+            got = b.get(f"k{i}", timeout=WAIT)
+            assert got["t"].tolist() == list(range(5)) and got["big"].shape == (1 << 14,)
+        # One slot per payload, none ahead; b never put, so a posted nothing.
+        assert (b._announced, b._slots_posted, a._slots_posted) == (3, 3, 0)
+        time.sleep(0.2)
+        assert not b._ring and b._slots_posted == 3
+        b.put("back", {"v": 1}, timeout=WAIT)
+        assert a.get("back", timeout=WAIT) == {"v": 1}
+        assert (a._slots_posted, b._slots_posted) == (1, 3)
 
 
-def test_bursts_across_fills_arrive_whole(store):
-    """Bursts separated by idle gaps (each ends in a fill): every payload, sent before or
-    after a fill, arrives once and intact, got in any order."""
+def test_more_payloads_announced_than_recv_depth_arrive_whole(store):
+    """Bursts larger than recv_depth (the slots posted at once), separated by idle
+    gaps: every payload arrives once and intact, got in any order, and the receiver
+    never had more slot receives posted than payloads announced."""
     import random
+    import time
 
     with _open(store, "sender", send_window=8) as tx, _open(store, "receiver", recv_depth=2) as rx:
-        tx._idle_fill_s = 0.02
         rng = random.Random(5)
         for burst in range(4):
             keys = [f"b{burst}-{i}" for i in range(12)]
             for i, key in enumerate(keys):
                 payload = {"i": i, "t": torch.full((1 << (6 + i % 8),), float(i))}
                 tx.put(key, payload, timeout=WAIT)
-            _until(lambda: not tx._armed, f"the fill after burst {burst}")
+                assert rx._slots_posted <= rx._announced <= tx._send_seq
             rng.shuffle(keys)
             for key in keys:
                 got = rx.get(key, timeout=WAIT)
                 i = got["i"]
                 assert got["t"].shape == (1 << (6 + i % 8),) and bool((got["t"] == float(i)).all())
+            time.sleep(0.05)
+            assert rx._slots_posted == tx._send_seq and not rx._ring
         assert rx.stats().gets == 48
+
+
+def test_forged_doorbell_fails_the_link(store):
+    """A doorbell message other than one byte 0x01 fails the link with a named error,
+    before any receive is posted for it."""
+    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        tx.put("a", {"v": 1}, timeout=WAIT)
+        assert rx.get("a", timeout=WAIT) == {"v": 1}
+        with tx._send_lock:
+            tx._bell_out.send(b"ring")
+        with pytest.raises(BlobDecodeError, match="unexpected doorbell message"):
+            rx.get("never", timeout=WAIT)
+        assert rx._slots_posted == 1
 
 
 def test_packing_off_gives_each_tensor_its_buffer(store):
@@ -442,9 +470,9 @@ def _forge_slot(tx, rx, raw, *, head=None):
     slot[: wire.SLOT_HEAD] = np.frombuffer(head or wire.slot_head(len(raw), True), dtype=np.uint8)
     slot[wire.SLOT_HEAD: wire.SLOT_HEAD + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     with tx._send_lock:
-        if not tx._armed:
-            tx._ring_bell(None)  # an idle link: the receiver posts slot receives again
-        tx._slot_pgs[tx._out].send([torch.from_numpy(slot)], rx.rank, 0).wait()
+        work = tx._slot_pgs[tx._out].send([torch.from_numpy(slot)], rx.rank, 0)
+        tx._ring_bell(None)  # the receiver posts the slot receive on the bell
+        work.wait()
 
 
 def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
@@ -505,15 +533,14 @@ def test_forged_slot_head_fails_the_link_before_allocation(store, monkeypatch, h
         assert not [n for n in sizes if n > rx.slot_bytes]
 
 
-@pytest.mark.parametrize("raw", [b"", b"OLNS", bytes(15), b"\xff" * 64, wire.filler_head()[:12]])
+@pytest.mark.parametrize(
+    "raw", [b"", b"OLNS", bytes(15), b"\xff" * 64, b"OLNS" + bytes(4) + (2).to_bytes(4, "little") + bytes(4)],
+)
 def test_slot_head_of_garbage_is_a_decode_error(raw):
-    """Any bytes read as a slot head: a named error or a filler, never a foreign one."""
-    assert not wire.is_filler(raw)
+    """Any bytes read as a slot head (the last: protocol 3's filler, no envelope
+    anywhere): a named error, never a foreign one."""
     with pytest.raises(BlobDecodeError, match="slot"):
         wire.read_slot_head(raw, 16384, 1 << 20)
-    assert wire.is_filler(wire.filler_head() + bytes(100))
-    with pytest.raises(BlobDecodeError, match="malformed slot head"):
-        wire.read_slot_head(wire.filler_head(), 16384, 1 << 20)  # a filler has no envelope
 
 
 def test_slot_carrying_more_than_its_room_is_refused(store):
@@ -566,8 +593,25 @@ def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypat
         real_post = tx._post
 
         def held_post(pg, tensors, *, send):
-            gate.wait(WAIT)  # the header is out; the bytes wait
-            return real_post(pg, tensors, send=send)
+            # The header is out and announced; the bytes wait for the gate (the sends
+            # are posted from a thread of their own, the put goes on at once).
+            posted: list = []
+
+            def later():
+                gate.wait(WAIT)
+                posted.extend(real_post(pg, tensors, send=send))
+
+            poster = threading.Thread(target=later, daemon=True)
+            poster.start()
+
+            class Held:
+                def wait(self, *args):
+                    poster.join()
+                    for w in posted:
+                        w.wait(*args)
+                    return True
+
+            return [Held()]
 
         monkeypatch.setattr(tx, "_post", held_post)
         # 80 KB: beyond the slot, so a bulk buffer of its own follows the slot.

@@ -3,10 +3,11 @@
 Everything of a payload travels by point-to-point ``send``/``recv`` on the same NCCL
 streams as its data (gloo between CPUs, so CI runs the same code): a fixed-size *slot*
 holding the header (its tensor_blob meta, see ``omnilink.connectors.nccl.wire``) and
-the small tensors, then the larger buffers. Credits come back, batched, on a ZeroMQ
-socket, and a doorbell socket re-arms an idle receiver. The torch.distributed store (a
-``TCPStore``) both ends share serves the rendezvous only: hellos, rank claims, the
-process groups' own setup and the two sockets' addresses, exchanged once. Nothing is pickled.
+the small tensors, then the larger buffers. A doorbell socket (ZeroMQ) announces each
+payload once its sends are queued; credits come back, batched, on a second one. The
+torch.distributed store (a ``TCPStore``) both ends share serves the rendezvous only:
+hellos, rank claims, the process groups' own setup and the two sockets' addresses,
+exchanged once. Nothing is pickled.
 
 One channel links exactly two ranks. Each connector builds its own process groups over
 the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
@@ -16,60 +17,51 @@ plus one gloo group for the goodbye::
 
     rank 0 (e.g. sender, cuda:0)                      rank 1 (e.g. receiver, cuda:1)
     ----------------------------                      ------------------------------
-                                                      poster thread, at connect:
-                                                        recv_depth slot receives posted,
-                                                        each followed by its D2H copy
-    put(key, payload)                                   and an event
-      header + small host data -> pinned -> slot
-      slot: send (send stream) ==== slot group ====>  slot lands, copied to host, event
-      pack, big tensors: one coalesced group of       poster: event wait, read header,
-      sends (caller's stream waits) === bulk ====>      post that payload's bulk recvs
-                                                        (bulk stream, into new buffers),
-                                                        views + tree -> inbox[key],
-                                                        post the next slot receive
+    put(key, payload)                                 poster thread (nothing posted
+      header + small host data -> pinned -> slot        while nothing is announced)
+      slot: send (send stream) ==== slot group ====>
+      pack, big tensors: one coalesced group of
+      sends (caller's stream waits) === bulk ====>
+      all queued: doorbell ---------- zmq PAIR ---->  bell: post that payload's slot
+                                                        receive (+ D2H copy, event)
+                                                      slot lands: read header, post
+                                                        its bulk recvs (bulk stream,
+                                                        into new buffers), views + tree
+                                                        -> inbox[key]
                                                       get(key): Condition wait, then the
                                                         bulk event (no polling, no hand-off)
                                                       completer thread
                                                         waits for each bulk to land
       credit socket (read lazily) <---- zmq PAIR ----   credit "0..seq received" (batched)
-    filler thread: idle for idle_fill -> recv_depth
-      filler slots ================================>  taken, not re-posted: disarmed
-    next put: doorbell ------------- zmq PAIR ---->  poster posts recv_depth again
 
 A payload costs at most one slot send and one coalesced group of bulk sends (the pack
 of small device tensors, then each large tensor), and a payload that fits its slot is
 ONE operation. No host round trip per message on either side: the sender waits for
 nothing (credits are read only near the window's end), the receiver's host learns a
-header from memory its GPU already copied.
+header from memory its GPU already copied. Several payloads may be in flight: the
+poster keeps up to ``recv_depth`` announced slots posted and reads them in order, and
+a slot of header bytes only is sent from a stream of its own, so it is not queued
+behind the previous payload's bulk data on the caller's stream: the receiver reads
+header i+1 and posts its bulk receives while payload i's bytes are still moving.
 
-Why the header rides the GPU stream and not a socket (the design before, protocol 2):
-both cost the receiver a wake-up per payload, but the socket adds one: the header
-arrives on the host (a socket wake-up, about the cost of an event wait) and only then
-can the receive be posted, while the sender's data waits on the GPU for it; so each
-payload paid the socket hop, a thread hand-off and the posting in series, about 170 us
-per message measured on 2x H100. Here the slot receive is posted long before the
-payload exists, the slot's copy to the host is queued behind it, and reading the header
-costs one event wait plus the parse (a parse cached per distinct header). The D2H copy
-of 16 KiB is about 2 us of GPU time, not a host round trip: nothing on the host waits
-for it but the reader that needs the header anyway. A slot that carries only header
-bytes (the payload has bulk buffers) is sent from a stream of its own, so it is not
-queued behind the previous payload's bulk data on the caller's stream: the receiver
-reads header i+1 and posts its bulk receives while payload i's bytes are still moving,
-and the bulk group's stream never idles between payloads.
-
-What receives posted ahead cost, and why an idle link fills them: a posted slot
-receive is an NCCL kernel waiting for the sender, and the operations queued behind it
-(the next slot receives, their copies and events) wait with it. CUDA feeds the streams
-of a process through ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 by default);
-streams that share a queue run in the order their work was queued, so work on a stream
-sharing a queue with one of those waiting operations (with one queue: every stream,
-this payload's bulk receive included) waits until the next slot lands. So a sender
-that has put nothing for ``idle_fill`` (50 ms) sends filler slots for every receive
-the receiver has posted (``wire``: fillers); the receiver then has nothing posted and
-waits on a ZeroMQ doorbell that the sender's next ``put`` rings just before its slot.
-Work held up by a posted receive is thus late by at most ``idle_fill``, an idle link
-keeps no kernel resident, and the first payload after an idle spell pays one socket
-wake-up on the receiver (its sender waits for nothing).
+No receive waits for a send that was not made (why receives are not posted ahead): a
+posted NCCL receive is a kernel resident on the GPU until its sender sends, and with
+CUDA's lazy module loading (``CUDA_MODULE_LOADING=LAZY``, the default since CUDA 12.2)
+the first launch of a kernel from a module not yet loaded (a first ``torch.randn``,
+a new dtype) waits for the kernels resident on the device. A receive posted ahead of
+its payload thus made the receiving process's next first-time launch wait for the
+sender's next put, forever if none came; and a process that both sends and receives
+(``role="dual"``) deadlocked its own first put (found on 2x H100, NCCL 2.28, CUDA 13).
+So the sender rings the doorbell only after the payload's sends are queued on its GPU,
+and the receiver posts a payload's receives only on its bell: every receive posted
+matches sends already queued, and a link that carries nothing keeps nothing posted, in
+either direction. What remains, for users: a first-time kernel launch in the receiving
+process waits until the payloads already on the way have landed, and one in the sending
+process until the receiver has posted their receives, which its poster thread does at
+once, unless the receiver holds ``max_pending_bytes`` unread (then until its
+application reads some). Where even that matters, start the processes with
+``CUDA_MODULE_LOADING=EAGER`` or run each kernel the stage uses once before the first
+``put``/``get`` (a warm-up).
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
@@ -121,8 +113,8 @@ Semantics, chosen and tested:
   are then aborted: their kernels would wait forever). A clean ``close`` of the peer is
   told apart: payloads already received stay readable, later ``get`` of keys that can
   no longer come raise ``PeerLostError`` at once. A peer that hangs without dying is
-  reported by the timeouts (``TransferTimeout``). ``close`` ends the receives posted
-  ahead (an NCCL abort; on gloo, a wait that times out closes the group's connection)
+  reported by the timeouts (``TransferTimeout``). ``close`` ends any receive still
+  pending (an NCCL abort; on gloo, a wait that times out closes the group's connection)
   after the goodbye, so nothing stays blocked.
 - The key contract of every backend: a second ``put`` of a key still unread on the
   receiver raises ``DuplicateKeyError`` and the first payload stays deliverable. The
@@ -155,7 +147,6 @@ import queue
 import secrets
 import socket
 import threading
-import time
 from typing import Any, cast
 
 import zmq
@@ -190,9 +181,6 @@ _BREAK_TAG = 0x6F6C
 #: Room in an envelope beyond the tensor_blob header and the inline bytes: the
 #: key, the plan and msgpack's framing of up to ``blob.MAX_TENSORS`` inline parts.
 _HEADER_SLACK = 1 << 20
-#: Seconds without a put after which a sender fills the receiver's posted slot receives
-#: (``wire``: fillers), so that an idle link keeps no NCCL operation waiting.
-_IDLE_FILL_S = 0.05
 #: Largest slot a link may use (every payload sends a whole slot).
 _MAX_SLOT_BYTES = 1 << 20
 #: Envelopes whose parsed tensor_blob header is kept for the next payload of the same
@@ -520,10 +508,10 @@ class NcclConnector(BaseConnector):
         of 64 between 1 KiB and 1 MiB); published to the peer. The header and the small
         tensors that fit travel in it: a payload that fits is one operation.
     recv_depth : int
-        Slot receives kept posted ahead (default 4): how many payloads may land before
-        the receiver's host has read any (a sender further ahead waits on its GPU, not
-        its host). Published to the peer, which fills them after ``idle_fill`` (50 ms)
-        without a put, so that an idle link keeps none posted.
+        Most slot receives this end keeps posted at once (default 4), each for a
+        payload the sender has announced (its sends queued): how many payloads may land
+        before the receiver's host has read any. Nothing is ever posted for a payload
+        not yet put (see the module docstring: lazy module loading).
 
     Raises
     ------
@@ -730,15 +718,11 @@ class NcclConnector(BaseConnector):
         self._recv_streams: Any = None  # NCCL: (slot stream, bulk stream) of the receiver
         self._pump_seq = 0  # the slot the poster waits for or handles
         self._ring: collections.deque[tuple[Any, Any, Any]] = collections.deque()  # posted slots
-        # Sender: whether the receiver keeps slot receives posted (False once filled),
-        # when the last put went, and the filler thread's wake-ups.
-        self._armed = True
-        self._last_put = time.monotonic()
-        self._fill_armed = threading.Event()
-        self._fill_armed.set()
-        self._fill_stop = threading.Event()
-        self._idle_fill_s = _IDLE_FILL_S
-        self._filler: Any = None  # the filler slot, made once
+        # Receiver: payloads the sender announced on the doorbell (their sends are
+        # queued on its side), and slot receives this end posted; never more posted
+        # than announced (the module docstring: no receive waits for a send not made).
+        self._announced = 0
+        self._slots_posted = 0
         self._bell_out: Any = None  # under _send_lock
         self._bell_in: Any = None  # poster thread
         self._pump_waker: _Waker | None = None
@@ -906,7 +890,7 @@ class NcclConnector(BaseConnector):
         self._open_sockets(st, deadline, same_host)
         self._ctl_pg = self._make_gloo(f"{self._sid}ctl/", same_host)
         for d in dirs:
-            # Two groups per direction: slots (posted ahead on the receiver) and bulk
+            # Two groups per direction: slots (posted on each bell) and bulk
             # buffers (posted once a slot was read); each keeps its own order.
             for groups, name in ((self._slot_pgs, "slot"), (self._pgs, "bulk")):
                 if self._is_nccl:
@@ -932,8 +916,6 @@ class NcclConnector(BaseConnector):
             self._spawn(self._done_loop, "completer")
         if self._out in self._pgs and not self._is_nccl:
             self._spawn(self._reap_loop, "reaper")
-        if self._out in self._pgs:
-            self._spawn(self._fill_loop, "filler")
         self._ready.set()
 
     def _open_sockets(self, st: Any, deadline: Deadline, same_host: bool) -> None:
@@ -1225,8 +1207,6 @@ class NcclConnector(BaseConnector):
             if repeat:
                 self._verdicts[seq] = None
             try:
-                if not self._armed:
-                    self._ring_bell(key)
                 if self._is_nccl:
                     torch = self._torch
                     with torch.cuda.device(self.device):
@@ -1236,7 +1216,9 @@ class NcclConnector(BaseConnector):
             except BaseException:
                 self._verdicts.pop(seq, None)
                 raise
-            self._last_put = time.monotonic()
+            # Rung after the sends are queued, never before: the receiver posts this
+            # payload's receives on the bell, so none of them waits for a send not made.
+            self._ring_bell(key)
             self._send_seq = seq + 1
             self._inflight.append((seq, wire_bytes))
             self._inflight_bytes += wire_bytes
@@ -1251,65 +1233,13 @@ class NcclConnector(BaseConnector):
         return sp.nbytes
 
     def _ring_bell(self, key: str | None) -> None:
-        """The receiver was filled (idle link): ask it to post slot receives again. The
-        put goes on at once: its slot send waits on the GPU (gloo: in gloo) until then.
-        Under ``_send_lock``."""
+        """Announce one payload whose slot and bulk sends are queued: the receiver posts
+        its slot receive on this (one ZeroMQ message; the put waits for nothing). Under
+        ``_send_lock``, so bells come in the order of the slots."""
         try:
             self._bell_out.send(b"\x01", zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise self._translate(exc, key) from exc
-        self._armed = True
-        self._fill_armed.set()
-
-    def _fill_loop(self) -> None:
-        """Fill the receiver's posted slot receives once no put came for ``idle_fill``
-        seconds, so that an idle link keeps no operation waiting on either GPU (see
-        ``wire``: fillers). A timer: it sleeps until the link has been idle that long."""
-        stop = self._fill_stop
-        while True:
-            self._fill_armed.wait()
-            if stop.is_set():
-                return
-            left = self._last_put + self._idle_fill_s - time.monotonic()
-            if left > 0:
-                stop.wait(left)
-                continue
-            with self._send_lock:
-                if stop.is_set() or self._closing or self._peer_state is not None or self._link_error is not None:
-                    return
-                if not self._armed or time.monotonic() - self._last_put < self._idle_fill_s:
-                    continue
-                self._send_fillers()
-                self._armed = False
-                self._fill_armed.clear()
-
-    def _send_fillers(self) -> None:
-        """Send the receiver's ``recv_depth`` filler slots (under ``_send_lock``)."""
-        torch = self._torch
-        uint8 = torch.uint8
-        peer = self._peer
-        pg = self._slot_pgs[self._out]
-        try:
-            if self._is_nccl:
-                with torch.cuda.device(self.device), torch.cuda.stream(self._send_stream):
-                    if self._filler is None:
-                        staging = torch.zeros(peer.slot_bytes, dtype=uint8, pin_memory=True)
-                        staging.numpy()[: wire.SLOT_HEAD] = memoryview(wire.filler_head())
-                        filler = torch.empty(peer.slot_bytes, dtype=uint8, device=self.device)
-                        filler.copy_(staging, non_blocking=True)
-                        self._filler = filler  # only ever read, on this stream and NCCL's
-                    for _ in range(peer.recv_depth):
-                        pg.send([self._filler], self.peer_rank, 0)
-            else:
-                import numpy as np
-
-                slot = np.zeros(peer.slot_bytes, dtype=np.uint8)
-                slot[: wire.SLOT_HEAD] = memoryview(wire.filler_head())
-                t = torch.from_numpy(slot)
-                works = [pg.send([t], self.peer_rank, 0) for _ in range(peer.recv_depth)]
-                self._reap_q.put((works, [t]))
-        except RuntimeError as exc:
-            raise self._translate(exc, None) from exc
 
     @staticmethod
     def _slot_end(flats: list[Any]) -> int:
@@ -1528,9 +1458,12 @@ class NcclConnector(BaseConnector):
 
     # ================================================================== receiving
     def _post_loop(self) -> None:
-        """Keep ``recv_depth`` slot receives posted; read each slot in sequence order as it
-        lands and post its payload's bulk receives (eagerly: a put followed by a get in
-        one thread never deadlocks, and keys may be got in any order)."""
+        """Post a slot receive for each payload the sender announced on the doorbell (at
+        most ``recv_depth`` at once), read each slot in sequence order as it lands and
+        post its payload's bulk receives (eagerly: a put followed by a get in one thread
+        never deadlocks, and keys may be got in any order). Nothing is posted before the
+        bell of its payload: every receive this thread posts matches sends already
+        queued on the sender's side."""
         torch = self._torch
         slot_pg = self._slot_pgs[self._in]
         peer = self.peer_rank
@@ -1554,31 +1487,31 @@ class NcclConnector(BaseConnector):
                 # the slot lands, no host round trip stands between it and its reader.
                 host = torch.empty(slot_bytes, dtype=uint8, pin_memory=True)
                 host.copy_(buf, non_blocking=True)
-                # CUDA's default wait spins (the fastest wake-up); it is bounded: slot
-                # receives stay posted at most idle_fill after the last put (fillers),
-                # and a disarmed reader sleeps on the doorbell socket.
+                # CUDA's default wait spins (the fastest wake-up); it is short: the
+                # slot's send was queued before its bell rang.
                 landed = torch.cuda.Event()
                 landed.record()
                 ring.append((buf, host, landed))
             else:
                 buf = torch.empty(slot_bytes, dtype=uint8)
                 ring.append((buf, buf, slot_pg.recv([buf], peer, 0)))
+            self._slots_posted += 1
 
-        for _ in range(depth):
-            post_slot()
         seq = 0
         while True:
             self._pump_seq = seq
             total = self._recv_total
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return
+            # Bells that came meanwhile (never blocks): post their slots, up to the depth.
+            if not self._take_bells(block=False):
+                return
+            while self._slots_posted < self._announced and len(ring) < depth:
+                post_slot()
             if not ring:
-                # Every posted receive was filled (an idle link): none stays posted until
-                # the sender rings, right before its next slot.
-                if not self._await_bell(seq):
+                # Nothing announced: wait for the next bell with no receive posted.
+                if not self._take_bells(block=True):
                     return
-                for _ in range(depth):
-                    post_slot()
                 continue
             buf, host, landed = ring[0]
             try:
@@ -1595,28 +1528,28 @@ class NcclConnector(BaseConnector):
             if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
                 return  # woken by close or by the goodbye, not by a slot
             ring.popleft()
-            if wire.is_filler(host.numpy()):
-                continue  # not re-posted: the last one leaves the ring empty
             self._take(seq, buf, host)
-            # Re-posted after the payload is listed: the ring holds recv_depth - 1 more
-            # slots meanwhile, and the reader of this one does not wait for the posting.
-            post_slot()
             seq += 1
             self._posted = seq
 
-    def _await_bell(self, seq: int) -> bool:
-        """Wait (woken by the socket or the waker) for the sender's doorbell; ``False``
-        when the link ended meanwhile. The first message must be the session id."""
+    def _take_bells(self, *, block: bool) -> bool:
+        """Count the doorbells waiting on the socket into ``_announced``; with ``block``,
+        wait (woken by the socket or the waker) until at least one came. ``False`` when
+        the link ended meanwhile. The first message must be the session id, and a bell
+        beyond the send window is a forgery that fails the link."""
         sock = self._bell_in
         waker = cast(_Waker, self._pump_waker)
         poller = self._bell_poller
+        got = 0
         while True:
             total = self._recv_total
-            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
+            if self._closing or self._peer_state == "lost" or (total is not None and self._pump_seq >= total):
                 return False
             try:
                 raw = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                if got or not block:
+                    return True
                 try:
                     if waker.rx in dict(poller.poll()):
                         waker.drain()
@@ -1638,7 +1571,15 @@ class NcclConnector(BaseConnector):
                     )
                 self._bell_authed = True
                 continue
-            return True
+            if raw != b"\x01" or self._announced - self._pump_seq >= self._peer.send_window:
+                # More announced and unread than the sender's window allows: posting
+                # receives for them could leave one waiting for a send never made.
+                raise BlobDecodeError(
+                    f"nccl: unexpected doorbell message on channel {self.channel!r} "
+                    f"({len(raw)} bytes, {self._announced - self._pump_seq} payloads already announced)"
+                )
+            self._announced += 1
+            got += 1
 
     def _parse(self, env: wire.Envelope) -> tuple[Any, list[int], int, int]:
         """``(header, bulk sizes, frame size, SLOT bytes)`` of an envelope, validated.
@@ -2059,8 +2000,6 @@ class NcclConnector(BaseConnector):
             self._send_lock.release()
 
     def _close(self) -> None:
-        self._fill_stop.set()
-        self._fill_armed.set()
         setup = self._threads[0]
         if setup.is_alive():
             # Still looking for the peer: wake its hello wait (an empty hello is created
@@ -2080,9 +2019,9 @@ class NcclConnector(BaseConnector):
             watcher = next((t for t in self._threads if "-watcher-" in t.name), None)
             if watcher is not None:
                 watcher.join(wait)
-        # The poster always waits for a slot that will not come now, and the slot and
-        # bulk receives it posted ahead stay pending: end them (an NCCL abort, a gloo
-        # connection closed), which also wakes every thread blocked in one.
+        # Receives still pending (a payload whose sender died mid-way, a poster in a
+        # slot wait) would never end: end them (an NCCL abort, a gloo connection
+        # closed), which also wakes every thread blocked in one.
         for pg in self._data_groups():
             self._break_group(pg)
         self._reap_q.put(None)

@@ -4,16 +4,16 @@ Everything of a payload travels by point-to-point ``send``/``recv`` of the link'
 process groups, on the same NCCL streams as the data: no side channel carries headers.
 Each direction has two groups (two NCCL communicators): the *slot* group carries one
 fixed-size slot per payload, the *bulk* group the payload's larger buffers. The
-receiver keeps ``recv_depth`` slot receives posted ahead, so a slot lands without
-waiting for the receiver's host; the bulk receives are posted once its slot was read.
+sender rings the receiver's doorbell (one ZeroMQ message) once a payload's sends are
+queued; the receiver then posts its slot receive, and its bulk receives once the slot
+was read. No receive is posted for a payload not yet sent (see the connector).
 
 Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
 
     offset  size  field
     0       4     magic b"OLNS"
     4       4     envelope length E (u32 little-endian)
-    8       4     where the envelope is: 0 in this slot (at 16), 1 first bulk buffer,
-                  2 nowhere: a FILLER slot (E = 0), which carries no payload
+    8       4     where the envelope is: 0 in this slot (at 16), 1 first bulk buffer
     12      4     reserved, 0
     16      E     envelope (when in the slot)
     S       ...   SLOT tensors, S = 16 + E rounded up to 64; each at the next multiple
@@ -46,14 +46,8 @@ Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
                     was still pending on the receiver (``DuplicateKeyError``), else 0
                     (credits come back on a ZeroMQ socket, batched: see the connector)
 
-Fillers: receives posted ahead are NCCL operations that wait until the sender sends,
-and other work queued behind them waits too; so a link does not keep them posted while
-idle. Once no ``put`` came for ``idle_fill`` seconds, the sender sends exactly
-``recv_depth`` FILLER slots (the receiver's posted receives, all that are left once
-every real slot was read); the receiver takes them without posting new ones and is
-then disarmed. The sender's next ``put`` first rings the receiver's doorbell (one
-ZeroMQ message), on which it posts ``recv_depth`` slot receives again; the ``put``
-itself waits for nothing (its slot send waits on the GPU until the receive is posted).
+    doorbell message  1 byte ``0x01``: one more payload's sends are queued (after
+                    the session id, the first message on the socket)
 
 On an NCCL link a slot carries device (SLOT) tensors only when the payload has no bulk
 buffer: such a slot must wait for the caller's stream (its tensors are made there),
@@ -104,8 +98,6 @@ __all__ = [
     "encode_endpoints",
     "encode_envelope",
     "encode_hello",
-    "filler_head",
-    "is_filler",
     "pack_layout",
     "parse_meta",
     "plan_send",
@@ -122,14 +114,14 @@ FLAG_REPEAT = 1
 _FLAGS_KNOWN = FLAG_REPEAT
 
 #: Version of this protocol; both ends must speak the same one.
-PROTOCOL = 3
+PROTOCOL = 4
 
 _SLOT_MAGIC = b"OLNS"
 _SLOT_HEAD = struct.Struct("<4sIII")
 #: Bytes of the slot's fixed head (magic, envelope length, where, reserved).
 SLOT_HEAD = _SLOT_HEAD.size
-#: The envelope's place, third field of the slot head; FILLER: no payload (see below).
-ENV_IN_SLOT, ENV_IN_BULK, FILLER = 0, 1, 2
+#: The envelope's place, third field of the slot head.
+ENV_IN_SLOT, ENV_IN_BULK = 0, 1
 #: Smallest slot a link may use: the head plus a small envelope.
 MIN_SLOT_BYTES = 1024
 
@@ -173,7 +165,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight_bytes: int | None = None
     #: Size of every slot this end receives (the sender sends exactly this many bytes).
     slot_bytes: int = 16384
-    #: Slot receives this end posts when it (re)arms (the sender fills exactly as many).
+    #: Most slot receives this end keeps posted at once (each for an announced payload).
     recv_depth: int = 4
 
 
@@ -256,19 +248,6 @@ def decode_envelope(raw: Any) -> Envelope:
 def slot_head(env_len: int, in_slot: bool) -> bytes:
     """The 16-byte head of a slot whose envelope is ``env_len`` bytes."""
     return _SLOT_HEAD.pack(_SLOT_MAGIC, env_len, ENV_IN_SLOT if in_slot else ENV_IN_BULK, 0)
-
-
-def filler_head() -> bytes:
-    """The head of a filler slot: no envelope, no payload."""
-    return _SLOT_HEAD.pack(_SLOT_MAGIC, 0, FILLER, 0)
-
-
-def is_filler(raw: Any) -> bool:
-    """Whether the slot ``raw`` is a filler (exactly ``filler_head``)."""
-    if len(raw) < SLOT_HEAD:
-        return False
-    magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
-    return where == FILLER and magic == _SLOT_MAGIC and env_len == 0 and reserved == 0
 
 
 def read_slot_head(raw: Any, slot_bytes: int, max_header_bytes: int) -> tuple[int, bool]:
