@@ -900,7 +900,12 @@ class NcclConnector(BaseConnector):
         torch = self._torch
         if self._is_nccl:
             # Create the NCCL communicators now (a tiny exchange per group) rather than
-            # inside the first put, whose wait could not then be bounded.
+            # inside the first put, whose wait could not then be bounded. A group has two:
+            # torch gives an unbatched send/recv a 2-rank communicator of its own and a
+            # coalesced group of them the group's main one, each created at first use by
+            # both ranks together. Left to the first coalesced put (several bulk
+            # tensors), the sender would block creating it while the receiver, not yet
+            # rung, could not join: a deadlock (2x H200, 64 MiB + 16 small tensors).
             with torch.cuda.device(self.device):
                 self._send_stream = torch.cuda.Stream(self.device)
                 self._recv_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
@@ -909,6 +914,10 @@ class NcclConnector(BaseConnector):
                         t = torch.zeros(1, dtype=torch.uint8, device=self.device)
                         w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
                         w.wait()
+                        if self.coalesce:
+                            pair = [torch.zeros(1, dtype=torch.uint8, device=self.device) for _ in range(2)]
+                            for w in self._post(pg, pair, send=d == self._out):
+                                w.wait()
                 torch.cuda.current_stream(self.device).synchronize()
         self._spawn(self._watch, "watcher")
         if self._in in self._pgs:
