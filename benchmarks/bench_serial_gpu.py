@@ -94,9 +94,11 @@ def _stats(xs: list[float]) -> dict[str, float]:
 TRACED = (
     "omnilink.blob", "omnilink._util", "omnilink.connectors.base",
     "omnilink.connectors.shm.connector", "omnilink.connectors.shm.segments", "omnilink.connectors.shm.gpu",
-    "omnilink.connectors.shm.ipc", "omnilink.connectors.shm.alloc",
-    "omnilink.connectors.cuda_ipc.connector", "omnilink.connectors.cuda_ipc.ops",
-    "omnilink.connectors.cuda_ipc.directory", "omnilink.connectors.cuda_ipc.blocks",
+    "omnilink.connectors.shm.ipc", "omnilink.connectors.shmem.alloc", "omnilink.connectors.shmem.segment",
+    "omnilink.connectors.cuda_ipc.connector", "omnilink.connectors.devpool.ops",
+    "omnilink.connectors.devpool.directory", "omnilink.connectors.devpool.blocks",
+    "omnilink.connectors.devpool.sender", "omnilink.connectors.devpool.receiver",
+    "omnilink.connectors.devpool.manifest",
     "omnilink.cuda.runtime", "omnilink.cuda.events", "omnilink.cuda.h2d", "omnilink.cuda.d2h",
     "omnilink.cuda.device", "omnilink.cuda.pool",
 )
@@ -250,7 +252,7 @@ def _raw_receiver(conn: Any, dst: str, slot: int, sems: tuple[str, str]) -> None
     import posix_ipc
     import torch
 
-    from omnilink.connectors.cuda_ipc.ops import _handle_bytes
+    from omnilink.connectors.devpool.ops import _handle_bytes
     from omnilink.cuda import cuda_ops
 
     ops = cuda_ops()
@@ -293,7 +295,7 @@ def raw_rows(src: str, dst: str, sizes: list[int], n: int, lat_n: int) -> dict[i
     import posix_ipc
     import torch
 
-    from omnilink.connectors.cuda_ipc.ops import _handle_bytes
+    from omnilink.connectors.devpool.ops import _handle_bytes
     from omnilink.cuda import cuda_ops
 
     ops = cuda_ops()
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-sizes", default="4KiB")
     ap.add_argument("--trace-json", default=None)
     ap.add_argument("--trace-only", default="",
-                    help="comma-separated name endings: trace only those functions (e.g. '.put,._send')")
+                    help="comma-separated name endings: trace only those functions (e.g. '.put,.send')")
     args = ap.parse_args(argv)
     import torch
 

@@ -609,7 +609,7 @@ class _Runner:
     def _shm(self, item: dict[str, Any]) -> None:
         import omnilink
         from omnilink.connectors.shm import segments
-        from omnilink.connectors.shm.names import channel_names
+        from omnilink.connectors.shmem import channel_names
 
         self.n += 1
         key = f"k{self.n}"

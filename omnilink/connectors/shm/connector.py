@@ -17,7 +17,8 @@ How a payload travels::
               blocks back to the allocator                  push on the released ring
 
 See ``omnilink.connectors.shm.segments`` for the byte layouts of the arena and the
-control segment and the descriptor state machine, and ``names`` for the names.
+control segment and the descriptor state machine, and ``omnilink.connectors.shmem``
+for the names.
 
 Guarantees
 ----------
@@ -64,23 +65,14 @@ from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text, check_constructor_options
-from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
 from omnilink.connectors.shm.ipc import IPC_MARK, DeviceIpcRoute
 from omnilink.connectors.shm.ipc import MODES as IPC_MODES
 from omnilink.connectors.shm.slices import SLICED_MARK
-from omnilink.connectors.shm.names import (
-    free_shm_bytes,
-    new_token,
-    overflow_name,
-    pid_alive,
-    read_prefix,
-)
 from omnilink.connectors.shm.segments import (
     FLAG_EXTENSION,
     FLAG_OVERFLOW,
-    PAGE,
     MUTEX_GRACE_S,
     ROLE_RECV,
     ROLE_SEND,
@@ -89,9 +81,18 @@ from omnilink.connectors.shm.segments import (
     Channel,
     _LockTimeout,
     _OutRec,
-    _unlink_quiet,
-    create_segment,
     out_rec,
+)
+from omnilink.connectors.shmem import (
+    PAGE,
+    create_segment,
+    free_shm_bytes,
+    new_token,
+    overflow_name,
+    pid_alive,
+    read_prefix,
+    round_up,
+    unlink_segment,
 )
 from omnilink.cuda import StagePayloadHandle
 
@@ -434,7 +435,8 @@ class ShmConnector(BaseConnector):
         CPU per ``get`` that has to wait.
     device_ipc : {"auto", "on", "off"}
         CUDA payloads device to device when both ends are GPU processes of this host
-        (the ``cuda_ipc`` backend's pool, inside this connector; see "GPU payloads").
+        (a device pool the receiver owns, as the ``cuda_ipc`` backend's, opened by this
+        connector itself with no other channel; see "GPU payloads").
         ``"auto"`` (default): a receiver opens a device pool (``ipc_pool_bytes``) at
         its first ``get(device="cuda:k")`` if it is the channel's only receiver; a
         sender then sends payloads with at least ``ipc_min_bytes`` of CUDA tensors into
@@ -984,7 +986,7 @@ class ShmConnector(BaseConnector):
             except BaseException as exc:
                 if idx not in w.out:
                     w.free_desc.append(idx)
-                    _unlink_quiet(name)
+                    unlink_segment(name)
                 if isinstance(exc, _LockTimeout):
                     raise self._timeout("put", key, "the channel mutex", deadline.timeout) from None
                 raise

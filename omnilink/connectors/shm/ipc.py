@@ -1,27 +1,32 @@
 """The shm backend's device-IPC route: CUDA tensors GPU to GPU when both ends can.
 
 When both ends of a channel are GPU processes of one host, a host bounce (device ->
-page-locked arena -> device, about 50 GB/s over PCIe) is the wrong road: the
-``cuda_ipc`` backend copies device to device into a pool the receiver owns (hundreds
-of GB/s). This route lets one ``ShmConnector`` use it by itself::
+page-locked arena -> device, about 50 GB/s over PCIe) is the wrong road: a device pool
+the receiver owns (``omnilink.connectors.devpool``, what the ``cuda_ipc`` backend is
+built on) takes a device-to-device copy (hundreds of GB/s). This route lets one
+``ShmConnector`` use the pool's two ends itself, with no ``cuda_ipc`` connector and no
+channel besides its own::
 
     receiver (device_ipc="auto")                 sender (device_ipc="auto")
     first get(device="cuda:k"), the channel's    put of a payload with >= ipc_min_bytes
-    only receiver: open a cuda_ipc receiver      of CUDA tensors: is there a live pool
-    (its pool on cuda:k) on the same channel     for this channel, owned by the channel's
+    only receiver: open a PoolReceiver (its      of CUDA tensors: is there a live pool
+    pool on cuda:k) for the channel              for this channel, owned by the channel's
                                                  only receiver? can our devices reach
-                                                 its device? then: reserve a block for a
-                                                 marker, cuda_ipc put (device copy into
-                                                 the pool; a short wait for room at
-                                                 most), publish the marker under the key
-    get(key) claims the marker on the shm  <---  (otherwise, or on any failure of the
-    channel and takes the payload from the       route: the host path, unchanged)
-    cuda_ipc receiver: views of the pool on
-    its current stream (host not blocked)
+                                                 its device? then: PoolSender.send (device
+                                                 copy into the pool; a short wait for
+                                                 room at most), whose message is
+                                                 published on the shm channel under the
+                                                 key, marked IPC_MARK
+    get(key) claims the message on the shm <---  (otherwise, or on any failure of the
+    channel; PoolReceiver.land: views of the     route: the host path, unchanged)
+    pool on its current stream (host not
+    blocked)
 
-The shm channel stays the only place a receiver waits, so keys, wake-ups, timeouts and
-the key contract are the shm backend's; the cuda_ipc channel carries the device part.
-The marker is published after the device payload, so the receiver finds it at once.
+The shm channel stays the only place a receiver waits, and carries each routed
+payload's one message (the pool's message: manifest and host part): keys, wake-ups,
+timeouts and the key contract are the shm backend's, one claim and one decode per
+payload. The message is published after the device copy is queued, so the receiver
+finds it ready.
 
 Modes (``device_ipc``): ``"auto"`` (default) as above; ``"on"``: the receiver opens
 its pool when the connector opens (``ipc_device``, default the current device) and
@@ -29,9 +34,15 @@ the sender routes every CUDA payload that can go this way; ``"off"``: never.
 ``stats()`` counts ``ipc_puts`` / ``ipc_gets`` (device IPC) apart from
 ``device_puts`` / ``device_gets`` (the host-staged DMA path).
 
-Limits: one receiver per channel owns the pool (cuda_ipc's one-receiver, one-sender
+A payload the route could not take (no room in the pool in time, the pool's receiver
+gone, ...) goes by the host path, counted in ``stats().ipc_fallbacks`` with the last
+reason in ``ipc_fallback_reason``. ``discard`` gives a routed payload's pool block back
+on either side.
+
+Limits: one receiver per channel owns the pool (the pool's one-receiver, one-sender
 rule): the sender checks, before each put by this route, that the shm channel's only
-receiver is the pool's owner; a second sender falls back to the host path.
+receiver is the pool's owner (cached until the channel's participants generation
+moves); a second sender falls back to the host path.
 """
 
 from __future__ import annotations
@@ -51,13 +62,23 @@ from omnilink._errors import (
     TransferTimeout,
     TransportError,
 )
+from omnilink._util import Deadline
 from omnilink.blob import prepare
+from omnilink.connectors.devpool import (
+    DEFAULT_EVENT_SLOTS,
+    DEFAULT_MAX_BLOCKS,
+    CudaDeviceOps,
+    PoolReceiver,
+    PoolSender,
+    cuda_ipc_unavailable,
+    live_pool_owner,
+)
 
 __all__ = ["DeviceIpcRoute", "IPC_MARK", "MODES"]
 
 logger = logging.getLogger(__name__)
 
-#: The key of the marker payload on the shm channel: "take this key from cuda_ipc".
+#: The key under which a routed payload's pool message rides the shm channel.
 IPC_MARK = "__omnilink_device_ipc__"
 MODES = ("auto", "on", "off")
 #: Seconds a route put waits for room in the receiver's pool before the host path.
@@ -90,9 +111,11 @@ class DeviceIpcRoute:
         self.pool_bytes = pool_bytes
         self.min_bytes = min_bytes if mode == "auto" else 0
         self._lock = threading.Lock()
-        self._rx: Any = None
+        #: the device operations both ends use (made with the first end)
+        self._ops: Any = None
+        self._rx: PoolReceiver | None = None
         self._rx_tried = False
-        self._tx: Any = None
+        self._tx: PoolSender | None = None
         self._tx_device: int | None = None
         self._owner: int | None = None
         #: participants generation at which the pool's owner was the only receiver
@@ -105,9 +128,27 @@ class DeviceIpcRoute:
         if mode == "on" and conn._recvs:
             self.open_pool(device, strict=True)
 
+    # ================================================================ the ends
+    @staticmethod
+    def _unavailable() -> str | None:
+        """Why this process cannot open a device pool's end, or ``None``; the test
+        suite overrides it (with ``_make_ops``) to run the route over a host double."""
+        return cuda_ipc_unavailable()
+
+    @staticmethod
+    def _make_ops() -> Any:
+        """The device operations of the route's ends (``CudaDeviceOps``)."""
+        return CudaDeviceOps()
+
+    def _device_ops(self) -> Any:
+        """The one device-operations object of this route (holds ``_lock``)."""
+        if self._ops is None:
+            self._ops = self._make_ops()
+        return self._ops
+
     # ================================================================ receiver
     def open_pool(self, device: Any, *, strict: bool = False) -> None:
-        """Open this receiver's cuda_ipc pool on ``device`` once (``auto``: at the first
+        """Open this receiver's device pool on ``device`` once (``auto``: at the first
         device get, if this is the channel's only receiver; failures are logged once and
         leave the host path)."""
         if self._rx is not None or (self._rx_tried and not strict):
@@ -116,15 +157,14 @@ class DeviceIpcRoute:
             if self._rx is not None or (self._rx_tried and not strict):
                 return
             self._rx_tried = True
-            from omnilink.connectors.cuda_ipc import CudaIpcConnector
-
-            why = CudaIpcConnector.unavailable_reason()
+            why = self._unavailable()
             if why is None and not strict and self.conn._live_receivers() != 0:
                 why = "the channel has other receivers (one receiver owns a device pool)"
             if why is None:
                 try:
-                    self._rx = CudaIpcConnector(channel=self.conn.channel, role="receiver", device=device,
-                                                pool_bytes=self.pool_bytes)
+                    self._rx = PoolReceiver(self._device_ops(), self.conn.channel, device=device,
+                                            pool_bytes=self.pool_bytes, event_slots=DEFAULT_EVENT_SLOTS,
+                                            max_blocks=DEFAULT_MAX_BLOCKS)
                 except (OmnilinkError, RuntimeError) as exc:
                     if strict:
                         raise
@@ -150,12 +190,12 @@ class DeviceIpcRoute:
                 "receiver that owns the channel's device pool; this receiver has none (one receiver "
                 "per channel when senders use device_ipc)"
             )
-        got = rx._land_message(key, marker[IPC_MARK])
+        got = rx.land(key, marker[IPC_MARK])
         from omnilink.cuda import map_tensors
 
         if device is None:
             return map_tensors(got, lambda t: t.cpu() if t.is_cuda else t)
-        if device.index != rx.pool_device:
+        if device.index != rx.index:
             return map_tensors(got, lambda t: t.to(device, non_blocking=True) if t.is_cuda else t)
         return got
 
@@ -180,7 +220,7 @@ class DeviceIpcRoute:
                 raise _NotPublished(exc) from exc
 
         try:
-            tx._send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline))
+            tx.send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline))
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
@@ -207,18 +247,16 @@ class DeviceIpcRoute:
         if now < self._next_probe:
             return None
         self._next_probe = now + PROBE_EVERY_S
-        from omnilink.connectors.cuda_ipc import CudaIpcConnector, live_pool_owner
-
         owner = live_pool_owner(self.conn.channel)
-        if owner is None or CudaIpcConnector.unavailable_reason() is not None:
+        if owner is None or self._unavailable() is not None:
             return None
         with self._lock:
             if self._tx is not None:
                 return self._tx
             tx = None
             try:
-                tx = CudaIpcConnector(channel=self.conn.channel, role="sender", linger=0)
-                index = tx.attach(1.0)
+                tx = PoolSender(self._device_ops(), self.conn.channel)
+                index = tx.attach(Deadline(1.0))
             except (OmnilinkError, RuntimeError) as exc:
                 if tx is not None:
                     tx.close()
@@ -293,7 +331,7 @@ class DeviceIpcRoute:
         its pool block goes back (nothing viewed it)."""
         rx = self._rx
         if rx is not None:
-            rx._drop_message(key, marker[IPC_MARK])
+            rx.drop(key, marker[IPC_MARK])
 
     # ================================================================ sender
     def discard(self, key: str) -> None:
@@ -301,7 +339,7 @@ class DeviceIpcRoute:
         (if it went by device IPC)."""
         tx = self._tx
         if tx is not None:
-            tx._withdrawn(key)
+            tx.withdrawn(key)
 
     def close(self) -> None:
         self._closed = True
@@ -325,8 +363,6 @@ class _NotPublished(Exception):
 
 
 def _short(deadline: Any) -> Any:
-    from omnilink._util import Deadline
-
     if deadline is None:
         return Deadline(1.0)
     remaining = deadline.remaining()

@@ -1,8 +1,9 @@
-"""``CudaDeviceOps``: every CUDA call of the ``cuda_ipc`` backend, in one small object.
+"""``CudaDeviceOps``: every CUDA call of the device pool, in one small object.
 
-The connector never calls CUDA itself; it calls these methods, so the whole control
-plane (allocation, frees, event slots, manifests, the key contract) runs unchanged over a
-host-memory test double in the test suite. Calls go through cuda-python
+The pool's ends (and the ``cuda_ipc`` connector and shm device-IPC route over them) never
+call CUDA themselves; they call these methods, so the whole control plane (allocation,
+frees, event slots, manifests, the key contract) runs unchanged over a host-memory test
+double in the test suite. Calls go through cuda-python
 (``cuda.bindings.runtime``) via ``omnilink.cuda.cuda_ops()``; handles cross processes as
 their 64 raw bytes.
 """

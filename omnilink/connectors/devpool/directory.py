@@ -42,9 +42,9 @@ import struct
 from typing import Any
 
 from omnilink._errors import ConfigurationError
-from omnilink.connectors.shm import SHM_DIR, arena_name, create_segment, open_segment
+from omnilink.connectors.shmem import SHM_DIR, arena_name, create_segment, open_segment, pid_alive, read_prefix
 
-__all__ = ["Directory", "directory_token", "find_directories"]
+__all__ = ["Directory", "directory_token", "find_directories", "live_pool_owner"]
 
 MAGIC = b"OLCIPC01"
 HANDLE_BYTES = 64
@@ -218,3 +218,24 @@ class Directory:
             self.mm.close()
         except (BufferError, ValueError):  # pragma: no cover - a view still exported
             pass
+
+
+def live_pool_owner(channel: str) -> int | None:
+    """The pid of the live receiver whose open device pool serves ``channel``, or ``None``.
+
+    A cheap look at ``/dev/shm`` (no CUDA call): what a transport that may send by device
+    IPC checks before it opens a sender.
+    """
+    for pid, name in find_directories(read_prefix(), channel):
+        if not pid_alive(pid):
+            continue
+        try:
+            d = Directory.open(name)
+        except Exception:  # gone meanwhile, or not complete yet
+            continue
+        try:
+            if d.get(STATE) == STATE_OPEN:
+                return pid
+        finally:
+            d.close()
+    return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 
-from omnilink.connectors.shm import Allocator
+from omnilink.connectors.shmem import Allocator
 
 __all__ = ["ALIGN", "BlockAllocator", "round_up"]
 

@@ -1,0 +1,480 @@
+"""``PoolSender``: the sender's end of a device pool (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from omnilink._errors import (
+    BlobEncodeError,
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    OmnilinkError,
+    PeerLostError,
+    TransferTimeout,
+)
+from omnilink._util import Deadline, PeerWatch
+from omnilink.blob import encoded_size
+from omnilink.connectors.devpool.blocks import ALIGN, BlockAllocator
+from omnilink.connectors.devpool.directory import (
+    ACK_GEN,
+    CLEAN_GEN,
+    DEVICE,
+    EVENTS_GEN,
+    GEN,
+    POOL_BYTES,
+    RECV_PID,
+    RING_HEAD,
+    RING_TAIL,
+    SENDER_PID,
+    SNAP_HEAD,
+    STATE,
+    STATE_OPEN,
+    WANT_GEN,
+    Directory,
+    find_directories,
+)
+from omnilink.connectors.devpool.manifest import dtypes, split, tensor_type
+from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, LOCAL_SENDERS, local_lock, start_heartbeat
+from omnilink.connectors.shmem import HostLock, pid_alive, read_prefix
+
+__all__ = ["PoolSender"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between liveness checks of the receiver.
+HEARTBEAT_S = 0.25
+#: Event slots a put looks at for one already waited on before it takes the next in turn.
+SLOT_SCAN = 4
+
+
+class _Attachment:
+    """A sender's view of one receiver's pool: the mapped memory, its events, the
+    allocator, the slots in use."""
+
+    __slots__ = ("dir", "gen", "alloc", "ptr", "opened", "index", "events", "rec", "next_slot",
+                 "seq", "sent", "by_block", "receiver_pid", "pool_bytes", "ring_cap")
+
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[int, int, int]] = {}
+        self.by_block: dict[int, str] = {}
+        self.next_slot = 0
+        self.seq = 0
+
+
+class PoolSender:
+    """The sender's end of a device pool on ``channel``: finds the channel's receiver,
+    maps its pool once (``attach``, or the first ``send``), and copies the device
+    tensors of each payload into a block of it.
+
+    Counts what a connector reports: ``device_puts`` (messages with a device part) and
+    ``timeouts`` (``TransferTimeout`` raised here).
+
+    Parameters
+    ----------
+    ops : CudaDeviceOps
+        The device operations (or a test double of them).
+    channel : str
+        The channel whose receiver's pool it sends into.
+    """
+
+    def __init__(self, ops: Any, channel: str) -> None:
+        self.ops = ops
+        self.channel = channel
+        self._prefix = read_prefix()
+        self._pid = os.getpid()
+        #: the receiver's liveness, looked up on every put (a pidfd poll)
+        self._peers = PeerWatch()
+        #: the receiver's pool this sender is attached to (``None`` until it is, and
+        #: once the receiver is gone)
+        self.tx: _Attachment | None = None
+        self.lock = threading.RLock()
+        #: why the last receiver went away (until a new one is found): a put raises it
+        #: instead of waiting for a receiver
+        self.lost_reason: str | None = None
+        self.closed = False
+        self.device_puts = 0
+        self.timeouts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"cuda_ipc connector on channel {self.channel!r} is closed")
+
+    def _timeout(self, op: str, key: str | None, peer: str, waited: float | None) -> TransferTimeout:
+        """Build (and count) the ``TransferTimeout`` of a wait that ran out."""
+        self.timeouts += 1
+        what = f"{op} of key {key!r}" if key is not None else op
+        return TransferTimeout(
+            f"cuda_ipc: {what} on channel {self.channel!r} timed out after "
+            f"{waited if waited is not None else '?'} s waiting for {peer}",
+            channel=self.channel,
+            key=key,
+            peer=peer,
+        )
+
+    # --------------------------------------------------------------------- send
+    def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
+             size: int | None = None, room: Deadline | None = None) -> int:
+        """Copy the device tensors of ``payload`` into a block of the receiver's pool and
+        hand ``publish`` the message that describes it (``{"d": manifest, "h": host
+        part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
+        payload with ``None`` where each device tensor was). If ``publish`` raises, the
+        block and its event slot are taken back and the error goes on. ``ctx``: the
+        producer's events of a ``put_async`` (``ops.producer_events``); ``size``: the
+        payload's tensor_blob size when the caller knows it; ``room``: the deadline of
+        the wait for room in the pool (default ``deadline``). Returns ``size``.
+
+        Raises
+        ------
+        TransferTimeout
+            No receiver opened its pool, or no room came, in time.
+        CapacityError
+            The payload's device part is larger than the pool.
+        PeerLostError, ConfigurationError
+            The receiver is gone; the channel already has a sender.
+        BlobEncodeError
+            A device tensor of a dtype omnilink cannot carry.
+        ClosedError
+            The sender was closed.
+        """
+        ops = self.ops
+        # What put returns (the Connector contract): the payload's tensor_blob size.
+        if size is None:
+            size = encoded_size(payload)
+        host, chosen = split(payload, ops.is_device_tensor, tensor_type())
+        if not chosen:
+            publish({"d": None, "h": host, "n": size})
+            return size
+        by_dtype, _ = dtypes()
+        entries: list[list[Any]] = []
+        items: list[tuple[int, Any]] = []
+        off = 0
+        for path, t in chosen:
+            code = by_dtype.get(t.dtype)
+            if code is None:
+                raise BlobEncodeError(f"cuda_ipc: the tensor at {list(path)} has dtype {t.dtype}, which omnilink "
+                                      "cannot carry")
+            if t.requires_grad:
+                t = t.detach()
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            n = t.numel() * t.element_size()
+            off = (off + ALIGN - 1) & -ALIGN
+            entries.append([code, off, n, list(t.shape), list(path)])
+            items.append((off, t))
+            off += n
+        total = max((off + ALIGN - 1) & -ALIGN, ALIGN)
+        with self.lock:
+            self._check_open()
+            tx = self._attached(deadline)
+            if total > tx.pool_bytes:
+                raise CapacityError(
+                    f"cuda_ipc: payload {key!r} holds {total} device bytes; the receiver's pool is "
+                    f"{tx.pool_bytes} bytes (raise the receiver's pool_bytes)"
+                )
+            blk = self._alloc(tx, key, total, room or deadline)
+            slot = self._take_slot(tx)
+            tx.seq += 1
+            seq = tx.seq
+            try:
+                ops.copy_in(tx.index, [(tx.ptr + blk + o, t) for o, t in items], tx.events[slot], ctx)
+            except BaseException:
+                tx.alloc.free(blk)
+                raise
+            tx.rec[slot] = seq
+            tx.dir.set_rec_seq(slot, seq)
+            try:
+                publish({"d": [tx.gen, seq, slot, blk, total, entries], "h": host, "n": size})
+            except BaseException:
+                # Never published: nobody will wait on the slot or read the block; a later
+                # copy into it runs after this one (same copy stream).
+                tx.dir.set_done_seq(slot, seq)
+                tx.alloc.free(blk)
+                raise
+            tx.sent[key] = (blk, slot, seq)
+            tx.by_block[blk] = key
+            self.device_puts += 1
+        return size
+
+    def withdrawn(self, key: str) -> None:
+        """The message of ``key`` was withdrawn unread: its block is free again."""
+        with self.lock:
+            tx = self.tx
+            got = tx.sent.pop(key, None) if tx is not None else None
+            if tx is not None and got is not None:
+                blk, slot, seq = got
+                tx.by_block.pop(blk, None)
+                tx.alloc.free(blk)
+                tx.dir.set_done_seq(slot, seq)
+
+    def in_use(self) -> tuple[int, int]:
+        """(blocks, bytes) of the pool this sender has out."""
+        tx = self.tx
+        if tx is None:
+            return 0, 0
+        return tx.alloc.blocks, tx.alloc.used_bytes
+
+    # ------------------------------------------------------------------- attach
+    def attach(self, deadline: Deadline) -> int:
+        """Find the channel's receiver and map its pool now (``send`` does it on first
+        use); return the pool's device index in this process.
+
+        Raises
+        ------
+        TransferTimeout
+            No receiver opened its pool before ``deadline``.
+        PeerLostError, ConfigurationError
+            The receiver is gone; the channel already has a sender.
+        """
+        with self.lock:
+            self._check_open()
+            return self._attached(deadline).index
+
+    def _lost(self, tx: _Attachment) -> str | None:
+        d = tx.dir
+        if d.get(STATE) != STATE_OPEN:
+            return "closed"
+        if tx.receiver_pid != self._pid and not self._peers.alive(tx.receiver_pid):
+            return "died"
+        return None
+
+    def _peer_lost(self, why: str, key: str | None) -> PeerLostError:
+        with self.lock:
+            tx, self.tx = self.tx, None
+            pid = tx.receiver_pid if tx is not None else 0
+            if tx is not None:
+                self._detach(tx, clean=False)
+        msg = (f"cuda_ipc: the receiver (pid {pid}) on channel {self.channel!r} {why}; this sender closed "
+               "its handles to its pool")
+        self.lost_reason = msg
+        return PeerLostError(msg)
+
+    def _attached(self, deadline: Deadline) -> _Attachment:
+        tx = self.tx
+        if tx is not None:
+            why = self._lost(tx)
+            if why is None:
+                return tx
+            raise self._peer_lost(why, None)
+        return self._attach(deadline)
+
+    def _attach(self, deadline: Deadline) -> _Attachment:
+        """Find the channel's receiver, map its pool, create and publish the events."""
+        ops = self.ops
+        delay = 0.001
+        while True:
+            found = [(pid, name) for pid, name in find_directories(self._prefix, self.channel)
+                     if pid == self._pid or pid_alive(pid)]
+            if found:
+                try:
+                    d = Directory.open(found[0][1])
+                except Exception:  # gone meanwhile, or not yet complete
+                    d = None
+                if d is not None and d.get(STATE) == STATE_OPEN:
+                    break
+                if d is not None:
+                    d.close()
+            if self.lost_reason is not None:
+                raise PeerLostError(self.lost_reason)
+            if deadline.expired():
+                raise self._timeout("put (waiting for a cuda_ipc receiver to open its pool)", None,
+                                    "a receiver", deadline.timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        tx = _Attachment()
+        try:
+            with HostLock():
+                sp = d.get(SENDER_PID)
+                with local_lock:
+                    mine = d.name in LOCAL_SENDERS
+                if (sp and sp != self._pid and pid_alive(sp)) or (sp == self._pid and mine):
+                    raise ConfigurationError(
+                        f"cuda_ipc: channel {self.channel!r} already has a sender (pid {sp}); one sender per channel"
+                    )
+                with local_lock:
+                    LOCAL_SENDERS.add(d.name)
+                old = d.get(GEN)
+                gen = old + 1
+                d.set(SENDER_PID, self._pid)
+                d.set(GEN, gen)
+                if old:
+                    d.set(WANT_GEN, gen)
+            tx.dir, tx.gen = d, gen
+            tx.receiver_pid = d.get(RECV_PID)
+            tx.pool_bytes = d.get(POOL_BYTES)
+            tx.ring_cap = d.ring_cap
+            tx.alloc = BlockAllocator(tx.pool_bytes)
+            if old:  # a sender was here before: start from what the receiver still holds
+                while d.get(ACK_GEN) != gen:
+                    if self._lost(tx) is not None:
+                        raise PeerLostError(f"cuda_ipc: the receiver on channel {self.channel!r} is gone")
+                    if deadline.expired():
+                        raise self._timeout("put (waiting for the receiver to list the blocks it holds)",
+                                            None, "the receiver", deadline.timeout)
+                    time.sleep(0.001)
+                for off, length in d.read_held():
+                    if not tx.alloc.reserve(off, length):
+                        logger.warning("cuda_ipc: receiver holds an invalid block [%d, +%d)", off, length)
+                d.set(RING_TAIL, d.get(SNAP_HEAD))
+            else:
+                d.set(RING_TAIL, d.get(RING_HEAD))
+            tx.index = ops.index_of_uuid(d.uuid(), d.get(DEVICE))
+            with local_lock:
+                local = LOCAL_POOLS.get(d.name) if tx.receiver_pid == self._pid else None
+            if local is not None:
+                tx.ptr, tx.opened = local, False
+            else:
+                tx.ptr, tx.opened = ops.open_pool(tx.index, d.mem_handle()), True
+            created = ops.create_events(tx.index, d.nslots)
+            tx.events = [ev for ev, _ in created]
+            tx.rec = [0] * d.nslots
+            for i, (_, handle) in enumerate(created):
+                d.set_slot_handle(i, handle)
+                d.set_done_seq(i, 0)
+                d.set_rec_seq(i, 0)
+            with local_lock:
+                LOCAL_EVENTS[(d.name, gen)] = tx.events
+            d.set(EVENTS_GEN, gen)
+        except BaseException:
+            if getattr(tx, "ptr", None) is not None and tx.opened:
+                try:
+                    ops.close_pool(tx.index, tx.ptr)
+                except Exception:  # pragma: no cover
+                    logger.debug("cuda_ipc: close_pool failed", exc_info=True)
+            if d.get(SENDER_PID) == self._pid and d.get(GEN) == getattr(tx, "gen", -1):
+                d.set(SENDER_PID, 0)
+                with local_lock:
+                    LOCAL_SENDERS.discard(d.name)
+            d.close()
+            raise
+        self.tx = tx
+        self.lost_reason = None
+        if self._thread is None:
+            self._thread = start_heartbeat(self, self._stop, f"omnilink-cuda-ipc-tx-{self.channel}", HEARTBEAT_S,
+                                           "_watch_receiver")
+        logger.debug("cuda_ipc: sender attached to %s (generation %d)", d.name, gen)
+        return tx
+
+    # ------------------------------------------------------------------- blocks
+    def _drain(self, tx: _Attachment) -> None:
+        for off, _length in tx.dir.drain_frees():
+            key = tx.by_block.pop(off, None)
+            if key is not None:
+                tx.sent.pop(key, None)
+            try:
+                tx.alloc.free(off)
+            except KeyError:
+                logger.warning("cuda_ipc: the receiver freed an unknown block at %d", off)
+
+    def _wait_room(self, tx: _Attachment, key: str, deadline: Deadline, what: str, rounds: int) -> None:
+        """One round of waiting for the receiver to free pool blocks. The first rounds
+        only yield (a free usually arrives within microseconds of the receiver's next
+        get: a 0.5 ms sleep per round cost large payloads a third of their speed), then
+        sleeps grow to 0.5 ms."""
+        why = self._lost(tx)
+        if why is not None:
+            raise self._peer_lost(why, key)
+        self._check_open()
+        if deadline.expired():
+            raise self._timeout(f"put ({what})", key, "the receiver", deadline.timeout)
+        time.sleep(0 if rounds < 200 else min(0.0005, 0.00002 * (rounds - 199)))
+
+    def _alloc(self, tx: _Attachment, key: str, total: int, deadline: Deadline) -> int:
+        rounds = 0
+        while True:
+            self._drain(tx)
+            if tx.alloc.blocks < tx.ring_cap:
+                blk = tx.alloc.alloc(total)
+                if blk is not None:
+                    return blk
+            self._wait_room(tx, key, deadline, "the receiver's pool is full", rounds)
+            rounds += 1
+
+    def _take_slot(self, tx: _Attachment) -> int:
+        """A slot whose last record the receiver has already waited on (or discarded);
+        when every slot is still awaited, the next one in turn. Recording a slot again
+        is always correct: all records are on one copy stream, so a receiver whose wait
+        comes after the new record waits for a later point of that stream (its own copy
+        is done by then); it may only wait longer. Free slots keep that from happening
+        while fewer than ``event_slots`` payloads are unread.
+
+        Slots are taken in turn, so the oldest record is the next one: only the next
+        ``SLOT_SCAN`` are looked at (a sender far ahead of its receiver found every slot
+        awaited after scanning all of them: 100 us per put on an H100 host)."""
+        n = len(tx.events)
+        d = tx.dir
+        start = tx.next_slot
+        for k in range(min(n, SLOT_SCAN)):
+            i = (start + k) % n
+            if d.done_seq(i) >= tx.rec[i]:
+                tx.next_slot = (i + 1) % n
+                return i
+        tx.next_slot = (start + 1) % n
+        return start
+
+    # -------------------------------------------------------------- lifecycle
+    def _detach(self, tx: _Attachment, *, clean: bool) -> None:
+        ops = self.ops
+        d = tx.dir
+        try:
+            if clean:
+                ops.synchronize(tx.index)
+                if d.get(GEN) == tx.gen:
+                    d.set(CLEAN_GEN, tx.gen)
+            ops.drain()
+            if tx.opened:
+                ops.close_pool(tx.index, tx.ptr)
+        except OmnilinkError:
+            logger.warning("cuda_ipc: closing the pool handle failed", exc_info=True)
+        finally:
+            with local_lock:
+                LOCAL_EVENTS.pop((d.name, tx.gen), None)
+            ops.destroy_events(tx.index, tx.events)
+            if d.get(SENDER_PID) == self._pid and d.get(GEN) == tx.gen:
+                d.set(SENDER_PID, 0)
+            with local_lock:
+                LOCAL_SENDERS.discard(d.name)
+            d.close()
+
+    def _watch_receiver(self) -> None:
+        """Heartbeat of a sender: a receiver that died takes its pool with it; close our
+        handle to it now, not at the next put."""
+        with self.lock:
+            tx = self.tx
+            if tx is None:
+                return
+            why = self._lost(tx)
+        if why is not None:
+            logger.warning("cuda_ipc: receiver (pid %d) on channel %r %s; closing its pool handle",
+                           tx.receiver_pid, self.channel, why)
+            self._peer_lost(why, None)
+
+    def wake(self) -> None:
+        """Refuse new sends and end waits for room (``ClosedError``); ``close`` does the
+        rest."""
+        self.closed = True
+        self._stop.set()
+
+    def close(self) -> None:
+        """Wait for this sender's copies, mark them done for the receiver and close the
+        pool's handles. Idempotent."""
+        self.wake()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(5)
+        with self.lock:
+            tx, self.tx = self.tx, None
+        if tx is not None:
+            self._detach(tx, clean=True)
+        self._peers.close()
