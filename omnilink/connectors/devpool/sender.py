@@ -58,6 +58,21 @@ class _Attachment:
 
     __slots__ = ("dir", "gen", "alloc", "ptr", "opened", "index", "events", "rec", "next_slot",
                  "seq", "sent", "by_block", "receiver_pid", "pool_bytes", "ring_cap")
+    dir: Directory
+    gen: int
+    alloc: BlockAllocator
+    ptr: int
+    opened: bool
+    index: int
+    events: list[Any]
+    rec: list[int]
+    next_slot: int
+    seq: int
+    sent: dict[str, tuple[int, int, int]]
+    by_block: dict[int, str]
+    receiver_pid: int
+    pool_bytes: int
+    ring_cap: int
 
     def __init__(self) -> None:
         self.sent: dict[str, tuple[int, int, int]] = {}

@@ -51,7 +51,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import (
     CapacityError,
@@ -64,15 +64,9 @@ from omnilink._errors import (
 )
 from omnilink._util import Deadline
 from omnilink.blob import prepare
-from omnilink.connectors.devpool import (
-    DEFAULT_EVENT_SLOTS,
-    DEFAULT_MAX_BLOCKS,
-    CudaDeviceOps,
-    PoolReceiver,
-    PoolSender,
-    cuda_ipc_unavailable,
-    live_pool_owner,
-)
+
+if TYPE_CHECKING:  # the device pool loads at the route's first use: shm's import stays cheap
+    from omnilink.connectors.devpool import PoolReceiver, PoolSender
 
 __all__ = ["DeviceIpcRoute", "IPC_MARK", "MODES"]
 
@@ -133,11 +127,15 @@ class DeviceIpcRoute:
     def _unavailable() -> str | None:
         """Why this process cannot open a device pool's end, or ``None``; the test
         suite overrides it (with ``_make_ops``) to run the route over a host double."""
+        from omnilink.connectors.devpool import cuda_ipc_unavailable
+
         return cuda_ipc_unavailable()
 
     @staticmethod
     def _make_ops() -> Any:
         """The device operations of the route's ends (``CudaDeviceOps``)."""
+        from omnilink.connectors.devpool import CudaDeviceOps
+
         return CudaDeviceOps()
 
     def _device_ops(self) -> Any:
@@ -161,6 +159,8 @@ class DeviceIpcRoute:
             if why is None and not strict and self.conn._live_receivers() != 0:
                 why = "the channel has other receivers (one receiver owns a device pool)"
             if why is None:
+                from omnilink.connectors.devpool import DEFAULT_EVENT_SLOTS, DEFAULT_MAX_BLOCKS, PoolReceiver
+
                 try:
                     self._rx = PoolReceiver(self._device_ops(), self.conn.channel, device=device,
                                             pool_bytes=self.pool_bytes, event_slots=DEFAULT_EVENT_SLOTS,
@@ -247,6 +247,8 @@ class DeviceIpcRoute:
         if now < self._next_probe:
             return None
         self._next_probe = now + PROBE_EVERY_S
+        from omnilink.connectors.devpool import PoolSender, live_pool_owner
+
         owner = live_pool_owner(self.conn.channel)
         if owner is None or self._unavailable() is not None:
             return None
