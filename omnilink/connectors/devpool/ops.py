@@ -321,12 +321,26 @@ class CudaDeviceOps:
 
     def after_use(self, index: int, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the work queued so far on ``index``'s current stream (the
-        last reader of a freed block) has run."""
+        last reader of a freed block) has run: here and now when that stream has nothing
+        left to run (a consumer that synchronized before dropping its views: its block
+        goes back before its next ``get``, so a sender short of room does not wait for
+        the completion thread), else on the completion thread after an event."""
+        ops = self._ops
+        idle = False
         try:
-            ev = Event(index).record(current_raw_stream(index))
+            stream = current_raw_stream(index)
+            prev = self._on(index)  # a legacy default stream (0) is the current device's
+            try:
+                idle = self.rt.cudaStreamQuery(stream)[0] == ops.success
+            finally:
+                ops.restore_device(prev)
+            ev = None if idle else Event(index).record(stream)
         except Exception:  # pragma: no cover - interpreter or driver teardown
             ev = None
-        self._completer_get().submit(ev, callback)
+        if idle:
+            callback()
+        else:
+            self._completer_get().submit(ev, callback)
 
     def synchronize(self, index: int) -> None:
         """Block until the copy stream of ``index`` has finished (close only)."""
