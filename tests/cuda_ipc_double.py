@@ -68,6 +68,8 @@ class HostDeviceOps:
     """Host-memory double of ``CudaDeviceOps`` (same methods, same contracts)."""
 
     name = "host-double"
+    #: what ``free_bytes`` reports (the pool's default growth bound derives from it)
+    FREE_BYTES = 64 << 20
     #: every instance's pools and mappings, for tests that inspect them
     pools: dict[int, tuple[int, mmap.mmap, Any]] = {}
     lock = threading.Lock()
@@ -99,6 +101,9 @@ class HostDeviceOps:
         with self.lock:
             self.pools[ptr] = (fd, mm, anchor)
         return ptr, f"{os.getpid()}:{fd}".encode().ljust(HANDLE, b"\0")
+
+    def free_bytes(self, index: int) -> int:
+        return self.FREE_BYTES
 
     def free_pool(self, index: int, ptr: int) -> None:
         with self.lock:

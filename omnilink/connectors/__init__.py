@@ -277,6 +277,7 @@ def connect(
     timeout: float | None = None,
     device: Any = None,
     pool_bytes: int = ...,
+    pool_max_bytes: int | None = None,
     event_slots: int = ...,
     max_blocks: int = ...,
     arena_bytes: int = ...,

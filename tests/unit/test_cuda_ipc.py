@@ -159,8 +159,16 @@ def test_receiver_waits_on_the_slot_event_and_marks_it_done(pair):
         rx.get(k, timeout=5)
 
 
-def test_pool_full_is_backpressure_then_capacity_error(pair):
-    tx, rx = pair
+def test_pool_full_is_backpressure_then_capacity_error():
+    ch = _chan()
+    # a pool that may not grow: a full pool is backpressure, a payload larger than it a
+    # CapacityError naming the sizes and the option to raise
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, pool_max_bytes=4 << 20) as rx, \
+            HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+        _backpressure_then_capacity_error(tx, rx)
+
+
+def _backpressure_then_capacity_error(tx, rx):
     blob = torch.zeros(3 << 20, dtype=torch.uint8)
     tx.put("a", {"x": blob}, timeout=5)
     with pytest.raises(TransferTimeout, match="pool is full"):
@@ -168,7 +176,7 @@ def test_pool_full_is_backpressure_then_capacity_error(pair):
     got = rx.get("a", timeout=5)
     del got
     tx.put("b", {"x": blob}, timeout=5)  # the free came back through the ring
-    with pytest.raises(CapacityError, match="pool_bytes"):
+    with pytest.raises(CapacityError, match="pool_max_bytes"):
         tx.put("huge", {"x": torch.zeros(5 << 20, dtype=torch.uint8)}, timeout=1)
     rx.get("b", timeout=5)
 
@@ -230,6 +238,11 @@ _GOOD = _m(1, 1, 0, 0, 256, [_X])
     (_m(1, 1, 99, 0, 256, [_X]), {"x": None}),                        # slot out of range
     (_m(1, 1, 0, 4 << 20, 256, [_X]), {"x": None}),                   # block outside the pool
     (_m(1, 1, 0, 100, 256, [_X]), {"x": None}),                       # block misaligned
+    (_m(1, 1, 0, 1 << 48, 256, [_X]), {"x": None}),                   # segment 1: not live
+    (_m(1, 1, 0, 16 << 48, 256, [_X]), {"x": None}),                  # segment past the table
+    (_m(1, 1, 0, (1 << 15) - 1 << 48, 256, [_X]), {"x": None}),       # the highest segment bits
+    (_m(1, 1, 0, (4 << 20) - 256, 512, [_X]), {"x": None}),           # runs past segment 0
+    (_m(1, 1, 0, 1 << 47, 256, [_X]), {"x": None}),                   # offset past segment 0
     (_m(1, 1, 0, 0, -256, [_X]), {"x": None}),                        # negative size
     (_m(1, 1, 0, 0, 257, [_X]), {"x": None}),                         # size not a multiple of ALIGN
     (_m(0, 1, 0, 0, 256, [_X]), {"x": None}),                         # generation 0
@@ -382,7 +395,7 @@ def test_receiver_close_makes_sender_fail_and_close_its_handles():
 
 def test_new_sender_respects_blocks_the_receiver_still_holds():
     ch = _chan()
-    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20, event_slots=2)
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20, event_slots=2, pool_max_bytes=2 << 20)
     try:
         tx = HostCudaIpc(channel=ch, role="sender", linger=0)
         tx.put("a", {"x": torch.full((256 * 1024,), 7, dtype=torch.int32)}, timeout=5)  # 1 MiB
@@ -443,7 +456,7 @@ def test_sigkill_of_the_receiver(procs, tmp_path):
     with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
         tx.put("k", {"x": torch.arange(100)}, timeout=60)
         _wait_file(ready, p)
-        assert tx._sender.tx is not None and tx._sender.tx.opened
+        assert tx._sender.tx is not None and tx._sender.tx.segs[0].opened
         ops: HostDeviceOps = tx._ops
         assert len(ops.opened) == 1
         os.kill(p.pid, signal.SIGKILL)
@@ -513,7 +526,7 @@ def test_a_field_being_written_never_reads_as_zero_in_another_process(procs):
     from omnilink.connectors.devpool.directory import RING_HEAD, Directory
 
     d = Directory.create(read_prefix(), _chan(), device=0, uuid=b"u", pool_bytes=1 << 20,
-                         nslots=4, ring_cap=16, mem_handle=b"h")
+                         nslots=4, ring_cap=16, mem_handle=b"h", pool_max=1 << 20)
     try:
         d.set(RING_HEAD, 0x35C)
         p = start_process(procs, _hammer_ring_head, d.name, 2.0)

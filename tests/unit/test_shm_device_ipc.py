@@ -136,15 +136,17 @@ def test_device_ipc_route_discard_gives_pool_blocks_back():
         rx.close()
 
 
-def test_device_ipc_route_falls_back_and_says_why():
+def test_device_ipc_route_falls_back_and_says_why(monkeypatch):
     torch = pytest.importorskip("torch")
-    from tests.cuda_ipc_double import route_put
+    from tests.cuda_ipc_double import HostDeviceOps, route_put
 
+    monkeypatch.setattr(HostDeviceOps, "FREE_BYTES", 0)  # the pool may not grow
     tx, rx = _routed(_chan(), pool_bytes=1 << 20)
     try:
         assert route_put(tx, "big", {"x": torch.zeros(1 << 19)}) is None  # 2 MiB > the 1 MiB pool
         st = tx.stats()
         assert st.ipc_fallbacks == 1 and st.ipc_puts == 0 and "CapacityError" in st.ipc_fallback_reason
+        assert "pool_max_bytes" in st.ipc_fallback_reason and "1048576" in st.ipc_fallback_reason
         assert route_put(tx, "small", {"x": torch.ones(8)}) is not None and tx.stats().ipc_puts == 1
         assert torch.equal(rx.get("small", timeout=5)["x"], torch.ones(8))
         rx._ipc.close()  # the pool's receiver goes: the sender drops its end, host path

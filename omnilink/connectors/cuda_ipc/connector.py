@@ -37,7 +37,7 @@ DEFAULT_ARENA_BYTES = 16 << 20
 _Inner = ShmConnector
 
 
-def _check_values(*, pool_bytes: Any, event_slots: Any, max_blocks: Any) -> None:
+def _check_values(*, pool_bytes: Any, event_slots: Any, max_blocks: Any, pool_max_bytes: Any = None) -> None:
     """The value checks of ``CudaIpcConnector``'s own options (its constructor and its
     ``check_options`` both call this; ``arena_bytes`` and ``linger`` are the inner shm
     connector's to check).
@@ -45,8 +45,13 @@ def _check_values(*, pool_bytes: Any, event_slots: Any, max_blocks: Any) -> None
     Raises
     ------
     ConfigurationError
-        ``pool_bytes``, ``event_slots`` or ``max_blocks`` not an int in its range, named.
+        ``pool_bytes``, ``event_slots`` or ``max_blocks`` not an int in its range, or
+        ``pool_max_bytes`` neither ``None`` nor such an int, named.
     """
+    if pool_max_bytes is not None and (isinstance(pool_max_bytes, bool) or not isinstance(pool_max_bytes, int)
+                                       or not 1 << 20 <= pool_max_bytes <= 1 << 52):
+        raise ConfigurationError(f"pool_max_bytes must be None or an int in [{1 << 20}, {1 << 52}], "
+                                 f"got {pool_max_bytes!r}")
     for name, value, lo, hi in (("pool_bytes", pool_bytes, 1 << 20, 1 << 46),
                                 ("event_slots", event_slots, 1, 4096),
                                 ("max_blocks", max_blocks, 1, 1 << 20)):
@@ -68,8 +73,15 @@ class CudaIpcConnector(BaseConnector):
     device : str or torch.device, optional
         Receiver: the device of its pool (default: the current CUDA device).
     pool_bytes : int
-        Receiver: size of the device pool (default 256 MiB); the most device bytes one
-        payload may hold, and what all payloads in flight and still viewed share.
+        Receiver: size of the device pool as it opens (default 256 MiB). It grows when
+        a payload does not fit (larger than every segment, or the pool full while views
+        hold it): the receiver allocates another segment as large as the pool already is
+        (or as the payload), up to 16 segments and ``pool_max_bytes`` in all.
+    pool_max_bytes : int, optional
+        Receiver: the most bytes the pool may grow to (default ``None``: ``pool_bytes``
+        plus three quarters of the device memory free once the pool is allocated). A
+        payload that would need more waits for room, or is a ``CapacityError`` naming
+        the sizes when it is larger than every segment.
     event_slots : int
         Receiver: how many interprocess events the sender creates (once, on attach).
         With more payloads unread than this, slots are recorded again: still correct,
@@ -134,13 +146,15 @@ class CudaIpcConnector(BaseConnector):
         timeout: float | None = None,
         device: Any = None,
         pool_bytes: int = DEFAULT_POOL_BYTES,
+        pool_max_bytes: int | None = None,
         event_slots: int = DEFAULT_EVENT_SLOTS,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         linger: float = 5.0,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
-        _check_values(pool_bytes=pool_bytes, event_slots=event_slots, max_blocks=max_blocks)
+        _check_values(pool_bytes=pool_bytes, event_slots=event_slots, max_blocks=max_blocks,
+                      pool_max_bytes=pool_max_bytes)
         self.pool_bytes = round_up(pool_bytes)
         self.event_slots = event_slots
         self.max_blocks = max_blocks
@@ -156,7 +170,8 @@ class CudaIpcConnector(BaseConnector):
                                  linger=linger)
             if self._recvs:
                 self._receiver = PoolReceiver(self._ops, channel, device=device, pool_bytes=self.pool_bytes,
-                                              event_slots=event_slots, max_blocks=max_blocks)
+                                              event_slots=event_slots, max_blocks=max_blocks,
+                                              pool_max_bytes=pool_max_bytes)
         except BaseException:
             self._close()
             raise
@@ -279,6 +294,14 @@ class CudaIpcConnector(BaseConnector):
         if tx is not None:
             counters["device_puts"] += tx.device_puts
             counters["timeouts"] += tx.timeouts
+
+    def _arena_stats(self) -> dict[str, Any]:
+        """``pool_segments`` and ``pool_bytes_now`` of the receiver's device pool."""
+        rx = self._receiver
+        if rx is None:
+            return {}
+        segments, nbytes = rx.segments()
+        return {"pool_segments": segments, "pool_bytes_now": nbytes}
 
     def _in_use(self) -> tuple[int, int]:
         tx = self._sender

@@ -18,7 +18,9 @@ How a payload travels::
       create N interprocess events on the pool's        directory (handle, size, device)
       device, publish their handles
     send: allocate a block (first fit, 256-aligned;
-      frees drained from the released ring)
+      frees drained from the released ring; no
+      room: ask for a segment             ---------->  (heartbeat) cudaMalloc a segment,
+      and map it when it is published    <----------    publish its handle (or refuse)
       cudaMemcpyAsync per CUDA tensor -> block on
       the caller's current stream, record the slot
       event there (tensors of another GPU: on the
@@ -40,17 +42,18 @@ Design
 ------
 - **Message** (``manifest``): ``{"d": manifest, "h": host part, "n": size}``, one walk of
   the payload on the sender: the host part is the payload with ``None`` where each CUDA
-  tensor was; the manifest is ``[generation, seq, slot, block offset, block bytes,
+  tensor was; the manifest is ``[generation, seq, slot, block address, block bytes,
   [[dtype code, offset in block, nbytes, shape, path], ...]]``, ``path`` the dict keys
   and list or tuple indices that lead to the tensor. It is bounded and validated on
-  receipt (block inside the pool, each region inside the block, ``nbytes == numel *
+  receipt (block inside a live segment, each region inside the block, ``nbytes == numel *
   itemsize``, shapes and paths bounded, slot in range), the tensor list once per
   distinct list (a stream of same-shaped payloads repeats it); each view is put at its
   path, which must lead to a ``None`` of the host part (no second walk of the payload).
 - **Pool directory** (``directory``): a 0600 segment the receiver creates, named like an
   arena of the receiver (``<prefix>-a<pid>-<token>``, token from the channel name), so
   ``omnilink gc`` and every shm connector's start-up remove it once its receiver is
-  dead. It holds the pool's IPC handle, size, device (and UUID), the sender's event
+  dead. It holds the pool's segment table (IPC handle and size of each), its device
+  (and UUID), the growth request and answer, the sender's event
   handles with a per-slot ``rec_seq`` (sender) / ``done_seq`` (receiver), the released
   ring (receiver pushes freed blocks, the sender drains them when it allocates) and the
   held list. ``live_pool_owner(channel)`` reads it without a CUDA call.
@@ -77,10 +80,26 @@ Design
   copies cannot be confirmed raise ``PeerLostError`` in ``land``; a new sender asks the
   receiver for the blocks it still holds (``want_gen`` / ``ack_gen``, answered on the
   receiver's heartbeat thread) and starts its allocator from them.
-- **Backpressure.** ``send`` waits (bounded by its ``room`` deadline, ``TransferTimeout``)
-  while the pool is full (or ``max_blocks`` blocks are out), draining the released
-  ring and checking the receiver's liveness; a payload larger than the pool is a
-  ``CapacityError``.
+- **Growth.** The pool is up to 16 segments (``MAX_SEGMENTS``), each a ``cudaMalloc`` of
+  the receiver (it owns the memory: device memory of a dead exporter is gone); segment 0
+  is the pool it opens with, never given back before close. A block's address is
+  ``segment << 48 | offset`` (the manifest, the released ring and the held list carry one
+  int; the receiver checks the segment is live and the block inside it before any view).
+  When no live segment has room for a payload (at once when it is larger than every
+  segment, else after ``GROW_AFTER_S`` without a free), the sender asks for a segment
+  (``grow request``/``grow bytes`` in the directory) as large as the pool already is or
+  as the payload, whichever is more, within the bound: the pool doubles. The receiver
+  answers on its heartbeat thread: it allocates the segment, publishes its handle in the
+  segment table and bumps the segment generation, or refuses past ``pool_max_bytes``
+  (default: the pool's size plus 3/4 of the device memory free when it opened), out of
+  memory or out of entries; the sender maps the new segment and allocates there. So the
+  pool grows while its receiver holds payloads, as the shm arena's extensions do.
+- **Backpressure.** Past the bound, ``send`` waits (bounded by its ``room`` deadline,
+  ``TransferTimeout``) while the pool is full (or ``max_blocks`` blocks are out),
+  draining the released ring and checking the receiver's liveness; a payload larger
+  than every segment that the pool cannot grow for is a ``CapacityError`` naming the
+  sizes and the option to raise (the shm route counts it in ``stats().ipc_fallbacks``,
+  with the reason).
 - **One process, both ends.** A process cannot open its own IPC handles: a sender whose
   receiver lives in the same process uses the pointer and events directly (``process``).
 - **Testability.** Every CUDA call is a method of one device-operations object

@@ -2,7 +2,7 @@
 
 Byte layout (little-endian, every field 8-byte aligned)::
 
-    0    magic "OLCIPC01"
+    0    magic "OLCIPC02"
     8    receiver pid                      receiver writes once
     16   state (1 open, 2 closed)          receiver
     24   pool device index (receiver's numbering)
@@ -21,9 +21,24 @@ Byte layout (little-endian, every field 8-byte aligned)::
     128  pool IPC memory handle (64 bytes) receiver
     192  events_gen                        sender: the event handles are those of this gen
     200  pool device UUID (16 bytes)       receiver (the sender maps it to its numbering)
-    256  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
+    216  segment generation                receiver: + 1 each time the segment table changes
+    224  grow request                      sender: + 1 per request for a new segment
+    232  grow bytes                        sender: the size it asks for
+    240  grow answered                     receiver: the request answered (= grow request)
+    248  grow error                        receiver: 0 granted, else GROW_* (why refused)
+    256  pool bound                        receiver: pool_max_bytes, the most all segments hold
+    264  pool bytes now                    receiver: bytes of the live segments
+    272  (reserved)
+    320  segments: MAX_SEGMENTS x [state u64 | bytes u64 | IPC handle 64 | released u64]
+         state, bytes, handle: receiver (0 none, 1 live, 2 retiring); released: sender
+    ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
     ...  released ring: capacity x [offset u64 | length u64]
     ...  held list:     capacity x [offset u64 | length u64]
+
+Segment 0 is the pool the receiver opens with (also at ``pool bytes`` and ``pool IPC
+memory handle`` above); the others are allocated by the receiver when its sender asks
+(see the package docstring, "Growth"). A block's address is ``segment << SEG_SHIFT |
+offset``: one int in the manifest, the released ring and the held list.
 
 One writer per field (noted above), so no field needs a lock across processes: x86-64
 stores are seen in program order, and each entry of the ring is written before the head
@@ -46,12 +61,29 @@ from omnilink.connectors.shmem import SHM_DIR, arena_name, create_segment, open_
 
 __all__ = ["Directory", "directory_token", "find_directories", "live_pool_owner"]
 
-MAGIC = b"OLCIPC01"
+MAGIC = b"OLCIPC02"
 HANDLE_BYTES = 64
 _U64 = struct.Struct("<Q")
 _PAIR = struct.Struct("<QQ")
-_HEADER = 256
+#: Most segments one pool has (segment 0 included).
+MAX_SEGMENTS = 16
+#: A block's address: ``segment << SEG_SHIFT | offset`` (a segment holds < 2**48 bytes).
+SEG_SHIFT = 48
+SEG_MASK = (1 << SEG_SHIFT) - 1
+_SEGS = 320
+_SEG = 16 + HANDLE_BYTES + 8
+_HEADER = _SEGS + MAX_SEGMENTS * _SEG
 _SLOT = HANDLE_BYTES + 16
+
+SEG_NONE = 0
+SEG_LIVE = 1
+SEG_RETIRING = 2
+
+#: Why the receiver refused a segment (the grow error field).
+GROW_OK = 0
+GROW_PAST_BOUND = 1
+GROW_ALLOC_FAILED = 2
+GROW_NO_ENTRY = 3
 
 STATE_OPEN = 1
 STATE_CLOSED = 2
@@ -60,6 +92,7 @@ STATE_CLOSED = 2
 RECV_PID, STATE, DEVICE, POOL_BYTES, NSLOTS, RING_CAP = 8, 16, 24, 32, 40, 48
 GEN, SENDER_PID, WANT_GEN, ACK_GEN, SNAP_HEAD, HELD_COUNT, CLEAN_GEN = 56, 64, 72, 80, 88, 96, 104
 RING_HEAD, RING_TAIL, MEM_HANDLE, EVENTS_GEN, UUID = 112, 120, 128, 192, 200
+SEG_GEN, GROW_REQ, GROW_BYTES, GROW_ACK, GROW_ERR, POOL_MAX, POOL_NOW = 216, 224, 232, 240, 248, 256, 264
 
 #: Bounds checked when a directory is opened (a hostile or corrupt segment cannot make a
 #: sender map or index past its end).
@@ -121,14 +154,18 @@ class Directory:
     @classmethod
     def create(
         cls, prefix: str, channel: str, *, device: int, uuid: bytes, pool_bytes: int,
-        nslots: int, ring_cap: int, mem_handle: bytes,
+        nslots: int, ring_cap: int, mem_handle: bytes, pool_max: int,
     ) -> Directory:
         name = arena_name(prefix, os.getpid(), directory_token(channel))
         mm = create_segment(name, _size(nslots, ring_cap), "the cuda_ipc pool directory")
         for off, value in ((RECV_PID, os.getpid()), (DEVICE, device), (POOL_BYTES, pool_bytes),
-                           (NSLOTS, nslots), (RING_CAP, ring_cap)):
+                           (NSLOTS, nslots), (RING_CAP, ring_cap), (POOL_MAX, pool_max),
+                           (POOL_NOW, pool_bytes)):
             _U64.pack_into(mm, off, value)
         mm[MEM_HANDLE:MEM_HANDLE + HANDLE_BYTES] = mem_handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
+        o = _SEGS
+        _PAIR.pack_into(mm, o, SEG_LIVE, pool_bytes)
+        mm[o + 16:o + 16 + HANDLE_BYTES] = mem_handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
         mm[UUID:UUID + 16] = uuid.ljust(16, b"\0")[:16]
         _U64.pack_into(mm, STATE, STATE_OPEN)
         mm[0:8] = MAGIC  # last: a directory is valid once its magic is there
@@ -151,6 +188,31 @@ class Directory:
 
     def uuid(self) -> bytes:
         return bytes(self.mm[UUID:UUID + 16])
+
+    # ---------------------------------------------------------------- segments
+    def segment(self, i: int) -> tuple[int, int]:
+        """``(state, bytes)`` of segment ``i``."""
+        o = (_SEGS + i * _SEG) >> 3
+        return self._q[o], self._q[o + 1]
+
+    def segment_handle(self, i: int) -> bytes:
+        o = _SEGS + i * _SEG + 16
+        return bytes(self.mm[o:o + HANDLE_BYTES])
+
+    def set_segment(self, i: int, state: int, nbytes: int = 0, handle: bytes | None = None) -> None:
+        """Receiver: write entry ``i``, its state last (what publishes it)."""
+        o = _SEGS + i * _SEG
+        if handle is not None:
+            self.mm[o + 16:o + 16 + HANDLE_BYTES] = handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
+        self._q[(o >> 3) + 1] = nbytes
+        self._q[o >> 3] = state
+
+    def released(self, i: int) -> int:
+        return self._q[(_SEGS + i * _SEG + 16 + HANDLE_BYTES) >> 3]
+
+    def set_released(self, i: int, value: int) -> None:
+        """Sender: it holds no block of (and no mapping to) retiring segment ``i``."""
+        self._q[(_SEGS + i * _SEG + 16 + HANDLE_BYTES) >> 3] = value
 
     # ------------------------------------------------------------------- slots
     def slot_handle(self, i: int) -> bytes:

@@ -3,7 +3,7 @@ bounds, and putting each view back at its path on the receiver.
 
 A message is ``{"d": manifest, "h": host part, "n": size}``: the host part is the payload
 with ``None`` where each device tensor was; the manifest is ``[generation, seq, slot,
-block offset, block bytes, [[dtype code, offset in block, nbytes, shape, path], ...]]``
+block address (``segment << 48 | offset``), block bytes, [[dtype code, offset in block, nbytes, shape, path], ...]]``
 (``None`` when the payload holds no device tensor), ``path`` the dict keys and list or
 tuple indices that lead to the tensor. The receiver validates it
 (``PoolReceiver.parse``) before any of it is used.

@@ -160,6 +160,17 @@ class CudaDeviceOps:
         finally:
             self._ops.restore_device(prev)
 
+    def free_bytes(self, index: int) -> int:
+        """Receiver: bytes of device ``index`` free now (``cudaMemGetInfo``); what the
+        default bound of the pool's growth derives from."""
+        prev = self._on(index)
+        try:
+            err, free, _total = self.rt.cudaMemGetInfo()
+            self._check((err,), "cudaMemGetInfo")
+            return int(free)
+        finally:
+            self._ops.restore_device(prev)
+
     def open_pool(self, index: int, handle: bytes) -> int:
         """Sender: map the receiver's pool once (peer access enabled lazily by CUDA)."""
         h = self.rt.cudaIpcMemHandle_t()

@@ -18,8 +18,8 @@ __all__ = ["LOCAL_EVENTS", "LOCAL_POOLS", "LOCAL_SENDERS", "local_lock", "start_
 
 logger = logging.getLogger(__name__)
 
-#: directory name -> the pool's device pointer (receiver side)
-LOCAL_POOLS: dict[str, int] = {}
+#: (directory name, segment) -> the device pointer of that pool segment (receiver side)
+LOCAL_POOLS: dict[tuple[str, int], int] = {}
 #: (directory name, sender generation) -> the sender's event objects
 LOCAL_EVENTS: dict[tuple[str, int], list[Any]] = {}
 #: directories an end of this process is attached to as the sender

@@ -17,10 +17,24 @@ from omnilink.connectors.devpool.directory import (
     CLEAN_GEN,
     EVENTS_GEN,
     GEN,
+    GROW_ACK,
+    GROW_ALLOC_FAILED,
+    GROW_BYTES,
+    GROW_ERR,
+    GROW_NO_ENTRY,
+    GROW_OK,
+    GROW_PAST_BOUND,
+    GROW_REQ,
+    MAX_SEGMENTS,
+    POOL_NOW,
     RING_HEAD,
     SENDER_PID,
     SNAP_HEAD,
     STATE,
+    SEG_GEN,
+    SEG_LIVE,
+    SEG_MASK,
+    SEG_SHIFT,
     STATE_CLOSED,
     WANT_GEN,
     Directory,
@@ -60,6 +74,10 @@ class _Pool:
         self.index = index
         self.ptr = ptr
         self.nbytes = nbytes
+        #: ``(pointer, bytes)`` of each live segment by index (``None``: no such segment);
+        #: entries are replaced whole, so a landing reads one without the lock
+        self.segs: list[tuple[int, int] | None] = [None] * MAX_SEGMENTS
+        self.segs[0] = (ptr, nbytes)
         # Reentrant: a lease may die (and its finalizer run) in a thread that holds it.
         self.lock = threading.RLock()
         #: offset -> length of blocks this process holds (views alive, or their last
@@ -112,14 +130,21 @@ class _Pool:
             if not self.held:
                 self._free_locked()
 
+    def bytes_now(self) -> int:
+        return sum(seg[1] for seg in self.segs if seg is not None)
+
     def _free_locked(self) -> None:
         if self.freed:
             return
         self.freed = True
-        try:
-            self.ops.free_pool(self.index, self.ptr)
-        except Exception:  # pragma: no cover - driver teardown
-            logger.warning("cuda_ipc: freeing the device pool failed", exc_info=True)
+        for i, seg in enumerate(self.segs):
+            if seg is None:
+                continue
+            self.segs[i] = None
+            try:
+                self.ops.free_pool(self.index, seg[0])
+            except Exception:  # pragma: no cover - driver teardown
+                logger.warning("cuda_ipc: freeing the device pool failed", exc_info=True)
         self.dir.close()
 
 
@@ -140,6 +165,10 @@ class PoolReceiver:
         Size of the pool (rounded up to 256 bytes), interprocess events the sender
         creates, most blocks out at once (the released ring's size). Checked by the
         caller.
+    pool_max_bytes : int, optional
+        The most bytes the pool may grow to, all segments together (``None``: the
+        pool's size plus three quarters of the device memory free once it is
+        allocated; never less than ``pool_bytes``).
 
     Raises
     ------
@@ -150,7 +179,7 @@ class PoolReceiver:
     """
 
     def __init__(self, ops: Any, channel: str, *, device: Any, pool_bytes: int, event_slots: int,
-                 max_blocks: int) -> None:
+                 max_blocks: int, pool_max_bytes: int | None = None) -> None:
         self.ops = ops
         self.channel = channel
         self._prefix = read_prefix()
@@ -166,12 +195,13 @@ class PoolReceiver:
         self._thread: threading.Thread | None = None
         self.pool: _Pool | None = None
         try:
-            self._open_pool(device, round_up(pool_bytes), event_slots, max_blocks)
+            self._open_pool(device, round_up(pool_bytes), event_slots, max_blocks, pool_max_bytes)
         except BaseException:
             self._peers.close()
             raise
 
-    def _open_pool(self, device: Any, pool_bytes: int, event_slots: int, max_blocks: int) -> None:
+    def _open_pool(self, device: Any, pool_bytes: int, event_slots: int, max_blocks: int,
+                   pool_max_bytes: int | None) -> None:
         ops = self.ops
         index = ops.device_index(device)
         with HostLock():
@@ -184,17 +214,21 @@ class PoolReceiver:
                 unlink_segment(name)
             ptr, handle = ops.alloc_pool(index, pool_bytes)
             try:
+                if pool_max_bytes is None:
+                    pool_max_bytes = pool_bytes + ops.free_bytes(index) * 3 // 4
+                bound = max(round_up(pool_max_bytes), pool_bytes)
                 d = Directory.create(self._prefix, self.channel, device=index, uuid=ops.device_uuid(index),
                                      pool_bytes=pool_bytes, nslots=event_slots, ring_cap=max_blocks,
-                                     mem_handle=handle)
+                                     mem_handle=handle, pool_max=bound)
             except BaseException:
                 ops.free_pool(index, ptr)
                 raise
         with local_lock:
-            LOCAL_POOLS[d.name] = ptr
+            LOCAL_POOLS[(d.name, 0)] = ptr
         self.pool = _Pool(ops, d, index, ptr, pool_bytes)
+        self.pool_max_bytes = bound
         self._thread = start_heartbeat(self, self._stop, f"omnilink-cuda-ipc-rx-{self.channel}", ANSWER_EVERY_S,
-                                       "_answer_attach")
+                                       "_beat")
 
     @property
     def index(self) -> int | None:
@@ -207,6 +241,50 @@ class PoolReceiver:
         if pool is None:
             raise ClosedError(f"cuda_ipc connector on channel {self.channel!r} is closed")
         return pool
+
+    def _beat(self) -> None:
+        self._answer_attach()
+        self._answer_grow()
+
+    def _answer_grow(self) -> None:
+        """The sender asked for a new segment (``grow request`` ahead of ``grow
+        answered``): allocate it within the bound and publish it in the segment table,
+        or say why not; runs on the receiver's heartbeat thread."""
+        pool = self.pool
+        if pool is None:
+            return
+        d = pool.dir
+        req = d.get(GROW_REQ)
+        if req == d.get(GROW_ACK):
+            return
+        want = round_up(max(d.get(GROW_BYTES), 1))
+        now = pool.bytes_now()
+        err = GROW_OK
+        free = [i for i in range(1, MAX_SEGMENTS) if pool.segs[i] is None]
+        if now + want > self.pool_max_bytes or want > SEG_MASK:
+            err = GROW_PAST_BOUND
+        elif not free:
+            err = GROW_NO_ENTRY
+        else:
+            i = free[0]
+            try:
+                ptr, handle = self.ops.alloc_pool(pool.index, want)
+            except Exception as exc:
+                logger.warning("cuda_ipc: growing the device pool of channel %r by %d bytes failed: %s",
+                               self.channel, want, exc)
+                err = GROW_ALLOC_FAILED
+            else:
+                with local_lock:
+                    LOCAL_POOLS[(d.name, i)] = ptr
+                with pool.lock:
+                    pool.segs[i] = (ptr, want)
+                d.set_segment(i, SEG_LIVE, want, handle)
+                d.set(POOL_NOW, now + want)
+                d.set(SEG_GEN, d.get(SEG_GEN) + 1)
+                logger.info("cuda_ipc: device pool of channel %r grew by %d bytes (segment %d, %d bytes now)",
+                            self.channel, want, i, now + want)
+        d.set(GROW_ERR, err)
+        d.set(GROW_ACK, req)  # last: the answer is complete
 
     def _answer_attach(self) -> None:
         """A new sender asked what this receiver still holds (its allocator starts from
@@ -276,8 +354,13 @@ class PoolReceiver:
         gen, seq, slot, block, total, entries = m
         if not (is_int(gen, 1) and is_int(seq, 1) and is_int(slot, 0, pool.dir.nslots - 1)):
             raise bad("generation, sequence or event slot out of range")
-        if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0 and block + total <= pool.nbytes):
-            raise bad(f"block [{block!r}, +{total!r}) is not inside the {pool.nbytes}-byte pool")
+        if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0):
+            raise bad(f"block [{block!r}, +{total!r}) is not an aligned block of the pool")
+        seg_index = block >> SEG_SHIFT
+        seg = pool.segs[seg_index] if seg_index < MAX_SEGMENTS else None
+        if seg is None or (block & SEG_MASK) + total > seg[1]:
+            raise bad(f"block [{block!r}, +{total!r}) (segment {seg_index}, offset {block & SEG_MASK}) is not "
+                      "inside a live segment of the pool")
         if total % ALIGN:
             raise bad(f"block size {total} is not a multiple of {ALIGN}")
         if type(entries) is not list or not 1 <= len(entries) <= MAX_TENSORS:
@@ -358,7 +441,10 @@ class PoolReceiver:
         d = pool.dir
         pool.hold(blk, total)
         try:
-            base, lease = self.ops.view(pool.ptr + blk, total, pool.index)
+            seg = pool.segs[blk >> SEG_SHIFT]
+            if seg is None:  # pragma: no cover - parse checked it; retired only when nothing is held
+                raise BlobDecodeError(f"cuda_ipc: key {key!r}: its pool segment is gone")
+            base, lease = self.ops.view(seg[0] + (blk & SEG_MASK), total, pool.index)
             views = []
             typed: dict[Any, Any] = {}
             for dt, off, nbytes, shape, stride, first, path in entries:
@@ -445,6 +531,14 @@ class PoolReceiver:
         with pool.lock:
             return len(pool.held), sum(pool.held.values())
 
+    def segments(self) -> tuple[int, int]:
+        """(segments, bytes) of the pool now (it grows when its sender asks)."""
+        pool = self.pool
+        if pool is None:
+            return 0, 0
+        segs = [seg for seg in pool.segs if seg is not None]
+        return len(segs), sum(seg[1] for seg in segs)
+
     def wake(self) -> None:
         """Stop the heartbeat (``close`` does the rest)."""
         self._stop.set()
@@ -462,7 +556,8 @@ class PoolReceiver:
             d.set(STATE, STATE_CLOSED)
             unlink_segment(d.name)
             with local_lock:
-                LOCAL_POOLS.pop(d.name, None)
+                for i in range(MAX_SEGMENTS):
+                    LOCAL_POOLS.pop((d.name, i), None)
             with self._events_lock:
                 cached, self._events = self._events, None
             if cached is not None and cached[2]:

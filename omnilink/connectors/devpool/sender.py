@@ -26,10 +26,22 @@ from omnilink.connectors.devpool.directory import (
     DEVICE,
     EVENTS_GEN,
     GEN,
-    POOL_BYTES,
+    GROW_ACK,
+    GROW_ALLOC_FAILED,
+    GROW_BYTES,
+    GROW_ERR,
+    GROW_NO_ENTRY,
+    GROW_REQ,
+    MAX_SEGMENTS,
+    POOL_MAX,
+    POOL_NOW,
     RECV_PID,
     RING_HEAD,
     RING_TAIL,
+    SEG_GEN,
+    SEG_LIVE,
+    SEG_MASK,
+    SEG_SHIFT,
     SENDER_PID,
     SNAP_HEAD,
     STATE,
@@ -50,19 +62,41 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
 SLOT_SCAN = 4
+#: Seconds a put waits for room in the pool's segments before it asks the receiver for
+#: a new one (shorter than the shm route's wait for room, so the route grows the pool
+#: instead of falling back to the host path).
+GROW_AFTER_S = 0.001
+
+
+class _Segment:
+    """One segment of the receiver's pool as this sender maps it."""
+
+    __slots__ = ("index", "ptr", "opened", "alloc", "nbytes")
+
+    def __init__(self, index: int, ptr: int, opened: bool, nbytes: int) -> None:
+        self.index = index
+        self.ptr = ptr
+        self.opened = opened
+        self.nbytes = nbytes
+        self.alloc = BlockAllocator(nbytes)
 
 
 class _Attachment:
     """A sender's view of one receiver's pool: the mapped memory, its events, the
     allocator, the slots in use."""
 
-    __slots__ = ("dir", "gen", "alloc", "ptr", "opened", "index", "events", "rec", "next_slot",
-                 "seq", "sent", "by_block", "receiver_pid", "pool_bytes", "ring_cap")
+    __slots__ = ("dir", "gen", "segs", "live", "seg_gen", "refused", "index", "events", "rec", "next_slot",
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap")
     dir: Directory
     gen: int
-    alloc: BlockAllocator
-    ptr: int
-    opened: bool
+    #: the mapped segments by index (``None``: not live), and the live ones in order
+    segs: list[_Segment | None]
+    live: list[_Segment]
+    #: the directory's segment generation ``segs`` reflects
+    seg_gen: int
+    #: (segment generation, bytes) of the last growth the receiver refused: no new
+    #: request for as much until the segments change
+    refused: tuple[int, int, str] | None
     index: int
     events: list[Any]
     rec: list[int]
@@ -71,7 +105,6 @@ class _Attachment:
     sent: dict[str, tuple[int, int, int]]
     by_block: dict[int, str]
     receiver_pid: int
-    pool_bytes: int
     ring_cap: int
 
     def __init__(self) -> None:
@@ -79,6 +112,17 @@ class _Attachment:
         self.by_block: dict[int, str] = {}
         self.next_slot = 0
         self.seq = 0
+        self.segs = [None] * MAX_SEGMENTS
+        self.live = []
+        self.seg_gen = -1
+        self.refused = None
+
+    def free(self, addr: int) -> None:
+        """Give the block at address ``addr`` back to its segment's allocator."""
+        seg = self.segs[addr >> SEG_SHIFT]
+        if seg is None:
+            raise KeyError(addr)
+        seg.alloc.free(addr & SEG_MASK)
 
 
 class PoolSender:
@@ -149,9 +193,12 @@ class PoolSender:
         Raises
         ------
         TransferTimeout
-            No receiver opened its pool, or no room came, in time.
+            No receiver opened its pool, or no room came (and the pool could not grow),
+            in time.
         CapacityError
-            The payload's device part is larger than the pool.
+            The payload's device part is larger than every segment of the pool, and the
+            receiver refused to grow it (past its ``pool_max_bytes``, or out of device
+            memory); the message names the sizes.
         PeerLostError, ConfigurationError
             The receiver is gone; the channel already has a sender.
         BlobEncodeError
@@ -193,19 +240,15 @@ class PoolSender:
         with self.lock:
             self._check_open()
             tx = self._attached(deadline)
-            if total > tx.pool_bytes:
-                raise CapacityError(
-                    f"cuda_ipc: payload {key!r} holds {total} device bytes; the receiver's pool is "
-                    f"{tx.pool_bytes} bytes (raise the receiver's pool_bytes)"
-                )
-            blk = self._alloc(tx, key, total, room or deadline)
+            blk = self._alloc(tx, key, total, room or deadline, deadline)
             slot = self._take_slot(tx)
             tx.seq += 1
             seq = tx.seq
+            base = tx.segs[blk >> SEG_SHIFT].ptr + (blk & SEG_MASK)  # type: ignore[union-attr]
             try:
-                ops.copy_in(tx.index, [(tx.ptr + blk + o, t) for o, t in items], tx.events[slot], ctx)
+                ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx)
             except BaseException:
-                tx.alloc.free(blk)
+                tx.free(blk)
                 raise
             tx.rec[slot] = seq
             tx.dir.set_rec_seq(slot, seq)
@@ -215,7 +258,7 @@ class PoolSender:
                 # Never published: nobody will wait on the slot or read the block; a later
                 # copy into it runs after this one (same copy stream).
                 tx.dir.set_done_seq(slot, seq)
-                tx.alloc.free(blk)
+                tx.free(blk)
                 raise
             tx.sent[key] = (blk, slot, seq)
             tx.by_block[blk] = key
@@ -230,7 +273,7 @@ class PoolSender:
             if tx is not None and got is not None:
                 blk, slot, seq = got
                 tx.by_block.pop(blk, None)
-                tx.alloc.free(blk)
+                tx.free(blk)
                 tx.dir.set_done_seq(slot, seq)
 
     def in_use(self) -> tuple[int, int]:
@@ -238,7 +281,8 @@ class PoolSender:
         tx = self.tx
         if tx is None:
             return 0, 0
-        return tx.alloc.blocks, tx.alloc.used_bytes
+        live = tx.live
+        return sum(seg.alloc.blocks for seg in live), sum(seg.alloc.used_bytes for seg in live)
 
     # ------------------------------------------------------------------- attach
     def attach(self, deadline: Deadline) -> int:
@@ -327,9 +371,11 @@ class PoolSender:
                     d.set(WANT_GEN, gen)
             tx.dir, tx.gen = d, gen
             tx.receiver_pid = d.get(RECV_PID)
-            tx.pool_bytes = d.get(POOL_BYTES)
             tx.ring_cap = d.ring_cap
-            tx.alloc = BlockAllocator(tx.pool_bytes)
+            tx.index = ops.index_of_uuid(d.uuid(), d.get(DEVICE))
+            self._sync_segments(tx)
+            if tx.segs[0] is None:
+                raise ConfigurationError(f"cuda_ipc: pool directory {d.name} has no segment 0")
             if old:  # a sender was here before: start from what the receiver still holds
                 while d.get(ACK_GEN) != gen:
                     if self._lost(tx) is not None:
@@ -338,19 +384,13 @@ class PoolSender:
                         raise self._timeout("put (waiting for the receiver to list the blocks it holds)",
                                             None, "the receiver", deadline.timeout)
                     time.sleep(0.001)
-                for off, length in d.read_held():
-                    if not tx.alloc.reserve(off, length):
-                        logger.warning("cuda_ipc: receiver holds an invalid block [%d, +%d)", off, length)
+                for addr, length in d.read_held():
+                    seg = tx.segs[addr >> SEG_SHIFT] if addr >> SEG_SHIFT < MAX_SEGMENTS else None
+                    if seg is None or not seg.alloc.reserve(addr & SEG_MASK, length):
+                        logger.warning("cuda_ipc: receiver holds an invalid block [%d, +%d)", addr, length)
                 d.set(RING_TAIL, d.get(SNAP_HEAD))
             else:
                 d.set(RING_TAIL, d.get(RING_HEAD))
-            tx.index = ops.index_of_uuid(d.uuid(), d.get(DEVICE))
-            with local_lock:
-                local = LOCAL_POOLS.get(d.name) if tx.receiver_pid == self._pid else None
-            if local is not None:
-                tx.ptr, tx.opened = local, False
-            else:
-                tx.ptr, tx.opened = ops.open_pool(tx.index, d.mem_handle()), True
             created = ops.create_events(tx.index, d.nslots)
             tx.events = [ev for ev, _ in created]
             tx.rec = [0] * d.nslots
@@ -362,11 +402,12 @@ class PoolSender:
                 LOCAL_EVENTS[(d.name, gen)] = tx.events
             d.set(EVENTS_GEN, gen)
         except BaseException:
-            if getattr(tx, "ptr", None) is not None and tx.opened:
-                try:
-                    ops.close_pool(tx.index, tx.ptr)
-                except Exception:  # pragma: no cover
-                    logger.debug("cuda_ipc: close_pool failed", exc_info=True)
+            for seg in tx.live:
+                if seg.opened:
+                    try:
+                        ops.close_pool(tx.index, seg.ptr)
+                    except Exception:  # pragma: no cover
+                        logger.debug("cuda_ipc: close_pool failed", exc_info=True)
             if d.get(SENDER_PID) == self._pid and d.get(GEN) == getattr(tx, "gen", -1):
                 d.set(SENDER_PID, 0)
                 with local_lock:
@@ -388,8 +429,8 @@ class PoolSender:
             if key is not None:
                 tx.sent.pop(key, None)
             try:
-                tx.alloc.free(off)
-            except KeyError:
+                tx.free(off)
+            except (KeyError, IndexError):
                 logger.warning("cuda_ipc: the receiver freed an unknown block at %d", off)
 
     def _wait_room(self, tx: _Attachment, key: str, deadline: Deadline, what: str, rounds: int) -> None:
@@ -405,16 +446,102 @@ class PoolSender:
             raise self._timeout(f"put ({what})", key, "the receiver", deadline.timeout)
         time.sleep(0 if rounds < 200 else min(0.0005, 0.00002 * (rounds - 199)))
 
-    def _alloc(self, tx: _Attachment, key: str, total: int, deadline: Deadline) -> int:
+    def _alloc(self, tx: _Attachment, key: str, total: int, room: Deadline, deadline: Deadline) -> int:
+        """A block of ``total`` bytes (its address, ``segment << SEG_SHIFT | offset``):
+        first fit in the live segments in order; when none has room after
+        ``GROW_AFTER_S`` (at once if ``total`` is larger than every segment), a new
+        segment from the receiver; else wait for frees until ``room``."""
         rounds = 0
+        since = 0.0
         while True:
             self._drain(tx)
-            if tx.alloc.blocks < tx.ring_cap:
-                blk = tx.alloc.alloc(total)
-                if blk is not None:
-                    return blk
-            self._wait_room(tx, key, deadline, "the receiver's pool is full", rounds)
+            live = tx.live
+            if len(live) == 1:  # the common case: one segment, as before growth
+                seg = live[0]
+                if seg.alloc.blocks < tx.ring_cap:
+                    off = seg.alloc.alloc(total)
+                    if off is not None:
+                        return seg.index << SEG_SHIFT | off
+            elif sum(seg.alloc.blocks for seg in live) < tx.ring_cap:
+                for seg in live:
+                    off = seg.alloc.alloc(total)
+                    if off is not None:
+                        return seg.index << SEG_SHIFT | off
+            too_large = all(seg.nbytes < total for seg in live)
+            now = time.monotonic()
+            if not since:
+                since = now
+            if (too_large or now - since >= GROW_AFTER_S) and self._grow(tx, key, total, deadline):
+                continue
+            if too_large:
+                raise CapacityError(
+                    f"cuda_ipc: payload {key!r} holds {total} device bytes, more than any segment of the "
+                    f"receiver's pool ({max(seg.nbytes for seg in live)} bytes), and the pool cannot grow: "
+                    f"{tx.refused[2] if tx.refused else 'refused'}"
+                )
+            self._wait_room(tx, key, room, "the receiver's pool is full", rounds)
             rounds += 1
+
+    def _grow(self, tx: _Attachment, key: str, total: int, deadline: Deadline) -> bool:
+        """Ask the receiver for a new segment able to hold ``total`` bytes (as large as
+        the pool already is, within its bound: the pool doubles) and map it; ``False``
+        when the receiver refused (``tx.refused`` says why) or refused as much before."""
+        d = tx.dir
+        self._sync_segments(tx)
+        gen = tx.seg_gen
+        now, bound = d.get(POOL_NOW), d.get(POOL_MAX)
+        want = max(total, min(now, bound - now if bound > now else 0))
+        if tx.refused is not None and tx.refused[0] == gen and want >= tx.refused[1]:
+            return False
+        req = d.get(GROW_REQ) + 1
+        d.set(GROW_BYTES, want)
+        d.set(GROW_REQ, req)  # after the size: publishes the request
+        while d.get(GROW_ACK) != req:
+            why = self._lost(tx)
+            if why is not None:
+                raise self._peer_lost(why, key)
+            self._check_open()
+            if deadline.expired():
+                raise self._timeout("put (waiting for the receiver to grow its pool)", key, "the receiver",
+                                    deadline.timeout)
+            time.sleep(0.001)
+        err = d.get(GROW_ERR)
+        if err:
+            if err == GROW_ALLOC_FAILED:
+                why = f"the receiver could not allocate {want} more device bytes (out of device memory?)"
+            elif err == GROW_NO_ENTRY:
+                why = f"the pool already has its most segments ({MAX_SEGMENTS})"
+            else:
+                why = (f"growing the pool ({now} bytes now) by {want} bytes would pass its bound of {bound} "
+                       "bytes (raise the receiver's pool_max_bytes)")
+            tx.refused = (gen, want, why)
+            logger.info("cuda_ipc: channel %r: %s", self.channel, why)
+            return False
+        self._sync_segments(tx)
+        return True
+
+    def _sync_segments(self, tx: _Attachment) -> None:
+        """Map the segments the receiver published since ``tx.seg_gen``."""
+        d = tx.dir
+        gen = d.get(SEG_GEN)
+        if gen == tx.seg_gen:
+            return
+        for i in range(MAX_SEGMENTS):
+            state, nbytes = d.segment(i)
+            if state != SEG_LIVE or tx.segs[i] is not None:
+                continue
+            if not 0 < nbytes <= SEG_MASK or nbytes % ALIGN:
+                logger.warning("cuda_ipc: pool directory %s: segment %d has an invalid size %d", d.name, i, nbytes)
+                continue
+            with local_lock:
+                local = LOCAL_POOLS.get((d.name, i)) if tx.receiver_pid == self._pid else None
+            if local is not None:
+                seg = _Segment(i, local, False, nbytes)
+            else:
+                seg = _Segment(i, self.ops.open_pool(tx.index, d.segment_handle(i)), True, nbytes)
+            tx.segs[i] = seg
+            tx.live = [seg for seg in tx.segs if seg is not None]  # (closed on detach from here on)
+        tx.seg_gen = gen
 
     def _take_slot(self, tx: _Attachment) -> int:
         """A slot whose last record the receiver has already waited on (or discarded);
@@ -448,8 +575,9 @@ class PoolSender:
                 if d.get(GEN) == tx.gen:
                     d.set(CLEAN_GEN, tx.gen)
             ops.drain()
-            if tx.opened:
-                ops.close_pool(tx.index, tx.ptr)
+            for seg in tx.live:
+                if seg.opened:
+                    ops.close_pool(tx.index, seg.ptr)
         except OmnilinkError:
             logger.warning("cuda_ipc: closing the pool handle failed", exc_info=True)
         finally:

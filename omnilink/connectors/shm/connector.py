@@ -2009,6 +2009,9 @@ class ShmConnector(BaseConnector):
         route's last fallback reason."""
         ipc = self._ipc
         why = {"ipc_fallback_reason": ipc.fallback_reason} if ipc is not None and ipc.fallback_reason else {}
+        rx = ipc._rx if ipc is not None else None
+        if rx is not None:
+            why["pool_segments"], why["pool_bytes_now"] = rx.segments()
         w = self._writer
         held = self._releaser.nbytes if self._recvs else 0
         if w is None:
