@@ -66,9 +66,24 @@ def test_the_pool_grows_while_its_receiver_holds_three_times_its_size():
         assert st.blocks_in_use == 6 and st.bytes_in_use >= 6 * MIB
         for i, got in enumerate(held):
             assert torch.equal(got["x"], _big(1, i))
+        rx._receiver.idle_s = 0.05  # (default 2 s)
         del held, got
         gc.collect()
         assert rx.stats().blocks_in_use == 0
+        # ...and gives the grown segments back once nothing holds them
+        _until(lambda: rx.stats().pool_segments == 1)
+        assert rx.stats().pool_bytes_now == 2 * MIB
+        assert len(tx._sender.tx.live) == 1 and not tx._sender.tx.retiring
+        tx.put("again", {"x": _big(3, 9)}, timeout=10)  # and grows again
+        assert torch.equal(rx.get("again", timeout=10)["x"], _big(3, 9))
+
+
+def _until(cond, seconds: float = 30.0) -> None:
+    """Wait for ``cond()`` (the heartbeats of both ends run it); fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "condition never came"
+        time.sleep(0.02)
 
 
 def test_growth_past_pool_max_bytes_is_a_capacity_error_naming_the_sizes():
@@ -124,6 +139,19 @@ def _child_receiver(channel: str, ready: str) -> None:
     got = rx.get("big", timeout=60)
     assert torch.equal(got["x"], _big(3, 7))
     assert rx.stats().pool_segments == 2
+    with open(ready, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)  # killed by the test
+
+
+def _child_receiver_drops(channel: str, ready: str) -> None:
+    from tests.cuda_ipc_double import HostCudaIpc
+
+    rx = HostCudaIpc(channel=channel, role="receiver", pool_bytes=MIB)
+    rx._receiver.idle_s = 0.05
+    got = rx.get("big", timeout=60)
+    assert torch.equal(got["x"], _big(3, 6))
+    del got
     with open(ready, "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)  # killed by the test
@@ -215,3 +243,24 @@ def test_hostile_blocks_of_a_grown_pool_are_refused_before_use():
                     rx.get(f"bad{i}", timeout=5)
         gc.collect()
         assert rx.stats().blocks_in_use == 0
+
+
+def test_the_sender_unmaps_a_segment_its_receiver_gives_back(procs, tmp_path):
+    from omnilink.connectors.devpool.directory import SEG_NONE
+
+    ch = _chan()
+    ready = str(tmp_path / "ready")
+    p = start_process(procs, _child_receiver_drops, ch, ready)
+    with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+        tx.put("big", {"x": _big(3, 6)}, timeout=60)
+        ops: HostDeviceOps = tx._ops
+        assert len(ops.opened) == 2
+        _wait_file(ready, p)
+        _until(lambda: len(ops.opened) == 1)  # the sender closed its mapping of segment 1...
+        d = tx._sender.tx.dir
+        _until(lambda: d.segment(1)[0] == SEG_NONE)  # ...and the receiver freed it
+        tx.put("small", {"x": torch.ones(4)}, timeout=10)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+    collect_garbage()
+    assert not find_directories(read_prefix(), ch)

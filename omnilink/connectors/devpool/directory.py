@@ -78,6 +78,8 @@ _SLOT = HANDLE_BYTES + 16
 SEG_NONE = 0
 SEG_LIVE = 1
 SEG_RETIRING = 2
+#: ``released`` of a segment the closed sender had no block of
+RELEASED_ALL = (1 << 63) - 1
 
 #: Why the receiver refused a segment (the grow error field).
 GROW_OK = 0
@@ -211,7 +213,9 @@ class Directory:
         return self._q[(_SEGS + i * _SEG + 16 + HANDLE_BYTES) >> 3]
 
     def set_released(self, i: int, value: int) -> None:
-        """Sender: it holds no block of (and no mapping to) retiring segment ``i``."""
+        """Sender: it holds no block of (and no mapping to) retiring segment ``i`` as of
+        segment generation ``value`` (``RELEASED_ALL``: a sender that closed with no
+        block there; 0: mapped again)."""
         self._q[(_SEGS + i * _SEG + 16 + HANDLE_BYTES) >> 3] = value
 
     # ------------------------------------------------------------------- slots

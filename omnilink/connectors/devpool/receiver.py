@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -34,6 +35,8 @@ from omnilink.connectors.devpool.directory import (
     SEG_GEN,
     SEG_LIVE,
     SEG_MASK,
+    SEG_NONE,
+    SEG_RETIRING,
     SEG_SHIFT,
     STATE_CLOSED,
     WANT_GEN,
@@ -58,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between looks for a new sender asking what this receiver holds.
 ANSWER_EVERY_S = 0.02
+#: Seconds a grown segment stays without a block this receiver holds before it is
+#: given back (``PoolReceiver.idle_s``).
+IDLE_S = 2.0
 
 
 class _Pool:
@@ -78,6 +84,10 @@ class _Pool:
         #: entries are replaced whole, so a landing reads one without the lock
         self.segs: list[tuple[int, int] | None] = [None] * MAX_SEGMENTS
         self.segs[0] = (ptr, nbytes)
+        #: per segment: since when no block of it is held; the segment generation at
+        #: which it was marked retiring
+        self.idle_since = [0.0] * MAX_SEGMENTS
+        self.retire_gen = [0] * MAX_SEGMENTS
         # Reentrant: a lease may die (and its finalizer run) in a thread that holds it.
         self.lock = threading.RLock()
         #: offset -> length of blocks this process holds (views alive, or their last
@@ -227,6 +237,8 @@ class PoolReceiver:
             LOCAL_POOLS[(d.name, 0)] = ptr
         self.pool = _Pool(ops, d, index, ptr, pool_bytes)
         self.pool_max_bytes = bound
+        #: seconds a grown segment stays unheld before it is given back
+        self.idle_s = IDLE_S
         self._thread = start_heartbeat(self, self._stop, f"omnilink-cuda-ipc-rx-{self.channel}", ANSWER_EVERY_S,
                                        "_beat")
 
@@ -245,6 +257,54 @@ class PoolReceiver:
     def _beat(self) -> None:
         self._answer_attach()
         self._answer_grow()
+        self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        """Give back grown segments idle for ``idle_s``: mark one retiring (the sender
+        allocates there no more, and unmaps it once it has no block there: its
+        ``released`` flag), then free it once released (or its sender died). Segment 0
+        stays. Runs on the receiver's heartbeat thread."""
+        pool = self.pool
+        if pool is None or all(seg is None for seg in pool.segs[1:]):
+            return
+        d = pool.dir
+        now = time.monotonic()
+        sp = d.get(SENDER_PID)
+        sender_dead = sp != 0 and sp != self._pid and not pid_alive(sp)
+        freed = []
+        with pool.lock:
+            busy = {addr >> SEG_SHIFT for addr in pool.held}
+            for i in range(1, MAX_SEGMENTS):
+                seg = pool.segs[i]
+                if seg is None:
+                    continue
+                if i in busy:
+                    pool.idle_since[i] = now
+                    continue
+                state = d.segment(i)[0]
+                if state == SEG_LIVE:
+                    if now - pool.idle_since[i] >= self.idle_s:
+                        # The generation before the bump: any the sender reads once it
+                        # has seen the state is at least this.
+                        g0 = d.get(SEG_GEN)
+                        pool.retire_gen[i] = g0
+                        d.set_segment(i, SEG_RETIRING, seg[1])
+                        d.set(SEG_GEN, g0 + 1)
+                elif d.released(i) >= pool.retire_gen[i] or sender_dead:
+                    pool.segs[i] = None
+                    d.set_segment(i, SEG_NONE)
+                    d.set(POOL_NOW, pool.bytes_now())
+                    d.set(SEG_GEN, d.get(SEG_GEN) + 1)
+                    with local_lock:
+                        LOCAL_POOLS.pop((d.name, i), None)
+                    freed.append((i, seg))
+        for i, (ptr, nbytes) in freed:
+            try:
+                self.ops.free_pool(pool.index, ptr)
+            except Exception:  # pragma: no cover - driver teardown
+                logger.warning("cuda_ipc: freeing segment %d of the device pool failed", i, exc_info=True)
+            logger.info("cuda_ipc: device pool of channel %r gave back segment %d (%d bytes; %d bytes now)",
+                        self.channel, i, nbytes, pool.bytes_now())
 
     def _answer_grow(self) -> None:
         """The sender asked for a new segment (``grow request`` ahead of ``grow
@@ -278,6 +338,7 @@ class PoolReceiver:
                     LOCAL_POOLS[(d.name, i)] = ptr
                 with pool.lock:
                     pool.segs[i] = (ptr, want)
+                    pool.idle_since[i] = time.monotonic()
                 d.set_segment(i, SEG_LIVE, want, handle)
                 d.set(POOL_NOW, now + want)
                 d.set(SEG_GEN, d.get(SEG_GEN) + 1)
@@ -441,8 +502,10 @@ class PoolReceiver:
         d = pool.dir
         pool.hold(blk, total)
         try:
+            # Held now: its segment cannot be given back meanwhile; check it again (it may
+            # have gone between ``parse`` and ``hold``).
             seg = pool.segs[blk >> SEG_SHIFT]
-            if seg is None:  # pragma: no cover - parse checked it; retired only when nothing is held
+            if seg is None or (blk & SEG_MASK) + total > seg[1]:
                 raise BlobDecodeError(f"cuda_ipc: key {key!r}: its pool segment is gone")
             base, lease = self.ops.view(seg[0] + (blk & SEG_MASK), total, pool.index)
             views = []

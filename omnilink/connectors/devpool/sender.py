@@ -38,9 +38,11 @@ from omnilink.connectors.devpool.directory import (
     RECV_PID,
     RING_HEAD,
     RING_TAIL,
+    RELEASED_ALL,
     SEG_GEN,
     SEG_LIVE,
     SEG_MASK,
+    SEG_RETIRING,
     SEG_SHIFT,
     SENDER_PID,
     SNAP_HEAD,
@@ -85,13 +87,16 @@ class _Attachment:
     """A sender's view of one receiver's pool: the mapped memory, its events, the
     allocator, the slots in use."""
 
-    __slots__ = ("dir", "gen", "segs", "live", "seg_gen", "refused", "index", "events", "rec", "next_slot",
+    __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
                  "seq", "sent", "by_block", "receiver_pid", "ring_cap")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
     segs: list[_Segment | None]
     live: list[_Segment]
+    #: mapped segments the receiver is giving back: no new block there; unmapped (and
+    #: ``released``) once the last block there is freed
+    retiring: list[_Segment]
     #: the directory's segment generation ``segs`` reflects
     seg_gen: int
     #: (segment generation, bytes) of the last growth the receiver refused: no new
@@ -114,6 +119,7 @@ class _Attachment:
         self.seq = 0
         self.segs = [None] * MAX_SEGMENTS
         self.live = []
+        self.retiring = []
         self.seg_gen = -1
         self.refused = None
 
@@ -281,8 +287,8 @@ class PoolSender:
         tx = self.tx
         if tx is None:
             return 0, 0
-        live = tx.live
-        return sum(seg.alloc.blocks for seg in live), sum(seg.alloc.used_bytes for seg in live)
+        segs = [seg for seg in tx.segs if seg is not None]
+        return sum(seg.alloc.blocks for seg in segs), sum(seg.alloc.used_bytes for seg in segs)
 
     # ------------------------------------------------------------------- attach
     def attach(self, deadline: Deadline) -> int:
@@ -402,8 +408,8 @@ class PoolSender:
                 LOCAL_EVENTS[(d.name, gen)] = tx.events
             d.set(EVENTS_GEN, gen)
         except BaseException:
-            for seg in tx.live:
-                if seg.opened:
+            for seg in tx.segs:
+                if seg is not None and seg.opened:
                     try:
                         ops.close_pool(tx.index, seg.ptr)
                     except Exception:  # pragma: no cover
@@ -528,7 +534,14 @@ class PoolSender:
             return
         for i in range(MAX_SEGMENTS):
             state, nbytes = d.segment(i)
-            if state != SEG_LIVE or tx.segs[i] is not None:
+            known = tx.segs[i]
+            if state != SEG_LIVE:
+                if known is not None and known not in tx.retiring:
+                    tx.retiring.append(known)
+                elif known is None and state == SEG_RETIRING:
+                    d.set_released(i, gen)  # never mapped here (a sender before us did)
+                continue
+            if known is not None:
                 continue
             if not 0 < nbytes <= SEG_MASK or nbytes % ALIGN:
                 logger.warning("cuda_ipc: pool directory %s: segment %d has an invalid size %d", d.name, i, nbytes)
@@ -540,8 +553,26 @@ class PoolSender:
             else:
                 seg = _Segment(i, self.ops.open_pool(tx.index, d.segment_handle(i)), True, nbytes)
             tx.segs[i] = seg
-            tx.live = [seg for seg in tx.segs if seg is not None]  # (closed on detach from here on)
+            if i:
+                d.set_released(i, 0)
+        tx.live = [seg for seg in tx.segs if seg is not None and seg not in tx.retiring]
         tx.seg_gen = gen
+
+    def _release_retiring(self, tx: _Attachment) -> None:
+        """Unmap the retiring segments this sender has no block in any more, and tell
+        the receiver (``released``), which then frees them."""
+        d = tx.dir
+        for seg in list(tx.retiring):
+            if seg.alloc.blocks:
+                continue
+            tx.retiring.remove(seg)
+            tx.segs[seg.index] = None
+            if seg.opened:
+                try:
+                    self.ops.close_pool(tx.index, seg.ptr)
+                except OmnilinkError:
+                    logger.warning("cuda_ipc: closing the handle of a retired pool segment failed", exc_info=True)
+            d.set_released(seg.index, d.get(SEG_GEN))
 
     def _take_slot(self, tx: _Attachment) -> int:
         """A slot whose last record the receiver has already waited on (or discarded);
@@ -575,8 +606,16 @@ class PoolSender:
                 if d.get(GEN) == tx.gen:
                     d.set(CLEAN_GEN, tx.gen)
             ops.drain()
-            for seg in tx.live:
-                if seg.opened:
+            if clean:  # frees already pushed: segments with no block left may go at once
+                try:
+                    self._drain(tx)
+                except ConfigurationError:  # pragma: no cover - a corrupt ring
+                    pass
+                for seg in tx.segs[1:]:
+                    if seg is not None and not seg.alloc.blocks:
+                        d.set_released(seg.index, RELEASED_ALL)
+            for seg in tx.segs:
+                if seg is not None and seg.opened:
                     ops.close_pool(tx.index, seg.ptr)
         except OmnilinkError:
             logger.warning("cuda_ipc: closing the pool handle failed", exc_info=True)
@@ -598,6 +637,10 @@ class PoolSender:
             if tx is None:
                 return
             why = self._lost(tx)
+            if why is None and (tx.retiring or tx.dir.get(SEG_GEN) != tx.seg_gen):
+                self._drain(tx)
+                self._sync_segments(tx)
+                self._release_retiring(tx)
         if why is not None:
             logger.warning("cuda_ipc: receiver (pid %d) on channel %r %s; closing its pool handle",
                            tx.receiver_pid, self.channel, why)
