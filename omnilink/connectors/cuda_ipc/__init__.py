@@ -38,9 +38,16 @@ Design
   (a later put attaches to a new receiver, if one opened the channel since). The
   receiver learns of a dead sender from the shm control plane and from the sender pid
   in the pool directory; a new sender starts from the blocks the receiver still holds.
-- **Backpressure.** ``put`` waits (bounded by its timeout, ``TransferTimeout``) while the
-  pool is full (or ``max_blocks`` blocks are out); a payload larger than the pool is a
-  ``CapacityError``. ``discard`` gives a withdrawn or unread payload's block back.
+- **Growth.** A payload larger than every segment of the pool, or one that finds the
+  pool full, makes the receiver add a segment (``cudaMalloc``, exported through the pool
+  directory) as large as the pool already is, up to 16 segments and ``pool_max_bytes``
+  in all (default: ``pool_bytes`` plus 3/4 of the device memory free when the pool
+  opened); a grown segment nothing holds for 2 s is given back. ``stats()`` shows the
+  receiver's ``pool_segments`` and ``pool_bytes_now``.
+- **Backpressure.** Past that bound ``put`` waits (bounded by its timeout,
+  ``TransferTimeout``) while the pool is full (or ``max_blocks`` blocks are out); a
+  payload larger than every segment is a ``CapacityError`` naming the sizes and the
+  option to raise. ``discard`` gives a withdrawn or unread payload's block back.
 - **Counters.** ``device_puts`` / ``device_gets`` count messages with a device part;
   ``timeouts`` includes the sender end's waits for a receiver or for room.
 - **Testability.** Every CUDA call is a method of one device-operations object

@@ -94,6 +94,12 @@ Design
   (default: the pool's size plus 3/4 of the device memory free when it opened), out of
   memory or out of entries; the sender maps the new segment and allocates there. So the
   pool grows while its receiver holds payloads, as the shm arena's extensions do.
+- **Shrink.** A grown segment with no block the receiver holds for ``idle_s`` (2 s) is
+  given back in three steps, one writer each: the receiver marks it retiring (and bumps
+  the segment generation); the sender (on its heartbeat) allocates there no more,
+  closes its handle once no block of its own is left there and sets the segment's
+  ``released`` flag; the receiver then frees it (at once if the sender died: its
+  mapping went with it). Segment 0 stays until close.
 - **Backpressure.** Past the bound, ``send`` waits (bounded by its ``room`` deadline,
   ``TransferTimeout``) while the pool is full (or ``max_blocks`` blocks are out),
   draining the released ring and checking the receiver's liveness; a payload larger
