@@ -264,3 +264,22 @@ def test_the_sender_unmaps_a_segment_its_receiver_gives_back(procs, tmp_path):
         p.join(10)
     collect_garbage()
     assert not find_directories(read_prefix(), ch)
+
+
+def test_payloads_nobody_has_read_never_grow_the_pool():
+    from omnilink import TransferTimeout
+
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 * MIB) as rx, \
+            HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+        tx.put("a", {"x": _big(1, 1)}, timeout=10)
+        tx.put("b", {"x": _big(1, 2)}, timeout=10)
+        with pytest.raises(TransferTimeout, match="pool is full"):  # a slow reader: backpressure
+            tx.put("c", {"x": _big(1, 3)}, timeout=0.3)
+        assert rx.stats().pool_segments == 1
+        held = rx.get("a", timeout=10)  # now the receiver holds one: the pool grows for it
+        tx.put("c", {"x": _big(1, 3)}, timeout=10)
+        assert rx.stats().pool_segments == 2
+        assert torch.equal(rx.get("b", timeout=10)["x"], _big(1, 2))
+        assert torch.equal(rx.get("c", timeout=10)["x"], _big(1, 3))
+        assert torch.equal(held["x"], _big(1, 1))

@@ -39,7 +39,8 @@ Design
   receiver learns of a dead sender from the shm control plane and from the sender pid
   in the pool directory; a new sender starts from the blocks the receiver still holds.
 - **Growth.** A payload larger than every segment of the pool, or one that finds the
-  pool full, makes the receiver add a segment (``cudaMalloc``, exported through the pool
+  pool full of payloads the receiver still views (never of payloads nobody has read
+  yet: a slow reader meets backpressure), makes the receiver add a segment (``cudaMalloc``, exported through the pool
   directory) as large as the pool already is, up to 16 segments and ``pool_max_bytes``
   in all (default: ``pool_bytes`` plus 3/4 of the device memory free when the pool
   opened); a grown segment nothing holds for 2 s is given back. ``stats()`` shows the

@@ -74,8 +74,8 @@ class CudaIpcConnector(BaseConnector):
         Receiver: the device of its pool (default: the current CUDA device).
     pool_bytes : int
         Receiver: size of the device pool as it opens (default 256 MiB). It grows when
-        a payload does not fit (larger than every segment, or the pool full while views
-        hold it): the receiver allocates another segment as large as the pool already is
+        a payload does not fit (larger than every segment, or the pool full of payloads
+        the receiver still views; unread ones never grow it): the receiver allocates another segment as large as the pool already is
         (or as the payload), up to 16 segments and ``pool_max_bytes`` in all.
     pool_max_bytes : int, optional
         Receiver: the most bytes the pool may grow to (default ``None``: ``pool_bytes``

@@ -93,7 +93,11 @@ Design
   segment table and bumps the segment generation, or refuses past ``pool_max_bytes``
   (default: the pool's size plus 3/4 of the device memory free when it opened), out of
   memory or out of entries; the sender maps the new segment and allocates there. So the
-  pool grows while its receiver holds payloads, as the shm arena's extensions do.
+  pool grows while its receiver holds payloads, as the shm arena's extensions do, and
+  only then: payloads nobody has read yet never grow it (the receiver publishes the
+  bytes it holds, ``held bytes``; if the sender's unread blocks with the new payload
+  would not fit in segment 0, or in the payload's own size, a reader is slow and the
+  sender waits).
 - **Shrink.** A grown segment with no block the receiver holds for ``idle_s`` (2 s) is
   given back in three steps, one writer each: the receiver marks it retiring (and bumps
   the segment generation); the sender (on its heartbeat) allocates there no more,

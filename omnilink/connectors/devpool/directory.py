@@ -28,7 +28,8 @@ Byte layout (little-endian, every field 8-byte aligned)::
     248  grow error                        receiver: 0 granted, else GROW_* (why refused)
     256  pool bound                        receiver: pool_max_bytes, the most all segments hold
     264  pool bytes now                    receiver: bytes of the live segments
-    272  (reserved)
+    272  held bytes                        receiver: bytes of the blocks it holds (views alive)
+    280  (reserved)
     320  segments: MAX_SEGMENTS x [state u64 | bytes u64 | IPC handle 64 | released u64]
          state, bytes, handle: receiver (0 none, 1 live, 2 retiring); released: sender
     ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
@@ -95,6 +96,7 @@ RECV_PID, STATE, DEVICE, POOL_BYTES, NSLOTS, RING_CAP = 8, 16, 24, 32, 40, 48
 GEN, SENDER_PID, WANT_GEN, ACK_GEN, SNAP_HEAD, HELD_COUNT, CLEAN_GEN = 56, 64, 72, 80, 88, 96, 104
 RING_HEAD, RING_TAIL, MEM_HANDLE, EVENTS_GEN, UUID = 112, 120, 128, 192, 200
 SEG_GEN, GROW_REQ, GROW_BYTES, GROW_ACK, GROW_ERR, POOL_MAX, POOL_NOW = 216, 224, 232, 240, 248, 256, 264
+HELD_BYTES = 272
 
 #: Bounds checked when a directory is opened (a hostile or corrupt segment cannot make a
 #: sender map or index past its end).

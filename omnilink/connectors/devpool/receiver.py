@@ -26,6 +26,7 @@ from omnilink.connectors.devpool.directory import (
     GROW_OK,
     GROW_PAST_BOUND,
     GROW_REQ,
+    HELD_BYTES,
     MAX_SEGMENTS,
     POOL_NOW,
     RING_HEAD,
@@ -94,6 +95,9 @@ class _Pool:
         #: reader's stream not yet past them)
         self.held: dict[int, int] = {}
         self.by_key: dict[str, list[Any]] = {}
+        #: bytes of ``held``, published in the directory (the sender grows the pool
+        #: only for blocks the receiver holds, not for payloads nobody has read yet)
+        self.held_bytes = 0
         self.closed = False
         self.freed = False
 
@@ -106,6 +110,9 @@ class _Pool:
 
     def hold(self, offset: int, length: int) -> None:
         with self.lock:
+            if offset not in self.held:
+                self.held_bytes += length
+                self.dir.set(HELD_BYTES, self.held_bytes)
             self.held[offset] = length
 
     def release(self, key: str | None, offset: int, length: int) -> None:
@@ -126,9 +133,12 @@ class _Pool:
 
     def push(self, offset: int, length: int) -> None:
         with self.lock:
-            if self.held.pop(offset, None) is None:
+            popped = self.held.pop(offset, None)
+            if popped is None:
                 return
+            self.held_bytes -= popped
             if not self.closed:
+                self.dir.set(HELD_BYTES, self.held_bytes)  # before the free: never too low
                 if not self.dir.push_free(offset, length):  # pragma: no cover - bounded by the sender
                     logger.error("cuda_ipc: released ring full; block at %d lost until the sender restarts", offset)
             elif not self.held:

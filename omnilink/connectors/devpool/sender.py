@@ -32,6 +32,7 @@ from omnilink.connectors.devpool.directory import (
     GROW_ERR,
     GROW_NO_ENTRY,
     GROW_REQ,
+    HELD_BYTES,
     MAX_SEGMENTS,
     POOL_MAX,
     POOL_NOW,
@@ -477,16 +478,30 @@ class PoolSender:
             now = time.monotonic()
             if not since:
                 since = now
-            if (too_large or now - since >= GROW_AFTER_S) and self._grow(tx, key, total, deadline):
-                continue
-            if too_large:
-                raise CapacityError(
-                    f"cuda_ipc: payload {key!r} holds {total} device bytes, more than any segment of the "
-                    f"receiver's pool ({max(seg.nbytes for seg in live)} bytes), and the pool cannot grow: "
-                    f"{tx.refused[2] if tx.refused else 'refused'}"
-                )
+            if (too_large or now - since >= GROW_AFTER_S) and self._may_grow(tx, total):
+                if self._grow(tx, key, total, deadline):
+                    continue
+                if too_large:
+                    raise CapacityError(
+                        f"cuda_ipc: payload {key!r} holds {total} device bytes, more than any segment of the "
+                        f"receiver's pool ({max(seg.nbytes for seg in live)} bytes), and the pool cannot grow: "
+                        f"{tx.refused[2] if tx.refused else 'refused'}"
+                    )
             self._wait_room(tx, key, room, "the receiver's pool is full", rounds)
             rounds += 1
+
+    def _may_grow(self, tx: _Attachment, total: int) -> bool:
+        """Whether a pool with no room should grow for ``total`` bytes: only for blocks
+        the receiver holds (as the shm arena). If the payloads nobody has read yet, with
+        this one, would not fit in segment 0 (or this payload alone), a reader is slow
+        and ``send`` waits (backpressure) instead."""
+        d = tx.dir
+        if d.get(POOL_NOW) + total > d.get(POOL_MAX):
+            return True  # no growth could fit it: ask, so the receiver's refusal says why
+        out = sum(seg.alloc.used_bytes for seg in tx.segs if seg is not None)
+        unread = max(out - d.get(HELD_BYTES), 0)
+        first = tx.segs[0]
+        return unread + total <= max(first.nbytes if first is not None else 0, total)
 
     def _grow(self, tx: _Attachment, key: str, total: int, deadline: Deadline) -> bool:
         """Ask the receiver for a new segment able to hold ``total`` bytes (as large as
