@@ -199,12 +199,13 @@ class HostDeviceIpcRoute(DeviceIpcRoute):
         return None
 
 
-def host_route(conn: Any, *, mode: str = "on", pool_bytes: int = 4 << 20, min_bytes: int = 0) -> HostDeviceIpcRoute:
+def host_route(conn: Any, *, mode: str = "on", pool_bytes: int = 4 << 20, min_bytes: int = 0,
+               pool_max_bytes: int | None = None) -> HostDeviceIpcRoute:
     """Give the shm connector ``conn`` (opened with ``device_ipc="off"``) a device-IPC
     route over the host double (its ``"on"`` receiver opens its pool now); ``conn.close()``
     closes it."""
     assert conn._ipc is None, "open the connector with device_ipc='off'"
-    conn._ipc = HostDeviceIpcRoute(conn, mode, pool_bytes, min_bytes, None)
+    conn._ipc = HostDeviceIpcRoute(conn, mode, pool_bytes, min_bytes, None, pool_max_bytes=pool_max_bytes)
     return conn._ipc
 
 

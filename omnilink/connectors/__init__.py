@@ -210,6 +210,7 @@ def connect(
     ipc_pool_bytes: int = ...,
     ipc_min_bytes: int = ...,
     ipc_device: Any = None,
+    ipc_pool_max_bytes: int | None = None,
 ) -> ShmConnector: ...
 
 

@@ -102,6 +102,32 @@ def test_growth_past_pool_max_bytes_is_a_capacity_error_naming_the_sizes():
         assert rx.stats().pool_bytes_now <= 2 * MIB
 
 
+def test_the_shm_route_counts_a_growth_past_ipc_pool_max_bytes_as_a_fallback():
+    from tests.cuda_ipc_double import host_route, route_put
+
+    import omnilink
+
+    ch = _chan()
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off", ipc_pool_max_bytes=2 * MIB)
+    tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
+    try:
+        host_route(rx, pool_bytes=MIB, pool_max_bytes=2 * MIB)
+        host_route(tx, pool_bytes=MIB)
+        assert route_put(tx, "huge", {"x": _big(3, 4)}, timeout=10) is None  # the host road...
+        st = tx.stats()
+        assert st.ipc_fallbacks == 1 and st.ipc_puts == 0  # ...counted, and why:
+        assert "CapacityError" in st.ipc_fallback_reason and "ipc_pool_max_bytes" in st.ipc_fallback_reason
+        assert str(2 * MIB) in st.ipc_fallback_reason
+        tx.put("huge", {"x": _big(3, 4)}, timeout=10)  # as shm's put does then
+        assert torch.equal(rx.get("huge", timeout=10)["x"], _big(3, 4))
+        assert route_put(tx, "fits", {"x": _big(1, 5)}, timeout=10) is not None  # grows within the bound
+        assert torch.equal(rx.get("fits", timeout=10)["x"], _big(1, 5))
+        assert tx.stats().ipc_puts == 1 and rx.stats().pool_segments == 1  # (segment 0 was free)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_the_default_bound_comes_from_free_device_memory(monkeypatch):
     monkeypatch.setattr(HostDeviceOps, "FREE_BYTES", 4 * MIB)
     with HostCudaIpc(channel=_chan(), role="receiver", pool_bytes=MIB) as rx:

@@ -23,7 +23,8 @@ def _chan() -> str:
 
 
 @pytest.mark.parametrize("options", [{"device_ipc": "yes"}, {"device_ipc": True}, {"ipc_pool_bytes": 1024},
-                                     {"ipc_pool_bytes": 2.5}, {"ipc_min_bytes": -1}, {"ipc_min_bytes": True}])
+                                     {"ipc_pool_bytes": 2.5}, {"ipc_min_bytes": -1}, {"ipc_min_bytes": True},
+                                     {"ipc_pool_max_bytes": 1024}, {"ipc_pool_max_bytes": True}])
 def test_bad_device_ipc_options(options):
     with pytest.raises(omnilink.ConfigurationError):
         omnilink.connect("shm", channel=_chan(), role="receiver", **options)

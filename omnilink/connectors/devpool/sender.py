@@ -534,7 +534,7 @@ class PoolSender:
                 why = f"the pool already has its most segments ({MAX_SEGMENTS})"
             else:
                 why = (f"growing the pool ({now} bytes now) by {want} bytes would pass its bound of {bound} "
-                       "bytes (raise the receiver's pool_max_bytes)")
+                       "bytes (raise the receiver's pool_max_bytes; shm: ipc_pool_max_bytes)")
             tx.refused = (gen, want, why)
             logger.info("cuda_ipc: channel %r: %s", self.channel, why)
             return False

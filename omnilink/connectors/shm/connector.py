@@ -346,6 +346,7 @@ def _check_values(
     device_ipc: Any,
     ipc_pool_bytes: Any,
     ipc_min_bytes: Any,
+    ipc_pool_max_bytes: Any = None,
 ) -> None:
     """The value checks of ``ShmConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -364,6 +365,11 @@ def _check_values(
     for name, value, lo in (("ipc_pool_bytes", ipc_pool_bytes, 1 << 20), ("ipc_min_bytes", ipc_min_bytes, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
+    if ipc_pool_max_bytes is not None and (isinstance(ipc_pool_max_bytes, bool)
+                                           or not isinstance(ipc_pool_max_bytes, int)
+                                           or ipc_pool_max_bytes < 1 << 20):
+        raise ConfigurationError(f"ipc_pool_max_bytes must be None or an int >= {1 << 20}, "
+                                 f"got {ipc_pool_max_bytes!r}")
     if arena_bytes is not None and (
         isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES
     ):
@@ -447,7 +453,14 @@ class ShmConnector(BaseConnector):
         only. ``stats()`` counts ``ipc_puts`` / ``ipc_gets`` apart from
         ``device_puts`` / ``device_gets`` (host-staged DMA).
     ipc_pool_bytes : int
-        Receiver: size of the device pool (default 256 MiB of GPU memory).
+        Receiver: size of the device pool as it opens (default 256 MiB of GPU memory). It
+        grows by segments for a payload larger than it, or when the payloads the
+        receiver still views fill it, and gives idle segments back.
+    ipc_pool_max_bytes : int, optional
+        Receiver: the most the device pool may grow to (default ``None``:
+        ``ipc_pool_bytes`` plus 3/4 of the GPU memory free when it opens). A payload that
+        would need more takes the host path (``stats().ipc_fallbacks``, with the sizes in
+        ``ipc_fallback_reason``).
     ipc_min_bytes : int
         Sender, ``"auto"``: least CUDA bytes of a payload for device IPC (default 16 MiB:
         below it the host path was faster on one GPU shared by two processes).
@@ -533,7 +546,8 @@ class ShmConnector(BaseConnector):
             outside [0, 100000]; ``pipeline_bytes`` or ``slice_bytes`` below 4096;
             ``linger``, ``shrink_after`` or ``reclaim_after`` not a number >= 0;
             ``max_bytes`` below ``arena_bytes`` (or below 1 MiB); ``device_ipc`` not one
-            of ``"auto"``, ``"on"``, ``"off"``; ``ipc_pool_bytes`` below 1 MiB or
+            of ``"auto"``, ``"on"``, ``"off"``; ``ipc_pool_bytes`` below 1 MiB,
+            ``ipc_pool_max_bytes`` neither ``None`` nor an int >= 1 MiB, or
             ``ipc_min_bytes`` below 0.
         """
         check_constructor_options(cls, _check_values, options)
@@ -558,13 +572,14 @@ class ShmConnector(BaseConnector):
         ipc_pool_bytes: int = DEFAULT_IPC_POOL_BYTES,
         ipc_min_bytes: int = DEFAULT_IPC_MIN_BYTES,
         ipc_device: Any = None,
+        ipc_pool_max_bytes: int | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
             arena_bytes=arena_bytes, max_inflight=max_inflight, overflow=overflow, linger=linger,
             spin_us=spin_us, pipeline_bytes=pipeline_bytes, slice_bytes=slice_bytes, max_bytes=max_bytes,
             shrink_after=shrink_after, reclaim_after=reclaim_after, device_ipc=device_ipc,
-            ipc_pool_bytes=ipc_pool_bytes, ipc_min_bytes=ipc_min_bytes,
+            ipc_pool_bytes=ipc_pool_bytes, ipc_min_bytes=ipc_min_bytes, ipc_pool_max_bytes=ipc_pool_max_bytes,
         )
         auto_arena = arena_bytes is None
         if arena_bytes is None:
@@ -642,7 +657,8 @@ class ShmConnector(BaseConnector):
         self._ipc: DeviceIpcRoute | None = None
         if device_ipc != "off":
             try:
-                self._ipc = DeviceIpcRoute(self, device_ipc, ipc_pool_bytes, ipc_min_bytes, ipc_device)
+                self._ipc = DeviceIpcRoute(self, device_ipc, ipc_pool_bytes, ipc_min_bytes, ipc_device,
+                                           pool_max_bytes=ipc_pool_max_bytes)
             except BaseException:
                 self.close()
                 raise

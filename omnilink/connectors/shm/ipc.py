@@ -95,14 +95,18 @@ class DeviceIpcRoute:
         In ``"auto"``, payloads with fewer bytes of CUDA tensors take the host path.
     device : str, optional
         ``"on"``: the receiver's pool device (default: the current device).
+    pool_max_bytes : int, optional
+        The most the receiver's pool may grow to (``None``: from the free device memory).
     """
 
-    def __init__(self, conn: Any, mode: str, pool_bytes: int, min_bytes: int, device: Any) -> None:
+    def __init__(self, conn: Any, mode: str, pool_bytes: int, min_bytes: int, device: Any, *,
+                 pool_max_bytes: int | None = None) -> None:
         # A weak proxy: the connector holds the route, and an unclosed connector must
         # still be cleaned when its last reference goes (no cycle to wait for).
         self.conn = weakref.proxy(conn)
         self.mode = mode
         self.pool_bytes = pool_bytes
+        self.pool_max_bytes = pool_max_bytes
         self.min_bytes = min_bytes if mode == "auto" else 0
         self._lock = threading.Lock()
         #: the device operations both ends use (made with the first end)
@@ -164,7 +168,7 @@ class DeviceIpcRoute:
                 try:
                     self._rx = PoolReceiver(self._device_ops(), self.conn.channel, device=device,
                                             pool_bytes=self.pool_bytes, event_slots=DEFAULT_EVENT_SLOTS,
-                                            max_blocks=DEFAULT_MAX_BLOCKS)
+                                            max_blocks=DEFAULT_MAX_BLOCKS, pool_max_bytes=self.pool_max_bytes)
                 except (OmnilinkError, RuntimeError) as exc:
                     if strict:
                         raise
