@@ -309,3 +309,37 @@ def test_payloads_nobody_has_read_never_grow_the_pool():
         assert torch.equal(rx.get("b", timeout=10)["x"], _big(1, 2))
         assert torch.equal(rx.get("c", timeout=10)["x"], _big(1, 3))
         assert torch.equal(held["x"], _big(1, 1))
+
+
+def test_hostile_segment_table_and_growth_requests_are_checked():
+    from omnilink.connectors.devpool.directory import (
+        GROW_ACK,
+        GROW_BYTES,
+        GROW_ERR,
+        GROW_PAST_BOUND,
+        GROW_REQ,
+        SEG_GEN,
+        SEG_LIVE,
+    )
+
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=MIB, pool_max_bytes=4 * MIB) as rx:
+        d = rx._receiver.pool.dir
+        # a growth request past the bound (or past any segment's size) is refused
+        for wanted in ((1 << 63) - 1, 8 * MIB):
+            req = d.get(GROW_REQ) + 1
+            d.set(GROW_BYTES, wanted)
+            d.set(GROW_REQ, req)
+            _until(lambda: d.get(GROW_ACK) == req)
+            assert d.get(GROW_ERR) == GROW_PAST_BOUND
+        assert rx.stats().pool_segments == 1
+        # entries of the segment table a sender cannot map are skipped, not used
+        d.set_segment(14, SEG_LIVE, 123, b"x")
+        d.set_segment(15, SEG_LIVE, 1 << 60, b"y")
+        d.set(SEG_GEN, d.get(SEG_GEN) + 1)
+        with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+            tx.put("k", {"x": torch.ones(4)}, timeout=10)
+            assert [seg.index for seg in tx._sender.tx.live] == [0]
+            assert torch.equal(rx.get("k", timeout=10)["x"], torch.ones(4))
+        d.set_segment(14, 0)
+        d.set_segment(15, 0)
