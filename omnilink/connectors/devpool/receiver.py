@@ -112,7 +112,8 @@ class _Pool:
         with self.lock:
             if offset not in self.held:
                 self.held_bytes += length
-                self.dir.set(HELD_BYTES, self.held_bytes)
+                if not self.closed:
+                    self.dir.set(HELD_BYTES, self.held_bytes)
             self.held[offset] = length
 
     def release(self, key: str | None, offset: int, length: int) -> None:
