@@ -62,22 +62,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from omnilink._bench.machine import mps_running  # noqa: E402
 from omnilink._bench.units import format_size, parse_sizes  # noqa: E402
 
 builtins_setattr = builtins.setattr
 USE_BYTES = 64
 SMALL = 64 << 10
-
-
-def _mps_running() -> bool:
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"nvidia-cuda-mps-server" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def _count(nbytes: int, n: int, lat_n: int) -> int:
@@ -508,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     roads = [r for r in args.roads.split(",") if r]
     machine = {"gpu_src": torch.cuda.get_device_name(torch.device(args.src)),
                "gpu_dst": torch.cuda.get_device_name(torch.device(args.dst)),
-               "src": args.src, "dst": args.dst, "mps": _mps_running(), "torch": torch.__version__,
+               "src": args.src, "dst": args.dst, "mps": mps_running(), "torch": torch.__version__,
                "host": platform.node(), "cpus": os.cpu_count(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"# bench_serial_gpu {json.dumps(machine)}", flush=True)
