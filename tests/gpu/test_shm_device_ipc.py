@@ -128,8 +128,9 @@ def test_pool_full_falls_back_to_the_host_path_without_losing_anything():
         s = tx.stats()
         assert s.ipc_puts == 1 and s.device_puts == 1
         # Counted, with the reason: a payload that took the slow road is never silent.
-        assert s.ipc_fallbacks == 1 and s.ipc_fallback_reason.startswith("CapacityError"), s
-        assert "ipc_pool_max_bytes" in s.ipc_fallback_reason, s
+        # The growth it asked for is refused (CapacityError), or not answered within the
+        # route's short wait for room (TransferTimeout): either way, named.
+        assert s.ipc_fallbacks == 1 and s.ipc_fallback_reason.startswith(("CapacityError", "TransferTimeout")), s
         got = rx.get("b", timeout=30, device="cuda:0")
         assert int(got["x"].max()) == 2 and int(held["x"].max()) == 1
 

@@ -12,7 +12,7 @@ from omnilink._errors import (
     TransferTimeout,
     WouldBlock,
 )
-from omnilink._util import Deadline
+from omnilink._util import Deadline, duplicate_key
 from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 from omnilink.connectors.devpool import (
     DEFAULT_EVENT_SLOTS,
@@ -169,9 +169,12 @@ class CudaIpcConnector(BaseConnector):
             self._inner = _Inner(channel=f"{channel}/cuda-ipc", role=role, arena_bytes=arena_bytes,
                                  linger=linger)
             if self._recvs:
-                self._receiver = PoolReceiver(self._ops, channel, device=device, pool_bytes=self.pool_bytes,
-                                              event_slots=event_slots, max_blocks=max_blocks,
-                                              pool_max_bytes=pool_max_bytes)
+                rx = self._receiver = PoolReceiver(self._ops, channel, device=device,
+                                                   pool_bytes=self.pool_bytes, event_slots=event_slots,
+                                                   max_blocks=max_blocks, pool_max_bytes=pool_max_bytes)
+                # The sender puts each message in the pool's lane: the inner channel
+                # takes them as its own (no arena block, no frame to decode).
+                self._inner.attach_lane(rx.lane, lambda key, msg: rx.drop(key or "<lane>", msg))
         except BaseException:
             self._close()
             raise
@@ -243,10 +246,13 @@ class CudaIpcConnector(BaseConnector):
     def _discard(self, key: str) -> bool:
         inner = self._open(self._inner)
         if not self._recvs:
+            tx = self._open(self._sender)
             dropped = inner.discard(key)
             if dropped:
-                self._open(self._sender).withdrawn(key)
-            return dropped
+                tx.withdrawn(key)
+                return True
+            with inner._chan.locked():  # the receiver claims a lane record under it too
+                return tx.lane_withdraw(key)
         try:
             obj = inner.get_nowait(key)
         except (WouldBlock, KeyConsumedError):
@@ -278,8 +284,17 @@ class CudaIpcConnector(BaseConnector):
                 "and cannot put; open it with role='sender' or 'dual'"
             )
         inner = self._open(self._inner)
-        return self._open(self._sender).send(key, payload, deadline, ctx,
-                                             lambda msg: inner.put(key, msg, timeout=deadline.remaining()))
+        tx = self._open(self._sender)
+
+        def publish(msg: Any) -> None:
+            if tx.lane_pending(key):
+                raise duplicate_key(self.backend, self.channel, key)
+            if tx.lane_write(key, msg):  # the pool's lane, then wake the inner channel
+                inner.wake_receivers(deadline)
+            else:  # not plain, too large, lane full: a message of the inner channel
+                inner.put(key, msg, timeout=deadline.remaining())
+
+        return tx.send(key, payload, deadline, ctx, publish)
 
     def _async_context(self, payload: Any) -> Any:
         """``put_async``: the producer's events, recorded in the caller's thread (the put

@@ -2,7 +2,7 @@
 
 Byte layout (little-endian, every field 8-byte aligned)::
 
-    0    magic "OLCIPC02"
+    0    magic "OLCIPC03"
     8    receiver pid                      receiver writes once
     16   state (1 open, 2 closed)          receiver
     24   pool device index (receiver's numbering)
@@ -29,12 +29,18 @@ Byte layout (little-endian, every field 8-byte aligned)::
     256  pool bound                        receiver: pool_max_bytes, the most all segments hold
     264  pool bytes now                    receiver: bytes of the live segments
     272  held bytes                        receiver: bytes of the blocks it holds (views alive)
-    280  (reserved)
+    280  lane published                    sender: records written to the lane
+    288  lane read                         receiver: records read from the lane
+    296  lane slots                        receiver writes once (0: no lane)
+    304  lane record bytes                 receiver writes once
+    312  (reserved)
     320  segments: MAX_SEGMENTS x [state u64 | bytes u64 | IPC handle 64 | released u64]
          state, bytes, handle: receiver (0 none, 1 live, 2 retiring); released: sender
     ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
     ...  released ring: capacity x [offset u64 | length u64]
     ...  held list:     capacity x [offset u64 | length u64]
+    ...  lane: lane slots x lane record bytes (``lane``: the pool's messages), then its
+         claim table (``lane.TABLE`` x u64)
 
 Segment 0 is the pool the receiver opens with (also at ``pool bytes`` and ``pool IPC
 memory handle`` above); the others are allocated by the receiver when its sender asks
@@ -62,7 +68,7 @@ from omnilink.connectors.shmem import SHM_DIR, arena_name, create_segment, open_
 
 __all__ = ["Directory", "directory_token", "find_directories", "live_pool_owner"]
 
-MAGIC = b"OLCIPC02"
+MAGIC = b"OLCIPC03"
 HANDLE_BYTES = 64
 _U64 = struct.Struct("<Q")
 _PAIR = struct.Struct("<QQ")
@@ -97,6 +103,10 @@ GEN, SENDER_PID, WANT_GEN, ACK_GEN, SNAP_HEAD, HELD_COUNT, CLEAN_GEN = 56, 64, 7
 RING_HEAD, RING_TAIL, MEM_HANDLE, EVENTS_GEN, UUID = 112, 120, 128, 192, 200
 SEG_GEN, GROW_REQ, GROW_BYTES, GROW_ACK, GROW_ERR, POOL_MAX, POOL_NOW = 216, 224, 232, 240, 248, 256, 264
 HELD_BYTES = 272
+LANE_PUB, LANE_READ, LANE_SLOTS, LANE_REC = 280, 288, 296, 304
+#: Bounds of a lane a directory may declare (checked when it is opened).
+MAX_LANE_SLOTS = 4096
+MAX_LANE_RECORD = 1 << 16
 
 #: Bounds checked when a directory is opened (a hostile or corrupt segment cannot make a
 #: sender map or index past its end).
@@ -125,15 +135,18 @@ def find_directories(prefix: str, channel: str) -> list[tuple[int, str]]:
     return out
 
 
-def _size(nslots: int, ring_cap: int) -> int:
-    n = _HEADER + nslots * _SLOT + 2 * ring_cap * _PAIR.size
+def _size(nslots: int, ring_cap: int, lane_slots: int = 0, lane_record: int = 0) -> int:
+    from omnilink.connectors.devpool.lane import TABLE
+
+    n = _HEADER + nslots * _SLOT + 2 * ring_cap * _PAIR.size + lane_slots * lane_record + TABLE * 8
     return (n + 4095) // 4096 * 4096
 
 
 class Directory:
     """A mapped pool directory (see the module docstring for the layout)."""
 
-    __slots__ = ("mm", "name", "nslots", "ring_cap", "_slots", "_ring", "_held", "_q")
+    __slots__ = ("mm", "name", "nslots", "ring_cap", "_slots", "_ring", "_held", "_q", "lane_offset",
+                 "lane_slots", "lane_record")
 
     def __init__(self, mm: Any, name: str) -> None:
         self.mm = mm
@@ -147,24 +160,29 @@ class Directory:
         self._q = memoryview(mm).cast("B")[: len(mm) & ~7].cast("Q")
         self.nslots = self.get(NSLOTS)
         self.ring_cap = self.get(RING_CAP)
-        if not (1 <= self.nslots <= MAX_SLOTS and 1 <= self.ring_cap <= MAX_RING) or len(mm) < _size(
-            self.nslots, self.ring_cap
-        ):
+        self.lane_slots = self.get(LANE_SLOTS)
+        self.lane_record = self.get(LANE_REC)
+        if not (1 <= self.nslots <= MAX_SLOTS and 1 <= self.ring_cap <= MAX_RING) or not (
+            0 <= self.lane_slots <= MAX_LANE_SLOTS and (not self.lane_slots or 64 <= self.lane_record <= MAX_LANE_RECORD)
+            and self.lane_record % 8 == 0
+        ) or len(mm) < _size(self.nslots, self.ring_cap, self.lane_slots, self.lane_record):
             raise ConfigurationError(f"cuda_ipc: pool directory {name} has an invalid layout")
         self._slots = _HEADER
         self._ring = _HEADER + self.nslots * _SLOT
         self._held = self._ring + self.ring_cap * _PAIR.size
+        self.lane_offset = self._held + self.ring_cap * _PAIR.size
 
     @classmethod
     def create(
         cls, prefix: str, channel: str, *, device: int, uuid: bytes, pool_bytes: int,
-        nslots: int, ring_cap: int, mem_handle: bytes, pool_max: int,
+        nslots: int, ring_cap: int, mem_handle: bytes, pool_max: int, lane_slots: int = 0,
+        lane_record: int = 0,
     ) -> Directory:
         name = arena_name(prefix, os.getpid(), directory_token(channel))
-        mm = create_segment(name, _size(nslots, ring_cap), "the cuda_ipc pool directory")
+        mm = create_segment(name, _size(nslots, ring_cap, lane_slots, lane_record), "the cuda_ipc pool directory")
         for off, value in ((RECV_PID, os.getpid()), (DEVICE, device), (POOL_BYTES, pool_bytes),
                            (NSLOTS, nslots), (RING_CAP, ring_cap), (POOL_MAX, pool_max),
-                           (POOL_NOW, pool_bytes)):
+                           (POOL_NOW, pool_bytes), (LANE_SLOTS, lane_slots), (LANE_REC, lane_record)):
             _U64.pack_into(mm, off, value)
         mm[MEM_HANDLE:MEM_HANDLE + HANDLE_BYTES] = mem_handle.ljust(HANDLE_BYTES, b"\0")[:HANDLE_BYTES]
         o = _SEGS

@@ -44,6 +44,7 @@ from omnilink.connectors.devpool.directory import (
     Directory,
     find_directories,
 )
+from omnilink.connectors.devpool.lane import LANE_RECORD, LANE_SLOTS, LaneReader
 from omnilink.connectors.devpool.manifest import (
     INT64_MAX,
     ITEMSIZE,
@@ -240,13 +241,16 @@ class PoolReceiver:
                 bound = max(round_up(pool_max_bytes), pool_bytes)
                 d = Directory.create(self._prefix, self.channel, device=index, uuid=ops.device_uuid(index),
                                      pool_bytes=pool_bytes, nslots=event_slots, ring_cap=max_blocks,
-                                     mem_handle=handle, pool_max=bound)
+                                     mem_handle=handle, pool_max=bound, lane_slots=LANE_SLOTS,
+                                     lane_record=LANE_RECORD)
             except BaseException:
                 ops.free_pool(index, ptr)
                 raise
         with local_lock:
             LOCAL_POOLS[(d.name, 0)] = ptr
         self.pool = _Pool(ops, d, index, ptr, pool_bytes)
+        #: the receiving end of the pool's lane (its transport reads it)
+        self.lane = LaneReader(d)
         self.pool_max_bytes = bound
         #: seconds a grown segment stays unheld before it is given back
         self.idle_s = IDLE_S

@@ -53,6 +53,7 @@ from omnilink.connectors.devpool.directory import (
     Directory,
     find_directories,
 )
+from omnilink.connectors.devpool.lane import LaneWriter
 from omnilink.connectors.devpool.manifest import dtypes, split, tensor_type
 from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, LOCAL_SENDERS, local_lock, start_heartbeat
 from omnilink.connectors.shmem import HostLock, pid_alive, read_prefix
@@ -89,7 +90,7 @@ class _Attachment:
     allocator, the slots in use."""
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
-                 "seq", "sent", "by_block", "receiver_pid", "ring_cap")
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -112,6 +113,8 @@ class _Attachment:
     by_block: dict[int, str]
     receiver_pid: int
     ring_cap: int
+    #: the sending end of the pool's lane
+    lane: LaneWriter
 
     def __init__(self) -> None:
         self.sent: dict[str, tuple[int, int, int]] = {}
@@ -272,6 +275,37 @@ class PoolSender:
             self.device_puts += 1
         return size
 
+    def lane_write(self, key: str, message: Any) -> bool:
+        """Put ``message`` (what ``send`` hands its ``publish``) in the pool's lane, for
+        the receiver's transport to read (see ``devpool.lane``); ``False`` when the lane
+        cannot take it (not plain, too large, full; no pool attached): the transport
+        carries it its general way. Called from ``publish``, under this sender's lock."""
+        tx = self.tx
+        # A key whose earlier block is still out: the general way (which knows whether
+        # that earlier payload is still unread), never a second record of the key.
+        return tx is not None and key not in tx.sent and tx.lane.write(key, message)
+
+    def lane_pending(self, key: str) -> bool:
+        """Whether this sender's last lane record of ``key`` is still unclaimed."""
+        tx = self.tx
+        return tx is not None and tx.lane.pending(key)
+
+    def lane_pending_keys(self) -> list[str]:
+        """Keys of this sender's lane records not claimed yet."""
+        tx = self.tx
+        return [] if tx is None else tx.lane.pending_keys()
+
+    def lane_withdraw(self, key: str) -> bool:
+        """Withdraw the unclaimed lane record of ``key`` and free its block (the caller
+        holds the transport's channel mutex, as the receiver's claim does); whether it
+        was unclaimed."""
+        with self.lock:
+            tx = self.tx
+            if tx is None or not tx.lane.withdraw(key):
+                return False
+        self.withdrawn(key)
+        return True
+
     def withdrawn(self, key: str) -> None:
         """The message of ``key`` was withdrawn unread: its block is free again."""
         with self.lock:
@@ -377,6 +411,7 @@ class PoolSender:
                 if old:
                     d.set(WANT_GEN, gen)
             tx.dir, tx.gen = d, gen
+            tx.lane = LaneWriter(d)
             tx.receiver_pid = d.get(RECV_PID)
             tx.ring_cap = d.ring_cap
             tx.index = ops.index_of_uuid(d.uuid(), d.get(DEVICE))

@@ -196,6 +196,14 @@ def _make_lease(mm: Any, offset: int, length: int) -> Any:
     return _np.frombuffer(mm, dtype=_np.uint8, count=max(0, min(length, len(mm) - offset)), offset=offset)
 
 
+class _LaneHit(tuple):
+    """A claim record of a message read from a device pool's lane (``devpool.lane``):
+    ``(None, -1, -1, 0, record bytes, message)``, in the shape of an arena claim (its
+    byte count at ``[4]``); the message is already decoded."""
+
+    __slots__ = ()
+
+
 class _Lease(weakref.ref):
     """A weak reference to the exporter object of one received payload, carrying what
     releasing its block takes. Its callback (the connector's ``_Releaser``) runs when the
@@ -625,6 +633,12 @@ class ShmConnector(BaseConnector):
         self._slock = threading.Lock()  # sender-local state: allocator, descriptors
         self._rlock = threading.Lock()  # receiver-local state: readers, index
         self._index: dict[str, list[Any]] = {}
+        #: the receiving end of a device pool's lane whose messages this channel's
+        #: receiver takes as its own (``attach_lane``), and what it read from it not yet
+        #: claimed: key -> (message, record bytes)
+        self._lane: Any = None
+        self._lane_drop: Any = None
+        self._lane_index: dict[str, tuple[Any, int]] = {}
         # Sender: key -> descriptor of our latest put of it (duplicate-put check).
         self._sent: dict[str, int] = {}
         self._sent_limit = 2 * max_inflight + 64
@@ -1325,7 +1339,11 @@ class ShmConnector(BaseConnector):
     def _drop_claimed(self, gots: list[tuple[Any, ...]], *, counted: bool) -> None:
         """Release claimed payloads that will not be opened (and take back their counts)."""
         with self._chan.locked():
-            for reader, idx, seq, *_rest in gots:
+            for got in gots:
+                if type(got) is _LaneHit:
+                    self._drop_lane_message(None, got[5])
+                    continue
+                reader, idx, seq, *_rest = got
                 reader.mark_released(idx, seq, self._pid)
         if counted:
             with self._rlock:
@@ -1609,6 +1627,9 @@ class ShmConnector(BaseConnector):
             return False
         if self._chan._gen[0] != self._known_gen:  # ``senders_gen()``
             return False
+        lane = self._lane
+        if lane is not None and (key in self._lane_index or lane.unread()):
+            return False
         for r in self._reader_list:
             if r.pub[0] != r.cursor:  # ``r.published()``, inlined
                 return False
@@ -1634,6 +1655,7 @@ class ShmConnector(BaseConnector):
                         self._refresh_locked()
                     self._scan_locked()
                     avail = set(self._index)
+                    avail.update(self._lane_index)
                     lost = self._peer_lost
                     if avail <= known and lost is None and deadline.remaining() != 0:
                         gen = chan.register_waiter()
@@ -1681,6 +1703,9 @@ class ShmConnector(BaseConnector):
         self._index_limit = 4096 + 2 * sum(r.layout.n_desc for r in self._readers.values())
 
     def _scan_locked(self) -> None:
+        lane = self._lane
+        if lane is not None:
+            lane.poll(self._lane_index)
         index = self._index
         for r in self._reader_list:  # ``_readers``' values (set with it)
             r.scan(index)
@@ -1702,6 +1727,12 @@ class ShmConnector(BaseConnector):
         that went stale (claimed by another receiver, discarded, reclaimed)."""
         refs = self._index.get(key)
         if refs is None:
+            hit = self._lane_index.get(key)
+            if hit is None:
+                return False
+            if self._lane is not None and self._lane.claimable(hit[2]):
+                return True
+            del self._lane_index[key]  # withdrawn by its sender
             return False
         while refs:
             reader, idx, seq = refs[0]
@@ -1725,7 +1756,11 @@ class ShmConnector(BaseConnector):
                 gots.append(claim(key))  # type: ignore[arg-type]  # claimable: never None
         except BaseException:
             # A segment of the sender is gone (PeerLostError): hand back what was claimed.
-            for reader, idx, seq, *_rest in gots:
+            for got in gots:
+                if type(got) is _LaneHit:
+                    self._drop_lane_message(None, got[5])
+                    continue
+                reader, idx, seq, *_rest = got
                 reader.mark_released(idx, seq, self._pid)
             raise
         return gots
@@ -1733,7 +1768,11 @@ class ShmConnector(BaseConnector):
     def _claim_locked(self, key: str) -> tuple[Any, ...] | None:
         refs = self._index.get(key)
         if refs is None:
-            return None
+            hit = self._lane_index.pop(key, None) if self._lane_index else None
+            if hit is None or self._lane is None or not self._lane.claim(hit[2]):
+                return None  # not there, or withdrawn by its sender (its block freed there)
+            self._consumed.add(key)
+            return _LaneHit((None, -1, -1, 0, hit[1], hit[0]))
         while refs:
             reader, idx, seq = refs.pop(0)
             res = reader.claim(idx, seq, self._pid)
@@ -1774,6 +1813,13 @@ class ShmConnector(BaseConnector):
         the payload cannot be decoded)."""
         # ``where``: None (the arena), an extension's token (bytes) or an overflow mapping
         reader, idx, seq, off, length, overflow_mm = got
+        if type(got) is _LaneHit:  # decoded as it was read
+            if not counted:
+                if count_get:
+                    self._count_op("gets", "bytes_got", length)
+                else:
+                    self._count(bytes_got=length)
+            return overflow_mm
         if overflow_mm is None:
             whole = reader._bytes
             if whole is None:
@@ -1847,6 +1893,40 @@ class ShmConnector(BaseConnector):
             self._peer_lost = None
 
     # ====================================================== discard / release
+    # ================================================================ lane
+    def attach_lane(self, lane: Any, drop: Any) -> None:
+        """Take the messages of a device pool's lane (``devpool.LaneReader``) as this
+        receiver's own: a key published there is claimed, consumed, discarded and counted
+        like one published on the channel; ``drop(key, message)`` gives back the pool
+        block of a message discarded unread (``key`` ``None`` when not known). ``None`` detaches (the pool is closing). The pool's
+        sender wakes this channel's waiters after each record (``wake_receivers``)."""
+        with self._rlock:
+            self._lane = lane
+            self._lane_drop = drop
+
+    def _drop_lane_message(self, key: str | None, message: Any) -> None:
+        drop = self._lane_drop
+        if drop is not None:
+            try:
+                drop(key, message)
+            except Exception:  # pragma: no cover - best effort (the pool may be closing)
+                logger.debug("shm: dropping a lane message failed", exc_info=True)
+
+    def wake_receivers(self, deadline: Deadline | None = None) -> None:
+        """Wake this channel's waiting receivers (a device pool's sender, after a record
+        of its lane: the receiver waits in one place, the channel's semaphore). If the
+        mutex cannot be had in time the record is still there: a receiver finds it at
+        its next look (its heartbeat at the latest)."""
+        chan = self._chan
+        if not chan.try_lock():
+            if not chan.lock_within(deadline or Deadline(MUTEX_GRACE_S)):
+                logger.debug("shm: channel %r: no wake-up for a lane record (mutex busy)", self.channel)
+                return
+        try:
+            chan.notify_all()
+        finally:
+            chan.unlock()
+
     def _discard(self, key: str) -> bool:
         ipc = self._ipc
         if ipc is not None and self._recvs and ipc.has_pool():
@@ -1872,9 +1952,12 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         w = self._writer
         if w is not None:
+            ipc = self._ipc
             with self._slock:
                 with chan.locked():
-                    if w.discard(key):
+                    # A payload of ours in a device pool's lane (ours: the route's sender)
+                    # is withdrawn under the same mutex as the receiver's claim.
+                    if w.discard(key) or (ipc is not None and ipc.lane_withdraw(key)):
                         if self._recvs:
                             with self._rlock:
                                 self._consumed.add(key, "discarded")
@@ -1885,6 +1968,11 @@ class ShmConnector(BaseConnector):
                     if chan.senders_gen() != self._known_gen:
                         self._refresh_locked()
                     self._scan_locked()
+                    hit = self._lane_index.pop(key, None)
+                    if hit is not None and self._lane is not None and self._lane.claim(hit[2]):
+                        self._drop_lane_message(key, hit[0])
+                        self._consumed.add(key, "discarded")
+                        return True
                     refs = self._index.get(key)
                     while refs:
                         reader, idx, seq = refs.pop(0)
@@ -2003,7 +2091,11 @@ class ShmConnector(BaseConnector):
         # The channel mutex alone: every change to the descriptors is made under it, and
         # a put waiting for room holds ``_slock`` (this must not wait for that put).
         with self._chan.locked():
-            return w.unread_keys()
+            keys = w.unread_keys()
+        ipc = self._ipc
+        if ipc is not None:
+            keys += ipc.lane_pending_keys()
+        return keys
 
     # =================================================================== misc
 
@@ -2062,6 +2154,10 @@ class ShmConnector(BaseConnector):
         w = self._writer
         if w is not None and self.linger > 0:
             self._linger()
+        with self._rlock:
+            self._lane = None  # before the pool (and its directory) goes: it goes whole
+            self._lane_drop = None
+            self._lane_index = {}
         if self._ipc is not None:
             self._ipc.close()
         if self._gpu is not None:

@@ -62,7 +62,7 @@ from omnilink._errors import (
     TransferTimeout,
     TransportError,
 )
-from omnilink._util import Deadline
+from omnilink._util import Deadline, duplicate_key
 from omnilink.blob import prepare
 
 if TYPE_CHECKING:  # the device pool loads at the route's first use: shm's import stays cheap
@@ -173,6 +173,15 @@ class DeviceIpcRoute:
                     if strict:
                         raise
                     why = f"{type(exc).__name__}: {exc}"
+            rx = self._rx
+            if rx is not None:
+                def drop(key: str | None, marker: Any) -> None:
+                    if type(marker) is dict and IPC_MARK in marker:
+                        rx.drop(key or "<lane>", marker[IPC_MARK])
+
+                # The pool's sender puts each message in the pool's lane: this channel
+                # takes them as its own (one claim, no arena block, no frame to decode).
+                self.conn.attach_lane(rx.lane, drop)
             if self._rx is None:
                 if strict:
                     raise CudaError(f"shm: device_ipc='on' on channel {self.conn.channel!r}: {why}")
@@ -219,10 +228,18 @@ class DeviceIpcRoute:
         conn = self.conn
 
         def publish(msg: dict) -> None:
-            # The device part's descriptor rides the shm channel's own message: one
-            # claim, one wake-up and one decode per payload at the receiver.
+            # The device part's descriptor goes in the pool's lane, which the receiver's
+            # channel reads as its own, and the channel's waiters are woken; one that
+            # the lane cannot take rides the shm channel as a message of its own. Either
+            # way: one claim, one wake-up and one decode per payload at the receiver.
+            marker = {IPC_MARK: msg}
             try:
-                conn._put_arena(key, key.encode("utf-8"), prepare({IPC_MARK: msg}), deadline)
+                if tx.lane_pending(key):
+                    raise duplicate_key(conn.backend, conn.channel, key)
+                if tx.lane_write(key, marker):
+                    conn.wake_receivers(deadline)
+                    return
+                conn._put_arena(key, key.encode("utf-8"), prepare(marker), deadline)
             except BaseException as exc:
                 raise _NotPublished(exc) from exc
 
@@ -343,6 +360,16 @@ class DeviceIpcRoute:
             rx.drop(key, marker[IPC_MARK])
 
     # ================================================================ sender
+    def lane_withdraw(self, key: str) -> bool:
+        """Sender: withdraw ``key``'s unclaimed record from the pool's lane and free its
+        block (the caller holds the channel mutex); whether it was there unclaimed."""
+        tx = self._tx
+        return tx is not None and tx.lane_withdraw(key)
+
+    def lane_pending_keys(self) -> list[str]:
+        tx = self._tx
+        return [] if tx is None else tx.lane_pending_keys()
+
     def discard(self, key: str) -> None:
         """Sender: ``key`` was withdrawn unread from the shm channel: free its pool block
         (if it went by device IPC)."""
