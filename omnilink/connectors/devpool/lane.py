@@ -65,7 +65,6 @@ MAX_DEPTH = 32
 MAX_NDIM = 16
 _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<BB")
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class NotPlain(Exception):
@@ -76,13 +75,14 @@ class BadRecord(ValueError):
     """A lane record that does not decode into what a sender writes."""
 
 
+#: leaves msgspec encodes as they are and decodes to the same type (an int past 64 bits
+#: makes the encoder raise OverflowError: not plain either)
+_LEAVES = frozenset((str, bool, float, int, type(None)))
+
+
 def _plain(x: Any, depth: int, torch: Any, by_dtype: dict[Any, int]) -> Any:
     t = type(x)
-    if t is str or t is bool or t is float or x is None:
-        return x
-    if t is int:
-        if not _INT_MIN <= x <= _INT_MAX:
-            raise NotPlain
+    if t in _LEAVES:
         return x
     if depth >= MAX_DEPTH:
         raise NotPlain
@@ -91,10 +91,10 @@ def _plain(x: Any, depth: int, torch: Any, by_dtype: dict[Any, int]) -> Any:
         for k, v in x.items():
             if type(k) is not str:
                 raise NotPlain
-            out[k] = _plain(v, depth + 1, torch, by_dtype)
+            out[k] = v if type(v) in _LEAVES else _plain(v, depth + 1, torch, by_dtype)
         return out
     if t is list:
-        return [_plain(v, depth + 1, torch, by_dtype) for v in x]
+        return [v if type(v) in _LEAVES else _plain(v, depth + 1, torch, by_dtype) for v in x]
     if t is torch.Tensor:
         return _tensor_ext(x, torch, by_dtype)
     raise NotPlain
@@ -130,7 +130,10 @@ def encode_record(key: str, message: Any) -> bytes:
     holds anything but plain values and small CPU tensors."""
     import torch
 
-    return _ENCODER.encode([key, _plain(message, 0, torch, dtypes()[0])])
+    try:
+        return _ENCODER.encode([key, _plain(message, 0, torch, dtypes()[0])])
+    except OverflowError:  # an int past 64 bits
+        raise NotPlain from None
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
