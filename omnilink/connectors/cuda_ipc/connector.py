@@ -224,7 +224,8 @@ class CudaIpcConnector(BaseConnector):
             )
         inner = self._open(self._inner)
         try:
-            obj = inner.get(key, timeout=deadline.remaining()) if block else inner.get_nowait(key)
+            # The inner channel's own get, the key already validated and the deadline made.
+            obj = inner._get(key, deadline, True) if block else inner.get_nowait(key)
         except TransferTimeout:
             raise self._timeout("get", key, "a sender", deadline.timeout) from None
         return self._land_message(key, obj)
