@@ -243,6 +243,12 @@ BLOCKS = (
     Block("pipeline-cuda-h100-mps", ("pipeline-cuda-h100-mps.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --prompt-tokens 4096 --requests 4 "
           "--rounds 2 --json FILE", render_pipeline),
+    Block("pipeline-cuda-2xh100-mps-c1", ("pipeline-cuda-2xh100-mps-c1.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
+          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 1 --json FILE", render_pipeline),
+    Block("pipeline-cuda-2xh100-mps-c8", ("pipeline-cuda-2xh100-mps-c8.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
+          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 8 --json FILE", render_pipeline),
     Block("shm-vs-pickle-epyc-2core", ("shm-vs-pickle-epyc-2core.jsonl",),
           "omnilink bench --json FILE --plot FILE.png", render_bench),
     Block("shm-vs-pickle-h100host-16core", ("shm-vs-pickle-h100host-16core.jsonl",),
