@@ -252,3 +252,12 @@ def test_the_shm_route_uses_the_lane():
         assert tx.pending_keys() == []
         with pytest.raises(TransferTimeout):
             rx.get("k4", timeout=0.2)
+
+
+def test_a_lane_looked_at_after_its_pool_closed_says_so_without_raising():
+    ch = _chan()
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20)
+    lane = _lane(rx)
+    assert lane.unread() is False
+    rx.close()  # unmaps the directory: a racing get's lock-free look must not raise
+    assert lane.unread() is True

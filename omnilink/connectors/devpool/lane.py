@@ -277,9 +277,14 @@ class LaneReader:
         self.bad = 0
 
     def unread(self) -> bool:
-        """Whether the sender published records not read yet (no lock, one look)."""
+        """Whether the sender published records not read yet (no lock, one look; ``True``
+        once the directory is unmapped, so a caller racing a close takes its slow path,
+        which sees the close)."""
         q = self._q
-        return q[self._pub_i] != q[self._read_i]
+        try:
+            return q[self._pub_i] != q[self._read_i]
+        except ValueError:  # released with the directory
+            return True
 
     def claimable(self, seq: int) -> bool:
         """Whether the record ``seq`` is still there to claim (not withdrawn)."""
