@@ -261,3 +261,26 @@ def test_a_lane_looked_at_after_its_pool_closed_says_so_without_raising():
     assert lane.unread() is False
     rx.close()  # unmaps the directory: a racing get's lock-free look must not raise
     assert lane.unread() is True
+
+
+def test_reclaim_unread_withdraws_old_lane_records_and_frees_their_blocks():
+    import omnilink
+    from tests.cuda_ipc_double import host_route, route_put
+
+    ch = _chan()
+    with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off") as rx, \
+            omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off") as tx:
+        host_route(rx)
+        host_route(tx)
+        for k in ("read", "old1", "old2"):
+            assert route_put(tx, k, {"x": torch.ones(64)}) is not None
+        got = rx.get("read", timeout=5)
+        assert tx._ipc._tx.in_use()[0] == 3
+        dropped = tx.reclaim_unread(0)
+        assert [k for k, _ in dropped] == ["old1", "old2"]  # oldest first; the claimed one kept
+        assert tx.stats().reclaimed == 2
+        assert tx._ipc._tx.in_use()[0] == 1  # only the block the receiver holds
+        assert tx.pending_keys() == [] and tx.reclaim_unread(0) == []
+        with pytest.raises(TransferTimeout):
+            rx.get("old1", timeout=0.2)
+        assert torch.equal(got["x"], torch.ones(64))

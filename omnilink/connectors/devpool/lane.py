@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -179,7 +180,7 @@ def decode_record(body: Any) -> tuple[str, Any]:
 class LaneWriter:
     """The sender's end of a pool's lane (see the module docstring)."""
 
-    __slots__ = ("_q", "_mm", "_base", "_slots", "_rec", "_pub_i", "_read_i", "_table", "sent")
+    __slots__ = ("_q", "_mm", "_base", "_slots", "_rec", "_pub_i", "_read_i", "_table", "sent", "when")
 
     def __init__(self, directory: Any) -> None:
         from omnilink.connectors.devpool.directory import LANE_PUB, LANE_READ
@@ -193,9 +194,10 @@ class LaneWriter:
         self._read_i = LANE_READ >> 3
         #: index in ``_q`` of the claim table's first entry
         self._table = (self._base + self._slots * self._rec) >> 3
-        #: key -> lane sequence number of the records this sender wrote (pruned of
-        #: claimed ones when it outgrows the table)
+        #: key -> lane sequence number of the records this sender wrote, in writing
+        #: order (pruned of claimed ones when it outgrows the table), and when each was
         self.sent: dict[str, int] = {}
+        self.when: dict[str, float] = {}
 
     def _entry(self, seq: int) -> int:
         return self._q[self._table + seq % TABLE]
@@ -221,7 +223,19 @@ class LaneWriter:
             return False
         self._q[i] = seq << 2 | WITHDRAWN
         del self.sent[key]
+        self.when.pop(key, None)
         return True
+
+    def unread_older_than(self, older_than: float, now: float) -> list[tuple[str, float]]:
+        """``(key, age)`` of the unclaimed records written more than ``older_than``
+        seconds before ``now``, oldest first."""
+        q, t, when = self._q, self._table, self.when
+        out = []
+        for k, seq in self.sent.items():  # writing order: oldest first
+            age = now - when.get(k, now)
+            if age >= older_than and q[t + seq % TABLE] == (seq << 2 | WRITTEN):
+                out.append((k, age))
+        return out
 
     def write(self, key: str, message: Any) -> bool:
         """Put ``[key, message]`` in the lane; ``False`` (nothing written) when it is not
@@ -250,10 +264,13 @@ class LaneWriter:
         q[e] = pub << 2 | WRITTEN
         q[self._pub_i] = pub + 1  # after the record and its entry: publishes them
         sent = self.sent
+        sent.pop(key, None)  # re-inserted: the dict stays in writing order
         sent[key] = pub
+        self.when[key] = time.monotonic()
         if len(sent) > TABLE:
             for k in [k for k, s in sent.items() if q[self._table + s % TABLE] != (s << 2 | WRITTEN)]:
                 del sent[k]
+                self.when.pop(k, None)
         return True
 
 

@@ -306,6 +306,25 @@ class PoolSender:
         self.withdrawn(key)
         return True
 
+    def lane_reclaim(self, older_than: float, now: float) -> list[tuple[str, float, int]]:
+        """Withdraw this sender's lane records unclaimed for more than ``older_than``
+        seconds and free their blocks (the caller holds the transport's channel mutex);
+        ``(key, age, block bytes)`` of each, oldest first."""
+        out = []
+        with self.lock:
+            tx = self.tx
+            if tx is None:
+                return []
+            for k, age in tx.lane.unread_older_than(older_than, now):
+                if not tx.lane.withdraw(k):
+                    continue
+                got = tx.sent.get(k)
+                seg = tx.segs[got[0] >> SEG_SHIFT] if got is not None else None
+                out.append((k, age, seg.alloc.size_of(got[0] & SEG_MASK) if seg is not None else 0))
+        for k, _, _ in out:
+            self.withdrawn(k)
+        return out
+
     def withdrawn(self, key: str) -> None:
         """The message of ``key`` was withdrawn unread: its block is free again."""
         with self.lock:

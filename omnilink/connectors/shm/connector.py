@@ -2065,10 +2065,17 @@ class ShmConnector(BaseConnector):
             raise ConfigurationError(
                 f"shm connector on channel {self.channel!r} was opened with role='receiver' and has no arena"
             )
+        ipc = self._ipc
         with self._slock:
             with self._chan.locked():
                 w.drain()
-                dropped = w.reclaim_unread(float(older_than), time.monotonic())
+                now = time.monotonic()
+                dropped = w.reclaim_unread(float(older_than), now)
+                if ipc is not None:
+                    # Payloads sent by device IPC whose message is in the pool's lane.
+                    lane = ipc.lane_reclaim(float(older_than), now)
+                    if lane:
+                        dropped = sorted(dropped + lane, key=lambda d: -d[1])
         if dropped:
             self._log_reclaimed(dropped, "reclaim_unread")
         return [(key, age) for key, age, _ in dropped]

@@ -366,6 +366,13 @@ class DeviceIpcRoute:
         tx = self._tx
         return tx is not None and tx.lane_withdraw(key)
 
+    def lane_reclaim(self, older_than: float, now: float) -> list[tuple[str, float, int]]:
+        """Sender: withdraw lane records unclaimed for more than ``older_than`` seconds
+        (their blocks freed; the caller holds the channel mutex): ``(key, age, block
+        bytes)`` each."""
+        tx = self._tx
+        return [] if tx is None else tx.lane_reclaim(older_than, now)
+
     def lane_pending_keys(self) -> list[str]:
         tx = self._tx
         return [] if tx is None else tx.lane_pending_keys()
