@@ -284,3 +284,18 @@ def test_reclaim_unread_withdraws_old_lane_records_and_frees_their_blocks():
         with pytest.raises(TransferTimeout):
             rx.get("old1", timeout=0.2)
         assert torch.equal(got["x"], torch.ones(64))
+
+
+def test_a_pool_message_has_only_its_host_part_walked():
+    ids = torch.arange(4)
+    msg = {"d": [1, 2, 0, 256, 512, [[6, 0, 32, [4], ["x", 0]]]], "h": {"x": [None], "ids": ids}, "n": 999}
+    for wrapped in (msg, {"__omnilink_device_ipc__": msg}):
+        key, back = decode_record(encode_record("k", wrapped))
+        inner = back if wrapped is msg else back["__omnilink_device_ipc__"]
+        assert inner["d"] == msg["d"] and inner["n"] == 999 and torch.equal(inner["h"]["ids"], ids)
+    with pytest.raises(NotPlain):  # the host part is still checked
+        encode_record("k", {"d": None, "h": {"t": (1, 2)}, "n": 1})
+    with pytest.raises(NotPlain):  # a wrapper key must be a str
+        encode_record("k", {7: msg})
+    with pytest.raises(NotPlain):  # a manifest msgpack cannot carry
+        encode_record("k", {"d": [object()], "h": None, "n": 1})

@@ -128,12 +128,31 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 def encode_record(key: str, message: Any) -> bytes:
     """The msgpack of ``[key, message]`` for a lane record; ``NotPlain`` when the message
-    holds anything but plain values and small CPU tensors."""
+    holds anything but plain values and small CPU tensors.
+
+    A pool message (``{"d": manifest, "h": host part, "n": size}``, or one wrapped in a
+    one-key dict, as the shm route marks it) has only its host part walked: the
+    manifest and the size are the sender's own ints, strs and lists (a path's dict key
+    msgpack cannot carry still makes it not plain)."""
     import torch
 
+    by_dtype = dtypes()[0]
+    m = message
+    if type(m) is dict and len(m) == 1:
+        (outer, m), = m.items()
+    else:
+        outer = None
     try:
-        return _ENCODER.encode([key, _plain(message, 0, torch, dtypes()[0])])
-    except OverflowError:  # an int past 64 bits
+        if type(m) is dict and len(m) == 3 and "h" in m and "d" in m and "n" in m and type(m["n"]) is int:
+            body = {"d": m["d"], "h": _plain(m["h"], 1, torch, by_dtype), "n": m["n"]}
+            if outer is not None:
+                if type(outer) is not str:
+                    raise NotPlain
+                body = {outer: body}
+        else:
+            body = _plain(message, 0, torch, by_dtype)
+        return _ENCODER.encode([key, body])
+    except (OverflowError, TypeError, msgspec.EncodeError):  # an int past 64 bits, an odd key
         raise NotPlain from None
 
 
