@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnilink._errors import ConfigurationError, CudaError
+from omnilink._util import plain_tensor
 
 __all__ = ["payload_to_device"]
 
@@ -80,16 +81,7 @@ def _one_copy(torch: Any, small: list[Any], total: int, dev: Any) -> list[Any]:
     base = stage.data_ptr()
     memmove = ctypes.memmove
     for slot in small:
-        t = slot[0]
-        if t.requires_grad:
-            t = t.detach()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        slot[0] = t
+        t = slot[0] = plain_tensor(slot[0])
         n = t.numel() * t.element_size()
         if n:
             memmove(base + slot[1], t.data_ptr(), n)

@@ -46,6 +46,7 @@ from typing import Any
 
 import msgspec
 
+from omnilink._util import plain_tensor
 from omnilink.connectors.devpool.manifest import ITEMSIZE, dtypes
 
 __all__ = ["LANE_RECORD", "LANE_SLOTS", "LaneReader", "LaneWriter", "decode_record", "encode_record"]
@@ -107,14 +108,7 @@ def _tensor_ext(x: Any, torch: Any, by_dtype: dict[Any, int]) -> msgspec.msgpack
     code = by_dtype.get(x.dtype)
     if code is None or x.dim() > MAX_NDIM:
         raise NotPlain
-    if x.requires_grad:
-        x = x.detach()
-    if x.is_conj():
-        x = x.resolve_conj()
-    if x.is_neg():
-        x = x.resolve_neg()
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = plain_tensor(x)
     nbytes = x.numel() * x.element_size()
     if nbytes > LANE_RECORD:
         raise NotPlain
@@ -196,10 +190,11 @@ def decode_record(body: Any) -> tuple[str, Any]:
     return rec[0], rec[1]
 
 
-class LaneWriter:
-    """The sender's end of a pool's lane (see the module docstring)."""
+class _LaneEnd:
+    """What both ends of a lane read from the pool directory: its words, the ring, the
+    two counters' and the claim table's places."""
 
-    __slots__ = ("_q", "_mm", "_base", "_slots", "_rec", "_pub_i", "_read_i", "_table", "sent", "when")
+    __slots__ = ("_q", "_mm", "_base", "_slots", "_rec", "_pub_i", "_read_i", "_table")
 
     def __init__(self, directory: Any) -> None:
         from omnilink.connectors.devpool.directory import LANE_PUB, LANE_READ
@@ -213,6 +208,15 @@ class LaneWriter:
         self._read_i = LANE_READ >> 3
         #: index in ``_q`` of the claim table's first entry
         self._table = (self._base + self._slots * self._rec) >> 3
+
+
+class LaneWriter(_LaneEnd):
+    """The sender's end of a pool's lane (see the module docstring)."""
+
+    __slots__ = ("sent", "when")
+
+    def __init__(self, directory: Any) -> None:
+        super().__init__(directory)
         #: key -> lane sequence number of the records this sender wrote, in writing
         #: order (pruned of claimed ones when it outgrows the table), and when each was
         self.sent: dict[str, int] = {}
@@ -293,22 +297,13 @@ class LaneWriter:
         return True
 
 
-class LaneReader:
+class LaneReader(_LaneEnd):
     """The receiver's end of a pool's lane (see the module docstring)."""
 
-    __slots__ = ("_q", "_mm", "_base", "_slots", "_rec", "_pub_i", "_read_i", "_table", "bad")
+    __slots__ = ("bad",)
 
     def __init__(self, directory: Any) -> None:
-        from omnilink.connectors.devpool.directory import LANE_PUB, LANE_READ
-
-        self._q = directory._q
-        self._mm = directory.mm
-        self._base = directory.lane_offset
-        self._slots = directory.lane_slots
-        self._rec = directory.lane_record
-        self._pub_i = LANE_PUB >> 3
-        self._read_i = LANE_READ >> 3
-        self._table = (self._base + self._slots * self._rec) >> 3
+        super().__init__(directory)
         #: records skipped as bad since the lane opened
         self.bad = 0
 

@@ -17,7 +17,7 @@ from omnilink._errors import (
     PeerLostError,
     TransferTimeout,
 )
-from omnilink._util import Deadline, PeerWatch
+from omnilink._util import Deadline, PeerWatch, plain_tensor
 from omnilink.blob import encoded_size
 from omnilink.connectors.devpool.blocks import ALIGN, BlockAllocator
 from omnilink.connectors.devpool.directory import (
@@ -233,14 +233,7 @@ class PoolSender:
             if code is None:
                 raise BlobEncodeError(f"cuda_ipc: the tensor at {list(path)} has dtype {t.dtype}, which omnilink "
                                       "cannot carry")
-            if t.requires_grad:
-                t = t.detach()
-            if t.is_conj():
-                t = t.resolve_conj()
-            if t.is_neg():
-                t = t.resolve_neg()
-            if not t.is_contiguous():
-                t = t.contiguous()
+            t = plain_tensor(t)
             n = t.numel() * t.element_size()
             off = (off + ALIGN - 1) & -ALIGN
             entries.append([code, off, n, list(t.shape), list(path)])
