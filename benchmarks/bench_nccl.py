@@ -9,10 +9,11 @@ variants alternate round by round:
                 the default process group, received into a preallocated tensor (the
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
-                tensor, "meta": {...}}``: header in the payload's slot on the NCCL
-                stream (its receive posted when the sender's doorbell announces the
-                payload), receive into a freshly allocated tensor, ``get`` returns once
-                the data has arrived;
+                tensor, "meta": {...}}`` (protocol 5): the header rides the doorbell
+                message (ZeroMQ) the sender sends once the tensor's send is queued;
+                the receiving ``get`` reads it, posts the receive into a freshly
+                allocated tensor and returns with its stream ordered after the bytes
+                (a payload of at most ``--bell-bytes`` rides the doorbell whole);
 - ``omnilink +16 small`` (1 MiB and up) the same plus 16 small tensors of 4 KiB
                 (positions, masks, ids...), which travel together in one packed send;
                 its ``vs plain`` column is its GB/s over the ``omnilink`` row's;
@@ -28,14 +29,15 @@ and is timed on the receiver from a barrier to the last arrival
 ratio = GB/s / raw GB/s of the same size.
 
 Latency (``--latency-iters``, 4 KiB): ping-pong between the ranks, one-way = half the
-round trip, p50 over the iterations. ``raw`` waits for each receive on the host
-(``torch.cuda.synchronize`` on NCCL) before it answers, as ``get`` does.
+round trip, p50 over the iterations. Both variants wait for each receive on the host
+(``torch.cuda.synchronize`` on NCCL) before they answer (``get`` orders the caller's
+stream after the bytes; the host does not wait by itself).
 
 Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--slot-bytes 16384] [--recv-depth 4] [--profile]
+        [--bell-bytes 65536] [--profile]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo). A worker that hangs prints every thread's Python stack
@@ -78,10 +80,13 @@ def free_port() -> int:
 
 
 #: What ``--profile`` times in both processes, perf_counter_ns around each call: the
-#: sender's put, its plan and its sends; the receiver's slot read (``_take``: parse,
-#: allocation, bulk receives posted, views), the views and tree, and ``get``.
-PROFILED_WIRE = ("plan_send", "encode_envelope", "decode_envelope", "build_views", "decode_tree")
-PROFILED_CONNECTOR = ("_put", "_send_nccl", "_send_gloo", "_post", "_take", "_ready_early", "_get")
+#: sender's put, its plan, its copy of small device tensors to host and its sends; the
+#: receiver's doorbell check (``read_bell``), its posting of one payload (``_post_one``:
+#: allocation, bulk receives, views), the views and tree, the hand-out and ``get``
+#: (which includes waiting).
+PROFILED_WIRE = ("plan_send", "encode_envelope", "read_bell", "build_views", "decode_tree")
+PROFILED_CONNECTOR = ("_put", "_stage_region", "_send_nccl", "_send_gloo", "_post", "_post_one", "_hand_out",
+                      "_get")
 
 
 def install_step_timers() -> dict[str, list[int]]:
@@ -136,7 +141,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=ports[1], timeout=120.0, slot_bytes=opts["slot_bytes"], recv_depth=opts["recv_depth"],
+        master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -281,8 +286,10 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                 elif rank == 0:
                     conn.put(f"ping{i}", payload)
                     conn.get(f"pong{i}")
+                    sync()
                 else:
                     got = conn.get(f"ping{i}")
+                    sync()
                     conn.put(f"pong{i}", got)
                 if i >= 5:
                     one_way[name].append((time.perf_counter() - t0) / 2)
@@ -351,7 +358,7 @@ def machine(backend: str, opts: dict[str, Any]) -> dict[str, Any]:
     rec = machine_record()
     rec["torch"] = torch.__version__
     rec["backend"] = backend
-    rec["connector"] = {"slot_bytes": opts["slot_bytes"], "recv_depth": opts["recv_depth"]}
+    rec["connector"] = {"protocol": 5, "bell_bytes": opts["bell_bytes"]}
     if backend != "nccl":
         rec["gpus"] = []
         return rec
@@ -384,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-iters", type=int, default=200, help="4 KiB ping-pongs (0: skip)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds the whole run may take")
     ap.add_argument("--json", help="append one JSON object per cell to this file")
-    ap.add_argument("--slot-bytes", type=int, default=16 << 10, help="the connector's slot_bytes (default 16384)")
-    ap.add_argument("--recv-depth", type=int, default=4, help="the connector's recv_depth: slots posted at once (default 4)")
+    ap.add_argument("--bell-bytes", type=int, default=64 << 10,
+                    help="the connector's bell_bytes: device data that rides the doorbell (default 65536)")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
     args = ap.parse_args(argv)
@@ -398,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
-        "latency_iters": args.latency_iters, "slot_bytes": args.slot_bytes, "recv_depth": args.recv_depth,
+        "latency_iters": args.latency_iters, "bell_bytes": args.bell_bytes,
         "profile": args.profile, "hang_s": max(5.0, args.timeout - 15.0),
     }
     ctx = mp.get_context("spawn")
@@ -411,12 +418,25 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     deadline = time.monotonic() + args.timeout
     try:
-        for _ in procs:
-            msg = q.get(timeout=max(1.0, deadline - time.monotonic()))
+        got = 0
+        while got < len(procs):
+            try:
+                msg = q.get(timeout=1.0)
+            except queue.Empty:
+                # A worker that died without a word (an import error, a crash) ends the
+                # run now rather than at the timeout.
+                dead = [f"rank {r} exited {p.exitcode}" for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    error = "; ".join(dead) + " (its stderr is above)"
+                    break
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if msg[0] == "error":
                 error = msg[1]
                 break
             results.extend(msg[2])
+            got += 1
     except queue.Empty:
         error = f"no result within {args.timeout} s"
     finally:

@@ -220,7 +220,8 @@ def decoder_input(rng: random.Random) -> bytes:
 
 
 def nccl_input(rng: random.Random) -> bytes:
-    """A side-channel record: an envelope (mostly) or a hello."""
+    """A doorbell message (protocol 5: an envelope with its inline parts and region,
+    mostly) or a hello."""
     msgspec = _msgpack()
     from omnilink import blob
 
@@ -240,11 +241,13 @@ def nccl_input(rng: random.Random) -> bytes:
     except struct.error:
         pass
     n = rng.randrange(5)
-    plan = [rng.choice([0, 1, 2, 3, 4, 7]) for _ in range(n)]
+    plan = [rng.choice([0, 1, 2, 3, 4, 5, 7]) for _ in range(n)]
     inline = [bytes(rng.choice([0, 4, 8, 64])) for _ in range(rng.randrange(3))]
-    env = [rng.choice([0, 0, 1, -1]), rng.choice(["k", "", "x" * 600]), meta, plan, inline]
-    if rng.random() < 0.1:
-        env.append(rng.choice([0, 1, 2, -1, 1 << 40]))
+    env = [rng.choice([0, 0, 1, -1]), rng.choice(["k", "", "x" * 600, "a\x00"]), meta, plan, inline]
+    if rng.random() < 0.5:
+        env.append(rng.choice([0, 0, 1, 2, -1, 1 << 40]))
+        if rng.random() < 0.5:
+            env.append(bytes(rng.choice([0, 4, 64, 128, 4096])))
     if rng.random() < 0.05:
         return bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
     del blob
@@ -570,19 +573,21 @@ class _Runner:
         from omnilink.connectors.nccl import wire
 
         try:
-            env = wire.decode_envelope(raw)
+            wire.decode_envelope(raw)
         except self.omnilink.OmnilinkError:
             wire.decode_hello(raw)
             return
-        header = wire.parse_meta(env)
-        sizes = wire.check_sizes(header, env.plan)
-        if sum(sizes) > 1 << 20:  # what max_message_bytes refuses before allocating
-            return
-        import torch
+        # What the receiver's doorbell reader does before it allocates anything; both
+        # transports' rules (BELL is an NCCL link's, its region then lives on the host).
+        for nccl in (False, True):
+            ann = wire.read_bell(raw, seq=0, max_header_bytes=4 << 20, max_message_bytes=1 << 20, nccl=nccl)
+            import torch
 
-        bufs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
-        views = wire.build_views(header, env.plan, env.inline, bufs, device=torch.device("cpu"))
-        wire.decode_tree(header, views)
+            bufs = [torch.zeros(n, dtype=torch.uint8) for n in ann.sizes]
+            env = ann.env
+            region = torch.frombuffer(bytearray(env.region), dtype=torch.uint8) if env.region else None
+            views = wire.build_views(ann.header, env.plan, env.inline, bufs, device=torch.device("cpu"), region=region)
+            wire.decode_tree(ann.header, views)
 
     def _zmq(self, parts: list[bytes]) -> None:
         from omnilink.connectors.zmq import wire

@@ -265,8 +265,7 @@ def connect(
     coalesce: bool = True,
     pack_bytes: int = ...,
     header_addr: str | None = None,
-    slot_bytes: int = ...,
-    recv_depth: int = ...,
+    bell_bytes: int = ...,
 ) -> NcclConnector: ...
 
 

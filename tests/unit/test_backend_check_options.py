@@ -92,10 +92,7 @@ CASES = [
     ("nccl", {"inline_bytes": -1}, "inline_bytes"),
     ("nccl", {"connect_timeout": -1}, "connect_timeout"),
     ("nccl", {"header_addr": ""}, "header_addr"),
-    ("nccl", {"slot_bytes": 100}, "slot_bytes"),       # below the least slot
-    ("nccl", {"slot_bytes": 16 * 1024 + 8}, "slot_bytes"),  # not a multiple of 64
-    ("nccl", {"slot_bytes": 4 << 20}, "slot_bytes"),   # over the most
-    ("nccl", {"recv_depth": 0}, "recv_depth"),
+    ("nccl", {"bell_bytes": -1}, "bell_bytes"),
     ("nccl", {"backend": "mpi"}, "backend"),
     ("nccl", {"device": "not-a-device"}, "device"),
     ("nccl", {"device": "cuda:0"}, "device"),  # gloo moves host tensors only

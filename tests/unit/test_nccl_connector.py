@@ -1,5 +1,7 @@
 """Unit tests of the nccl backend over gloo (CPU): options, rank and peer mismatches,
-flow control, inline host data, clean peer close, and the slot and envelope wire format."""
+flow control, inline host data, clean peer close, the doorbell (protocol 5: the header
+on the doorbell message, receives posted by the reader in doorbell order, the keeper)
+and the envelope wire format."""
 
 from __future__ import annotations
 
@@ -179,61 +181,95 @@ def test_inline_total_is_bounded(store):
             tx.put("k", [torch.zeros(256) for _ in range(3)], timeout=WAIT)
 
 
-def test_small_tensors_travel_in_the_slot(store):
-    """A payload whose tensors fit the slot is ONE transfer: on the receiver its tensors
-    are views of the slot at 64-byte aligned offsets; a tensor too large for the slot
-    gets a buffer of its own. The slot is the sender's snapshot: the caller may change
-    its tensors once put returns."""
-    a, b, big = torch.ones(1000), torch.arange(10, dtype=torch.int16), torch.randn(1 << 19)
-    expected = {"a": a.clone(), "b": b.clone(), "big": big.clone()}
+def test_small_payload_costs_no_p2p_operation(store):
+    """A payload whose tensors are all small rides the doorbell message whole: neither
+    end posts a process-group operation. Its host tensors are the receiver's own copies:
+    the caller may change its tensors once put returns."""
+    a, b = torch.ones(1000), torch.arange(10, dtype=torch.int16)
+    expected = {"a": a.clone(), "b": b.clone(), "m": {"x": [1, 2]}}
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
-        sp = wire.plan_send({"a": a, "b": b, "big": big}, device=tx.device, nccl=False, inline_bytes=0,
-                            max_inline_total=0, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad,
-                            slot_bytes=rx.slot_bytes)
-        assert sp.plan == [wire.SLOT, wire.SLOT, wire.P2P] and len(sp.p2p) == 1 and len(sp.slot) == 2
-        tx.put("k", {"a": a, "b": b, "big": big}, timeout=WAIT)
+        tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
+        sp = wire.plan_send({"a": a, "b": b}, device=tx.device, nccl=False, inline_bytes=tx.inline_bytes,
+                            max_inline_total=tx.max_inline_bytes, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad)
+        assert sp.plan == [wire.INLINE, wire.INLINE] and sp.p2p == []
+        for i in range(5):
+            tx.put(f"k{i}", {"a": a, "b": b, "m": {"x": [1, 2]}}, timeout=WAIT)
         a.fill_(7)
         b.fill_(7)
-        got = rx.get("k", timeout=WAIT)
-    for name in expected:
-        assert torch.equal(got[name], expected[name]), name
-    slot = got["a"].untyped_storage()
-    assert got["b"].untyped_storage().data_ptr() == slot.data_ptr() and slot.nbytes() == rx.slot_bytes
-    assert got["b"].data_ptr() - got["a"].data_ptr() == 4032
-    assert (got["a"].data_ptr() - slot.data_ptr()) % 64 == 0
-    assert got["big"].untyped_storage().data_ptr() != slot.data_ptr()
-    assert got["big"].untyped_storage().nbytes() == 4 << 19
+        for i in range(5):
+            got = rx.get(f"k{i}", timeout=WAIT)
+            assert torch.equal(got["a"], expected["a"]) and torch.equal(got["b"], expected["b"])
+            assert got["m"] == expected["m"]
+        assert (tx._p2p_ops, rx._p2p_ops) == (0, 0)
+        # A large tensor beside them: one operation per end, no more.
+        tx.put("big", {"a": a, "big": torch.randn(1 << 16)}, timeout=WAIT)
+        assert rx.get("big", timeout=WAIT)["big"].shape == (1 << 16,)
+        assert (tx._p2p_ops, rx._p2p_ops) == (1, 1)
 
 
-def test_small_tensors_beyond_the_slot_travel_in_one_pack(store):
-    """Small tensors that do not fit the slot go by one transfer, the pack: on the
-    receiver they are views of one buffer at 64-byte aligned offsets; one that fits
-    stays in the slot; a large one keeps its own buffer."""
+def test_bell_region_layout_and_views():
+    """The doorbell's region (small device tensors on an NCCL link, checked here on the
+    host): each BELL tensor at the next multiple of 64 in descriptor order, one buffer,
+    views of it; the region's length must be exactly what the plan says."""
+    from tests.blob_frames import frame, tensor_ref, tree
+
+    # Two torch float32 tensors of 3 and 5 items, planned BELL.
+    f32 = omnilink.blob.DTYPE_CODES["float32"][0]
+    descs = [[0, f32, [3], 0, 12], [0, f32, [5], 64, 20]]
+    meta_frame = frame(descs, tree({"a": tensor_ref(0), "b": tensor_ref(1)}), data_len=84)
+    meta = meta_frame[: 24 + int.from_bytes(meta_frame[8:12], "little")]
+    region = bytearray(64 + 20)
+    region[0:12] = np.arange(3, dtype=np.float32).tobytes()
+    region[64:84] = np.arange(10, 15, dtype=np.float32).tobytes()
+    env = wire.Envelope(0, "k", meta, [wire.BELL, wire.BELL], [], 0, bytes(region))
+    ann = wire.read_bell(wire.encode_envelope(env), seq=0, max_header_bytes=1 << 20, max_message_bytes=1 << 20,
+                         nccl=True)
+    assert ann.sizes == [] and ann.nbytes == 84
+    assert wire.bell_layout(ann.header, env.plan) == ([0, 64], 84)
+    buf = torch.frombuffer(bytearray(env.region), dtype=torch.uint8)
+    views = wire.build_views(ann.header, env.plan, [], [], device=torch.device("cpu"), region=buf)
+    got = wire.decode_tree(ann.header, views)
+    assert got["a"].tolist() == [0.0, 1.0, 2.0] and got["b"].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert got["b"].data_ptr() - got["a"].data_ptr() == 64
+    for bad in (bytes(83), bytes(85)):
+        raw = wire.encode_envelope(wire.Envelope(0, "k", meta, [wire.BELL, wire.BELL], [], 0, bad))
+        with pytest.raises(BlobDecodeError, match="region of"):
+            wire.read_bell(raw, seq=0, max_header_bytes=1 << 20, max_message_bytes=1 << 20, nccl=True)
+    with pytest.raises(BlobDecodeError, match="BELL on a gloo link"):
+        wire.read_bell(wire.encode_envelope(env), seq=0, max_header_bytes=1 << 20, max_message_bytes=1 << 20,
+                       nccl=False)
+
+
+def test_small_tensors_travel_in_one_pack(store):
+    """Small tensors that need the bulk group (here host tensors on gloo, not inline) go
+    by one transfer, the pack: on the receiver they are views of one buffer at 64-byte
+    aligned offsets; a large one keeps its own buffer."""
     payload = {"a": torch.ones(1000), "b": torch.arange(1000, dtype=torch.int16),
                "c": torch.arange(10, dtype=torch.int16), "big": torch.randn(1 << 19)}
     expected = {name: t.clone() for name, t in payload.items()}
-    with _open(store, "sender") as tx, _open(store, "receiver", slot_bytes=1024) as rx:
+    with _open(store, "sender", inline_bytes=0) as tx, _open(store, "receiver") as rx:
         sp = wire.plan_send(payload, device=tx.device, nccl=False, inline_bytes=0, max_inline_total=0,
-                            key="k", pack_bytes=tx.pack_bytes, pad=tx._pad, slot_bytes=rx.slot_bytes)
-        assert sp.plan == [wire.PACK, wire.PACK, wire.SLOT, wire.P2P] and len(sp.p2p) == 2
-        assert sp.p2p[0].numel() == 4032 + 2000  # a at 0, b at the next multiple of 64
+                            key="k", pack_bytes=tx.pack_bytes, pad=tx._pad)
+        assert sp.plan == [wire.PACK, wire.PACK, wire.PACK, wire.P2P] and len(sp.p2p) == 2
+        assert sp.p2p[0].numel() == 4032 + 2048 + 20  # a at 0, b and c at the next multiples of 64
         tx.put("k", payload, timeout=WAIT)
         for t in payload.values():
             t.fill_(7)
         got = rx.get("k", timeout=WAIT)
+        assert (tx._p2p_ops, rx._p2p_ops) == (2, 2)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
     pack = got["a"].untyped_storage()
-    assert got["b"].untyped_storage().data_ptr() == pack.data_ptr() and pack.nbytes() == 6032
+    assert got["b"].untyped_storage().data_ptr() == pack.data_ptr() and pack.nbytes() == 6100
     assert got["b"].data_ptr() - got["a"].data_ptr() == 4032
-    assert got["c"].untyped_storage().nbytes() == 1024  # in the slot
+    assert got["c"].data_ptr() - got["a"].data_ptr() == 6080
     assert got["big"].untyped_storage().data_ptr() != pack.data_ptr()
 
 
-def test_envelope_larger_than_the_slot_goes_first_in_bulk(store, monkeypatch):
-    """A header that does not fit the slot (a large tree, much inline data) travels as
-    the payload's first bulk buffer; the slot says so, the payload arrives whole, and
-    the next payload uses its slot again."""
+def test_large_tree_rides_the_doorbell(store, monkeypatch):
+    """A large tree (much larger than a protocol-4 slot) travels in the doorbell message
+    like any header: the payload arrives whole, with no operation for the header."""
     payload = {"names": [f"speaker-{i:05d}" * 8 for i in range(400)], "t": torch.arange(300),
                "u": torch.ones(5)}
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
@@ -243,11 +279,12 @@ def test_envelope_larger_than_the_slot_goes_first_in_bulk(store, monkeypatch):
         monkeypatch.setattr(wire, "encode_envelope", lambda env: raw.append(real(env)) or raw[-1])
         tx.put("big-tree", payload, timeout=WAIT)
         tx.put("after", {"t": torch.arange(3)}, timeout=WAIT)
-        assert len(raw[0]) > rx.slot_bytes and len(raw[1]) < rx.slot_bytes
+        assert len(raw[0]) > 40_000
         got = rx.get("big-tree", timeout=WAIT)
         assert got["names"] == payload["names"]
         assert torch.equal(got["t"], payload["t"]) and torch.equal(got["u"], payload["u"])
         assert rx.get("after", timeout=WAIT)["t"].tolist() == [0, 1, 2]
+        assert (tx._p2p_ops, rx._p2p_ops) == (0, 0)
 
 
 def _until(cond, what):
@@ -263,72 +300,133 @@ def _until(cond, what):
 
 def test_no_receive_is_posted_before_its_payload_is_sent(store):
     """A posted receive is a kernel resident on the GPU until its sender sends, and with
-    lazy module loading a first-time kernel launch waits for it: so a link posts a slot
-    receive only for a payload whose sends are queued (the sender rings after queueing
-    them), none at connect, none on an idle link, and none in the direction a dual end
-    never receives on."""
+    lazy module loading a first-time kernel launch waits for it: so a link posts a
+    receive only for a payload whose doorbell it read (the sender rings after queueing
+    the sends), none at connect, none on an idle link, and none in the direction a dual
+    end never receives on."""
     import time
 
     with _open(store, "dual", rank=0) as a, _open(store, "dual", rank=1) as b:
         a.wait_connected(WAIT)
         b.wait_connected(WAIT)
-        time.sleep(0.2)  # the posters had time to post ahead, were they to
-        assert (a._slots_posted, b._slots_posted) == (0, 0)
-        assert not a._ring and not b._ring
+        time.sleep(0.2)  # the keepers read the doorbells meanwhile: nothing to post
+        assert (a._p2p_ops, b._p2p_ops) == (0, 0)
         for i in range(3):
-            a.put(f"k{i}", {"t": torch.arange(5), "big": torch.ones(1 << 14)}, timeout=WAIT)
+            a.put(f"k{i}", {"t": torch.arange(5), "big": torch.ones(1 << 15)}, timeout=WAIT)
         for i in range(3):
             got = b.get(f"k{i}", timeout=WAIT)
-            assert got["t"].tolist() == list(range(5)) and got["big"].shape == (1 << 14,)
-        # One slot per payload, none ahead; b never put, so a posted nothing.
-        assert (b._announced, b._slots_posted, a._slots_posted) == (3, 3, 0)
+            assert got["t"].tolist() == list(range(5)) and got["big"].shape == (1 << 15,)
+        # One receive per payload (its one large tensor), none ahead; b never put.
+        assert (a._p2p_ops, b._p2p_ops, b._bell_seq, b._posted) == (3, 3, 3, 3)
         time.sleep(0.2)
-        assert not b._ring and b._slots_posted == 3
-        b.put("back", {"v": 1}, timeout=WAIT)
-        assert a.get("back", timeout=WAIT) == {"v": 1}
-        assert (a._slots_posted, b._slots_posted) == (1, 3)
+        assert b._p2p_ops == 3
+        b.put("back", {"v": 1, "big": torch.ones(1 << 15)}, timeout=WAIT)
+        assert a.get("back", timeout=WAIT)["v"] == 1
+        assert (a._p2p_ops, b._p2p_ops) == (4, 4)
 
 
-def test_more_payloads_announced_than_recv_depth_arrive_whole(store):
-    """Bursts larger than recv_depth (the slots posted at once), separated by idle
-    gaps: every payload arrives once and intact, got in any order, and the receiver
-    never had more slot receives posted than payloads announced."""
+def test_bursts_got_in_any_order_arrive_whole(store):
+    """Bursts larger than the send window, separated by idle gaps: every payload arrives
+    once and intact, got in any order (the reader posts the others into the index as
+    their doorbells come), and every announced payload is posted."""
     import random
     import time
 
-    with _open(store, "sender", send_window=8) as tx, _open(store, "receiver", recv_depth=2) as rx:
+    with _open(store, "sender", send_window=8) as tx, _open(store, "receiver") as rx:
         rng = random.Random(5)
         for burst in range(4):
             keys = [f"b{burst}-{i}" for i in range(12)]
             for i, key in enumerate(keys):
-                payload = {"i": i, "t": torch.full((1 << (6 + i % 8),), float(i))}
+                payload = {"i": i, "t": torch.full((1 << (6 + i % 12),), float(i))}
                 tx.put(key, payload, timeout=WAIT)
-                assert rx._slots_posted <= rx._announced <= tx._send_seq
+                assert rx._posted <= rx._bell_seq <= tx._send_seq
             rng.shuffle(keys)
             for key in keys:
                 got = rx.get(key, timeout=WAIT)
                 i = got["i"]
-                assert got["t"].shape == (1 << (6 + i % 8),) and bool((got["t"] == float(i)).all())
+                assert got["t"].shape == (1 << (6 + i % 12),) and bool((got["t"] == float(i)).all())
             time.sleep(0.05)
-            assert rx._slots_posted == tx._send_seq and not rx._ring
+            assert rx._posted == tx._send_seq and not rx._deferred
         assert rx.stats().gets == 48
 
 
+def test_bulk_receives_are_posted_in_doorbell_order_across_interleaved_gets(store, monkeypatch):
+    """NCCL matches a pair's operations in issue order: whatever keys the gets ask for,
+    in whatever order and from however many threads, the receiver posts each payload's
+    receives in the order of the doorbells (here: payloads of different sizes and
+    shapes, small ones with no operation between them; two threads getting in reverse
+    and in a shuffled order)."""
+    import random
+
+    posted = []
+    with _open(store, "sender", send_window=64) as tx, _open(store, "receiver") as rx:
+        real = rx._post_one
+
+        def spy(ann):
+            posted.append(ann.env.seq)
+            return real(ann)
+
+        monkeypatch.setattr(rx, "_post_one", spy)
+        sizes = {}
+        for i in range(40):
+            n = [16, 1 << 14, 3000, 1 << 16, 7][i % 5]
+            sizes[f"k{i}"] = n
+            payload = {"i": i, "t": torch.full((n,), float(i)), "pair": [torch.ones(n % 1000 + 1) * i] * 2}
+            tx.put(f"k{i}", payload, timeout=WAIT)
+        keys = list(sizes)
+        evens, odds = keys[0::2][::-1], keys[1::2]
+        random.Random(3).shuffle(odds)
+        errors = []
+        got = {}
+
+        def reader(which):
+            try:
+                for k in which:
+                    got[k] = rx.get(k, timeout=WAIT)
+            except Exception as exc:  # handed to the test
+                errors.append(exc)
+
+        t = threading.Thread(target=reader, args=(odds,))
+        t.start()
+        reader(evens)
+        t.join(WAIT)
+        assert not t.is_alive() and not errors, errors
+    assert posted == list(range(40))
+    for k, n in sizes.items():
+        i = int(k[1:])
+        assert got[k]["i"] == i and got[k]["t"].shape == (n,) and bool((got[k]["t"] == float(i)).all())
+        assert all(bool((p == float(i)).all()) for p in got[k]["pair"])
+
+
+def test_keeper_posts_and_credits_while_nobody_gets(store):
+    """Liveness without gets: a sender with a window of 2 puts ten payloads that need
+    the bulk group while the receiving application reads nothing; the keeper thread
+    reads the doorbell, posts their receives and credits them, so every put returns (on
+    NCCL the sender's stream, which waits for its sends, goes on as well)."""
+    with _open(store, "sender", send_window=2) as tx, _open(store, "receiver") as rx:
+        for i in range(10):
+            tx.put(f"k{i}", {"t": torch.full((1 << 14,), float(i))}, timeout=WAIT)
+        _until(lambda: rx._posted == 10, "posting every payload")
+        assert rx.stats().blocks_in_use == 10
+        for i in range(10):
+            assert float(rx.get(f"k{i}", timeout=WAIT)["t"][0]) == float(i)
+
+
 def test_forged_doorbell_fails_the_link(store):
-    """A doorbell message other than one byte 0x01 fails the link with a named error,
+    """A doorbell message that is not an envelope fails the link with a named error,
     before any receive is posted for it."""
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         tx.put("a", {"v": 1}, timeout=WAIT)
         assert rx.get("a", timeout=WAIT) == {"v": 1}
         with tx._send_lock:
             tx._bell_out.send(b"ring")
-        with pytest.raises(BlobDecodeError, match="unexpected doorbell message"):
+        with pytest.raises(BlobDecodeError, match="malformed envelope"):
             rx.get("never", timeout=WAIT)
-        assert rx._slots_posted == 1
+        assert rx._p2p_ops == 0 and rx._posted == 1
 
 
 def test_packing_off_gives_each_tensor_its_buffer(store):
-    with _open(store, "sender", pack_bytes=0) as tx, _open(store, "receiver", slot_bytes=1024) as rx:
+    with _open(store, "sender", pack_bytes=0, inline_bytes=0) as tx, _open(store, "receiver") as rx:
         tx.put("k", {"a": torch.ones(1000), "b": torch.zeros(1000)}, timeout=WAIT)
         got = rx.get("k", timeout=WAIT)
     a, b = got["a"], got["b"]
@@ -464,15 +562,15 @@ def test_oversized_payload_is_refused_by_the_sender(store):
         assert rx.get("small", timeout=WAIT)["t"].shape == (16,)
 
 
-def _forge_slot(tx, rx, raw, *, head=None):
-    """Send ``raw`` as the next slot on tx's slot group, bypassing tx's own checks."""
-    slot = np.zeros(rx.slot_bytes, dtype=np.uint8)
-    slot[: wire.SLOT_HEAD] = np.frombuffer(head or wire.slot_head(len(raw), True), dtype=np.uint8)
-    slot[wire.SLOT_HEAD: wire.SLOT_HEAD + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+def _forge_bell(tx, raw):
+    """Send ``raw`` as the next doorbell message, bypassing tx's own checks."""
     with tx._send_lock:
-        work = tx._slot_pgs[tx._out].send([torch.from_numpy(slot)], rx.rank, 0)
-        tx._ring_bell(None)  # the receiver posts the slot receive on the bell
-        work.wait()
+        tx._ring_bell(raw, None)
+
+
+def _meta(payload, key="k"):
+    return wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=0, max_inline_total=0,
+                          key=key).meta
 
 
 def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
@@ -497,62 +595,93 @@ def test_hostile_envelope_is_rejected_before_allocation(store, monkeypatch):
         assert len(meta) < 64
         env = wire.Envelope(0, "huge", meta, [wire.P2P], [])
         monkeypatch.setattr(torch, "empty", spy_empty)
-        _forge_slot(tx, rx, wire.encode_envelope(env))
+        _forge_bell(tx, wire.encode_envelope(env))
         with pytest.raises(omnilink.CapacityError, match="max_message_bytes=1048576"):
             rx.get("huge", timeout=WAIT)
         monkeypatch.setattr(torch, "empty", real_empty)
-        assert big not in sizes
+        assert big not in sizes and rx._p2p_ops == 0
+
+
+_T20 = {"t": torch.zeros(20, dtype=torch.uint8)}
 
 
 @pytest.mark.parametrize(
-    "head, match",
+    "fields, error, match",
     [
-        (b"XXXX" + bytes(12), "malformed slot head"),
-        (wire.slot_head(1 << 31, False), "envelope of 2147483648 bytes"),  # in bulk, beyond the bound
-        (wire.slot_head(1 << 20, True), "more than its 16384 bytes"),  # in the slot, beyond it
+        ({"seq": 1}, BlobDecodeError, "expected 0 .out of sequence"),
+        ({"seq": -1}, BlobDecodeError, "expected 0"),
+        ({"key": ""}, BlobDecodeError, "invalid key"),
+        ({"key": "x" * 513}, BlobDecodeError, "invalid key"),
+        ({"key": "a\x00b"}, BlobDecodeError, "invalid key"),
+        ({"flags": 6}, BlobDecodeError, "unknown flags"),
+        ({"plan": [wire.BELL], "region": bytes(20)}, BlobDecodeError, "BELL on a gloo link"),
+        ({"plan": [wire.STAGED]}, BlobDecodeError, "STAGED on a gloo link"),
+        ({"plan": [wire.P2P, wire.P2P]}, BlobDecodeError, "plans 2 tensors"),
+        ({"plan": [9]}, BlobDecodeError, "unknown transport"),
+        ({"plan": [wire.INLINE], "inline": [bytes(19)]}, BlobDecodeError, "inline part of 19"),
+        ({"region": bytes(64)}, BlobDecodeError, "region of 64 bytes"),
+        ({"meta": b"OLB1" + bytes(20)}, BlobDecodeError, "version"),
+        ({"meta": b"nonsense"}, BlobDecodeError, "shorter than"),
     ],
 )
-def test_forged_slot_head_fails_the_link_before_allocation(store, monkeypatch, head, match):
-    """A slot whose head cannot be right is a named error for every waiter, and nothing
-    it declares is allocated (the bulk envelope is bounded by max_header_bytes)."""
-    sizes = []
+def test_hostile_doorbell_is_a_named_error_before_allocation(store, monkeypatch, fields, error, match):
+    """A doorbell message that cannot be right fails the link with a named error for
+    every waiter, and nothing it declares is allocated (no buffer, no receive)."""
+    calls = []
     real_empty = torch.empty
 
     def spy_empty(*args, **kwargs):
-        sizes.extend(a for a in args if isinstance(a, int))
+        calls.append(args)
         return real_empty(*args, **kwargs)
 
+    base = {"seq": 0, "key": "k", "meta": _meta(_T20), "plan": [wire.P2P], "inline": [], "flags": 0,
+            "region": b""}
+    raw = wire.encode_envelope(wire.Envelope(**(base | fields)))
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         tx.wait_connected(WAIT)
         rx.wait_connected(WAIT)
         monkeypatch.setattr(torch, "empty", spy_empty)
-        _forge_slot(tx, rx, b"", head=head)
-        with pytest.raises(BlobDecodeError, match=match):
+        _forge_bell(tx, raw)
+        with pytest.raises(error, match=match):
             rx.get("anything", timeout=WAIT)
+        with pytest.raises(error):
+            rx.get_nowait("other")
         monkeypatch.setattr(torch, "empty", real_empty)
-        assert not [n for n in sizes if n > rx.slot_bytes]
+        assert calls == [] and rx._p2p_ops == 0 and rx._posted == 0
+
+
+def test_doorbell_larger_than_the_bound_is_refused(store):
+    """The receiver publishes max_header_bytes; the doorbell socket drops a larger
+    message before allocating it (ZeroMQ's MAXMSGSIZE) and read_bell refuses one too."""
+    with _open(store, "sender") as tx, _open(store, "receiver", max_inline_bytes=0) as rx:
+        tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
+        bound = rx.max_header_bytes
+        assert rx._bell_in.getsockopt(__import__("zmq").MAXMSGSIZE) == bound
+        with pytest.raises(BlobDecodeError, match="more than this end's"):
+            wire.read_bell(bytes(bound + 1), seq=0, max_header_bytes=bound, max_message_bytes=1 << 30, nccl=False)
 
 
 @pytest.mark.parametrize(
-    "raw", [b"", b"OLNS", bytes(15), b"\xff" * 64, b"OLNS" + bytes(4) + (2).to_bytes(4, "little") + bytes(4)],
+    "raw", [b"", b"OLNS", bytes(15), b"\xff" * 64, b"\x97\x00\xa1k\xc4\x00\x90\x90\x00"],
 )
-def test_slot_head_of_garbage_is_a_decode_error(raw):
-    """Any bytes read as a slot head (the last: protocol 3's filler, no envelope
-    anywhere): a named error, never a foreign one."""
-    with pytest.raises(BlobDecodeError, match="slot"):
-        wire.read_slot_head(raw, 16384, 1 << 20)
+def test_doorbell_of_garbage_is_a_decode_error(raw):
+    """Any bytes read as a doorbell message: a named error, never a foreign one."""
+    with pytest.raises(BlobDecodeError):
+        wire.read_bell(raw, seq=0, max_header_bytes=1 << 20, max_message_bytes=1 << 20, nccl=False)
 
 
-def test_slot_carrying_more_than_its_room_is_refused(store):
-    """SLOT tensors declared past the end of the slot: BlobDecodeError, no view made."""
-    with _open(store, "sender") as tx, _open(store, "receiver") as rx:
-        tx.wait_connected(WAIT)
-        rx.wait_connected(WAIT)
-        meta = wire.plan_send({"t": torch.zeros(20000, dtype=torch.uint8)}, device=tx.device, nccl=False,
-                              inline_bytes=0, max_inline_total=0, key="k").meta
-        _forge_slot(tx, rx, wire.encode_envelope(wire.Envelope(0, "k", meta, [wire.SLOT], [])))
-        with pytest.raises(BlobDecodeError, match="beyond its 16384-byte slot"):
-            rx.get("k", timeout=WAIT)
+def test_announced_beyond_the_window_is_a_forgery(store):
+    """More payloads announced and unposted than the sender's window (the receiver holds
+    max_pending_bytes, so it posts none): the link fails with a named error."""
+    with _open(store, "sender", send_window=2, inline_bytes=0) as tx, \
+         _open(store, "receiver", max_pending_bytes=1000) as rx:
+        tx.put("p0", {"t": torch.zeros(1000)}, timeout=WAIT)  # 4 KB: held, the rest deferred
+        meta = _meta({"t": torch.zeros(1000)})
+        for seq in (1, 2, 3):
+            _forge_bell(tx, wire.encode_envelope(wire.Envelope(seq, f"p{seq}", meta, [wire.P2P], [])))
+        with pytest.raises(BlobDecodeError, match="window of 2"):
+            rx.get("p3", timeout=WAIT)
 
 
 def test_credit_out_of_sequence_fails_the_link(store):
@@ -561,7 +690,8 @@ def test_credit_out_of_sequence_fails_the_link(store):
     with _open(store, "sender", send_window=1) as tx, _open(store, "receiver") as rx:
         tx.put("a", {"t": torch.ones(3)}, timeout=WAIT)
         rx.get("a", timeout=WAIT)
-        rx._credit_out.send(wire.encode_credit(999, False))  # the completer is idle now
+        _until(lambda: rx._owed == 0, "the credit of 'a'")
+        rx._credit_out.send(wire.encode_credit(999, False))  # the doorbell's reader owes nothing
         with pytest.raises(BlobDecodeError, match="credit for payload 999"):
             for i in range(3):
                 tx.put(f"b{i}", {"t": torch.ones(3)}, timeout=WAIT)
@@ -581,9 +711,9 @@ def test_header_larger_than_the_peer_accepts_is_refused_before_sending(store):
 
 
 def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypatch):
-    """A payload is built as soon as its receives are posted (its header is enough), but
-    get_nowait says WouldBlock until its bytes have landed, get waits for them, aget
-    too, and a get that times out meanwhile takes nothing."""
+    """Gloo: a payload is listed as soon as its receives are posted (its header is
+    enough), but get_nowait says WouldBlock until its host bytes have landed, get waits
+    for them, aget too, and a get that times out meanwhile takes nothing."""
     import asyncio
 
     gate = threading.Event()
@@ -614,12 +744,14 @@ def test_payload_ready_before_its_bytes_is_not_handed_out_early(store, monkeypat
             return [Held()]
 
         monkeypatch.setattr(tx, "_post", held_post)
-        # 80 KB: beyond the slot, so a bulk buffer of its own follows the slot.
+        # 80 KB: beyond inline_bytes, so a bulk buffer of its own follows the doorbell.
         putter = threading.Thread(target=tx.put, args=("k", {"t": torch.arange(10000)}), kwargs={"timeout": WAIT})
         putter.start()
         try:
             with rx._cond:
-                assert rx._cond.wait_for(lambda: rx._inbox.get("k") and rx._inbox["k"][0].done, WAIT)
+                # Posted by the keeper (no get reads the doorbell meanwhile).
+                assert rx._cond.wait_for(lambda: rx._inbox.get("k"), WAIT)
+                assert not rx._inbox["k"][0].landed
             with pytest.raises(omnilink.WouldBlock, match="still arriving"):
                 rx.get_nowait("k")
             with pytest.raises(TransferTimeout):

@@ -4,10 +4,11 @@ This package is the public door of the backend; its modules are internal:
 
 =============  ==========================================================================
 ``connector``  ``NcclConnector``: its own two-rank process groups (NCCL on GPUs, gloo on
-               CPU; a slot and a bulk group per direction), the credit socket, the
-               receiving threads, put / get
-``wire``       the slot (head, envelope, small tensors) and the credit, the pack and
-               slot layouts of small tensors, and their validation
+               CPU; one bulk group per direction), the doorbell and credit sockets,
+               put / get (a get reads the doorbell itself), the keeper thread
+``wire``       the doorbell message (envelope, inline data, region of small device
+               tensors) and the credit, the pack and region layouts, and the
+               validation of a doorbell before anything is allocated (``read_bell``)
 =============  ==========================================================================
 
 Exports: ``NcclConnector``.

@@ -1,78 +1,94 @@
 """The ``nccl`` backend: payloads between two processes through ``torch.distributed``.
 
-Everything of a payload travels by point-to-point ``send``/``recv`` on the same NCCL
-streams as its data (gloo between CPUs, so CI runs the same code): a fixed-size *slot*
-holding the header (its tensor_blob meta, see ``omnilink.connectors.nccl.wire``) and
-the small tensors, then the larger buffers. A doorbell socket (ZeroMQ) announces each
-payload once its sends are queued; credits come back, batched, on a second one. The
-torch.distributed store (a ``TCPStore``) both ends share serves the rendezvous only:
-hellos, rank claims, the process groups' own setup and the two sockets' addresses,
-exchanged once. Nothing is pickled.
+Protocol 5 (NOT YET RUN ON A GPU: written and tested over gloo only; the device run is
+``benchmarks/gpu/run_nccl_device.sh``). Tensor bytes travel by point-to-point
+``send``/``recv`` of a process group (NCCL between GPUs, gloo between CPUs, so CI runs
+the same code), received straight into fresh tensors on the receiver's device. Each
+payload's header (its envelope, see ``omnilink.connectors.nccl.wire``) travels on a
+ZeroMQ ``PAIR`` socket, the *doorbell*, sent once the payload's sends are queued;
+small payloads travel in that message whole. Credits come back, batched, on a second
+socket. The torch.distributed store (a ``TCPStore``) both ends share serves the
+rendezvous only: hellos, rank claims, the process groups' own setup and the two
+sockets' addresses, exchanged once. Nothing is pickled.
 
 One channel links exactly two ranks. Each connector builds its own process groups over
 the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
 group), so it never disturbs the application's own torch.distributed setup: per
-direction a *slot* group and a *bulk* group (two communicators, each in its own order),
-plus one gloo group for the goodbye::
+direction one *bulk* group (one communicator, matched in issue order), plus one gloo
+group for the goodbye::
 
     rank 0 (e.g. sender, cuda:0)                      rank 1 (e.g. receiver, cuda:1)
     ----------------------------                      ------------------------------
-    put(key, payload)                                 poster thread (nothing posted
-      header + small host data -> pinned -> slot        while nothing is announced)
-      slot: send (send stream) ==== slot group ====>
-      pack, big tensors: one coalesced group of
-      sends (caller's stream waits) === bulk ====>
-      all queued: doorbell ---------- zmq PAIR ---->  bell: post that payload's slot
-                                                        receive (+ D2H copy, event)
-                                                      slot lands: read header, post
-                                                        its bulk recvs (bulk stream,
-                                                        into new buffers), views + tree
-                                                        -> inbox[key]
-                                                      get(key): Condition wait, then the
-                                                        bulk event (no polling, no hand-off)
-                                                      completer thread
-                                                        waits for each bulk to land
-      credit socket (read lazily) <---- zmq PAIR ----   credit "0..seq received" (batched)
+    put(key, payload)
+      plan: small host data inline; small device
+        tensors, when nothing else needs NCCL,
+        copied to pinned host (the put waits for
+        its stream to reach them): the region
+      bulk: ONE coalesced group of sends (pack,
+        then large tensors; caller's stream
+        waits) ===== bulk group (NCCL) =========>     (posted on the bell, below)
+      then the doorbell: envelope + inline data
+        + region ------------- zmq PAIR ------->     get(key) / get_nowait(key), itself:
+                                                       poll the doorbell (deadline),
+                                                       validate each message (bounds,
+                                                       plan, sizes) BEFORE allocating,
+                                                       post ITS bulk receives in bell
+                                                       order (any key: others go to the
+                                                       index of arrived payloads), event
+                                                       on the receive stream; region ->
+                                                       pinned -> device (same stream)
+                                                     return: the caller's stream waits
+                                                       for the event (the host does not)
+      credit socket (read lazily) <---- zmq PAIR ---  credit "receives of 0..seq posted"
+                                                       (batched; at once for a verdict)
+                                                     keeper thread: reads the doorbell
+                                                       only while no get does (after a
+                                                       1 ms grace): liveness, see below
 
-A payload costs at most one slot send and one coalesced group of bulk sends (the pack
-of small device tensors, then each large tensor), and a payload that fits its slot is
-ONE operation. No host round trip per message on either side: the sender waits for
-nothing (credits are read only near the window's end), the receiver's host learns a
-header from memory its GPU already copied. Several payloads may be in flight: the
-poster keeps up to ``recv_depth`` announced slots posted and reads them in order, and
-a slot of header bytes only is sent from a stream of its own, so it is not queued
-behind the previous payload's bulk data on the caller's stream: the receiver reads
-header i+1 and posts its bulk receives while payload i's bytes are still moving.
+A payload costs ONE doorbell message plus, when it has tensors too large to ride it,
+ONE coalesced set of NCCL operations: a small payload costs no NCCL operation at all.
+The receiving host never waits for the GPU to learn a header, and no thread hand-off
+stands between a doorbell and a ``get`` that waits for it: the getter reads the socket
+itself. Payloads other than the one asked for are posted too as their doorbells come
+(in order: NCCL matches a pair's operations in issue order), so keys may be got in any
+order.
 
-No receive waits for a send that was not made (why receives are not posted ahead): a
-posted NCCL receive is a kernel resident on the GPU until its sender sends, and with
-CUDA's lazy module loading (``CUDA_MODULE_LOADING=LAZY``, the default since CUDA 12.2)
-the first launch of a kernel from a module not yet loaded (a first ``torch.randn``,
-a new dtype) waits for the kernels resident on the device. A receive posted ahead of
-its payload thus made the receiving process's next first-time launch wait for the
-sender's next put, forever if none came; and a process that both sends and receives
-(``role="dual"``) deadlocked its own first put (found on 2x H100, NCCL 2.28, CUDA 13).
-So the sender rings the doorbell only after the payload's sends are queued on its GPU,
-and the receiver posts a payload's receives only on its bell: every receive posted
-matches sends already queued, and a link that carries nothing keeps nothing posted, in
-either direction. What remains, for users: a first-time kernel launch in the receiving
-process waits until the payloads already on the way have landed, and one in the sending
-process until the receiver has posted their receives, which its poster thread does at
-once, unless the receiver holds ``max_pending_bytes`` unread (then until its
-application reads some). Where even that matters, start the processes with
-``CUDA_MODULE_LOADING=EAGER`` or run each kernel the stage uses once before the first
-``put``/``get`` (a warm-up).
+No receive waits for a send that was not made: a posted NCCL receive is a kernel
+resident on the GPU until its sender sends, and with CUDA's lazy module loading
+(``CUDA_MODULE_LOADING=LAZY``, the default since CUDA 12.2) the first launch of a kernel
+from a module not yet loaded waits for the kernels resident on the device. A receive
+posted ahead of its payload thus made the receiving process's next first-time launch
+wait for the sender's next put, forever if none came; and a process that both sends and
+receives (``role="dual"``) deadlocked its own first put (found on 2x H100, NCCL 2.28,
+CUDA 13). So the sender rings the doorbell only after the payload's sends are queued on
+its GPU, and the receiver posts a payload's receives only once its doorbell was read:
+every receive posted matches sends already queued, and a link that carries nothing
+keeps nothing posted, in either direction.
+
+The keeper thread, and why it exists: a send is resident on the SENDER's GPU until its
+receive is posted, and the sender's stream waits for it (``put``'s stream contract). If
+the receiving application did not call ``get`` for a while (it computes), nobody would
+read the doorbell: the sender's stream would stall, its window would fill, and two
+``dual`` ends that each sync on their stream before their next ``get`` would deadlock.
+So a keeper thread reads the doorbell whenever no ``get`` has done so for 1 ms: it posts
+the receives of what arrived (into the index) and sends the credits. A ``get`` that
+finds the keeper reading wakes it, takes the doorbell over while it waits for its
+payload (the hand-over overlaps that wait) and gives it back when it returns. What
+remains for users: while a payload is on its way, a kernel a process launches for the
+first time waits until the payload has landed (receiver) or until the receiver read
+its doorbell (sender: at most ~1 ms after the receiving application stops calling
+``get``, unless the receiver holds ``max_pending_bytes`` unread). Where even that
+matters, start the processes with ``CUDA_MODULE_LOADING=EAGER`` or run each kernel the
+stage uses once before the first ``put``/``get`` (a warm-up).
 
 Life of one payload (``seq`` counts the sender's puts on this link)::
 
-     put: slot + bulk sent    poster: slot read, receives posted    bytes landed
-    ---------------------> ANNOUNCED -------------------> IN FLIGHT ---------------> READY
-                                                   (listed at once when its views   |
-                                                    need none of its bytes: get     |
-                                                    then waits for them; else built |
-                                                    by the completer once landed)   |
-                                                                  get / discard     |
-                                                               (consumed) <---------+
+     put: sends queued, bell rung   a reader: validated, receives posted   bytes landed
+    -------------------> ANNOUNCED ----------------------> IN THE INDEX -----------> (GPU)
+                         (deferred while the receiver   get: the caller's stream waits
+                          holds max_pending_bytes)       for them; host data staged
+                                                         through the device, and gloo
+                                                         data, are waited for by the host
 
 Semantics, chosen and tested:
 
@@ -80,58 +96,66 @@ Semantics, chosen and tested:
   device are sent from the caller's own memory with no copy: the sends are ordered after
   the caller's current stream, the caller's stream is made to wait for them, and the
   process group keeps the tensors alive until they are sent (the CUDA stream contract,
-  as for ``tensor.to(..., non_blocking=True)``). Host data on a gloo link is snapshotted
-  (one memcpy) because gloo reads it whenever the receiver is ready. Host tensors on an
-  NCCL link ride inside the envelope when small (``inline_bytes``) and are otherwise
+  as for ``tensor.to(..., non_blocking=True)``). A payload whose device tensors ride the
+  doorbell (at most ``bell_bytes`` together, nothing else for NCCL) is copied to pinned
+  host memory on the caller's stream and ``put`` waits for that copy: it returns once
+  the caller's stream has reached it (``bell_bytes=0`` keeps every device tensor on
+  NCCL and ``put`` asynchronous). Host data on a gloo link is snapshotted (one memcpy)
+  because gloo reads it whenever the receiver is ready. Host tensors ride inside the
+  envelope when small (``inline_bytes``); larger ones go by gloo, or on an NCCL link are
   staged through the device (copied up, sent, copied back to host on the receiver).
-- Small tensors travel together: in the slot when they fit (device tensors on NCCL only
-  when the payload has no bulk buffer, see ``wire``), else those of at most
-  ``pack_bytes`` in one pack buffer when there are two or more. On the receiver they are
-  views of the slot or the pack (the buffer lives as long as any of them). Large
-  tensors keep their own zero-copy transfer.
-- The receiver reads slots eagerly from its own thread, so a ``put`` followed by a
-  ``get`` in one thread never deadlocks and out-of-order ``get`` works. A payload whose
-  tensors can be built without its bulk bytes (device data on NCCL; on gloo anything but
-  bool data, whose bytes are checked; never host data staged through the device) is
-  listed as soon as its receives are posted, and ``get`` waits for its bytes itself (a
-  CUDA event recorded after them): ``get`` still returns once they have landed,
-  ``get_nowait`` says ``WouldBlock`` until then, but no thread hand-off stands between
-  the arrival and the caller. The completer only confirms arrivals and credits them.
+- ``get`` returns the payload with the caller's current stream ordered after its bytes
+  (``wait_event``: the host does not wait for the GPU; use the tensors on that stream,
+  or synchronise as for any CUDA tensor). Host data that came through the device
+  (staged) and gloo data are waited for on the host: ``get`` returns once they have
+  landed, ``get_nowait`` says ``WouldBlock`` until then.
+- Small tensors travel together: device tensors of at most ``pack_bytes`` that need
+  NCCL are copied into one pack buffer and sent by one send when there are two or more
+  (on gloo, host tensors likewise); on the receiver they are views of the pack (or of
+  the region, for those that rode the doorbell). Large tensors keep their own
+  zero-copy transfer.
 - Flow control by credits, not acknowledgements: at most ``send_window`` payloads (and
-  ``max_inflight_bytes``) are announced and not yet fully received. Send/recv pairs are
-  matched in order, so no payload needs an answer of its own: the receiver sends
-  "payloads 0..seq received" after a batch (an eighth of the window or of the in-flight
-  bytes) or when it has nothing more in hand, and the sender reads the credits only
-  when it gets within half of a limit. A ``put`` that finds no room waits for credits
-  (woken by the socket) up to its timeout, then raises ``TransferTimeout`` having sent
-  nothing. The receiver stops taking new payloads while the ones it holds unread exceed
-  ``max_pending_bytes`` (backpressure, as a full shm arena); one payload larger than
-  that is still taken when nothing else is held.
+  ``max_inflight_bytes``) are announced and not yet posted by the receiver. Send/recv
+  pairs are matched in order, so no payload needs an answer of its own: the receiver
+  sends "receives of 0..seq posted" after a batch (an eighth of the window or of the
+  in-flight bytes), at once for a verdict, and before it waits on an empty doorbell;
+  the sender reads credits only when it gets within half of a limit. A ``put`` that
+  finds no room waits for credits (woken by the socket) up to its timeout, then raises
+  ``TransferTimeout`` having sent nothing. The receiver posts no new payload while the
+  ones it holds (posted, unread) exceed ``max_pending_bytes`` (backpressure, as a full
+  shm arena); one payload larger than that is still taken when nothing else is held.
 - Peer death: a third, gloo process group carries only a "goodbye" message; its one
   outstanding receive fails at once when the peer's process dies (the TCP connection
   drops), so waiters get ``PeerLostError`` instead of hanging (on NCCL the data groups
-  are then aborted: their kernels would wait forever). A clean ``close`` of the peer is
-  told apart: payloads already received stay readable, later ``get`` of keys that can
-  no longer come raise ``PeerLostError`` at once. A peer that hangs without dying is
-  reported by the timeouts (``TransferTimeout``). ``close`` ends any receive still
-  pending (an NCCL abort; on gloo, a wait that times out closes the group's connection)
-  after the goodbye, so nothing stays blocked.
+  are then aborted, and payloads of the index whose bytes had not landed become
+  ``PeerLostError`` for their keys; one already handed out by ``get`` while its bytes
+  were on the way holds what landed). A clean ``close`` of the peer is told apart:
+  payloads already received stay readable, later ``get`` of keys that can no longer
+  come raise ``PeerLostError`` at once. A peer that hangs without dying is reported by
+  the timeouts (``TransferTimeout``). A sender's ``close`` waits (up to
+  ``connect_timeout``) until its payloads are posted and its sends done, then says
+  goodbye; ``close`` ends any receive still pending (an NCCL abort; on gloo, a wait that
+  times out closes the group's connection) after the goodbye, so nothing stays blocked.
 - The key contract of every backend: a second ``put`` of a key still unread on the
   receiver raises ``DuplicateKeyError`` and the first payload stays deliverable. The
   sender remembers the last 65,536 keys it put; a ``put`` of one of them (only those:
   nothing to wait for on fresh keys) flags its header REPEAT and waits for the
   receiver's credit of that very payload, whose verdict says whether the key was still
-  pending (the receiver then drops the second payload). A ``get`` of a key this
-  receiver consumed or discarded raises ``KeyConsumedError``.
-- Hostile or broken slots: the receiver validates each slot's head (magic, an envelope
-  of at most ``max_header_bytes``, inside the slot or as the first bulk buffer), each
-  envelope (tensor_blob limits, plan against descriptors, SLOT tensors inside the slot)
-  and checks the payload's size against ``max_message_bytes`` before it allocates
-  anything; the sender refuses larger payloads itself (``CapacityError``, from the
-  limits the receiver published). A payload whose tensors arrived but whose tree is
-  malformed becomes a ``BlobDecodeError`` for its key and the link keeps serving; a slot
-  the receiver cannot size (so the byte stream would lose step) or a credit out of
-  sequence fails the link with that named error, never with an allocation.
+  pending (the receiver then drops the second payload, after receiving its bytes to
+  stay in step). A ``get`` of a key this receiver consumed or discarded raises
+  ``KeyConsumedError``.
+- Hostile or broken doorbells: the doorbell socket refuses messages larger than the
+  bound the receiver published (``max_header_bytes``, enforced by ZeroMQ before any
+  allocation; the sender refuses larger ones itself with ``CapacityError``), and the
+  first message must be the session id. ``wire.read_bell`` validates each message (its
+  size, the envelope's types and flags, its ``seq``, the key, the tensor_blob limits,
+  the plan against the descriptors and the link, the inline parts and the region) and
+  checks the payload's size against ``max_message_bytes`` before anything is
+  allocated; more payloads announced and unposted than the sender's window is a
+  forgery. A message the receiver cannot size (so the byte stream would lose step)
+  fails the link with its named error, never with an allocation; a payload whose bytes
+  arrived but whose tree is malformed becomes a ``BlobDecodeError`` for its key and the
+  link keeps serving.
 - A peer restart needs both ends to reopen the channel (the process groups are built
   once); the zmq backend is the one that reconnects.
 """
@@ -147,6 +171,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from typing import Any, cast
 
 import zmq
@@ -178,14 +203,19 @@ _CTL_BYE = 1
 _CTL_BYE_REPLY = 2
 #: Gloo tag of the receive that is never matched (``_break_group``).
 _BREAK_TAG = 0x6F6C
-#: Room in an envelope beyond the tensor_blob header and the inline bytes: the
+#: Room in a doorbell message beyond the tensor_blob header and the inline bytes: the
 #: key, the plan and msgpack's framing of up to ``blob.MAX_TENSORS`` inline parts.
 _HEADER_SLACK = 1 << 20
-#: Largest slot a link may use (every payload sends a whole slot).
-_MAX_SLOT_BYTES = 1 << 20
 #: Envelopes whose parsed tensor_blob header is kept for the next payload of the same
 #: structure (a stage sends the same tree, shapes and dtypes chunk after chunk).
 _META_CACHE = 256
+#: How long the doorbell stays unread after a ``get`` stopped reading it before the
+#: keeper thread reads it (gets that follow each other closely never meet the keeper).
+_KEEPER_GRACE_S = 0.001
+#: How often a keeper that waits for a ``get`` to give the doorbell back looks again.
+_KEEPER_LOOK_S = 0.002
+#: ``_pumper`` while the keeper thread reads the doorbell.
+_KEEPER = -1
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -290,33 +320,12 @@ class _Waker:
             self.rx.close(0)
 
 
-class _Landed:
-    """When the receives of a gloo payload have landed, with a CUDA event's two methods.
-
-    Set by the completer, the one thread that waits on the gloo works (a gloo receive's
-    ``wait`` may not be called twice).
-    """
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def set(self) -> None:
-        self._event.set()
-
-    def query(self) -> bool:
-        return self._event.is_set()
-
-    def synchronize(self) -> None:
-        self._event.wait()
-
-
 class _Arrived:
-    """A payload the receiver holds: ready (``payload`` set) or still in flight."""
+    """A payload of the index: its receives are posted (its bytes may still be on the way)."""
 
     __slots__ = (
-        "seq", "key", "nbytes", "frame_bytes", "done", "payload", "device_tensors", "error", "duplicate", "event",
+        "seq", "key", "nbytes", "frame_bytes", "payload", "device_tensors", "error", "event", "host_wait",
+        "landed", "build",
     )
 
     def __init__(self, seq: int, key: str, nbytes: int, frame_bytes: int) -> None:
@@ -324,17 +333,22 @@ class _Arrived:
         self.key = key
         self.nbytes = nbytes
         self.frame_bytes = frame_bytes
-        self.done = False
+        #: The payload, built as soon as its receives were posted (unless ``build``).
         self.payload: Any = None
         #: The device buffers the payload's tensors are views of.
         self.device_tensors: list[Any] = []
         self.error: BaseException | None = None
-        #: Its key was still pending: received (to keep the stream in step), then dropped.
-        self.duplicate = False
-        #: Set when the payload was ready as soon as its receives were posted
-        #: (``wire.early_ready``): a CUDA event recorded after them, or ``_WorksDone``;
-        #: ``get`` waits for it.
+        #: NCCL: a CUDA event recorded after its receives (and copies) on the receive
+        #: stream; ``get`` orders the caller's stream after it.
         self.event: Any = None
+        #: NCCL: host data came through the device (STAGED): ``get`` waits for ``event``
+        #: on the host before handing it out.
+        self.host_wait = False
+        #: Gloo: its bytes have landed (the completer confirmed its receives).
+        self.landed = True
+        #: ``(announced, buffers, region)`` when the views can only be built once the
+        #: bytes landed (host bytes to check or read); built by the ``get`` that takes it.
+        self.build: Any = None
 
 
 def _check_values(
@@ -355,8 +369,7 @@ def _check_values(
     max_message_bytes: Any,
     pack_bytes: Any,
     header_addr: Any,
-    slot_bytes: Any = 16 << 10,
-    recv_depth: Any = 4,
+    bell_bytes: Any = 64 << 10,
 ) -> None:
     """The value checks of ``NcclConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -389,16 +402,10 @@ def _check_values(
         ("max_inline_bytes", max_inline_bytes, 0),
         ("max_message_bytes", max_message_bytes, 1),
         ("pack_bytes", pack_bytes, 0),
-        ("recv_depth", recv_depth, 1),
-        ("slot_bytes", slot_bytes, wire.MIN_SLOT_BYTES),
+        ("bell_bytes", bell_bytes, 0),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
-    if slot_bytes % blob.FRAME_ALIGN or slot_bytes > _MAX_SLOT_BYTES:
-        raise ConfigurationError(
-            f"nccl: slot_bytes must be a multiple of {blob.FRAME_ALIGN} and at most {_MAX_SLOT_BYTES}, "
-            f"got {slot_bytes!r}"
-        )
     if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or not connect_timeout >= 0:
         raise ConfigurationError(f"nccl: connect_timeout must be a number of seconds >= 0, got {connect_timeout!r}")
     if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
@@ -431,7 +438,6 @@ def _check_values(
         # Port 0 lets the OS pick one: only the end that hosts the store (rank 0) can.
         if not 0 <= master_port < 65536 or (master_port == 0 and rank != 0):
             raise ConfigurationError(f"nccl: invalid master_port {master_port!r}")
-
 
 class NcclConnector(BaseConnector):
     """A point-to-point connector over ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
@@ -474,19 +480,19 @@ class NcclConnector(BaseConnector):
     connect_timeout : float
         Seconds the link setup waits for the peer (default 60).
     send_window : int
-        Most payloads announced and not yet fully received (default 64). Also
-        published to the peer, which batches its credits by an eighth of it.
+        Most payloads announced and whose receives the peer has not yet posted (default
+        64). Also published to the peer, which batches its credits by an eighth of it.
     max_inflight_bytes : int
-        Most bytes announced and not yet fully received (default 4 GiB); one payload
+        Most bytes announced and not yet posted by the peer (default 4 GiB); one payload
         larger than this still goes when nothing else is in flight.
     max_pending_bytes : int
-        Most bytes the receiver holds unread before it stops taking new payloads
+        Most bytes the receiver holds (posted, unread) before it posts no new payload
         (default 8 GiB).
     inline_bytes : int, optional
-        Host tensors and arrays up to this size travel inside the header. Default 64 KiB
-        on NCCL links (saves a staged round trip for tiny metadata tensors), 0 on gloo.
+        Host tensors and arrays up to this size travel inside the doorbell message
+        (default 64 KiB): a payload of such data only costs no process-group operation.
     max_inline_bytes : int
-        Bound on the inline bytes of one payload (default 1 MiB).
+        Bound on the inline bytes of one payload, region included (default 1 MiB).
     max_message_bytes : int
         Largest payload (tensor and inline bytes) this end accepts as a receiver
         (default 4 GiB); published to the peer, whose ``put`` refuses larger ones with
@@ -503,15 +509,12 @@ class NcclConnector(BaseConnector):
         is on another host. Default: the local address that routes to the
         ``TCPStore``'s host, else this host name's address. Unused on one host
         (``ipc://`` then).
-    slot_bytes : int
-        Size of the slot of every payload this end receives (default 16 KiB, a multiple
-        of 64 between 1 KiB and 1 MiB); published to the peer. The header and the small
-        tensors that fit travel in it: a payload that fits is one operation.
-    recv_depth : int
-        Most slot receives this end keeps posted at once (default 4), each for a
-        payload the sender has announced (its sends queued): how many payloads may land
-        before the receiver's host has read any. Nothing is ever posted for a payload
-        not yet put (see the module docstring: lazy module loading).
+    bell_bytes : int
+        NCCL: a payload whose device tensors take at most this many bytes together
+        (64-byte aligned) and that has nothing else for NCCL sends them inside the
+        doorbell message instead (default 64 KiB): no NCCL operation, but ``put`` copies
+        them to host and waits for the caller's stream to reach that copy. 0 keeps every
+        device tensor on NCCL (``put`` never waits for the stream).
 
     Raises
     ------
@@ -548,7 +551,7 @@ class NcclConnector(BaseConnector):
             ``role`` or ``timeout`` invalid; ``world_size`` not 2; ``rank`` not 0 or 1,
             or missing for ``role="dual"``; ``send_window``, ``max_inflight_bytes``,
             ``max_pending_bytes`` or ``max_message_bytes`` below 1, ``max_inline_bytes``,
-            ``pack_bytes`` or ``inline_bytes`` below 0; ``connect_timeout`` not a number
+            ``pack_bytes``, ``bell_bytes`` or ``inline_bytes`` below 0; ``connect_timeout`` not a number
             >= 0; an empty ``header_addr``; ``backend`` not ``"auto"``, ``"nccl"`` or
             ``"gloo"``; a ``device`` torch cannot parse or of the wrong kind for
             ``backend``; no ``store`` and ``master_port`` missing, outside [0, 65535],
@@ -579,8 +582,7 @@ class NcclConnector(BaseConnector):
         coalesce: bool = True,
         pack_bytes: int = 1 << 20,
         header_addr: str | None = None,
-        slot_bytes: int = 16 << 10,
-        recv_depth: int = 4,
+        bell_bytes: int = 64 << 10,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
@@ -588,7 +590,7 @@ class NcclConnector(BaseConnector):
             master_port=master_port, connect_timeout=connect_timeout, send_window=send_window,
             max_inflight_bytes=max_inflight_bytes, max_pending_bytes=max_pending_bytes,
             inline_bytes=inline_bytes, max_inline_bytes=max_inline_bytes, max_message_bytes=max_message_bytes,
-            pack_bytes=pack_bytes, header_addr=header_addr, slot_bytes=slot_bytes, recv_depth=recv_depth,
+            pack_bytes=pack_bytes, header_addr=header_addr, bell_bytes=bell_bytes,
         )
         import torch
         import torch.distributed as dist
@@ -609,10 +611,9 @@ class NcclConnector(BaseConnector):
         self.max_message_bytes = max_message_bytes
         self.coalesce = bool(coalesce)
         self.pack_bytes = pack_bytes
-        self.slot_bytes = slot_bytes
-        self.recv_depth = recv_depth
+        self.bell_bytes = bell_bytes
         self.header_addr = header_addr
-        #: Largest envelope accepted (a slot announcing more fails the link unallocated).
+        #: Largest doorbell message accepted (ZeroMQ drops a larger one unallocated).
         self.max_header_bytes = blob.PREFIX_SIZE + blob.MAX_HEADER_BYTES + max_inline_bytes + _HEADER_SLACK
         # Sender: keys put recently (a repeat waits for its ack: DuplicateKeyError).
         self._sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -648,7 +649,7 @@ class NcclConnector(BaseConnector):
         self.device = dev
         self._is_nccl = backend == "nccl"
         if inline_bytes is None:
-            inline_bytes = (64 << 10) if self._is_nccl else 0
+            inline_bytes = 64 << 10
         self.inline_bytes = min(inline_bytes, max_inline_bytes)
         # Zero bytes between packed tensors, ready before any stream reads them.
         self._pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8, device=dev)
@@ -687,17 +688,18 @@ class NcclConnector(BaseConnector):
         self._st_main = self._store()
 
         # ------------------------------------------------------------ shared state
-        self._cond = threading.Condition()  # inbox, link state, budget
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # index, link state, budget, the pump
+        self._keeper_cond = threading.Condition(lock)  # the keeper waits here
         self._ready = threading.Event()
         self._link_error: BaseException | None = None
         self._peer_state: str | None = None  # None, "closed", "lost"
         self._peer_reason = ""
         self._closing = False
         self._inbox: dict[str, collections.deque[_Arrived]] = {}
-        self._pending_bytes = 0  # held by the receiver: in flight or unread
-        self._ready_count = 0
+        self._pending_bytes = 0  # held by the receiver: posted, unread
+        self._held = 0  # payloads in the index
         self._recv_total: int | None = None  # payloads the peer said it sent (goodbye)
-        self._recv_done = 0  # payloads fully received
         self._send_lock = threading.Lock()
         self._send_seq = 0
         self._inflight: collections.deque[tuple[int, int]] = collections.deque()
@@ -708,27 +710,32 @@ class NcclConnector(BaseConnector):
         self._credit_authed = False
         self._lazy_count = send_window // 2  # below these, put reads no credits
         self._lazy_bytes = max_inflight_bytes // 2
-        self._posted = 0  # payloads whose receives were posted
+        self._sent_event: Any = None  # NCCL: recorded after the last put's sends (close)
         self._bye_lock = threading.Lock()
         self._bye_sent = False
         self._threads: list[threading.Thread] = []
         self._pgs: dict[str, Any] = {}  # direction -> bulk group
-        self._slot_pgs: dict[str, Any] = {}  # direction -> slot group
-        self._send_stream: Any = None  # NCCL: slots without device data go from here
-        self._recv_streams: Any = None  # NCCL: (slot stream, bulk stream) of the receiver
-        self._pump_seq = 0  # the slot the poster waits for or handles
-        self._ring: collections.deque[tuple[Any, Any, Any]] = collections.deque()  # posted slots
-        # Receiver: payloads the sender announced on the doorbell (their sends are
-        # queued on its side), and slot receives this end posted; never more posted
-        # than announced (the module docstring: no receive waits for a send not made).
-        self._announced = 0
-        self._slots_posted = 0
+        self._recv_stream: Any = None  # NCCL: receive buffers, their receives and copies
+        # Receiver, the doorbell: read by one thread at a time, the *pumper* (a get, an
+        # aget's waiter or the keeper); the fields below are the pumper's own.
+        self._pumper: int | None = None  # thread ident, or _KEEPER; under _cond
+        self._pump_want = 0  # gets waiting for the keeper to give the doorbell back
+        self._pump_idle_since = 0.0  # when a get last gave the doorbell back
+        self._bell_seq = 0  # the seq the next doorbell message must carry
+        self._deferred: collections.deque[wire.Announced] = collections.deque()  # unposted
+        self._posted = 0  # payloads whose receives are posted (and credits owed for)
+        self._owed = 0
+        self._owed_bytes = 0
+        self._credit_every = 1
+        self._credit_every_bytes = 1
         self._bell_out: Any = None  # under _send_lock
-        self._bell_in: Any = None  # poster thread
+        self._bell_in: Any = None  # the pumper's
         self._pump_waker: _Waker | None = None
         self._bell_poller: Any = None
         self._bell_authed = False
-        self._meta_cache: dict[Any, tuple[Any, list[int], int, int]] = {}
+        self._meta_cache: dict[Any, Any] = {}
+        #: Point-to-point operations this end posted on its data groups (a test seam).
+        self._p2p_ops = 0
         self._ctl_pg: Any = None
         self._sid = ""
         self._out = f"{rank}to{1 - rank}"
@@ -738,7 +745,7 @@ class NcclConnector(BaseConnector):
         # ZeroMQ: the credits coming back; each socket is used by one thread at a time.
         self._zctx: Any = None
         self._credit_in: Any = None  # under _send_lock
-        self._credit_out: Any = None  # completer thread
+        self._credit_out: Any = None  # the pumper's
         self._credit_waker: _Waker | None = None
         self._credit_poller: Any = None
         self._peer_header_limit: int | None = None
@@ -749,7 +756,6 @@ class NcclConnector(BaseConnector):
             device_type=dev.type, host=self._host, pid=os.getpid(), token=self._token,
             send_window=send_window, max_message_bytes=max_message_bytes,
             max_header_bytes=self.max_header_bytes, max_inflight_bytes=max_inflight_bytes,
-            slot_bytes=slot_bytes, recv_depth=recv_depth,
         )
         try:
             self._st_main.set(f"hello/{rank}", wire.encode_hello(hello))
@@ -890,13 +896,11 @@ class NcclConnector(BaseConnector):
         self._open_sockets(st, deadline, same_host)
         self._ctl_pg = self._make_gloo(f"{self._sid}ctl/", same_host)
         for d in dirs:
-            # Two groups per direction: slots (posted on each bell) and bulk
-            # buffers (posted once a slot was read); each keeps its own order.
-            for groups, name in ((self._slot_pgs, "slot"), (self._pgs, "bulk")):
-                if self._is_nccl:
-                    groups[d] = self._make_nccl(f"{self._sid}pg/{d}/{name}/")
-                else:
-                    groups[d] = self._make_gloo(f"{self._sid}pg/{d}/{name}/", same_host)
+            # One bulk group per direction: its operations match in issue order.
+            if self._is_nccl:
+                self._pgs[d] = self._make_nccl(f"{self._sid}pg/{d}/bulk/")
+            else:
+                self._pgs[d] = self._make_gloo(f"{self._sid}pg/{d}/bulk/", same_host)
         torch = self._torch
         if self._is_nccl:
             # Create the NCCL communicators now (a tiny exchange per group) rather than
@@ -907,22 +911,27 @@ class NcclConnector(BaseConnector):
             # tensors), the sender would block creating it while the receiver, not yet
             # rung, could not join: a deadlock (2x H200, 64 MiB + 16 small tensors).
             with torch.cuda.device(self.device):
-                self._send_stream = torch.cuda.Stream(self.device)
-                self._recv_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+                self._recv_stream = torch.cuda.Stream(self.device)
+                self._sent_event = torch.cuda.Event()
                 for d in dirs:
-                    for pg in (self._slot_pgs[d], self._pgs[d]):
-                        t = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                        w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
-                        w.wait()
-                        if self.coalesce:
-                            pair = [torch.zeros(1, dtype=torch.uint8, device=self.device) for _ in range(2)]
-                            for w in self._post(pg, pair, send=d == self._out):
-                                w.wait()
+                    pg = self._pgs[d]
+                    t = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                    w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
+                    w.wait()
+                    if self.coalesce:
+                        pair = [torch.zeros(1, dtype=torch.uint8, device=self.device) for _ in range(2)]
+                        for w in self._post(pg, pair, send=d == self._out):
+                            w.wait()
                 torch.cuda.current_stream(self.device).synchronize()
+            self._p2p_ops = 0
+        peer_window = peer.send_window
+        self._credit_every = max(1, peer_window // 8)
+        self._credit_every_bytes = max(1, (peer.max_inflight_bytes or self.max_inflight_bytes) // 8)
         self._spawn(self._watch, "watcher")
         if self._in in self._pgs:
-            self._spawn(self._post_loop, "poster")
-            self._spawn(self._done_loop, "completer")
+            self._spawn(self._keep_loop, "keeper")
+            if not self._is_nccl:
+                self._spawn(self._done_loop, "completer")
         if self._out in self._pgs and not self._is_nccl:
             self._spawn(self._reap_loop, "reaper")
         self._ready.set()
@@ -936,13 +945,14 @@ class NcclConnector(BaseConnector):
         receiving = self._in in self._dirs
         sid = self._sid.encode()
 
-        def bind(name: str) -> tuple[Any, str]:
+        def bind(name: str, most: int) -> tuple[Any, str]:
             s = ctx.socket(zmq.PAIR)
             s.setsockopt(zmq.LINGER, 0)
             # Unbounded queues: the send window bounds what is ever queued.
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, max(wire.CREDIT_SIZE, len(sid)))
+            # ZeroMQ drops (and disconnects) a larger message before allocating it.
+            s.setsockopt(zmq.MAXMSGSIZE, max(most, len(sid)))
             if same_host:
                 s.bind(f"ipc://@omnilink-nccl-{self._token}-{self.rank}-{name}")
             else:
@@ -951,13 +961,13 @@ class NcclConnector(BaseConnector):
 
         mine = {"c": "", "d": ""}
         if sending:
-            self._credit_in, mine["c"] = bind("c")
+            self._credit_in, mine["c"] = bind("c", wire.CREDIT_SIZE)
             self._credit_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-credit")
             self._credit_poller = zmq.Poller()
             self._credit_poller.register(self._credit_in, zmq.POLLIN)
             self._credit_poller.register(self._credit_waker.rx, zmq.POLLIN)
         if receiving:
-            self._bell_in, mine["d"] = bind("d")
+            self._bell_in, mine["d"] = bind("d", self.max_header_bytes)
             self._pump_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-pump")
             self._bell_poller = zmq.Poller()
             self._bell_poller.register(self._bell_in, zmq.POLLIN)
@@ -1099,16 +1109,6 @@ class NcclConnector(BaseConnector):
         self._peer_gone("closed", f"rank {self.peer_rank} closed channel {self.channel!r}")
         if kind == _CTL_BYE:
             self._send_bye(_CTL_BYE_REPLY)
-        self._stop_poster_if_done()
-
-    def _stop_poster_if_done(self) -> None:
-        """After the peer's goodbye: wake a poster that waits for a slot that will never
-        come (it read every payload the peer sent). It publishes ``_pump_seq`` before it
-        reads ``_recv_total`` and we the reverse, so one of us sees the other's write."""
-        total = self._recv_total
-        if total is None or self._in not in self._slot_pgs or self._pump_seq < total:
-            return
-        self._break_group(self._slot_pgs[self._in])
 
     def _send_bye(self, kind: int, wait: float | None = None) -> None:
         with self._bye_lock:
@@ -1125,18 +1125,30 @@ class NcclConnector(BaseConnector):
             logger.debug("nccl: goodbye on %r not delivered: %r", self.channel, exc)
 
     def _peer_gone(self, state: str, reason: str) -> None:
+        lost = PeerLostError(f"nccl: {reason}")
         with self._cond:
             if self._peer_state != "lost":
                 self._peer_state = state
                 self._peer_reason = reason
+            if state == "lost":
+                # Payloads of the index whose bytes have not landed never will: their
+                # receives end with the abort below (NCCL) or failed (gloo).
+                for q in self._inbox.values():
+                    for item in q:
+                        if item.error is None and (
+                            not item.landed or (item.event is not None and not item.event.query())
+                        ):
+                            item.error = lost
+                            item.device_tensors = []
             self._cond.notify_all()
+            self._keeper_cond.notify_all()
         if state == "lost" and self._is_nccl:
             for pg in self._data_groups():
                 self._break_group(pg)  # NCCL kernels waiting for a dead peer would never end
         self._wake_all()
 
     def _data_groups(self) -> list[Any]:
-        return [*self._slot_pgs.values(), *self._pgs.values()]
+        return list(self._pgs.values())
 
     def _break_group(self, pg: Any) -> None:
         """End every operation pending on ``pg`` with an error, now.
@@ -1160,10 +1172,14 @@ class NcclConnector(BaseConnector):
             pass  # the connection is closed now (or was already)
 
     def _wake_all(self) -> None:
-        """Wake threads blocked on a socket (puts waiting for credits, a disarmed poster)."""
+        """Wake threads blocked on a socket (puts waiting for credits, the doorbell's
+        reader) or on the condition."""
         for waker in (self._credit_waker, self._pump_waker):
             if waker is not None:
                 waker.wake()
+        with self._cond:
+            self._cond.notify_all()
+            self._keeper_cond.notify_all()
 
     def _wake(self) -> None:
         self._wake_all()
@@ -1171,7 +1187,6 @@ class NcclConnector(BaseConnector):
     def _peer_error(self, key: str | None) -> PeerLostError:
         what = f" (key {key!r} can no longer arrive)" if key is not None else ""
         return PeerLostError(f"nccl: {self._peer_reason}{what}")
-
 
     # ==================================================================== sending
     def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
@@ -1181,11 +1196,10 @@ class NcclConnector(BaseConnector):
             )
         self._wait_ready(deadline, key)
         peer = self._peer
-        slot_bytes = peer.slot_bytes
         sp = wire.plan_send(
             payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
             max_inline_total=self.max_inline_bytes, key=key, pack_bytes=self.pack_bytes, pad=self._pad,
-            slot_bytes=slot_bytes,
+            bell_bytes=self.bell_bytes,
         )
         limit = peer.max_message_bytes
         if limit is not None and sp.nbytes > limit:
@@ -1193,41 +1207,40 @@ class NcclConnector(BaseConnector):
                 f"nccl: payload of key {key!r} is {sp.nbytes} bytes, more than the "
                 f"max_message_bytes={limit} rank {self.peer_rank} accepts on channel {self.channel!r}"
             )
+        # Small device tensors that ride the doorbell: to host now (the caller's stream
+        # reaches the copy before put goes on).
+        region: Any = self._stage_region(sp) if sp.bell else b""
         with self._send_lock:
             self._check_send_state(key)
             repeat = key in self._sent_keys
             seq = self._send_seq
             raw = wire.encode_envelope(
-                wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline, wire.FLAG_REPEAT if repeat else 0)
+                wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline, wire.FLAG_REPEAT if repeat else 0, region)
             )
             hlimit = self._peer_header_limit
             if hlimit is not None and len(raw) > hlimit:
                 raise CapacityError(
                     f"nccl: the header of key {key!r} is {len(raw)} bytes, more than the "
                     f"{hlimit} rank {self.peer_rank} accepts on channel {self.channel!r} "
-                    "(a huge tree or too much inline data; lower inline_bytes)"
+                    "(a huge tree or too much inline data; lower inline_bytes or bell_bytes)"
                 )
-            in_slot = wire.SLOT_HEAD + len(raw) <= slot_bytes
-            if sp.slot and not (in_slot and wire.slot_start(len(raw)) + self._slot_end(sp.slot) <= slot_bytes):
-                # The room was estimated from an upper bound of the envelope's size.
-                raise CapacityError(f"nccl: the slot tensors of key {key!r} do not fit the slot")  # pragma: no cover
-            wire_bytes = sp.p2p_bytes + (0 if in_slot else len(raw))
+            wire_bytes = sp.p2p_bytes + len(raw)
             self._wait_window(wire_bytes, deadline, key)
             if repeat:
                 self._verdicts[seq] = None
             try:
-                if self._is_nccl:
-                    torch = self._torch
-                    with torch.cuda.device(self.device):
-                        self._send_nccl(raw, in_slot, sp, slot_bytes)
-                else:
-                    self._send_gloo(raw, in_slot, sp, slot_bytes)
+                if sp.p2p:
+                    if self._is_nccl:
+                        self._send_nccl(sp.p2p)
+                    else:
+                        self._send_gloo(sp.p2p)
+                # Rung after the sends are queued, never before: the receiver posts this
+                # payload's receives when it reads the bell, so none waits for a send
+                # not made.
+                self._ring_bell(raw, key)
             except BaseException:
                 self._verdicts.pop(seq, None)
                 raise
-            # Rung after the sends are queued, never before: the receiver posts this
-            # payload's receives on the bell, so none of them waits for a send not made.
-            self._ring_bell(key)
             self._send_seq = seq + 1
             self._inflight.append((seq, wire_bytes))
             self._inflight_bytes += wire_bytes
@@ -1241,102 +1254,54 @@ class NcclConnector(BaseConnector):
                 self._check_repeat(key, seq, deadline)
         return sp.nbytes
 
-    def _ring_bell(self, key: str | None) -> None:
-        """Announce one payload whose slot and bulk sends are queued: the receiver posts
-        its slot receive on this (one ZeroMQ message; the put waits for nothing). Under
-        ``_send_lock``, so bells come in the order of the slots."""
+    def _stage_region(self, sp: wire.SendPlan) -> Any:
+        """The region of a payload's BELL tensors, in pinned host memory: copied on the
+        caller's current stream, which put waits for (the copy, and what was queued
+        before it)."""
+        torch = self._torch
+        host = torch.empty(sp.region_bytes, dtype=torch.uint8, pin_memory=True)
+        view = host.numpy()
+        end = 0
         try:
-            self._bell_out.send(b"\x01", zmq.NOBLOCK)
+            with torch.cuda.device(self.device):
+                for at, flat in sp.bell:
+                    if at > end:
+                        view[end:at] = 0
+                    n = int(flat.numel())
+                    host[at: at + n].copy_(flat, non_blocking=True)
+                    end = at + n
+                copied = torch.cuda.Event()
+                copied.record()
+                copied.synchronize()
+        except RuntimeError as exc:
+            raise CudaError(f"nccl: copying the small device tensors of a payload to host failed: {exc}") from exc
+        return memoryview(view)
+
+    def _ring_bell(self, raw: bytes, key: str | None) -> None:
+        """Announce one payload whose sends are queued: the doorbell message is its
+        envelope. Under ``_send_lock``, so bells come in the order of the sends."""
+        try:
+            self._bell_out.send(raw, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise self._translate(exc, key) from exc
 
-    @staticmethod
-    def _slot_end(flats: list[Any]) -> int:
-        end = 0
-        for t in flats:
-            end = wire._align(end) + int(t.numel())
-        return end
-
-    def _send_nccl(self, raw: bytes, in_slot: bool, sp: wire.SendPlan, slot_bytes: int) -> None:
-        """Post one payload's slot and bulk buffers (the link's device is current).
-
-        A slot with device tensors is filled and sent on the caller's stream, which then
-        waits for it (the caller may reuse its tensors: the stream contract). A slot of
-        host bytes only goes from the connector's send stream, so it does not queue
-        behind the bulk data of earlier payloads on the caller's stream: the receiver
-        reads it and posts this payload's bulk receives while those are still moving.
-        """
+    def _send_nccl(self, bulk: list[Any]) -> None:
+        """Post one payload's bulk sends, one coalesced group; the caller's stream waits
+        for them (the caller may reuse its tensors: the stream contract)."""
         torch = self._torch
-        uint8 = torch.uint8
-        dev = self.device
-        head = wire.slot_head(len(raw), in_slot)
-        n = wire.SLOT_HEAD + (len(raw) if in_slot else 0)
-        # Pinned staging from torch's caching host allocator: the copy records its
-        # stream, so the block is not reused before the copy has read it.
-        staging = torch.empty(n, dtype=uint8, pin_memory=True)
-        view = staging.numpy()
-        view[: wire.SLOT_HEAD] = memoryview(head)
-        if in_slot:
-            view[wire.SLOT_HEAD:] = memoryview(raw)
-        peer = self.peer_rank
-        slot_pg = self._slot_pgs[self._out]
-        try:
-            if sp.slot:
-                slot = torch.empty(slot_bytes, dtype=uint8, device=dev)
-                slot[:n].copy_(staging, non_blocking=True)
-                start = wire.slot_start(len(raw))
-                parts: list[Any] = []
-                end = 0
-                for flat in sp.slot:
-                    at = wire._align(end)
-                    if at > end:
-                        parts.append(self._pad[: at - end])
-                    parts.append(flat)
-                    end = at + int(flat.numel())
-                torch.cat(parts, out=slot[start: start + end])
-                slot_pg.send([slot], peer, 0).wait()
-                return
-            with torch.cuda.stream(self._send_stream):
-                slot = torch.empty(slot_bytes, dtype=uint8, device=dev)
-                slot[:n].copy_(staging, non_blocking=True)
-                slot_pg.send([slot], peer, 0)
-            bulk = sp.p2p
-            if not in_slot:
-                env = torch.empty(len(raw), dtype=uint8, pin_memory=True)
-                env.numpy()[:] = memoryview(raw)
-                bulk = [env.to(dev, non_blocking=True), *bulk]
-            if bulk:
-                for w in self._post(self._pgs[self._out], bulk, send=True):
-                    w.wait()  # the caller's stream waits for the sends: reuse is safe
-        except RuntimeError as exc:
-            raise self._translate(exc, None) from exc
+        with torch.cuda.device(self.device):
+            for w in self._post(self._pgs[self._out], bulk, send=True):
+                try:
+                    w.wait()
+                except RuntimeError as exc:
+                    raise self._translate(exc, None) from exc
+            self._sent_event.record()  # close waits for the last sends with it
 
-    def _send_gloo(self, raw: bytes, in_slot: bool, sp: wire.SendPlan, slot_bytes: int) -> None:
-        """Post one payload's slot and bulk buffers on gloo; the reaper keeps them alive
-        until sent (gloo reads them when the receiver is ready)."""
-        import numpy as np
-
-        torch = self._torch
-        slot = np.zeros(slot_bytes, dtype=np.uint8)
-        slot[: wire.SLOT_HEAD] = memoryview(wire.slot_head(len(raw), in_slot))
-        if in_slot:
-            slot[wire.SLOT_HEAD: wire.SLOT_HEAD + len(raw)] = memoryview(raw)
-        if sp.slot:
-            at = wire.slot_start(len(raw))
-            end = 0
-            for flat in sp.slot:
-                start = wire._align(end)
-                n = int(flat.numel())
-                slot[at + start: at + start + n] = flat.numpy()
-                end = start + n
-        bulk = sp.p2p if in_slot else [torch.frombuffer(bytearray(raw), dtype=torch.uint8), *sp.p2p]
-        st = torch.from_numpy(slot)
-        try:
-            works = [self._slot_pgs[self._out].send([st], self.peer_rank, 0)]
-        except RuntimeError as exc:
-            raise self._translate(exc, None) from exc
-        works += self._post(self._pgs[self._out], bulk, send=True) if bulk else []
-        self._reap_q.put((works, [st, *bulk]))
+    def _send_gloo(self, bulk: list[Any]) -> None:
+        """Post one payload's bulk sends on gloo; the reaper keeps them alive until sent
+        (gloo reads them when the receiver is ready)."""
+        works = self._post(self._pgs[self._out], bulk, send=True)
+        self._reap_q.put((works, bulk))
 
     def _check_repeat(self, key: str, seq: int, deadline: Deadline) -> None:
         """Wait for the credit of a repeated key's payload; raise DuplicateKeyError if the
@@ -1429,6 +1394,7 @@ class NcclConnector(BaseConnector):
         caller has made the link's device current)."""
         op = pg.send if send else pg.recv
         peer = self.peer_rank
+        self._p2p_ops += len(tensors)
         try:
             if self._is_nccl and self.coalesce and len(tensors) > 1:
                 pg._start_coalescing()
@@ -1448,6 +1414,9 @@ class NcclConnector(BaseConnector):
             item = self._reap_q.get()
             if item is None:
                 return
+            if isinstance(item, threading.Event):
+                item.set()  # close waits for the sends queued before it
+                continue
             works, _keep = item
             for w in works:
                 try:
@@ -1465,212 +1434,148 @@ class NcclConnector(BaseConnector):
             return self._peer_error(key)
         return PeerLostError(f"nccl: channel {self.channel!r}: {exc}")
 
-    # ================================================================== receiving
-    def _post_loop(self) -> None:
-        """Post a slot receive for each payload the sender announced on the doorbell (at
-        most ``recv_depth`` at once), read each slot in sequence order as it lands and
-        post its payload's bulk receives (eagerly: a put followed by a get in one thread
-        never deadlocks, and keys may be got in any order). Nothing is posted before the
-        bell of its payload: every receive this thread posts matches sends already
-        queued on the sender's side."""
-        torch = self._torch
-        slot_pg = self._slot_pgs[self._in]
-        peer = self.peer_rank
-        dev = self.device
-        uint8 = torch.uint8
-        slot_bytes = self.slot_bytes
-        nccl = self._is_nccl
-        if nccl:
-            # This thread's own device and stream (thread-local in torch), set once: the
-            # slot buffers come from the slot stream, which waits for their receives.
-            torch.cuda.set_device(dev)
-            torch.cuda.set_stream(self._recv_streams[0])
-        ring = self._ring
-        depth = self.recv_depth
-
-        def post_slot() -> None:
-            if nccl:
-                buf = torch.empty(slot_bytes, dtype=uint8, device=dev)
-                slot_pg.recv([buf], peer, 0).wait()
-                # The slot's bytes reach the host behind its receive, queued now: when
-                # the slot lands, no host round trip stands between it and its reader.
-                host = torch.empty(slot_bytes, dtype=uint8, pin_memory=True)
-                host.copy_(buf, non_blocking=True)
-                # CUDA's default wait spins (the fastest wake-up); it is short: the
-                # slot's send was queued before its bell rang.
-                landed = torch.cuda.Event()
-                landed.record()
-                ring.append((buf, host, landed))
-            else:
-                buf = torch.empty(slot_bytes, dtype=uint8)
-                ring.append((buf, buf, slot_pg.recv([buf], peer, 0)))
-            self._slots_posted += 1
-
-        seq = 0
-        while True:
-            self._pump_seq = seq
-            total = self._recv_total
-            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
-                return
-            # Bells that came meanwhile (never blocks): post their slots, up to the depth.
-            if not self._take_bells(block=False):
-                return
-            while self._slots_posted < self._announced and len(ring) < depth:
-                post_slot()
-            if not ring:
-                # Nothing announced: wait for the next bell with no receive posted.
-                if not self._take_bells(block=True):
-                    return
-                continue
-            buf, host, landed = ring[0]
+    # ============================================================ the doorbell
+    def _progress(self, deadline: Deadline, wanting: bool) -> bool:
+        """Make or await progress for a waiting reader (a get, an aget's waiter); called
+        with ``_cond`` held. If nobody reads the doorbell, read it (until something
+        happened or ``deadline``); if the keeper reads it, ask for it back and wait to be
+        woken; if another get reads it, wait for its news. Returns the new ``wanting``
+        (whether this caller counts in ``_pump_want``; it must take itself out)."""
+        if self._pumper is None:
+            if wanting:
+                self._pump_want -= 1
+                wanting = False
+            self._pumper = threading.get_ident()
+            self._cond.release()
             try:
-                if nccl:
-                    landed.synchronize()
-                else:
-                    _gloo_wait(landed)
-            except RuntimeError as exc:
-                if self._closing or self._peer_state is not None:
-                    return
-                self._peer_gone("lost", f"the process of rank {peer} died or dropped the connection ({exc})")
-                return
-            total = self._recv_total
-            if self._closing or self._peer_state == "lost" or (total is not None and seq >= total):
-                return  # woken by close or by the goodbye, not by a slot
-            ring.popleft()
-            self._take(seq, buf, host)
-            seq += 1
-            self._posted = seq
+                self._pump(deadline)
+            finally:
+                self._cond.acquire()
+                self._pumper = None
+                self._pump_idle_since = time.monotonic()
+                self._cond.notify_all()
+            return wanting
+        if self._pumper == _KEEPER and not wanting:
+            self._pump_want += 1
+            wanting = True
+            cast(_Waker, self._pump_waker).wake()
+        remaining = deadline.remaining()
+        if remaining != 0.0:
+            self._cond.wait(remaining)
+        return wanting
 
-    def _take_bells(self, *, block: bool) -> bool:
-        """Count the doorbells waiting on the socket into ``_announced``; with ``block``,
-        wait (woken by the socket or the waker) until at least one came. ``False`` when
-        the link ended meanwhile. The first message must be the session id, and a bell
-        beyond the send window is a forgery that fails the link."""
-        sock = self._bell_in
+    def _pump(self, deadline: Deadline) -> None:
+        """Read the doorbell (the pumper only, ``_cond`` not held) until a message was
+        handled, a wake-up came or ``deadline`` passed. Before blocking, the credits
+        owed go out (nothing more in hand)."""
         waker = cast(_Waker, self._pump_waker)
         poller = self._bell_poller
-        got = 0
+        try:
+            while True:
+                if self._drain():
+                    return
+                if self._closing or self._peer_state == "lost" or self._link_error is not None:
+                    return
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    return
+                self._flush_credits()
+                events = dict(poller.poll(_poll_ms(remaining)))
+                if waker.rx in events:
+                    waker.drain()
+                    return
+                if not events:
+                    return  # the deadline
+        except zmq.ZMQError as exc:
+            if self._closing:
+                return
+            self._peer_gone("lost", f"the doorbell socket of channel {self.channel!r} failed ({exc})")
+        except (OmnilinkError, RuntimeError) as exc:
+            # A doorbell that cannot be read, or a payload whose receives could not be
+            # posted, leaves no way to stay in step: the link fails with that error
+            # (nothing was allocated for a doorbell that did not validate).
+            if not self._closing:
+                self._fail_link(exc, "doorbell")
+
+    def _drain(self) -> bool:
+        """Take every doorbell message waiting (never blocks) and post the receives of
+        what they announce, in order, as far as the budget allows. The pumper only.
+        Whether anything was taken or posted."""
+        did = bool(self._deferred) and self._post_deferred()
+        sock = self._bell_in
         while True:
-            total = self._recv_total
-            if self._closing or self._peer_state == "lost" or (total is not None and self._pump_seq >= total):
-                return False
             try:
                 raw = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                if got or not block:
-                    return True
-                try:
-                    if waker.rx in dict(poller.poll()):
-                        waker.drain()
-                except zmq.ZMQError:
-                    if self._closing:
-                        return False
-                    raise
-                continue
-            except zmq.ZMQError as exc:
-                if self._closing:
-                    return False
-                self._peer_gone("lost", f"the doorbell socket of channel {self.channel!r} failed ({exc})")
-                return False
-            if not self._bell_authed:
-                if raw != self._sid.encode():
-                    raise BlobDecodeError(
-                        f"nccl: the first message on the doorbell socket of channel {self.channel!r} is "
-                        "not this session's id (another process connected to it)"
-                    )
-                self._bell_authed = True
-                continue
-            if raw != b"\x01" or self._announced - self._pump_seq >= self._peer.send_window:
-                # More announced and unread than the sender's window allows: posting
-                # receives for them could leave one waiting for a send never made.
+                return did
+            self._announce(raw)
+            self._post_deferred()
+            did = True
+
+    def _announce(self, raw: bytes) -> None:
+        """Validate one doorbell message (``wire.read_bell``: nothing allocated before)
+        and queue its payload for posting."""
+        if not self._bell_authed:
+            if raw != self._sid.encode():
                 raise BlobDecodeError(
-                    f"nccl: unexpected doorbell message on channel {self.channel!r} "
-                    f"({len(raw)} bytes, {self._announced - self._pump_seq} payloads already announced)"
+                    f"nccl: the first message on the doorbell socket of channel {self.channel!r} is "
+                    "not this session's id (another process connected to it)"
                 )
-            self._announced += 1
-            got += 1
-
-    def _parse(self, env: wire.Envelope) -> tuple[Any, list[int], int, int]:
-        """``(header, bulk sizes, frame size, SLOT bytes)`` of an envelope, validated.
-
-        What a stage sends chunk after chunk has the same meta, plan and inline sizes:
-        the result of the last ``_META_CACHE`` distinct ones is kept, keyed by all three
-        (the meta bytes fix the descriptors; the plan and inline sizes are what
-        ``wire.parse_meta`` checks against them)."""
-        key = (env.meta, tuple(env.plan), tuple(len(part) for part in env.inline))
-        hit = self._meta_cache.get(key)
-        if hit is not None:
-            return hit
-        header = wire.parse_meta(env)
-        sizes = wire.check_sizes(header, env.plan)
-        frame = blob.peek_header(env.meta)[2]
-        used = wire.slot_layout(header, env.plan)[1]
-        if len(self._meta_cache) >= _META_CACHE:
-            self._meta_cache.clear()
-        hit = self._meta_cache[key] = (header, sizes, frame, used)
-        return hit
-
-    def _take(self, seq: int, slot: Any, host: Any) -> None:
-        """Read the landed slot ``seq`` and post its payload's bulk receives.
-
-        Everything the slot declares is validated, and the payload's size checked
-        against ``max_message_bytes``, before anything is allocated. A slot that cannot
-        be sized leaves no way to stay in step with the sends: it fails the link with
-        its named error (raised to ``_guard``), never with an allocation.
-        """
-        torch = self._torch
-        raw = host.numpy()
-        env_len, in_slot = wire.read_slot_head(raw, self.slot_bytes, self.max_header_bytes)
-        env_raw = raw[wire.SLOT_HEAD: wire.SLOT_HEAD + env_len] if in_slot else self._recv_envelope(env_len)
-        env = wire.decode_envelope(env_raw)
-        if env.seq != seq:
-            raise BlobDecodeError(f"nccl: slot {seq} of channel {self.channel!r} says seq {env.seq}")
-        header, sizes, frame, used = self._parse(env)
-        if frame > self.max_message_bytes:
-            raise CapacityError(
-                f"nccl: rank {self.peer_rank} announced key {env.key!r} of {frame} bytes on channel "
-                f"{self.channel!r}, more than max_message_bytes={self.max_message_bytes}; nothing "
-                "was allocated, and the link cannot continue (the sender ignored the limit)"
+            self._bell_authed = True
+            return
+        window = self._peer.send_window
+        if len(self._deferred) >= window:
+            # More announced and unposted than the sender's window allows.
+            raise BlobDecodeError(
+                f"nccl: doorbell message {self._bell_seq} on channel {self.channel!r} goes beyond the "
+                f"sender's window of {window} payloads announced and not yet posted"
             )
-        sstart = wire.slot_start(env_len)
-        if used:
-            if not in_slot or sstart + used > self.slot_bytes:
-                raise BlobDecodeError(
-                    f"nccl: key {env.key!r} plans {used} bytes of SLOT tensors at {sstart}, beyond its "
-                    f"{self.slot_bytes}-byte slot"
-                )
-        nbytes = sum(sizes)
-        item = _Arrived(seq, env.key, nbytes, frame)
-        with self._cond:
-            # Backpressure: hold off while unread payloads fill the budget.
-            while (
-                self._pending_bytes
-                and self._pending_bytes + nbytes > self.max_pending_bytes
-                and not self._closing
-            ):
-                self._cond.wait()
+        ann = wire.read_bell(
+            raw, seq=self._bell_seq, max_header_bytes=self.max_header_bytes,
+            max_message_bytes=self.max_message_bytes, nccl=self._is_nccl, cache=self._meta_cache,
+            cache_size=_META_CACHE,
+        )
+        self._bell_seq += 1
+        self._deferred.append(ann)
+
+    def _post_deferred(self) -> bool:
+        """Post the announced payloads in order while the receiver's budget allows."""
+        deferred = self._deferred
+        did = False
+        while deferred:
+            ann = deferred[0]
             if self._closing:
-                return
-            if self._inbox.get(env.key):
-                item.duplicate = True  # received below, then dropped with its verdict
-            else:
-                self._pending_bytes += nbytes
-                self._inbox.setdefault(env.key, collections.deque()).append(item)
-                self._consumed.forget(env.key)
-        event = None
-        works: list[Any] = []
+                return did
+            pending = self._pending_bytes
+            if pending and pending + ann.nbytes > self.max_pending_bytes:
+                return did  # backpressure: the application reads first
+            deferred.popleft()
+            self._post_one(ann)
+            did = True
+        return did
+
+    def _post_one(self, ann: wire.Announced) -> None:
+        """Allocate one payload's receive buffers, post its receives (one coalesced
+        group), copy its region to the device, build its views, and list it."""
+        torch = self._torch
+        env = ann.env
+        header = ann.header
         uint8 = torch.uint8
+        seq = env.seq
+        item = _Arrived(seq, env.key, ann.nbytes, ann.frame)
+        bufs: list[Any] = []
+        region: Any = None
+        works: list[Any] = []
         if self._is_nccl:
-            bufs: list[Any] = []
-            if sizes:
-                with torch.cuda.stream(self._recv_streams[1]):
-                    bufs = [torch.empty(n, dtype=uint8, device=self.device) for n in sizes]
-                    works = self._post(self._pgs[self._in], bufs, send=False)
-                    for w in works:
-                        w.wait()  # the bulk stream waits for the receives
+            dev = self.device
+            with torch.cuda.device(dev), torch.cuda.stream(self._recv_stream):
+                if ann.sizes:
+                    bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
+                    for w in self._post(self._pgs[self._in], bufs, send=False):
+                        w.wait()  # the receive stream waits for the receives
                     if wire.STAGED in env.plan:
                         # Host data staged through the device: back to (pinned) host
-                        # memory on the bulk stream, after the receives.
+                        # memory on the receive stream, after the receives.
                         host_bufs = []
                         for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
                             if staged:
@@ -1679,231 +1584,228 @@ class NcclConnector(BaseConnector):
                                 buf = h
                             host_bufs.append(buf)
                         bufs = host_bufs
-                    event = torch.cuda.Event()
-                    event.record()
+                        item.host_wait = True
+                if env.region:
+                    pinned = torch.empty(len(env.region), dtype=uint8, pin_memory=True)
+                    pinned.numpy()[:] = memoryview(env.region)
+                    region = torch.empty(len(env.region), dtype=uint8, device=dev)
+                    region.copy_(pinned, non_blocking=True)
+                if bufs or region is not None:
+                    item.event = torch.cuda.Event()
+                    item.event.record()
             item.device_tensors = [b for b in bufs if b.is_cuda]
-            if wire.SLOT in env.plan:
-                item.device_tensors.append(slot)
-        else:
-            bufs = [torch.empty(n, dtype=uint8) for n in sizes]
-            works = self._post(self._pgs[self._in], bufs, send=False) if bufs else []
-        if not item.duplicate and wire.early_ready(header, env.plan, nccl=self._is_nccl):
-            # Building the payload's views and tree needs none of its bulk bytes: it is
-            # ready now, and get waits for them itself (the completer, which credits
-            # the sender, is not in the way). Without bulk buffers it has landed.
-            landed = event if event is not None else (_Landed() if works else None)
-            self._ready_early(item, env, header, bufs, landed, slot, sstart)
-        self._done_q.put((item, env, header, bufs, works, event, slot, sstart))
-
-    def _recv_envelope(self, n: int) -> Any:
-        """The envelope that did not fit its slot: the payload's first bulk buffer (rare:
-        a huge tree or much inline data), received and brought to the host now."""
-        torch = self._torch
-        pg = self._pgs[self._in]
-        if not self._is_nccl:
-            buf = torch.empty(n, dtype=torch.uint8)
-            for w in self._post(pg, [buf], send=False):
-                _gloo_wait(w)
-            return buf.numpy()
-        with torch.cuda.stream(self._recv_streams[1]):
-            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            for w in self._post(pg, [buf], send=False):
-                w.wait()
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-            host.copy_(buf, non_blocking=True)
-            landed = torch.cuda.Event(blocking=True)
-            landed.record()
-        landed.synchronize()
-        if self._closing or self._peer_state == "lost":
-            raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
-        return host.numpy()
-
-    def _ready_early(
-        self, item: _Arrived, env: wire.Envelope, header: Any, bufs: list[Any], landed: Any, slot: Any,
-        sstart: int,
-    ) -> None:
-        try:
-            views = wire.build_views(
-                header, env.plan, env.inline, bufs, device=self.device, slot=slot, slot_start=sstart,
-            )
-            payload = wire.decode_tree(header, views)
-        except OmnilinkError as exc:
-            logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
-            with self._cond:
+            if region is not None:
+                item.device_tensors.append(region)
+        elif ann.sizes:
+            bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]
+            works = self._post(self._pgs[self._in], bufs, send=False)
+            item.landed = False
+        if wire.early_ready(header, env.plan, nccl=self._is_nccl) or not works:
+            try:
+                views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device, region=region)
+                item.payload = wire.decode_tree(header, views)
+            except OmnilinkError as exc:
+                # Its bytes are (being) received: the stream stays in step, so this bad
+                # payload is an error for its key only and the link keeps serving.
+                logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
                 item.error = exc
                 item.device_tensors = []
-                self._cond.notify_all()
-            return
+        else:
+            item.build = (ann, bufs, region)
         with self._cond:
-            item.event = landed
-            item.payload = payload
-            item.done = True
-            self._ready_count += 1
-            self._cond.notify_all()
+            duplicate = bool(self._inbox.get(env.key))
+            if not duplicate:
+                self._pending_bytes += ann.nbytes
+                self._held += 1
+                self._inbox.setdefault(env.key, collections.deque()).append(item)
+                self._consumed.forget(env.key)
+                self._cond.notify_all()
+        if works:
+            self._done_q.put((item, works))
+        self._posted = seq + 1
+        self._owed += 1
+        self._owed_bytes += ann.nbytes
+        if duplicate:
+            logger.warning(
+                "nccl: channel %r dropped a second payload under key %r (still pending)", self.channel, env.key,
+            )
+        if (
+            duplicate
+            or env.flags & wire.FLAG_REPEAT
+            or self._owed >= self._credit_every
+            or self._owed_bytes >= self._credit_every_bytes
+        ):
+            self._send_credit(seq, duplicate)
+
+    def _flush_credits(self) -> None:
+        """Credit what was posted and not yet credited (the pumper, before it waits)."""
+        if self._owed:
+            self._send_credit(self._posted - 1, False)
+
+    def _send_credit(self, seq: int, duplicate: bool) -> None:
+        self._owed = self._owed_bytes = 0
+        try:
+            self._credit_out.send(wire.encode_credit(seq, duplicate), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if not self._closing and self._peer_state is None:
+                self._peer_gone("lost", f"the credit socket of channel {self.channel!r} failed ({exc})")
+
+    def _keep_loop(self) -> None:
+        """The keeper: read the doorbell while no get does (after ``_KEEPER_GRACE_S``),
+        so that announced payloads are posted and credited while the application does
+        not read (see the module docstring); give it back as soon as a get asks."""
+        cond = self._cond
+        waker = cast(_Waker, self._pump_waker)
+        poller = self._bell_poller
+        while True:
+            with cond:
+                while True:
+                    if self._closing or self._peer_state == "lost" or self._link_error is not None:
+                        return
+                    if self._pumper is None and not self._pump_want:
+                        left = self._pump_idle_since + _KEEPER_GRACE_S - time.monotonic()
+                        if left <= 0:
+                            self._pumper = _KEEPER
+                            break
+                        self._keeper_cond.wait(left)
+                    else:
+                        self._keeper_cond.wait(_KEEPER_LOOK_S)
+            try:
+                while True:
+                    self._drain()
+                    if self._pump_want or self._closing or self._peer_state == "lost" or self._link_error:
+                        break
+                    self._flush_credits()
+                    events = dict(poller.poll())
+                    if waker.rx in events:
+                        waker.drain()
+            except zmq.ZMQError as exc:
+                if not self._closing:
+                    self._peer_gone("lost", f"the doorbell socket of channel {self.channel!r} failed ({exc})")
+                return
+            finally:
+                with cond:
+                    self._pumper = None
+                    cond.notify_all()
 
     def _done_loop(self) -> None:
-        """Wait for each payload's data in order, build it (unless the poster did), credit it."""
-        sock = self._credit_out
-        peer = self._peer
-        # Credits go in batches: an eighth of the sender's window (count and bytes), at
-        # once for a repeated key's verdict, and whenever nothing more is in hand.
-        every = max(1, peer.send_window // 8)
-        every_bytes = max(1, (peer.max_inflight_bytes or self.max_inflight_bytes) // 8)
-        owed = owed_bytes = 0
-        gloo = not self._is_nccl
-        if not gloo:
-            self._torch.cuda.set_device(self.device)
+        """Gloo only: wait for each payload's receives in order and mark it landed (a
+        gloo receive is waited for by one thread, once)."""
         while True:
             entry = self._done_q.get()
             if entry is None:
                 return
-            item, env, header, bufs, works, event, slot, sstart = entry
-            early = item.done or item.error is not None
+            item, works = entry
             try:
-                try:
-                    if event is not None:
-                        event.synchronize()
-                    for w in works:
-                        if gloo:
-                            _gloo_wait(w)  # the data is here
-                        else:
-                            w.wait()  # already complete: raises if NCCL aborted it
-                finally:
-                    if isinstance(item.event, _Landed):
-                        with self._cond:
-                            item.event.set()  # a get waiting for it checks the link state
-                            self._cond.notify_all()
-                if not early:
-                    views = wire.build_views(
-                        header, env.plan, env.inline, bufs, device=self.device, slot=slot, slot_start=sstart,
-                    )
-                    payload = wire.decode_tree(header, views)
-            except BaseException as exc:
-                if self._closing:
-                    return
-                with self._cond:
-                    if not early:
-                        item.error = exc if isinstance(exc, OmnilinkError) else PeerLostError(
-                            f"nccl: receiving key {env.key!r} on channel {self.channel!r} failed: {exc}"
-                        )
-                        item.device_tensors = []
-                    self._recv_done = item.seq + 1
-                    self._cond.notify_all()
-                if not isinstance(exc, OmnilinkError):
+                for w in works:
+                    _gloo_wait(w)
+            except RuntimeError as exc:
+                if not self._closing:
                     self._peer_gone("lost", f"receiving from rank {self.peer_rank} failed ({exc})")
-                    return
-                # Its bytes were all received: the stream is in step, so this bad
-                # payload is an error for its key only and the link keeps serving.
-                logger.warning("nccl: channel %r: key %r is malformed: %s", self.channel, env.key, exc)
-            else:
-                if early:
-                    self._recv_done = item.seq + 1
-                    if self._peer_state is not None:
-                        with self._cond:
-                            self._cond.notify_all()  # a get may wait for what the peer sent
-                else:
-                    with self._cond:
-                        if item.duplicate:
-                            logger.warning(
-                                "nccl: channel %r dropped a second payload under key %r (still pending)",
-                                self.channel, item.key,
-                            )
-                            item.device_tensors = []
-                        else:
-                            item.payload = payload
-                            item.done = True
-                            self._ready_count += 1
-                        self._recv_done = item.seq + 1
-                        self._cond.notify_all()
-            # Drop this thread's references: the payload lives as long as its reader wants.
-            payload = entry = slot = None
-            views = bufs = []
-            owed += 1
-            owed_bytes += item.nbytes
-            if (
-                item.duplicate
-                or env.flags & wire.FLAG_REPEAT
-                or owed >= every
-                or owed_bytes >= every_bytes
-                or self._done_q.empty()
-            ):
-                try:
-                    sock.send(wire.encode_credit(item.seq, item.duplicate), zmq.NOBLOCK)
-                except zmq.ZMQError as exc:
-                    if not self._closing and self._peer_state is None:
-                        self._peer_gone("lost", f"the credit socket of channel {self.channel!r} failed ({exc})")
-                    return
-                owed = owed_bytes = 0
+                return
+            with self._cond:
+                item.landed = True
+                self._cond.notify_all()
 
+    # ================================================================== receiving
     def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
         if self.role == "sender":
             raise ConfigurationError(
                 f"nccl connector on channel {self.channel!r} was opened with role='sender' and cannot get"
             )
-        if block:
-            self._wait_ready(deadline, key)
-        elif not self._ready.is_set():
+        if not block and not self._ready.is_set():
             raise WouldBlock(f"nccl: channel {self.channel!r} is not connected yet")
-        else:
-            self._wait_ready(deadline, key)
-        with self._cond:
-            while True:
-                if self._closing:
-                    raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
-                q = self._inbox.get(key)
-                item = q[0] if q else None
-                landed: Any = None if item is None else item.event
-                landing = landed is not None and not landed.query()
-                if landing and not block:
-                    raise WouldBlock(f"nccl: key {key!r} is still arriving on channel {self.channel!r}")
-                if landing and not isinstance(landed, _Landed):
-                    # A CUDA event: wait for the bytes outside the lock, then look again.
-                    self._cond.release()
-                    try:
-                        landed.synchronize()
-                    except RuntimeError as exc:
-                        raise PeerLostError(
-                            f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}"
-                        ) from exc
-                    finally:
-                        self._cond.acquire()
-                    continue
-                if q and item is not None and not landing and (item.done or item.error is not None):
-                    q.popleft()
-                    if not q:
-                        del self._inbox[key]
-                    self._pending_bytes -= item.nbytes
-                    if item.done:
-                        self._ready_count -= 1
-                    self._consumed.add(key)
-                    self._cond.notify_all()
-                    break
-                if item is None and key in self._consumed:
-                    raise self._consumed.error(self.backend, self.channel, key)
-                # (A gloo payload landing: the completer notifies when it has.)
-                if item is None and self._peer_state is not None and not self._more_may_come():
-                    raise self._peer_error(key)
-                if self._link_error is not None:
-                    raise self._link_error
-                if not block:
-                    raise WouldBlock(f"nccl: key {key!r} has not arrived on channel {self.channel!r}")
-                remaining = deadline.remaining()
-                if remaining == 0.0:
-                    raise self._timeout("get", key, f"rank {self.peer_rank}", deadline.timeout)
-                self._cond.wait(remaining)
+        self._wait_ready(deadline, key)
+        item = self._take(key, deadline, block)
+        return self._hand_out(item, key)
+
+    def _take(self, key: str, deadline: Deadline, block: bool) -> _Arrived:
+        """Take ``key``'s payload from the index, reading the doorbell meanwhile."""
+        cond = self._cond
+        wanting = False
+        looked = False
+        with cond:
+            try:
+                while True:
+                    if self._closing:
+                        raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+                    q = self._inbox.get(key)
+                    if q:
+                        item = q[0]
+                        if item.error is None and not item.landed:
+                            # Gloo bytes on the way: the completer says when they landed.
+                            if not block:
+                                raise WouldBlock(f"nccl: key {key!r} is still arriving on channel {self.channel!r}")
+                        elif item.error is None and item.host_wait and not item.event.query():
+                            if not block:
+                                raise WouldBlock(f"nccl: key {key!r} is still arriving on channel {self.channel!r}")
+                            cond.release()  # host data staged through the device: wait for it
+                            try:
+                                item.event.synchronize()
+                            except RuntimeError as exc:
+                                raise PeerLostError(
+                                    f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}"
+                                ) from exc
+                            finally:
+                                cond.acquire()
+                            continue
+                        else:
+                            q.popleft()
+                            if not q:
+                                del self._inbox[key]
+                            self._pending_bytes -= item.nbytes
+                            self._held -= 1
+                            self._consumed.add(key)
+                            if self._deferred:
+                                cast(_Waker, self._pump_waker).wake()  # room for what waits
+                            return item
+                    else:
+                        if key in self._consumed:
+                            raise self._consumed.error(self.backend, self.channel, key)
+                        if self._link_error is not None:
+                            raise self._link_error
+                        if self._peer_state is not None and not self._more_may_come():
+                            raise self._peer_error(key)
+                        if not block:
+                            if looked or self._pumper is not None:
+                                raise WouldBlock(f"nccl: key {key!r} has not arrived on channel {self.channel!r}")
+                            looked = True
+                            self._progress(deadline, False)  # one look at the doorbell
+                            continue
+                    if self._link_error is not None:
+                        raise self._link_error
+                    if deadline.remaining() == 0.0:
+                        raise self._timeout("get", key, f"rank {self.peer_rank}", deadline.timeout)
+                    if q:
+                        cond.wait(deadline.remaining())  # gloo landing: the completer notifies
+                    else:
+                        wanting = self._progress(deadline, wanting)
+            finally:
+                if wanting:
+                    self._pump_want -= 1
+
+    def _hand_out(self, item: _Arrived, key: str) -> Any:
+        """The payload of an item taken from the index, the caller's stream ordered after
+        its bytes."""
         if item.error is not None:
             raise item.error
-        if item.event is not None and self._peer_state == "lost" and item.seq >= self._recv_done:
-            # Its receives ended because the link was aborted, not because its bytes came.
-            raise self._peer_error(key)
-        self._count(bytes_got=item.frame_bytes)
-        if item.device_tensors:
-            torch = self._torch
-            stream = torch.cuda.current_stream(self.device)
+        if item.build is not None:
+            ann, bufs, region = item.build
+            env = ann.env
+            views = wire.build_views(ann.header, env.plan, env.inline, bufs, device=self.device, region=region)
+            item.payload = wire.decode_tree(ann.header, views)
+            item.build = None
+        event = item.event
+        if event is not None:
+            if self._peer_state == "lost" and not event.query():
+                raise self._peer_error(key)  # its receives were aborted, not completed
+            stream = self._torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
             for t in item.device_tensors:
-                # Allocated on our side stream: keep the allocator from reusing the
+                # Allocated on the receive stream: keep the allocator from reusing the
                 # memory while the caller's stream may still use it.
                 t.record_stream(stream)
+        self._count(bytes_got=item.frame_bytes)
         return item.payload
 
     def _arrivals(self, known: set[str], timeout: float) -> set[str]:
@@ -1912,73 +1814,90 @@ class NcclConnector(BaseConnector):
                 f"nccl connector on channel {self.channel!r} was opened with role='sender' and cannot get"
             )
         deadline = Deadline(timeout)
-        while True:
-            arriving = None
-            with self._cond:
-                if self._closing:
-                    raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
-                avail = set()
-                for k, q in self._inbox.items():
-                    item = q[0] if q else None
-                    if item is None or not (item.done or item.error is not None):
-                        continue
-                    if item.event is not None and not item.event.query():
-                        if k not in known and (arriving is None or item.seq < arriving.seq):
-                            arriving = item
-                        continue
-                    avail.add(k)
-                if not avail <= known:
-                    return avail
-                if self._link_error is not None:
-                    raise self._link_error
-                if self._peer_state is not None and not self._more_may_come() and arriving is None:
-                    raise self._peer_error(None)
-                remaining = deadline.remaining()
-                if not remaining:
-                    return avail
-                if arriving is None:
-                    self._cond.wait(remaining)
-                    continue
-            # A payload whose bytes are still on the wire: its event says when (this is
-            # the waiter thread, which may block; later payloads land after it).
+        if not self._ready.wait(timeout):
+            return set()
+        if self._link_error is not None:
+            raise self._link_error
+        cond = self._cond
+        wanting = False
+        with cond:
             try:
-                arriving.event.synchronize()
-            except RuntimeError:
-                pass  # the link failed: the state says so on the next turn
+                while True:
+                    if self._closing:
+                        raise ClosedError(f"nccl connector on channel {self.channel!r} is closed")
+                    avail = set()
+                    staged = None
+                    landing = False
+                    for k, q in self._inbox.items():
+                        item = q[0]
+                        if item.error is None and not item.landed:
+                            landing = landing or k not in known
+                        elif item.error is None and item.host_wait and not item.event.query():
+                            if k not in known and (staged is None or item.seq < staged.seq):
+                                staged = item
+                        else:
+                            avail.add(k)
+                    if not avail <= known:
+                        return avail
+                    if self._link_error is not None:
+                        raise self._link_error
+                    if self._peer_state is not None and not self._more_may_come() and staged is None and not landing:
+                        raise self._peer_error(None)
+                    if deadline.remaining() == 0.0:
+                        return avail
+                    if staged is not None:
+                        # Bytes on the way to host memory: its event says when (this is
+                        # the waiter thread, which may block).
+                        cond.release()
+                        try:
+                            staged.event.synchronize()
+                        except RuntimeError:
+                            pass  # the link failed: the state says so on the next turn
+                        finally:
+                            cond.acquire()
+                    elif landing:
+                        cond.wait(deadline.remaining())  # the completer notifies
+                    else:
+                        wanting = self._progress(deadline, wanting)
+            finally:
+                if wanting:
+                    self._pump_want -= 1
 
     def _more_may_come(self) -> bool:
-        """After the peer closed: whether payloads it sent are still being received."""
+        """After the peer closed: whether payloads it sent are still to be posted."""
         if self._peer_state == "lost":
             return False
         total = self._recv_total
-        return total is not None and self._recv_done < total
+        return total is not None and (self._bell_seq < total or bool(self._deferred))
 
     def _discard(self, key: str) -> bool:
         with self._cond:
             q = self._inbox.get(key)
-            if not q or not q[0].done:
+            if not q or q[0].error is not None:
                 return False
             item = q.popleft()
             if not q:
                 del self._inbox[key]
             self._pending_bytes -= item.nbytes
-            self._ready_count -= 1
+            self._held -= 1
             self._consumed.add(key, "discarded")
+            if self._deferred:
+                cast(_Waker, self._pump_waker).wake()
             self._cond.notify_all()
         return True
 
     def _in_use(self) -> tuple[int, int]:
         with self._cond:
-            return (self._ready_count, self._pending_bytes)
-
+            return (self._held, self._pending_bytes)
 
     # ==================================================================== closing
     def close(self) -> None:
         """Close the link; idempotent.
 
         A sender first waits (up to ``connect_timeout``) for the payloads it announced to
-        be received, then says goodbye so the peer can tell a clean close from a crash.
-        Calls blocked in this connector raise ``ClosedError``.
+        be posted by the receiver and for its own sends to complete, then says goodbye
+        so the peer can tell a clean close from a crash. Calls blocked in this connector
+        raise ``ClosedError``.
         """
         if self._closed:
             return
@@ -1987,6 +1906,7 @@ class NcclConnector(BaseConnector):
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._keeper_cond.notify_all()
         super().close()
 
     def _linger(self, deadline: Deadline) -> None:
@@ -2003,7 +1923,18 @@ class NcclConnector(BaseConnector):
                     logger.warning("nccl: closing channel %r with payloads not yet received", self.channel)
                     return
                 self._await_credits(remaining, None)
+            # Every receive is posted: let the sends finish before the links go down.
+            if self._is_nccl:
+                self._sent_event.synchronize()
+            elif self._peer_state is None:
+                sent = threading.Event()
+                self._reap_q.put(sent)
+                remaining = deadline.remaining()
+                if not sent.wait(remaining):
+                    logger.warning("nccl: closing channel %r with sends not yet complete", self.channel)
         except OmnilinkError as exc:
+            logger.debug("nccl: closing channel %r: %r", self.channel, exc)
+        except RuntimeError as exc:
             logger.debug("nccl: closing channel %r: %r", self.channel, exc)
         finally:
             self._send_lock.release()
@@ -2028,9 +1959,9 @@ class NcclConnector(BaseConnector):
             watcher = next((t for t in self._threads if "-watcher-" in t.name), None)
             if watcher is not None:
                 watcher.join(wait)
-        # Receives still pending (a payload whose sender died mid-way, a poster in a
-        # slot wait) would never end: end them (an NCCL abort, a gloo connection
-        # closed), which also wakes every thread blocked in one.
+        # Receives still pending (a payload whose sender died mid-way) would never end:
+        # end them (an NCCL abort, a gloo connection closed), which also wakes every
+        # thread blocked in one.
         for pg in self._data_groups():
             self._break_group(pg)
         self._reap_q.put(None)
@@ -2039,21 +1970,25 @@ class NcclConnector(BaseConnector):
         for t in self._threads:
             if t is not me:
                 t.join(2.0)
+        # A get still reading the doorbell returns at its next look (woken above).
+        with self._cond:
+            self._cond.wait_for(lambda: self._pumper is None, 2.0)
+            pumping = self._pumper is not None
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             logger.debug("nccl: threads still blocked at close of %r: %s", self.channel, stuck)
         with self._cond:
             self._inbox.clear()
+            self._deferred.clear()
             self._pending_bytes = 0
-            self._ready_count = 0
-        self._close_sockets(stuck)
+            self._held = 0
+        self._close_sockets(stuck, pumping)
         self._release_claim()
         if not stuck:
             self._pgs.clear()
-            self._slot_pgs.clear()
             self._ctl_pg = None
 
-    def _close_sockets(self, stuck: list[str]) -> None:
+    def _close_sockets(self, stuck: list[str], pumping: bool) -> None:
         """Close the ZeroMQ sockets whose users are done, then the context if all are."""
         if self._zctx is None:
             return
@@ -2067,11 +2002,10 @@ class NcclConnector(BaseConnector):
                 self._send_lock.release()
         else:
             left.append("sender")
-        for thread, parts in (("completer", (self._credit_out,)), ("poster", (self._bell_in, self._pump_waker))):
-            if any(f"-{thread}-" in name for name in stuck):
-                left.append(thread)
-                continue
-            for s in parts:
+        if pumping or any("-keeper-" in name for name in stuck):
+            left.append("doorbell reader")
+        else:
+            for s in (self._credit_out, self._bell_in, self._pump_waker):
                 if s is not None:
                     s.close()
         if left:

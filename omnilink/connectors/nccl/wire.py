@@ -1,28 +1,22 @@
 """What the ``nccl`` backend sends for one payload, and how the receiver rebuilds it.
 
-Everything of a payload travels by point-to-point ``send``/``recv`` of the link's
-process groups, on the same NCCL streams as the data: no side channel carries headers.
-Each direction has two groups (two NCCL communicators): the *slot* group carries one
-fixed-size slot per payload, the *bulk* group the payload's larger buffers. The
-sender rings the receiver's doorbell (one ZeroMQ message) once a payload's sends are
-queued; the receiver then posts its slot receive, and its bulk receives once the slot
-was read. No receive is posted for a payload not yet sent (see the connector).
+Protocol 5. Each payload is at most ONE set of point-to-point operations on the
+direction's *bulk* process group (one NCCL communicator; a coalesced group of sends
+/ receives), plus ONE ZeroMQ message, the *doorbell*, that the sender sends once those
+sends are queued. The doorbell carries the payload's header (its envelope, below): the
+receiver learns everything from it, validates it, then allocates and posts the
+payload's receives, in the order the doorbells came (the order of the sends). A
+payload whose tensors are all small needs no process-group operation at all: host data
+rides the envelope inline, and small device tensors (NCCL) ride its *region*, copied to
+host by the sender and back to the device by the receiver.
 
-Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
+    doorbell message (one ZeroMQ frame, at most the receiver's ``max_header_bytes``;
+    the first message on the socket is the session id)
 
-    offset  size  field
-    0       4     magic b"OLNS"
-    4       4     envelope length E (u32 little-endian)
-    8       4     where the envelope is: 0 in this slot (at 16), 1 first bulk buffer
-    12      4     reserved, 0
-    16      E     envelope (when in the slot)
-    S       ...   SLOT tensors, S = 16 + E rounded up to 64; each at the next multiple
-                  of 64 in descriptor order (the same rule as the pack)
-    ...           the rest of the slot is unspecified (never read)
-
-    envelope  msgpack array  [seq, key, meta, plan, inline, flags]
-      seq     u64     position in the sender's stream (0, 1, 2, ...)
-      key     str     the payload's key
+    envelope  msgpack array  [seq, key, meta, plan, inline, flags, region]
+      seq     u64     position in the sender's stream (0, 1, 2, ...); the receiver
+                      takes doorbells in this order only
+      key     str     the payload's key (1..512 UTF-8 bytes, no NUL)
       meta    bytes   tensor_blob prefix + header (tensor i = descriptor i)
       plan    [u8]    how tensor i travels, one code per descriptor:
                         0 EMPTY   no bytes (numel == 0)
@@ -30,34 +24,35 @@ Slot (``slot_bytes``, fixed per link; the receiver publishes its size)::
                                   of its receive buffer; host data on gloo)
                         2 STAGED  host data on an NCCL link: copied to the sender's
                                   device, sent as a bulk buffer, copied back to host
-                        3 INLINE  small host data (``inline_bytes``, by default on
-                                  NCCL links only), in ``inline``
+                        3 INLINE  small host data (``inline_bytes``), in ``inline``
                         4 PACK    in the pack: one bulk buffer holding every PACK tensor
-                        5 SLOT    in the slot itself (after the envelope)
+                        5 BELL    small device data (NCCL only), in ``region``
       inline  [bytes] the INLINE tensors' bytes, in descriptor order
       flags   u8      bit 0 REPEAT: the sender put this key recently and waits for
                       the receiver's verdict (a duplicate or not) on this payload
+      region  bytes   the BELL tensors, each at the next multiple of 64 in descriptor
+                      order (the pack's rule); the gaps are zero; empty when none
 
-    bulk buffers, in this order: the envelope (only when it did not fit the slot),
-                    the pack (if any PACK tensor), one per P2P/STAGED descriptor
+    bulk buffers, in this order, one coalesced group: the pack (if any PACK tensor),
+                    then one per P2P/STAGED descriptor
 
-    credit message  8-byte little-endian i64  ``seq``: payloads 0..seq fully received
+    credit message  8-byte little-endian i64  ``seq``: the receives of payloads 0..seq
+                    are posted (their receive buffers allocated)
                     + 1 byte verdict  ``1``: payload ``seq`` was dropped because its key
                     was still pending on the receiver (``DuplicateKeyError``), else 0
-                    (credits come back on a ZeroMQ socket, batched: see the connector)
+                    (credits come back on a second ZeroMQ socket, batched: see the
+                    connector)
 
-    doorbell message  1 byte ``0x01``: one more payload's sends are queued (after
-                    the session id, the first message on the socket)
-
-On an NCCL link a slot carries device (SLOT) tensors only when the payload has no bulk
-buffer: such a slot must wait for the caller's stream (its tensors are made there),
-while a slot of header bytes alone is sent from a stream of its own, ahead of the bulk
-data queued behind earlier payloads. So a small payload is ONE operation (its slot), a
-larger one its slot plus one coalesced group of bulk buffers (pack, then large ones).
+A payload's device tensors ride the region only when the payload has nothing for the
+bulk group at all and they total at most ``bell_bytes``: then it costs no NCCL
+operation (the sender waits for its stream to reach the copy to host; see the
+connector). Otherwise they go by the bulk group: small ones together in the pack.
 
 Both ends derive every size and offset from the envelope alone, and the receiver checks
-them (tensor_blob limits, plan against descriptors, the slot region inside the slot,
-``max_message_bytes``) before it allocates anything.
+all of it (``read_bell``: the message's size, the envelope's types and flags, its
+``seq``, the key, the tensor_blob limits, the plan against the descriptors and the link's
+transport, the inline parts and the region against the plan, ``max_message_bytes``)
+before it allocates anything.
 """
 
 from __future__ import annotations
@@ -69,9 +64,10 @@ from typing import Any
 import msgspec
 
 from omnilink import blob
-from omnilink._errors import BlobDecodeError, ConfigurationError
+from omnilink._errors import BlobDecodeError, CapacityError, ConfigurationError
 
 __all__ = [
+    "BELL",
     "CREDIT_SIZE",
     "EMPTY",
     "FLAG_REPEAT",
@@ -79,13 +75,13 @@ __all__ = [
     "P2P",
     "PACK",
     "PACK_MAX_BYTES",
-    "SLOT",
-    "SLOT_HEAD",
     "STAGED",
+    "Announced",
     "Endpoints",
     "Envelope",
     "Hello",
     "SendPlan",
+    "bell_layout",
     "build_views",
     "check_sizes",
     "decode_credit",
@@ -101,29 +97,17 @@ __all__ = [
     "pack_layout",
     "parse_meta",
     "plan_send",
-    "read_slot_head",
-    "slot_head",
-    "slot_layout",
-    "slot_start",
+    "read_bell",
     "staged_transfers",
 ]
 
-EMPTY, P2P, STAGED, INLINE, PACK, SLOT = 0, 1, 2, 3, 4, 5
-_PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE", PACK: "PACK", SLOT: "SLOT"}
+EMPTY, P2P, STAGED, INLINE, PACK, BELL = 0, 1, 2, 3, 4, 5
+_PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE", PACK: "PACK", BELL: "BELL"}
 FLAG_REPEAT = 1
 _FLAGS_KNOWN = FLAG_REPEAT
 
 #: Version of this protocol; both ends must speak the same one.
-PROTOCOL = 4
-
-_SLOT_MAGIC = b"OLNS"
-_SLOT_HEAD = struct.Struct("<4sIII")
-#: Bytes of the slot's fixed head (magic, envelope length, where, reserved).
-SLOT_HEAD = _SLOT_HEAD.size
-#: The envelope's place, third field of the slot head.
-ENV_IN_SLOT, ENV_IN_BULK = 0, 1
-#: Smallest slot a link may use: the head plus a small envelope.
-MIN_SLOT_BYTES = 1024
+PROTOCOL = 5
 
 #: Most bytes one payload's pack holds; further small tensors get their own transfer
 #: (the pack costs the sender a copy and the receiver one buffer shared by its views).
@@ -131,10 +115,11 @@ PACK_MAX_BYTES = 64 << 20
 
 _CREDIT = struct.Struct("<qB")
 CREDIT_SIZE = _CREDIT.size
+_MAX_KEY_BYTES = 512
 
 
 class Envelope(msgspec.Struct, array_like=True, frozen=True):
-    """The envelope of one payload (see the module docstring)."""
+    """The envelope of one payload, the doorbell message (see the module docstring)."""
 
     seq: int
     key: str
@@ -142,6 +127,7 @@ class Envelope(msgspec.Struct, array_like=True, frozen=True):
     plan: list[int]
     inline: list[bytes]
     flags: int = 0
+    region: bytes = b""
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,14 +145,10 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     send_window: int
     #: Largest payload (bytes) this end accepts as a receiver; ``None``: no limit stated.
     max_message_bytes: int | None = None
-    #: Largest header message this end accepts as a receiver; ``None``: no limit stated.
+    #: Largest doorbell message this end accepts as a receiver; ``None``: no limit stated.
     max_header_bytes: int | None = None
-    #: Most bytes this end keeps announced and not yet received as a sender.
+    #: Most bytes this end keeps announced and not yet posted as a sender.
     max_inflight_bytes: int | None = None
-    #: Size of every slot this end receives (the sender sends exactly this many bytes).
-    slot_bytes: int = 16384
-    #: Most slot receives this end keeps posted at once (each for an announced payload).
-    recv_depth: int = 4
 
 
 class Endpoints(msgspec.Struct, frozen=True):
@@ -229,7 +211,8 @@ def encode_envelope(env: Envelope) -> bytes:
 
 
 def decode_envelope(raw: Any) -> Envelope:
-    """Decode an envelope read from a slot (or the first bulk buffer).
+    """Decode a doorbell message's envelope (types and flags only; ``read_bell`` checks
+    the rest).
 
     Raises
     ------
@@ -245,39 +228,119 @@ def decode_envelope(raw: Any) -> Envelope:
     return env
 
 
-def slot_head(env_len: int, in_slot: bool) -> bytes:
-    """The 16-byte head of a slot whose envelope is ``env_len`` bytes."""
-    return _SLOT_HEAD.pack(_SLOT_MAGIC, env_len, ENV_IN_SLOT if in_slot else ENV_IN_BULK, 0)
+class Announced:
+    """A doorbell message the receiver validated: everything needed to allocate and post
+    the payload's receives and to build it.
+
+    Attributes
+    ----------
+    env : Envelope
+    header : blob.BlobHeader
+        The payload's tensor_blob header (validated).
+    sizes : list[int]
+        Byte counts of its bulk buffers, in the order they are received.
+    nbytes : int
+        ``sum(sizes)`` plus the region: what the receiver allocates for it.
+    frame : int
+        The payload's tensor_blob frame size (what ``get`` counts).
+    """
+
+    __slots__ = ("env", "header", "sizes", "nbytes", "frame")
+
+    def __init__(self, env: Envelope, header: Any, sizes: list[int], frame: int) -> None:
+        self.env = env
+        self.header = header
+        self.sizes = sizes
+        self.nbytes = sum(sizes) + len(env.region)
+        self.frame = frame
 
 
-def read_slot_head(raw: Any, slot_bytes: int, max_header_bytes: int) -> tuple[int, bool]:
-    """Validate a slot's head; return ``(envelope length, envelope in the slot)``.
+def read_bell(
+    raw: Any,
+    *,
+    seq: int,
+    max_header_bytes: int,
+    max_message_bytes: int,
+    nccl: bool,
+    cache: dict[Any, tuple[Any, list[int], int]] | None = None,
+    cache_size: int = 256,
+) -> Announced:
+    """Validate one doorbell message; return what it announces. Allocates nothing but
+    the decoded envelope (bounded by the message's size, itself bounded first).
+
+    Parameters
+    ----------
+    raw : bytes-like
+        The message.
+    seq : int
+        The sequence number the receiver expects next (doorbells come in order).
+    max_header_bytes, max_message_bytes : int
+        The receiver's bounds on the message and on the payload's frame.
+    nccl : bool
+        The link's transport: BELL and STAGED exist on NCCL links only, and there host
+        data never travels as P2P or PACK.
+    cache : dict, optional
+        Parsed headers of earlier messages, keyed by (meta, plan, inline sizes, region
+        size); filled here (cleared when it holds ``cache_size``).
 
     Raises
     ------
     BlobDecodeError
-        Not a slot (magic, where, reserved), or an envelope that cannot be where the
-        head says (longer than the slot's room, or than ``max_header_bytes``).
+        Too long, not an envelope, unknown flags, out of sequence, an invalid key, a
+        malformed tensor_blob header, a plan that disagrees with it or with the link,
+        inline parts or a region that disagree with the plan.
+    CapacityError
+        The payload is larger than ``max_message_bytes``.
     """
-    if len(raw) < SLOT_HEAD:
-        raise BlobDecodeError(f"nccl: slot of {len(raw)} bytes, shorter than its {SLOT_HEAD}-byte head")
-    magic, env_len, where, reserved = _SLOT_HEAD.unpack_from(raw, 0)
-    if magic != _SLOT_MAGIC or where not in (ENV_IN_SLOT, ENV_IN_BULK) or reserved:
-        raise BlobDecodeError(
-            f"nccl: malformed slot head (magic {bytes(magic)!r}, where {where}, reserved {reserved})"
+    n = len(raw)
+    if n > max_header_bytes:
+        raise BlobDecodeError(f"nccl: doorbell message of {n} bytes, more than this end's {max_header_bytes}")
+    env = decode_envelope(raw)
+    if env.seq != seq:
+        raise BlobDecodeError(f"nccl: doorbell message says seq {env.seq}, expected {seq} (out of sequence)")
+    key = env.key
+    if not key or "\x00" in key or len(key) > _MAX_KEY_BYTES or len(key.encode("utf-8", "replace")) > _MAX_KEY_BYTES:
+        raise BlobDecodeError(f"nccl: doorbell message {seq} names an invalid key {key[:64]!r}")
+    ck = (env.meta, tuple(env.plan), tuple(len(p) for p in env.inline), len(env.region))
+    hit = cache.get(ck) if cache is not None else None
+    if hit is None:
+        header = parse_meta(env)
+        _check_plan(header, env, nccl)
+        sizes = check_sizes(header, env.plan)
+        frame = blob.peek_header(env.meta)[2]
+        if cache is not None:
+            if len(cache) >= cache_size:
+                cache.clear()
+            cache[ck] = (header, sizes, frame)
+    else:
+        header, sizes, frame = hit
+    if frame > max_message_bytes:
+        raise CapacityError(
+            f"nccl: doorbell message {seq} announces key {key!r} of {frame} bytes, more than "
+            f"max_message_bytes={max_message_bytes}; nothing was allocated, and the link cannot "
+            "continue (the sender ignored the limit)"
         )
-    if env_len == 0 or env_len > max_header_bytes:
-        raise BlobDecodeError(
-            f"nccl: slot announces an envelope of {env_len} bytes (this end accepts 1..{max_header_bytes})"
-        )
-    if where == ENV_IN_SLOT and SLOT_HEAD + env_len > slot_bytes:
-        raise BlobDecodeError(f"nccl: slot holds an envelope of {env_len} bytes, more than its {slot_bytes} bytes")
-    return env_len, where == ENV_IN_SLOT
+    return Announced(env, header, sizes, frame)
 
 
-def slot_start(env_len: int) -> int:
-    """Offset of the first SLOT tensor in a slot whose envelope is ``env_len`` bytes."""
-    return _align(SLOT_HEAD + env_len)
+def _check_plan(header: blob.BlobHeader, env: Envelope, nccl: bool) -> None:
+    """The plan against the link's transport and the region against the plan."""
+    for i, (code, d) in enumerate(zip(env.plan, header.tensors)):
+        if code in (BELL, STAGED) and not nccl:
+            raise BlobDecodeError(
+                f"nccl: tensor {i} of key {env.key!r}: transport {_PLAN_NAMES[code]} on a gloo link"
+            )
+        if code == BELL and d.kind != blob.KIND_TORCH:
+            raise BlobDecodeError(f"nccl: tensor {i} of key {env.key!r}: host data planned BELL")
+        if nccl and code in (P2P, PACK) and d.kind != blob.KIND_TORCH:
+            raise BlobDecodeError(
+                f"nccl: tensor {i} of key {env.key!r}: host data planned {_PLAN_NAMES[code]} on an NCCL link"
+            )
+    _offsets, region = bell_layout(header, env.plan)
+    if len(env.region) != region:
+        raise BlobDecodeError(
+            f"nccl: key {env.key!r} carries a region of {len(env.region)} bytes, its plan needs {region}"
+        )
 
 
 def encode_credit(seq: int, duplicate: bool) -> bytes:
@@ -309,9 +372,11 @@ class SendPlan:
         One transport code per tensor_blob descriptor.
     inline : list[bytes]
         Bytes of the INLINE descriptors.
-    slot : list[Any]
-        Flat uint8 tensors of the SLOT descriptors, in descriptor order (device tensors
-        on NCCL, host ones on gloo), to be copied into the slot.
+    bell : list[tuple[int, Any]]
+        ``(offset in the region, flat uint8 device tensor)`` of the BELL descriptors,
+        in descriptor order: the sender copies them to host into the region.
+    region_bytes : int
+        Size of the region (0 when no BELL descriptor).
     p2p : list[Any]
         The bulk buffers, in order: the pack (if any) then, for each P2P/STAGED
         descriptor, a flat uint8 tensor to send (on the connector's device). On gloo
@@ -320,16 +385,17 @@ class SendPlan:
         tensor_blob frame size of the payload (what ``put`` returns).
     """
 
-    __slots__ = ("meta", "plan", "inline", "slot", "p2p", "nbytes", "p2p_bytes")
+    __slots__ = ("meta", "plan", "inline", "bell", "region_bytes", "p2p", "nbytes", "p2p_bytes")
 
     def __init__(
         self, meta: bytes, plan: list[int], inline: list[bytes], p2p: list[Any], nbytes: int,
-        slot: list[Any] | None = None,
+        bell: list[tuple[int, Any]] | None = None, region_bytes: int = 0,
     ) -> None:
         self.meta = meta
         self.plan = plan
         self.inline = inline
-        self.slot = slot if slot is not None else []
+        self.bell = bell if bell is not None else []
+        self.region_bytes = region_bytes
         self.p2p = p2p
         self.nbytes = nbytes
         self.p2p_bytes = sum(int(t.numel()) for t in p2p)
@@ -340,12 +406,16 @@ def _align(n: int) -> int:
 
 
 def _flat_bytes(t: Any, uint8: Any) -> Any:
-    """A contiguous 1-D uint8 view of ``t`` (one copy only if ``t`` is strided)."""
+    """A contiguous 1-D uint8 view of ``t`` (one copy only if ``t`` is strided).
+
+    A contiguous tensor's items lie one after the other whatever the strides of its
+    size-1 dimensions (a ``[1]`` tensor of stride 2 is contiguous, and ``view`` as bytes
+    refuses it): the flat view is made with unit stride explicitly."""
     if t.requires_grad:
         t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.view(-1).view(uint8) if t.dim() else t.reshape(1).view(uint8)
+    return t.as_strided((t.numel(),), (1,)).view(uint8)
 
 
 def plan_send(
@@ -358,8 +428,7 @@ def plan_send(
     key: str,
     pack_bytes: int = 0,
     pad: Any = None,
-    slot_room: int = 0,
-    slot_bytes: int = 0,
+    bell_bytes: int = 0,
 ) -> SendPlan:
     """Walk ``payload`` and decide how each tensor travels.
 
@@ -371,6 +440,8 @@ def plan_send(
         True when the data path is NCCL (it moves device memory only).
     inline_bytes : int
         Host tensors and arrays of at most this many bytes ride inside the envelope.
+    max_inline_total : int
+        Bound on a payload's inline bytes, region included.
     pack_bytes : int
         Tensors of at most this many bytes that would get a bulk buffer of their own
         travel together in the pack (device tensors on NCCL, host ones on gloo), when
@@ -378,14 +449,11 @@ def plan_send(
     pad : torch.Tensor, optional
         ``FRAME_ALIGN`` zero bytes on ``device`` (padding between packed tensors);
         needed when ``pack_bytes`` is set.
-    slot_room : int
-        Bytes of the slot free for SLOT tensors (device tensors on NCCL, host ones on
-        gloo), filled in descriptor order at 64-byte aligned offsets. On NCCL they stay
-        in the slot only when nothing else needs a bulk buffer (see the module
-        docstring); else they go to the pack.
-    slot_bytes : int
-        The link's slot size: when given, ``slot_room`` is what is left of it once the
-        envelope is in (estimated from above, from this payload's header and key).
+    bell_bytes : int
+        NCCL: when the payload has nothing else for the bulk group and its device
+        tensors take at most this many bytes laid out in the region (64-byte aligned),
+        they ride the doorbell message's region (planned BELL) instead: the payload
+        costs no NCCL operation.
 
     Raises
     ------
@@ -401,15 +469,13 @@ def plan_send(
     prepared = blob.prepare(payload)
     descs = prepared._descs
     sources = prepared._sources
-    if slot_bytes:
-        slot_room = max(0, slot_bytes - slot_start(_envelope_bound(prepared, key, nccl, inline_bytes)))
     plan: list[int] = []
     inline: list[bytes] = []
     singles: list[Any] = []  # (descriptor index, flat tensor) of own bulk buffers
     packable: list[tuple[int, Any]] = []
-    slotted: list[tuple[int, Any]] = []
-    slot_end = 0
     inline_total = 0
+    region = 0  # the region's size, were every device tensor in it
+    staged = False
     cuda_link = device.type == "cuda"
     for i, (d, (kind, src)) in enumerate(zip(descs, sources)):
         if kind == blob.KIND_TORCH:
@@ -438,26 +504,21 @@ def plan_send(
             plan.append(INLINE)
             inline.append(_host_bytes(kind, src))
             continue
-        if host != nccl and nbytes <= slot_room:
-            start = _align(slot_end)
-            if start + nbytes <= slot_room:
-                # Small enough for the slot: no bulk buffer of its own.
-                slot_end = start + nbytes
-                plan.append(SLOT)
-                slotted.append((i, _flat_bytes(src, uint8) if not host else _host_flat(torch, kind, src)))
-                continue
         if not host:
             # Device tensor on the link's device: sent straight from the caller's memory
             # (NCCL orders the send after the caller's stream; the process group keeps
-            # the tensor alive until the send is done), or packed when small.
+            # the tensor alive until the send is done), packed when small, or in the
+            # region (decided below, once the whole payload is known).
             flat = _flat_bytes(src, uint8)
             plan.append(P2P)
+            region = _align(region) + nbytes
             (packable if nbytes <= pack_bytes else singles).append((i, flat))
             continue
         flat = _host_flat(torch, kind, src)
         if nccl:
             # NCCL moves device memory only: stage host data through the device.
             plan.append(STAGED)
+            staged = True
             singles.append((i, flat.to(device, non_blocking=False)))
         else:
             plan.append(P2P)
@@ -467,14 +528,18 @@ def plan_send(
                 # Gloo reads the buffer whenever the receiver is ready, possibly after
                 # put returned: send a private snapshot so the caller may reuse it.
                 singles.append((i, _host_copy(flat) if _shares_memory(flat, src) else flat))
-    if nccl and slotted and (singles or packable):
-        # A slot with device data waits for the caller's stream; one without goes ahead
-        # of the bulk data (module docstring): these join the pack instead.
-        for i, flat in slotted:
-            plan[i] = P2P
-            (packable if int(flat.numel()) <= pack_bytes else singles).append((i, flat))
-        slotted = []
-        packable.sort(key=lambda item: item[0])
+    if (
+        nccl and region and not staged and region <= bell_bytes and inline_total + region <= max_inline_total
+    ):
+        # Nothing but small device tensors for the bulk group: they ride the region.
+        bell: list[tuple[int, Any]] = []
+        end = 0
+        for i, flat in sorted(packable + singles, key=lambda item: item[0]):
+            at = _align(end)
+            bell.append((at, flat))
+            plan[i] = BELL
+            end = at + int(flat.numel())
+        return SendPlan(prepared.meta, plan, inline, [], prepared.nbytes, bell, end)
     p2p: list[Any] = []
     packed: set[int] = set()
     if len(packable) >= 2:
@@ -505,19 +570,7 @@ def plan_send(
     if packable:
         singles.sort(key=lambda item: item[0])
     p2p.extend(t for _, t in singles)
-    return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes, [t for _, t in slotted])
-
-
-def _envelope_bound(prepared: Any, key: str, nccl: bool, inline_bytes: int) -> int:
-    """An upper bound of the envelope's size: its meta, key and inline parts, one byte
-    per plan code, and at most 5 bytes of msgpack head per part plus 32 for the array,
-    seq and flags."""
-    n = len(prepared.meta) + len(key.encode()) + 2 * len(prepared._descs) + 64
-    if inline_bytes:
-        for d, (kind, src) in zip(prepared._descs, prepared._sources):
-            if 0 < d.nbytes <= inline_bytes and (kind != blob.KIND_TORCH or src.device.type == "cpu"):
-                n += d.nbytes + 5
-    return n
+    return SendPlan(prepared.meta, plan, inline, p2p, prepared.nbytes)
 
 
 def _host_copy(flat: Any) -> Any:
@@ -627,8 +680,9 @@ def parse_meta(env: Envelope, header: blob.BlobHeader | None = None) -> blob.Blo
 
 
 def pack_layout(header: blob.BlobHeader, plan: list[int], code: int = PACK) -> tuple[list[int], int]:
-    """Offsets of the descriptors planned ``code`` (PACK: in the pack; SLOT: in the slot's
-    region) in descriptor order, each at the next multiple of 64, and the region's size."""
+    """Offsets of the descriptors planned ``code`` (PACK: in the pack; BELL: in the
+    doorbell's region) in descriptor order, each at the next multiple of 64, and the
+    buffer's size."""
     offsets: list[int] = []
     end = 0
     for c, d in zip(plan, header.tensors):
@@ -639,9 +693,9 @@ def pack_layout(header: blob.BlobHeader, plan: list[int], code: int = PACK) -> t
     return offsets, end
 
 
-def slot_layout(header: blob.BlobHeader, plan: list[int]) -> tuple[list[int], int]:
-    """``pack_layout`` of the SLOT descriptors (offsets from the slot region's start)."""
-    return pack_layout(header, plan, SLOT)
+def bell_layout(header: blob.BlobHeader, plan: list[int]) -> tuple[list[int], int]:
+    """``pack_layout`` of the BELL descriptors (offsets in the region)."""
+    return pack_layout(header, plan, BELL)
 
 
 def check_sizes(header: blob.BlobHeader, plan: list[int]) -> list[int]:
@@ -673,22 +727,23 @@ def staged_transfers(plan: list[int]) -> list[bool]:
 
 def build_views(
     header: blob.BlobHeader, plan: list[int], inline: list[bytes], received: list[Any], *, device: Any,
-    slot: Any = None, slot_start: int = 0,
+    region: Any = None,
 ) -> list[Any]:
-    """One object per descriptor, from the received buffers, the slot and the inline parts.
+    """One object per descriptor, from the received buffers, the region and the inline
+    parts.
 
     ``received`` holds the uint8 tensors of the bulk buffers, in the order of
     ``check_sizes`` (STAGED ones already copied back to host). Device tensors are views
-    of their own receive buffer (PACK ones: of the pack, SLOT ones: of the slot, whose
-    region starts at ``slot_start``); host data is a view of its buffer or a copy of
-    its inline part.
+    of their own receive buffer (PACK ones: of the pack; BELL ones: of ``region``, the
+    doorbell's region copied to the device); host data is a view of its buffer or a copy
+    of its inline part.
 
     Raises
     ------
     BlobDecodeError
         A dtype this build does not have, bool bytes other than 0/1 in host data, host
-        data (a numpy array, a STAGED tensor) in device memory, or SLOT tensors that do
-        not fit the slot.
+        data (a numpy array, a STAGED tensor) in device memory, or BELL tensors that do
+        not fit the region.
     """
     import numpy as np
     import torch
@@ -701,12 +756,11 @@ def build_views(
     offsets, pack_size = pack_layout(header, plan)
     pack: Any = next(it_recv) if pack_size else None
     it_offsets = iter(offsets)
-    slot_offsets, slot_size = slot_layout(header, plan)
-    if slot_size and (slot is None or slot_start + slot_size > int(slot.numel())):
-        raise BlobDecodeError(
-            f"SLOT tensors of {slot_size} bytes from offset {slot_start} do not fit the slot"
-        )
-    it_slot = iter(slot_offsets)
+    bell_buf = region  # (``region`` names each host tensor's bytes below)
+    bell_offsets, bell_size = bell_layout(header, plan)
+    if bell_size and (bell_buf is None or bell_size > int(bell_buf.numel())):
+        raise BlobDecodeError(f"BELL tensors of {bell_size} bytes do not fit the region")
+    it_bell = iter(bell_offsets)
     typed_views: dict[tuple[int, Any], Any] = {}
     bool_code = blob.DTYPE_CODES["bool"][0]
     for i, (code, d) in enumerate(zip(plan, header.tensors)):
@@ -729,10 +783,10 @@ def build_views(
             region = np.frombuffer(bytearray(next(it_inline)), dtype=np.uint8)
             buf = None
         else:
-            if code == PACK or code == SLOT:
-                whole, start = (pack, next(it_offsets)) if code == PACK else (slot, slot_start + next(it_slot))
+            if code == PACK or code == BELL:
+                whole, start = (pack, next(it_offsets)) if code == PACK else (bell_buf, next(it_bell))
                 if d.kind == blob.KIND_TORCH and (whole.is_cuda or d.dtype != bool_code):
-                    # A tensor of the pack or the slot (host bool data goes below, to have
+                    # A tensor of the pack or the region (host bool data goes below, to have
                     # its bytes checked): one as_strided of the buffer's view as its dtype
                     # (made once per dtype), the cheapest view torch makes (a slice and
                     # two views cost 2.5x as much).

@@ -1,0 +1,199 @@
+"""Hypothesis fuzzing of the nccl backend's doorbell decoder (``wire.read_bell``).
+
+The doorbell message is the whole header of a payload (protocol 5): the receiver sizes
+and allocates its receive buffers from it alone, so ``read_bell`` must turn any bytes
+into either a validated announcement or a named error (``BlobDecodeError``, or
+``CapacityError`` for a payload over ``max_message_bytes``) and never anything else.
+What it accepts is consistent: the plan covers every descriptor, the inline parts and
+the region match the plan, the buffers it asks for add up to the descriptors' bytes and
+stay within ``max_message_bytes``, and building the payload from buffers of those sizes
+succeeds or raises a named error. It allocates nothing itself (no torch call at all).
+Inputs: valid messages of random payloads (both transports' plans), the same with
+fields replaced by hostile values, byte-level mutations of them, and raw noise.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from omnilink import BlobDecodeError, CapacityError, blob
+from omnilink.connectors.nccl import wire
+from tests.property.strategies import payloads
+
+MAX_HEADER = 1 << 20
+MAX_MESSAGE = 1 << 20
+
+
+def fuzz(n: int):
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _message(payload, *, seq=0, key="k", bell=False):
+    """The doorbell message a gloo sender would send for ``payload`` (``bell``: the
+    host tensors planned as an NCCL link's BELL region instead, to cover that code)."""
+    sp = wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=64,
+                        max_inline_total=1 << 20, key=key, pack_bytes=256, pad=torch.zeros(64, dtype=torch.uint8))
+    plan, region = list(sp.plan), b""
+    if bell:
+        header = blob._parse_header(memoryview(sp.meta), *blob.peek_header(sp.meta)[:2])
+        end = 0
+        parts = bytearray()
+        for i, d in enumerate(header.tensors):
+            if plan[i] in (wire.P2P, wire.PACK) and d.kind == blob.KIND_TORCH:
+                plan[i] = wire.BELL
+                at = (end + 63) // 64 * 64
+                parts += bytes(at - end) + bytes(d.nbytes)
+                end = at + d.nbytes
+        region = bytes(parts)
+    return wire.encode_envelope(wire.Envelope(seq, key, sp.meta, plan, sp.inline, 0, region))
+
+
+def _check(raw, nccl):
+    """``read_bell`` on ``raw``: a named error, or an announcement that is consistent
+    and builds (from zeroed buffers of the sizes it asks for) or fails by name."""
+    calls = []
+    real = torch.empty
+    torch.empty = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        try:
+            ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=nccl)
+        except (BlobDecodeError, CapacityError):
+            return None
+    finally:
+        torch.empty = real
+    assert calls == [], "read_bell allocated"
+    env, header = ann.env, ann.header
+    assert len(raw) <= MAX_HEADER and ann.frame <= MAX_MESSAGE
+    assert env.seq == 0 and env.key and len(env.key.encode()) <= 512
+    assert len(env.plan) == len(header.tensors)
+    tensor_bytes = sum(d.nbytes for d in header.tensors)
+    inline = sum(len(p) for p in env.inline)
+    assert sum(ann.sizes) + inline + len(env.region) <= tensor_bytes + 64 * (len(header.tensors) + 1)
+    assert ann.nbytes == sum(ann.sizes) + len(env.region)
+    assert len(env.region) == wire.bell_layout(header, env.plan)[1]
+    if not nccl:
+        assert wire.BELL not in env.plan and wire.STAGED not in env.plan
+    bufs = [torch.zeros(n, dtype=torch.uint8) for n in ann.sizes]
+    region = torch.frombuffer(bytearray(env.region), dtype=torch.uint8) if env.region else None
+    try:
+        views = wire.build_views(header, env.plan, env.inline, bufs, device=torch.device("cpu"), region=region)
+        wire.decode_tree(header, views)
+    except BlobDecodeError:
+        pass
+    return ann
+
+
+_hostile_ints = st.sampled_from([0, 1, 2, 5, 7, 255, -1, 1 << 31, 1 << 63, -(1 << 63)])
+_hostile_keys = st.sampled_from(["", "k", "x" * 513, "a\x00b", "\u00e9" * 300])
+_hostile_bytes = st.sampled_from([b"", b"\x00", bytes(64), bytes(4096), b"OLB1", b"\xff" * 30])
+
+
+@st.composite
+def hostile_messages(draw):
+    """A valid message of a random payload, with fields replaced by hostile values."""
+    payload = draw(payloads)
+    bell = draw(st.booleans())
+    raw = _message(payload, bell=bell)
+    fields = list(msgspec.msgpack.decode(raw))
+    for _ in range(draw(st.integers(0, 3))):
+        i = draw(st.integers(0, len(fields) - 1))
+        if i in (0, 5):
+            fields[i] = draw(_hostile_ints)
+        elif i == 1:
+            fields[i] = draw(_hostile_keys)
+        elif i == 2:
+            meta = bytearray(fields[i])
+            if meta and draw(st.booleans()):
+                at = draw(st.integers(0, len(meta) - 1))
+                meta[at] ^= draw(st.integers(1, 255))
+            else:
+                meta = meta[: draw(st.integers(0, len(meta)))]
+            fields[i] = bytes(meta)
+        elif i == 3:
+            plan = list(fields[i])
+            if plan and draw(st.booleans()):
+                plan[draw(st.integers(0, len(plan) - 1))] = draw(st.integers(-1, 9))
+            else:
+                plan = plan + [draw(st.integers(0, 5))] if draw(st.booleans()) else plan[:-1]
+            fields[i] = plan
+        elif i == 4:
+            fields[i] = draw(st.lists(_hostile_bytes, max_size=4))
+        else:
+            fields[i] = draw(_hostile_bytes)
+    if draw(st.booleans()) and len(fields) > 5:
+        fields = fields[: draw(st.integers(0, len(fields)))]
+    return msgspec.msgpack.encode(fields), bell
+
+
+@fuzz(400)
+@given(payloads, st.booleans())
+def test_valid_messages_are_announced_consistently(payload, bell):
+    raw = _message(payload, bell=bell)
+    ann = _check(raw, nccl=bell)
+    frame = omnilink_frame_size(payload)
+    plan = msgspec.msgpack.decode(raw)[3]
+    # On an NCCL link host data never travels in bulk (it is staged): numpy arrays left
+    # P2P or PACK by the gloo plan are refused there.
+    legal = not bell or not {wire.P2P, wire.PACK} & set(plan)
+    if frame <= MAX_MESSAGE and len(raw) <= MAX_HEADER:
+        assert (ann is not None) == legal
+        if ann is not None:
+            assert ann.frame == frame
+
+
+def omnilink_frame_size(payload):
+    import omnilink
+
+    return omnilink.encoded_size(payload)
+
+
+@fuzz(1500)
+@given(hostile_messages())
+def test_hostile_fields_are_named_errors(case):
+    raw, bell = case
+    _check(raw, nccl=bell)
+    _check(raw, nccl=not bell)
+
+
+@fuzz(1000)
+@given(payloads, st.booleans(), st.data())
+def test_mutated_bytes_are_named_errors(payload, bell, data):
+    raw = bytearray(_message(payload, bell=bell))
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, max(0, len(raw) - 1)))
+        if op == "flip" and raw:
+            raw[at] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del raw[at: at + data.draw(st.integers(1, 16))]
+        else:
+            raw[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    _check(bytes(raw), nccl=bell)
+
+
+@fuzz(500)
+@given(st.binary(max_size=512))
+def test_noise_is_a_named_error(raw):
+    _check(raw, nccl=False)
+    _check(raw, nccl=True)
+
+
+def test_out_of_sequence_and_oversized_are_refused():
+    raw = _message({"t": torch.zeros(300)}, seq=3)
+    for seq in (0, 2, 4):
+        try:
+            wire.read_bell(raw, seq=seq, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False)
+        except BlobDecodeError as exc:
+            assert "out of sequence" in str(exc)
+        else:
+            raise AssertionError("accepted out of sequence")
+    assert wire.read_bell(raw, seq=3, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False)
+    try:
+        wire.read_bell(raw, seq=3, max_header_bytes=MAX_HEADER, max_message_bytes=1000, nccl=False)
+    except CapacityError as exc:
+        assert "max_message_bytes=1000" in str(exc)
+    else:
+        raise AssertionError("accepted over max_message_bytes")
