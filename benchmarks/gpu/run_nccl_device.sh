@@ -4,8 +4,10 @@
 # the install line before this script). Everything is bounded; the whole run ends
 # within 8 minutes:
 #   1. the nccl GPU tests (tests/gpu/test_nccl_gpu.py, among them the lazy-loading hang
-#      scenario) and the conformance suite over NCCL (test_nccl_conformance_two_gpus;
-#      the gloo conformance runs in CI), at most 210 s;
+#      scenario, the doorbell-only small payload and the keeper) and the conformance
+#      suite over NCCL (test_nccl_conformance_two_gpus; the gloo conformance runs in CI),
+#      at most 210 s; each test's name is logged as it starts (-v) and a test still
+#      running after 90 s dumps every thread's stack into the log (faulthandler);
 #   2. bench_nccl over NCCL (1/64/256 MiB streaming, "+16 small", the serial-consumer
 #      rows, the 4 KiB ping-pong), 3 rounds, at most 240 s; a worker that hangs prints
 #      its threads' stacks (faulthandler) before the run gives up.
@@ -21,12 +23,12 @@ export PYTHONUNBUFFERED=1 TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=f
 echo "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-unset} CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-unset (LAZY)}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -2
 
-timeout -k 10 210 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+timeout -k 10 210 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout=90 \
   tests/gpu/test_nccl_gpu.py "tests/conformance/test_nccl.py::test_nccl_conformance_two_gpus" \
   > "$OUT/gpu_tests.log" 2>&1
 tests_rc=$?
-echo "== gpu tests rc=$tests_rc (124: timed out)"
-grep -E "passed|failed|error|FAILED|ERROR|Timeout|Thread 0x|File \"" "$OUT/gpu_tests.log" | tail -25
+echo "== gpu tests rc=$tests_rc (124: timed out; the last test named below is the one that hung)"
+grep -E "::|passed|failed|error|FAILED|ERROR|Timeout|Thread 0x|File \"" "$OUT/gpu_tests.log" | grep -v -i warning | tail -45
 
 timeout -k 10 240 python3 benchmarks/bench_nccl.py --backend nccl --rounds 3 --timeout 150 \
   --json "$OUT/nccl-2gpu.json" > "$OUT/bench.log" 2>&1

@@ -66,8 +66,14 @@ def test_nccl_conformance_gloo_tcpstore(check):
 
 
 def _run_two_gpu_suite(out) -> None:
-    """Child process body: every check over NCCL, results as {name: message or ""}."""
+    """Child process body: every check over NCCL, results as {name: message or ""}. A
+    hang prints every thread's stack (faulthandler) and ends the child before the test
+    gives up on it."""
+    import faulthandler
+
     from omnilink.testing import ConformanceError
+
+    faulthandler.dump_traceback_later(150.0, exit=True)
 
     results = {}
     for name in CHECKS:

@@ -190,10 +190,12 @@ def test_many_payloads_small_window_any_order():
 
 
 @pytest.mark.multigpu
-def test_small_device_payload_is_one_slot(gpu_pair):
-    """A payload that fits the slot travels as ONE NCCL operation: on cuda:1 its tensors
-    are views of the slot, bit-exact, and the sender may overwrite them on its stream
-    right after put (the slot was filled on that stream before put returned)."""
+def test_small_device_payload_rides_the_doorbell(gpu_pair):
+    """A payload whose device tensors are small (at most bell_bytes) and that has nothing
+    else for NCCL costs no NCCL operation: put copies them to host (its stream reaches
+    the copy first), the doorbell carries them, and on cuda:1 they are views of one
+    region buffer, bit-exact, ordered on the getter's stream; the sender may overwrite
+    them on its stream right after put."""
     from omnilink.connectors.nccl import wire
 
     tx, rx = gpu_pair
@@ -206,31 +208,37 @@ def test_small_device_payload_is_one_slot(gpu_pair):
                "host": torch.tensor([1.5, 2.5])}
     sp = wire.plan_send(payload, device=tx.device, nccl=True, inline_bytes=tx.inline_bytes,
                         max_inline_total=tx.max_inline_bytes, key="k", pack_bytes=tx.pack_bytes, pad=tx._pad,
-                        slot_bytes=rx.slot_bytes)
-    assert sp.plan == [wire.SLOT, wire.SLOT, wire.INLINE] and sp.p2p == []
+                        bell_bytes=tx.bell_bytes)
+    assert sp.plan == [wire.BELL, wire.BELL, wire.INLINE] and sp.p2p == []
     expected = {"hidden_states.output": hidden.cpu(), "ids.output": ids.cpu()}
-    for i in range(20):  # many, so that slots are re-posted behind the ring's first ones
+    ops = (tx._p2p_ops, rx._p2p_ops)
+    for i in range(20):
         tx.put(f"one{i}", payload, timeout=WAIT)
         hidden.add_(1)  # queued on the sender's stream after put: must not reach cuda:1
         got = rx.get(f"one{i}", timeout=WAIT)
+        base = got["hidden_states.output"].untyped_storage().data_ptr()
         for name, want in expected.items():
             t = got[name]
             assert t.device == torch.device("cuda:1")
-            assert t.untyped_storage().nbytes() == rx.slot_bytes, f"{name} is not in the slot"
+            assert t.untyped_storage().data_ptr() == base, f"{name} is not in the region"
             assert torch.equal(_bits(t), _bits(want)), (i, name)
         assert got["host"].device.type == "cpu" and got["host"].tolist() == [1.5, 2.5]
         expected["hidden_states.output"] = hidden.cpu()
+    assert (tx._p2p_ops, rx._p2p_ops) == ops
 
 
 @pytest.mark.multigpu
-def test_header_beyond_the_slot_and_packed_small_tensors(gpu_pair):
-    """A header larger than the slot goes first in bulk (its receiver brings it to the
-    host before posting the rest); small device tensors beside a large one travel in
-    the pack, not the slot."""
+def test_large_tree_and_packed_small_tensors(gpu_pair):
+    """A large tree rides the doorbell like any header; small device tensors beside a
+    large one travel in the pack (one coalesced group with it): one operation per
+    tensor buffer on each end, the pack's tensors views of one buffer."""
     tx, rx = gpu_pair
+    tx.wait_connected(WAIT)
+    rx.wait_connected(WAIT)
     names = [f"speaker-{i:05d}" * 8 for i in range(400)]
     big = torch.randn(1 << 20, device="cuda:0")
     small = [torch.full((1024,), float(i), device="cuda:0") for i in range(16)]
+    ops = (tx._p2p_ops, rx._p2p_ops)
     tx.put("tree", {"names": names, "big": big, "small": small}, timeout=WAIT)
     got = rx.get("tree", timeout=WAIT)
     assert got["names"] == names
@@ -239,14 +247,57 @@ def test_header_beyond_the_slot_and_packed_small_tensors(gpu_pair):
     for i, t in enumerate(got["small"]):
         assert t.device == torch.device("cuda:1") and bool((t == float(i)).all())
         assert t.untyped_storage().data_ptr() == base.data_ptr()
-    assert base.nbytes() != rx.slot_bytes  # the pack
+    assert (tx._p2p_ops - ops[0], rx._p2p_ops - ops[1]) == (2, 2)  # the pack and the big one
+
+
+@pytest.mark.multigpu
+def test_get_orders_the_callers_stream_not_the_host(gpu_pair):
+    """get returns with the caller's current stream ordered after the payload's bytes:
+    work queued on that stream (and on a side stream made to wait for it) sees them, for
+    payloads that need NCCL, back to back, read in reverse."""
+    tx, rx = gpu_pair
+    n = 1 << 22  # 16 MiB each: a transfer of its own
+    for i in range(6):
+        tx.put(f"s{i}", {"t": torch.full((n,), float(i), device="cuda:0")}, timeout=WAIT)
+    side = torch.cuda.Stream(device="cuda:1")
+    sums = []
+    for i in reversed(range(6)):
+        t = rx.get(f"s{i}", timeout=WAIT)["t"]
+        side.wait_stream(torch.cuda.current_stream("cuda:1"))
+        with torch.cuda.stream(side):
+            sums.append((i, t.sum()))
+    torch.cuda.synchronize("cuda:1")
+    for i, s in sums:
+        assert s.item() == float(i) * n, i
+
+
+@pytest.mark.multigpu
+def test_sender_stream_goes_on_while_the_receiver_does_not_get():
+    """The keeper: the receiving application calls nothing for a while; the sender's
+    sends (resident on cuda:0 until their receives are posted) complete anyway, so its
+    stream, which waits for them, goes on, and all its puts return."""
+    store = dist.HashStore()
+    with omnilink.connect("nccl", channel="gpu/keeper", role="sender", device="cuda:0", store=store,
+                          send_window=4) as tx, \
+         omnilink.connect("nccl", channel="gpu/keeper", role="receiver", device="cuda:1", store=store) as rx:
+        tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
+        for i in range(12):
+            tx.put(f"k{i}", {"t": torch.full((1 << 20,), float(i), device="cuda:0")}, timeout=WAIT)
+        import threading
+
+        done = threading.Event()
+        threading.Thread(target=lambda: (torch.cuda.synchronize("cuda:0"), done.set()), daemon=True).start()
+        assert done.wait(60), "cuda:0's stream still waits for sends whose receives nobody posted"
+        for i in range(12):
+            assert rx.get(f"k{i}", timeout=WAIT)["t"][0].item() == float(i)
 
 
 @pytest.mark.multigpu
 def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
     """Right after a payload no receive stays posted (the receiver posts one only for a
-    payload whose sends are queued). Work on cuda:1's other streams (more streams than
-    CUDA's default 8 hardware queues) must complete."""
+    payload whose doorbell it read, sent once the sends are queued). Work on cuda:1's
+    other streams (more streams than CUDA's default 8 hardware queues) must complete."""
     import threading
 
     tx, rx = gpu_pair
@@ -267,7 +318,7 @@ def test_receives_posted_ahead_do_not_stall_other_streams(gpu_pair):
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
-    assert done.wait(60), "work on cuda:1 did not finish while slot receives were posted"
+    assert done.wait(60), "work on cuda:1 did not finish beside the link"
     # And the link still works after it.
     tx.put("k2", {"t": torch.full((3,), 2.0, device="cuda:0")}, timeout=WAIT)
     assert rx.get("k2", timeout=WAIT)["t"].tolist() == [2.0, 2.0, 2.0]
@@ -310,7 +361,7 @@ def test_posted_receives_with_one_hardware_queue():
         proc = subprocess.run([sys.executable, "-c", _ONE_QUEUE_SCRIPT], env=env, capture_output=True,
                               text=True, timeout=180)
     except subprocess.TimeoutExpired:
-        pytest.fail("with one hardware queue, work on cuda:1 hung behind the slot receives posted ahead")
+        pytest.fail("with one hardware queue, work on cuda:1 hung behind a receive of the link")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 

@@ -119,3 +119,22 @@ def doomed_receiver(port: int, channel: str, out: Any) -> None:
     rx.wait_connected()
     out.put(("connected", os.getpid(), None))
     threading.Event().wait(WAIT)
+
+
+def streaming_sender(port: int, channel: str, out: Any) -> None:
+    """Rank 0 that puts payloads back to back until it is killed: odd ones need the
+    bulk group (256 KiB), even ones ride the doorbell whole; it reports each put."""
+    _dump_if_hung()
+    import omnilink
+
+    try:
+        with omnilink.connect("nccl", channel=channel, role="sender", backend="gloo", master_port=port,
+                              timeout=WAIT, send_window=8) as tx:
+            i = 0
+            while True:
+                payload = make_payload(i, (256 << 10) if i % 2 else 1024)
+                tx.put(f"s{i}", payload)
+                out.put(("put", f"s{i}", digest(payload)))
+                i += 1
+    except Exception as exc:
+        out.put(("error", type(exc).__name__, str(exc)))

@@ -76,6 +76,47 @@ def test_sender_killed_receiver_gets_peer_lost(procs):
         assert rx.stats().gets == 1
 
 
+def test_sender_killed_mid_stream_receiver_gets_peer_lost(procs):
+    """A sender killed with SIGKILL while it streams (payloads in flight, doorbells
+    queued, sends posted): what it delivered is intact (a payload that came whole in
+    its doorbell stays readable, one whose bytes had not landed is PeerLostError), and
+    the receiver's gets end in PeerLostError, never a hang or a timeout."""
+    import os
+    import signal
+
+    port = workers.free_port()
+    q = CTX.Queue()
+    p = _start(procs, workers.streaming_sender, port, "it/stream-kill", q)
+    sent = 0
+    # The receiver holds at most 4 MiB unread: the sender soon waits for room, with
+    # doorbells unread and sends posted that nobody receives yet.
+    with omnilink.connect("nccl", channel="it/stream-kill", role="receiver", backend="gloo",
+                          master_port=port, connect_timeout=WAIT, max_pending_bytes=4 << 20) as rx:
+        got = {}
+        for i in range(12):
+            got[f"s{i}"] = workers.digest(rx.get(f"s{i}", timeout=WAIT))
+        while sent < 16:  # the sender is ahead: its window is in flight
+            _next(q, "the sender's puts")
+            sent += 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(WAIT)
+        assert p.exitcode == -signal.SIGKILL
+        # A hang would show as TransferTimeout after 20 s (each get's timeout), not as
+        # PeerLostError: the error's type is the check, no clock is.
+        i = 12
+        with pytest.raises((PeerLostError, TransferTimeout)) as info:
+            while True:  # what landed before the kill may still be read, then the error
+                key = f"s{i}"
+                got[key] = workers.digest(rx.get(key, timeout=20.0))
+                i += 1
+        assert isinstance(info.value, PeerLostError), f"expected PeerLostError, got {info.value!r}"
+        for key, d in got.items():  # every payload got is the one put (deterministic)
+            n = int(key[1:])
+            assert d == workers.digest(workers.make_payload(n, (256 << 10) if n % 2 else 1024)), key
+        with pytest.raises(PeerLostError):  # a key that can no longer come, at once
+            rx.get(f"s{i + 1000}", timeout=20.0)
+
+
 def test_receiver_killed_sender_gets_peer_lost(procs):
     """A receiver that dies makes the sender's put fail with PeerLostError (or time out)
     instead of blocking forever."""

@@ -1925,7 +1925,17 @@ class NcclConnector(BaseConnector):
                 self._await_credits(remaining, None)
             # Every receive is posted: let the sends finish before the links go down.
             if self._is_nccl:
-                self._sent_event.synchronize()
+                sent_event = self._sent_event
+                if not sent_event.query():
+                    # In a thread of its own, so the wait is bounded (a CUDA event wait is
+                    # not); it ends at the latest with the abort that close makes.
+                    done = threading.Event()
+                    threading.Thread(
+                        target=lambda: (sent_event.synchronize(), done.set()), daemon=True,
+                        name=f"omnilink-nccl-linger-{self.channel}",
+                    ).start()
+                    if not done.wait(deadline.remaining()):
+                        logger.warning("nccl: closing channel %r with sends not yet complete", self.channel)
             elif self._peer_state is None:
                 sent = threading.Event()
                 self._reap_q.put(sent)
