@@ -412,6 +412,22 @@ def test_keeper_posts_and_credits_while_nobody_gets(store):
             assert float(rx.get(f"k{i}", timeout=WAIT)["t"][0]) == float(i)
 
 
+def test_credits_owed_reach_a_sender_waiting_for_room(store):
+    """A get waiting on the doorbell sends the credits it owes once the doorbell is
+    quiet: a sender whose next payload needs every earlier one credited (it is larger
+    than max_inflight_bytes) gets them, though they are below the batch size."""
+    with _open(store, "sender", inline_bytes=0, max_inflight_bytes=1 << 20) as tx, \
+         _open(store, "receiver") as rx:
+        tx.put("a", {"t": torch.zeros(25_000)}, timeout=WAIT)  # 100 KB: below a batch
+        assert rx.get("a", timeout=WAIT)["t"].shape == (25_000,)
+        got = []
+        reader = threading.Thread(target=lambda: got.append(rx.get("b", timeout=WAIT)))
+        reader.start()  # reads the doorbell, owing the credit of "a"
+        tx.put("b", {"t": torch.zeros(1 << 19)}, timeout=WAIT)  # 2 MiB > max_inflight_bytes
+        reader.join(WAIT)
+        assert got and got[0]["t"].shape == (1 << 19,)
+
+
 def test_forged_doorbell_fails_the_link(store):
     """A doorbell message that is not an envelope fails the link with a named error,
     before any receive is posted for it."""

@@ -118,8 +118,9 @@ Semantics, chosen and tested:
   ``max_inflight_bytes``) are announced and not yet posted by the receiver. Send/recv
   pairs are matched in order, so no payload needs an answer of its own: the receiver
   sends "receives of 0..seq posted" after a batch (an eighth of the window or of the
-  in-flight bytes), at once for a verdict, and before it waits on an empty doorbell;
-  the sender reads credits only when it gets within half of a limit. A ``put`` that
+  in-flight bytes), at once for a verdict, and once the doorbell has been quiet for a
+  millisecond (nothing more in hand: a sender waiting for room gets what is owed); the
+  sender reads credits only when it gets within half of a limit. A ``put`` that
   finds no room waits for credits (woken by the socket) up to its timeout, then raises
   ``TransferTimeout`` having sent nothing. The receiver posts no new payload while the
   ones it holds (posted, unread) exceed ``max_pending_bytes`` (backpressure, as a full
@@ -216,6 +217,9 @@ _KEEPER_GRACE_S = 0.001
 _KEEPER_LOOK_S = 0.002
 #: ``_pumper`` while the keeper thread reads the doorbell.
 _KEEPER = -1
+#: How long a get reading the doorbell waits for more messages before it sends the
+#: credits it owes (see ``_pump``).
+_CREDIT_QUIET_S = 0.001
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -1466,8 +1470,10 @@ class NcclConnector(BaseConnector):
 
     def _pump(self, deadline: Deadline) -> None:
         """Read the doorbell (the pumper only, ``_cond`` not held) until a message was
-        handled, a wake-up came or ``deadline`` passed. Before blocking, the credits
-        owed go out (nothing more in hand)."""
+        handled, a wake-up came or ``deadline`` passed. The credits owed go out once the
+        doorbell has stayed quiet for ``_CREDIT_QUIET_S`` (nothing more in hand; a
+        sender waiting for room may need them), not before each wait: a reader that
+        waits for the next message of a busy link sends none."""
         waker = cast(_Waker, self._pump_waker)
         poller = self._bell_poller
         try:
@@ -1479,8 +1485,14 @@ class NcclConnector(BaseConnector):
                 remaining = deadline.remaining()
                 if remaining == 0.0:
                     return
-                self._flush_credits()
-                events = dict(poller.poll(_poll_ms(remaining)))
+                if self._owed:
+                    quiet = _CREDIT_QUIET_S if remaining is None else min(remaining, _CREDIT_QUIET_S)
+                    events = dict(poller.poll(_poll_ms(quiet)))
+                    if not events:
+                        self._flush_credits()
+                        continue
+                else:
+                    events = dict(poller.poll(_poll_ms(remaining)))
                 if waker.rx in events:
                     waker.drain()
                     return
