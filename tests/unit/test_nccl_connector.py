@@ -412,6 +412,32 @@ def test_keeper_posts_and_credits_while_nobody_gets(store):
             assert float(rx.get(f"k{i}", timeout=WAIT)["t"][0]) == float(i)
 
 
+def test_dual_ends_that_both_put_before_getting_do_not_deadlock(store):
+    """Two dual ends each put more than their window before either gets (on NCCL: each
+    would then sync on its stream, which waits for its sends): the keepers post both
+    directions' receives, so both ends' puts return and everything arrives."""
+    with _open(store, "dual", rank=0, send_window=2, inline_bytes=0) as a, \
+         _open(store, "dual", rank=1, send_window=2, inline_bytes=0) as b:
+        errors = []
+
+        def burst(conn, tag):
+            try:
+                for i in range(8):
+                    conn.put(f"{tag}{i}", {"t": torch.full((1 << 12,), float(i))}, timeout=WAIT)
+            except Exception as exc:  # handed to the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=burst, args=(a, "a")), threading.Thread(target=burst, args=(b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        for i in range(8):
+            assert float(b.get(f"a{i}", timeout=WAIT)["t"][0]) == float(i)
+            assert float(a.get(f"b{i}", timeout=WAIT)["t"][0]) == float(i)
+
+
 def test_credits_owed_reach_a_sender_waiting_for_room(store):
     """A get waiting on the doorbell sends the credits it owes once the doorbell is
     quiet: a sender whose next payload needs every earlier one credited (it is larger

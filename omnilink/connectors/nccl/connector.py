@@ -1547,8 +1547,10 @@ class NcclConnector(BaseConnector):
             max_message_bytes=self.max_message_bytes, nccl=self._is_nccl, cache=self._meta_cache,
             cache_size=_META_CACHE,
         )
-        self._bell_seq += 1
+        # Queued before it is counted, and taken off the queue only once listed: a get
+        # that sees the peer gone then finds it somewhere (``_more_may_come``).
         self._deferred.append(ann)
+        self._bell_seq += 1
 
     def _post_deferred(self) -> bool:
         """Post the announced payloads in order while the receiver's budget allows."""
@@ -1561,8 +1563,8 @@ class NcclConnector(BaseConnector):
             pending = self._pending_bytes
             if pending and pending + ann.nbytes > self.max_pending_bytes:
                 return did  # backpressure: the application reads first
-            deferred.popleft()
             self._post_one(ann)
+            deferred.popleft()
             did = True
         return did
 
