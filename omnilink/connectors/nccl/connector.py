@@ -715,6 +715,8 @@ class NcclConnector(BaseConnector):
         self._lazy_count = send_window // 2  # below these, put reads no credits
         self._lazy_bytes = max_inflight_bytes // 2
         self._sent_event: Any = None  # NCCL: recorded after the last put's sends (close)
+        self._bell_host: Any = None  # NCCL: pinned staging of the region (under _send_lock)
+        self._bell_copied: Any = None
         self._bye_lock = threading.Lock()
         self._bye_sent = False
         self._threads: list[threading.Thread] = []
@@ -1211,11 +1213,11 @@ class NcclConnector(BaseConnector):
                 f"nccl: payload of key {key!r} is {sp.nbytes} bytes, more than the "
                 f"max_message_bytes={limit} rank {self.peer_rank} accepts on channel {self.channel!r}"
             )
-        # Small device tensors that ride the doorbell: to host now (the caller's stream
-        # reaches the copy before put goes on).
-        region: Any = self._stage_region(sp) if sp.bell else b""
         with self._send_lock:
             self._check_send_state(key)
+            # Small device tensors that ride the doorbell: to host now (the caller's
+            # stream reaches the copy before put goes on).
+            region: Any = self._stage_region(sp) if sp.bell else b""
             repeat = key in self._sent_keys
             seq = self._send_seq
             raw = wire.encode_envelope(
@@ -1259,27 +1261,31 @@ class NcclConnector(BaseConnector):
         return sp.nbytes
 
     def _stage_region(self, sp: wire.SendPlan) -> Any:
-        """The region of a payload's BELL tensors, in pinned host memory: copied on the
-        caller's current stream, which put waits for (the copy, and what was queued
-        before it)."""
+        """The region of a payload's BELL tensors, in this end's pinned staging buffer
+        (under ``_send_lock``; the envelope copies it before the next put may): copied
+        on the caller's current stream, which put waits for (the copy, and what was
+        queued before it)."""
         torch = self._torch
-        host = torch.empty(sp.region_bytes, dtype=torch.uint8, pin_memory=True)
-        view = host.numpy()
-        end = 0
         try:
             with torch.cuda.device(self.device):
+                host = self._bell_host
+                if host is None:
+                    host = self._bell_host = torch.empty(self.bell_bytes, dtype=torch.uint8, pin_memory=True)
+                    self._bell_copied = torch.cuda.Event()
+                view = host.numpy()
+                end = 0
                 for at, flat in sp.bell:
                     if at > end:
                         view[end:at] = 0
                     n = int(flat.numel())
                     host[at: at + n].copy_(flat, non_blocking=True)
                     end = at + n
-                copied = torch.cuda.Event()
+                copied = self._bell_copied
                 copied.record()
                 copied.synchronize()
         except RuntimeError as exc:
             raise CudaError(f"nccl: copying the small device tensors of a payload to host failed: {exc}") from exc
-        return memoryview(view)
+        return memoryview(view[: sp.region_bytes])
 
     def _ring_bell(self, raw: bytes, key: str | None) -> None:
         """Announce one payload whose sends are queued: the doorbell message is its
