@@ -663,8 +663,9 @@ class _Sender:
             self.acks[msg.seq] = msg
 
     def _return_empty(self) -> None:
-        empty = [off for off, b in self.extents.items() if not b.used_bytes]
-        for off in empty[1:]:  # keep one empty extent for the next payloads
+        empty = sorted((off for off, b in self.extents.items() if not b.used_bytes),
+                       key=lambda off: self.extents[off].capacity)
+        for off in empty[:-1]:  # keep the largest empty extent for the next payloads
             del self.extents[off]
             try:
                 self.sock.send(wire.encode(wire.Return(offset=off)), zmq.NOBLOCK)  # type: ignore[union-attr]
