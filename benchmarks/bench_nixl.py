@@ -194,6 +194,8 @@ def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
             elif name == "raw-nixl":
                 _raw_wait(agent, key)
                 hidden = dst.view(torch.bfloat16)
+            elif name == "zmq-tcp" and dev != "cpu":
+                hidden = conn.get(key, timeout=WAIT, device=dev)["hidden"]  # the host bounce, landed on the GPU
             else:
                 hidden = conn.get(key, timeout=WAIT)["hidden"]
             if i == 0 and not torch.equal(hidden[:64].cpu(), expect):

@@ -126,6 +126,17 @@ def _check_values(
             raise ConfigurationError(f"nixl: device must be None (host memory) or a CUDA device, got {device!r}")
 
 
+def _cuda_context(device: Any) -> None:
+    """Make ``device``'s CUDA context exist before an agent starts: NIXL's UCX backend
+    binds its progress thread to the context of the first device memory it sees."""
+    import torch
+
+    try:
+        torch.zeros(1, device=torch.device(device))
+    except (RuntimeError, AssertionError) as exc:
+        raise ConfigurationError(f"nixl: device {device!r} is not a usable CUDA device: {exc}") from exc
+
+
 class _Session:
     """What the receiver knows of one sender's connection."""
 
@@ -157,6 +168,8 @@ class _Receiver:
         self.peer_timeout = peer_timeout
         self.lock_file: EndpointLock | None = None
         self.socket_path: str | None = None
+        if device is not None:
+            _cuda_context(device)
         self.agent = Agent(f"omnilink-rx-{os.getpid()}-{secrets.token_hex(6)}")
         self.pool = Pool(self.agent, pool_bytes, device)
         self.releaser = Releaser(self.pool.device if self.pool.mem == "VRAM" else None)
@@ -551,6 +564,8 @@ class _Sender:
         self.heartbeat = heartbeat
         self.device = device
         self.lock = threading.RLock()
+        if device is not None:
+            _cuda_context(device)
         self.agent = Agent(f"omnilink-tx-{os.getpid()}-{secrets.token_hex(6)}")
         self.host_staging = Staging(self.agent)
         self.dev_staging: dict[int, Staging] = {}
