@@ -54,6 +54,8 @@ def test_oversized_fields_refused():
     raw = msgspec.msgpack.encode(["granted", 0, 0, list(range(wire.MAX_FREES + 1))])
     with pytest.raises(BlobDecodeError):
         wire.decode_from_receiver(raw)
+    with pytest.raises(BlobDecodeError):  # invalid UTF-8 in a str (msgspec: UnicodeDecodeError)
+        wire.decode_from_sender(b"\x92\xa5hell\x80")
     with pytest.raises(BlobDecodeError):  # an extra field
         wire.decode_from_sender(msgspec.msgpack.encode(["return", 0, 1]))
 

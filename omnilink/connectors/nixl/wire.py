@@ -165,7 +165,8 @@ def decode_from_sender(raw: bytes | memoryview) -> FromSender:
     """
     try:
         return _from_sender.decode(raw)
-    except msgspec.MsgspecError as exc:
+    # msgspec reports invalid UTF-8 in a str as UnicodeDecodeError, not MsgspecError.
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
         raise BlobDecodeError(f"nixl: malformed control message from a sender: {exc}") from exc
 
 
@@ -179,7 +180,8 @@ def decode_from_receiver(raw: bytes | memoryview) -> FromReceiver:
     """
     try:
         return _from_receiver.decode(raw)
-    except msgspec.MsgspecError as exc:
+    # msgspec reports invalid UTF-8 in a str as UnicodeDecodeError, not MsgspecError.
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
         raise BlobDecodeError(f"nixl: malformed control message from the receiver: {exc}") from exc
 
 
