@@ -26,7 +26,7 @@ and get calls on the live connectors; for zmq whole multipart messages (routing 
 meta, regions, by-reference frames) sent to a live receiver; for nccl side-channel
 envelopes and hellos, each validated and, when it passes, built into a payload from
 buffers of the sizes it declares; for cuda_ipc manifests (numbers and tensor entries
-with dims, strides' inputs and extents up to and past int64) sent by a raw shm sender
+with dims, strides' inputs, extents up to and past int64 and paths into the host tree) sent by a raw shm sender
 to a live receiver's pool.
 
 Usage::
@@ -318,8 +318,6 @@ def shm_input(rng: random.Random) -> dict[str, Any]:
 
 def cuda_ipc_input(rng: random.Random) -> dict[str, Any]:
     """A cuda_ipc message (manifest, host tree, size) as a hostile sender would put it."""
-    import numpy as np
-
     def num() -> int:
         return rng.choice([0, 1, 2, 3, 64, 256, 4096, 1 << 20, 1 << 22, (1 << 63) - 1, -1, -(1 << 40)])
 
@@ -327,33 +325,45 @@ def cuda_ipc_input(rng: random.Random) -> dict[str, Any]:
         return rng.choice([0, 0, 1, 2, 4, 64, 1 << 20, 1 << 31, 1 << 40, 1 << 40, 1 << 62, (1 << 63) - 1,
                            (1 << 63) - 1, 1 << 63, -1])
 
+    def step() -> Any:
+        return rng.choice(["t0", "t1", "t2", "x", 0, 1, 3, -1, 1 << 40, 1.0, True, None, ["t0"]])
+
     kind = rng.randrange(8)
     if kind == 0:  # malformed shapes of the message itself
-        m: Any = rng.choice(["x", None, [], [1, 2, 3], [np.zeros(5, dtype=np.int64)], {"a": 1}])
+        m: Any = rng.choice(["x", None, [], [1, 2, 3], [1, 1, 0, 0, 4096], [1, 1, 0, 0, 4096, [], 0], {"a": 1}])
     else:
         # Mostly numbers the receiver accepts, so that the tensor entries are reached.
         nums = [rng.choice([1, 1, 1, 2, num()]), rng.choice([1, 1, 2, num()]), rng.choice([0, 0, 0, 1, 3, num()]),
                 rng.choice([0, 0, 0, 256, 4096, num()]), rng.choice([4096, 4096, 256, 1 << 16, num()])]
-        arr = np.array([v if -(1 << 63) <= v < (1 << 63) else -1 for v in nums], dtype=np.int64)
+        nums = [v if -(1 << 63) <= v < (1 << 63) else -1 for v in nums]
         if rng.random() < 0.1:
-            arr = arr.astype(rng.choice([np.int32, np.float64]))
+            nums[rng.randrange(5)] = rng.choice([1.0, True, "1", None])
         entries = []
         for i in range(rng.choice([0, 1, 1, 2, 3])):
             ndim = rng.choice([0, 1, 2, 2, 3, 3, 4, 65])
-            shape = [dim() for _ in range(ndim)]
+            shape: Any = [dim() for _ in range(ndim)]
             if rng.random() < 0.5 and shape:
                 shape[rng.randrange(len(shape))] = 0  # empty, with the other dims hostile
-            entries.append([rng.choice([i, i, i, 0, -1, 1 << 20, 1.0, True]), rng.choice([1, 6, 9, 9, 13, 99, "x"]),
-                            rng.choice([0, 0, 0, 64, 3, num()]), rng.choice([0, 0, 0, 16, 4, num()])] + shape)
-        m = [arr, entries]
+            if rng.random() < 0.05:
+                shape = rng.choice([4, None, "x", (1, 2)])
+            path: Any = [step() for _ in range(rng.choice([0, 1, 1, 1, 2, 3, 70]))]
+            if rng.random() < 0.6:
+                path = [f"t{i}"]  # mostly a place the host tree has
+            if rng.random() < 0.05:
+                path = rng.choice(["t0", None, 0])
+            entry = [rng.choice([1, 6, 9, 9, 13, 99, "x"]), rng.choice([0, 0, 0, 64, 3, num()]),
+                     rng.choice([0, 0, 0, 16, 4, num()]), shape, path]
+            if rng.random() < 0.05:
+                entry = entry[: rng.randrange(5)] if rng.random() < 0.5 else entry + [0]
+            entries.append(entry)
+        m = [*nums, entries]
     import torch
 
     n_host = rng.choice([0, 1, 2, 3])
-    host: Any = {f"t{i}": torch.empty(0, dtype=rng.choice([torch.float32, torch.int64, torch.uint8]))
-                 for i in range(n_host)}
+    host: Any = {f"t{i}": rng.choice([None, None, None, 0, [None], (None, 1)]) for i in range(n_host)}
     if rng.random() < 0.1:
-        host = rng.choice([None, [torch.ones(2)], {"t0": torch.ones(3)}])
-    return {"m": m, "h": host, "n": rng.choice([1, 0, -1, 1 << 40])}
+        host = rng.choice([None, [None], {"t0": torch.ones(3)}, (None,), "x"])
+    return {"d": m, "h": host, "n": rng.choice([1, 0, -1, 1 << 40])}
 
 
 GENERATORS = {"decoder": decoder_input, "shm": shm_input, "zmq": zmq_input, "nccl": nccl_input,

@@ -295,6 +295,15 @@ BLOCKS = (
     Block("serial-gpu-h100-mps", ("serial-gpu-h100-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
+    Block("serial-gpu-2xh200", ("serial-gpu-2xh200.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --json FILE "
+          "(benchmarks/gpu/run_serial_device.sh)", render_serial),
+    Block("serial-gpu-2xh200-mps", ("serial-gpu-2xh200-mps.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
+    Block("serial-gpu-cross-2xh200", ("serial-gpu-cross-2xh200.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --src cuda:0 --dst cuda:1 "
+          "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
     Block("cuda-ipc-h100-mps", ("cuda-ipc-h100-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_cuda_ipc.py --cases same --json FILE", render_pivot),
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),

@@ -10,7 +10,8 @@ __all__ = ["payload_to_device"]
 
 
 def payload_to_device(obj: Any, device: Any) -> Any:
-    """Return ``obj`` with every torch tensor moved to ``device`` (other leaves kept).
+    """Return ``obj`` with every torch tensor moved to ``device`` (other leaves kept; a
+    tensor already there is kept as it is).
 
     Raises
     ------

@@ -33,3 +33,14 @@ def test_quick_serial_run_has_every_road_and_a_timeline(tmp_path):
     for row in rec["rows"]:
         assert row["p50_us"] > 0 and row["copy_us"] > 0 and row["target_us"] > row["copy_us"], row
     assert rec["machine"]["src"] == rec["machine"]["dst"] == "cuda:0"
+
+
+@pytest.mark.skipif(_REASON is not None, reason=f"the cuda_ipc backend is unavailable: {_REASON}")
+def test_call_costs_times_every_operation(tmp_path):
+    out = tmp_path / "costs.json"
+    r = subprocess.run([sys.executable, "benchmarks/gpu/call_costs.py", "--number", "200", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 16 and all(row["us"] > 0 for row in rows)
+    assert any("cudaMemcpyAsync" in row["op"] for row in rows)

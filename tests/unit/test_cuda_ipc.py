@@ -211,52 +211,64 @@ def _raw_sender(rx):
     return ShmConnector(channel=f"{rx.channel}/cuda-ipc", role="sender", arena_bytes=1 << 20, linger=0)
 
 
-_PH = torch.empty(0, dtype=torch.float32)
-
-
 def _m(gen, seq, slot, block, total, entries):
-    """A manifest as the sender writes it: [int64 numbers, tensor entries]."""
-    return [np.array((gen, seq, slot, block, total), dtype=np.int64), entries]
+    """A manifest as the sender writes it: [gen, seq, slot, block, size, tensors], each
+    tensor [dtype code, offset, nbytes, shape, path]."""
+    return [gen, seq, slot, block, total, entries]
 
 
-_GOOD = _m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]])
+_X = [9, 0, 16, [4], ["x"]]  # a float32 tensor of 4 at the payload's "x"
+_GOOD = _m(1, 1, 0, 0, 256, [_X])
 
 
 @pytest.mark.parametrize("manifest,host", [
-    ("not a list", {"x": _PH}),
-    ([1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]], {"x": _PH}),              # the numbers as plain ints
-    ([np.array((1, 1, 0, 0), dtype=np.int64), [[0, 9, 0, 16, 4]]], {"x": _PH}),      # 4 numbers
-    ([np.array((1, 1, 0, 0, 256), dtype=np.int32), [[0, 9, 0, 16, 4]]], {"x": _PH}),  # not int64
-    ([np.array((1, 1, 0, 0, 256), dtype=np.float64), [[0, 9, 0, 16, 4]]], {"x": _PH}),
-    ([torch.tensor((1, 1, 0, 0, 256)), [[0, 9, 0, 16, 4]]], {"x": _PH}),  # a tensor, not an array
-    (_m(1, 1, 99, 0, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),            # slot out of range
-    (_m(1, 1, 0, 4 << 20, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),       # block outside the pool
-    (_m(1, 1, 0, 100, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),           # block misaligned
-    (_m(1, 1, 0, 0, -256, [[0, 9, 0, 16, 4]]), {"x": _PH}),            # negative size
-    (_m(1, 1, 0, 0, 257, [[0, 9, 0, 16, 4]]), {"x": _PH}),             # size not a multiple of ALIGN
-    (_m(0, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]), {"x": _PH}),             # generation 0
-    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 12, 4]]), {"x": _PH}),             # nbytes != numel*itemsize
-    (_m(1, 1, 0, 0, 256, [[0, 9, 248, 16, 4]]), {"x": _PH}),           # region past the block
-    (_m(1, 1, 0, 0, 256, [[0, 99, 0, 16, 4]]), {"x": _PH}),            # unknown dtype
-    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4], [0, 9, 0, 16, 4]]), {"x": _PH, "y": _PH}),  # repeated ordinal
-    (_m(1, 1, 0, 0, 256, [[0, 9, 2, 16, 4]]), {"x": _PH}),             # misaligned for the dtype
-    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 16, True]]), {"x": _PH}),          # bool is not a dim
-    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 4] + [1] * 65]), {"x": _PH}),      # too many dims
-    (_m(1, 1, 0, 0, 256, [[3, 9, 0, 16, 4]]), {"x": _PH}),             # ordinal not in payload
-    (_m(1, 1, 0, 0, 256, [[0, 6, 0, 32, 4]]), {"x": _PH}),             # placeholder dtype differs
-    (_m(1, 1, 0, 0, 256, [[0, 9, 0, 16, 4]]), {"x": torch.ones(4)}),   # not an empty placeholder
-    (_m(1, 1, 0, 0, 256, []), {"x": _PH}),
+    ("not a list", {"x": None}),
+    ([1, 1, 0, 0, 256], {"x": None}),                                 # 5 fields
+    ([1, 1, 0, 0, 256, [_X], 0], {"x": None}),                        # 7 fields
+    ((1, 1, 0, 0, 256, [_X]), {"x": None}),                           # a tuple, not a list
+    (_m(1, 1, 0, 0, 256.0, [_X]), {"x": None}),                       # a float size
+    (_m(1, 1, 99, 0, 256, [_X]), {"x": None}),                        # slot out of range
+    (_m(1, 1, 0, 4 << 20, 256, [_X]), {"x": None}),                   # block outside the pool
+    (_m(1, 1, 0, 100, 256, [_X]), {"x": None}),                       # block misaligned
+    (_m(1, 1, 0, 0, -256, [_X]), {"x": None}),                        # negative size
+    (_m(1, 1, 0, 0, 257, [_X]), {"x": None}),                         # size not a multiple of ALIGN
+    (_m(0, 1, 0, 0, 256, [_X]), {"x": None}),                         # generation 0
+    (_m(1, 1, 0, 0, 256, [[9, 0, 12, [4], ["x"]]]), {"x": None}),     # nbytes != numel*itemsize
+    (_m(1, 1, 0, 0, 256, [[9, 248, 16, [4], ["x"]]]), {"x": None}),   # region past the block
+    (_m(1, 1, 0, 0, 256, [[99, 0, 16, [4], ["x"]]]), {"x": None}),    # unknown dtype
+    (_m(1, 1, 0, 0, 256, [_X, _X]), {"x": None}),                     # two tensors, one place
+    (_m(1, 1, 0, 0, 256, [[9, 2, 16, [4], ["x"]]]), {"x": None}),     # misaligned for the dtype
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [True], ["x"]]]), {"x": None}),  # bool is not a dim
+    (_m(1, 1, 0, 0, 256, [[9, 0, 4, [1] * 65, ["x"]]]), {"x": None}), # too many dims
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, 4, ["x"]]]), {"x": None}),       # shape not a list
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["y"]]]), {"x": None}),     # path to no key
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x", 0]]]), {"x": None}),  # path through a None
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], [0]]]), {"x": None}),       # index into a dict
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x", 3]]]), {"x": [None]}),  # index out of range
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x", -1]]]), {"x": [None]}), # negative index
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], [1.5]]]), {"x": None}),     # a float step
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x"] * 65]]), {"x": None}),  # path too deep
+    (_m(1, 1, 0, 0, 256, [_X]), {"x": torch.ones(4)}),                # the place is taken
+    (_m(1, 1, 0, 0, 256, [_X]), {"x": 0}),                            # the place is not None
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], []]]), {"x": None}),        # the payload is no place
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], []], [9, 64, 16, [4], []]]), None),  # two at the root
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x"]], [9, 64, 16, [4], ["x", 0]]]), {"x": None}),  # nested
+    (_m(1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x"], 0]]), {"x": None}),  # six fields in a tensor
+    (_m(1, 1, 0, 0, 256, []), {"x": None}),
 ])
 def test_hostile_manifests_are_refused_before_use(manifest, host):
     ch = _chan()
     with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
         with _raw_sender(rx) as raw:
-            raw.put("bad", {"m": manifest, "h": host, "n": 1}, timeout=5)
+            raw.put("bad", {"d": manifest, "h": host, "n": 1}, timeout=5)
             with pytest.raises(BlobDecodeError, match="cuda_ipc"):
                 rx.get("bad", timeout=5)
-            raw.put("bad2", {"m": None, "h": 1}, timeout=5)  # missing size field
+            raw.put("bad2", {"d": None, "h": 1}, timeout=5)  # missing size field
             with pytest.raises(BlobDecodeError):
                 rx.get("bad2", timeout=5)
+            raw.put("bad3", {"m": _GOOD, "h": {"x": None}, "n": 1}, timeout=5)  # the old key
+            with pytest.raises(BlobDecodeError):
+                rx.get("bad3", timeout=5)
             gc.collect()
             assert rx.stats().blocks_in_use == 0 and not rx._ops.waits
 
@@ -267,19 +279,39 @@ def test_repeated_tensor_entries_are_checked_against_each_block():
     ch = _chan()
     with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
         with _raw_sender(rx) as raw:
-            raw.put("k", {"m": _m(1, 1, 0, 0, 512, [[0, 9, 0, 512, 128]]), "h": {"x": _PH}, "n": 1}, timeout=5)
+            x = [9, 0, 512, [128], ["x"]]
+            raw.put("k", {"d": _m(1, 1, 0, 0, 512, [x]), "h": {"x": None}, "n": 1}, timeout=5)
             with pytest.raises(PeerLostError):  # parsed and remembered; no such sender
                 rx.get("k", timeout=5)
             assert rx._parsed is not None and rx._parsed[1] == 512
-            raw.put("bad", {"m": _m(1, 2, 0, 0, 256, [[0, 9, 0, 512, 128]]), "h": {"x": _PH}, "n": 1}, timeout=5)
+            raw.put("bad", {"d": _m(1, 2, 0, 0, 256, [x]), "h": {"x": None}, "n": 1}, timeout=5)
             with pytest.raises(BlobDecodeError, match="past the block"):
                 rx.get("bad", timeout=5)
             # Floats equal to the remembered ints compare equal: the checked ints are used.
-            again = rx._parse("k2", _m(1, 3, 0, 0, 512, [[0.0, 9, 0, 512.0, 128]]))
+            again = rx._parse("k2", _m(1, 3, 0, 0, 512, [[9.0, 0, 512.0, [128.0], ["x"]]]))
             assert again[5] is rx._parsed[2]
-            assert all(type(again[5][0][i]) is int for i in (0, 2, 3))
+            dt, off, nbytes, shape, _stride, _first, path = again[5][0]
+            assert type(off) is int and type(nbytes) is int and all(type(s) is int for s in shape)
+            assert path == ("x",)
             gc.collect()
             assert rx.stats().blocks_in_use == 0
+
+
+def test_a_payload_that_is_one_tensor_and_tensors_inside_tuples_come_back_whole(pair):
+    tx, rx = pair
+    t = torch.arange(10, dtype=torch.float32)
+    tx.put("one", t, timeout=5)
+    got = rx.get("one", timeout=5)
+    assert torch.equal(got, t) and got.data_ptr() >= rx._pool.ptr
+    payload = {"a": (torch.ones(3), "s", [1, (torch.arange(4), None)]), "b": [torch.zeros(2), {"c": torch.ones(1)}]}
+    tx.put("tup", payload, timeout=5)
+    got = rx.get("tup", timeout=5)
+    assert type(got["a"]) is tuple and type(got["a"][2][1]) is tuple
+    assert torch.equal(got["a"][0], torch.ones(3)) and got["a"][1] == "s" and got["a"][2][0] == 1
+    assert torch.equal(got["a"][2][1][0], torch.arange(4)) and got["a"][2][1][1] is None
+    assert torch.equal(got["b"][0], torch.zeros(2)) and torch.equal(got["b"][1]["c"], torch.ones(1))
+    base, end = rx._pool.ptr, rx._pool.ptr + rx._pool.nbytes
+    assert all(base <= v.data_ptr() < end for v in (got["a"][0], got["a"][2][1][0], got["b"][0], got["b"][1]["c"]))
 
 
 def test_views_of_several_dtypes_and_shapes_are_the_tensors_sent(pair):
@@ -303,7 +335,7 @@ def test_valid_manifest_from_raw_sender_needs_its_events():
     ch = _chan()
     with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
         with _raw_sender(rx) as raw:
-            raw.put("k", {"m": _GOOD, "h": {"x": _PH}, "n": 1}, timeout=5)
+            raw.put("k", {"d": _GOOD, "h": {"x": None}, "n": 1}, timeout=5)
             with pytest.raises(PeerLostError):
                 rx.get("k", timeout=5)
             assert rx.stats().blocks_in_use == 0

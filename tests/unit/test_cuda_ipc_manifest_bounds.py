@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import uuid
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,11 +15,8 @@ from omnilink import BlobDecodeError
 from omnilink.connectors.shm import ShmConnector
 from tests.cuda_ipc_double import HostCudaIpc
 
-_PH = torch.empty(0, dtype=torch.float32)
-
-
 def _m(entries, total=256):
-    return [np.array((1, 1, 0, 0, total), dtype=np.int64), entries]
+    return [1, 1, 0, 0, total, entries]
 
 
 @pytest.fixture
@@ -41,7 +37,7 @@ def rx_raw():
 ])
 def test_an_empty_tensor_whose_other_dims_overflow_int64_is_refused(rx_raw, shape):
     rx, raw = rx_raw
-    raw.put("bad", {"m": _m([[0, 9, 0, 0] + shape]), "h": {"x": _PH}, "n": 1}, timeout=5)
+    raw.put("bad", {"d": _m([[9, 0, 0, shape, ["x"]]]), "h": {"x": None}, "n": 1}, timeout=5)
     with pytest.raises(BlobDecodeError, match="overflows int64"):
         rx.get("bad", timeout=5)
     gc.collect()
@@ -50,8 +46,8 @@ def test_an_empty_tensor_whose_other_dims_overflow_int64_is_refused(rx_raw, shap
 
 def test_a_bad_entry_after_a_good_one_is_refused_and_nothing_is_remembered(rx_raw):
     rx, raw = rx_raw
-    entries = [[0, 9, 0, 16, 4], [1, 9, 64, 0, 0, 2**40, 2**40]]
-    raw.put("bad", {"m": _m(entries), "h": {"x": _PH, "y": _PH}, "n": 1}, timeout=5)
+    entries = [[9, 0, 16, [4], ["x"]], [9, 64, 0, [0, 2**40, 2**40], ["y"]]]
+    raw.put("bad", {"d": _m(entries), "h": {"x": None, "y": None}, "n": 1}, timeout=5)
     with pytest.raises(BlobDecodeError, match="tensor 1: shape"):
         rx.get("bad", timeout=5)
     assert rx._parsed is None  # a refused manifest is never the remembered one
@@ -64,8 +60,8 @@ def test_the_largest_empty_shapes_that_fit_are_views(rx_raw):
     # one whose non-zero dims fit in int64 is a valid (empty) view.
     rx, _raw = rx_raw
     for shape in ([0, 2**30, 2**30], [2**60, 0], [0]):
-        out = rx._parse("ok", _m([[0, 9, 0, 0] + shape]))
-        (_ordinal, _dt, _off, _n, got_shape, stride, _first) = out[5][0]
+        out = rx._parse("ok", _m([[9, 0, 0, shape, ["x"]]]))
+        (_dt, _off, _n, got_shape, stride, _first, _path) = out[5][0]
         assert got_shape == tuple(shape) and all(0 <= s <= (1 << 63) - 1 for s in stride)
         t = torch.empty(64, dtype=torch.float32).as_strided(got_shape, stride, 0)
         assert t.numel() == 0 and tuple(t.shape) == tuple(shape)

@@ -17,12 +17,12 @@ How a payload travels::
       device, publish their handles
     put: allocate a block (first fit, 256-aligned;
       frees drained from the released ring)
-      copy stream (pool's device) waits on an event
-      recorded on the caller's current stream(s)
-      cudaMemcpyAsync per CUDA tensor -> block
-      record slot event; caller's streams wait on
-      the copies (the caller may overwrite its
-      tensors at once; the host never blocks)
+      cudaMemcpyAsync per CUDA tensor -> block on
+      the caller's current stream, record the slot
+      event there (tensors of another GPU: on the
+      pool device's copy stream, after an event of
+      the caller's streams, which then wait on the
+      copies); the host never blocks
       publish (manifest, host part) on an inner
       shm channel                          ---------> get: validate the manifest; the
                                                         caller's current stream waits on the
@@ -37,16 +37,15 @@ Design
 ------
 - **Control plane.** Descriptors, wake-ups, the key contract, heartbeats and the death of
   a sender (``PeerLostError`` in ``get``) come from an inner ``ShmConnector`` on channel
-  ``<channel>/cuda-ipc``. Its message is ``{"m": manifest, "h": host part}``: the host
-  part is the payload with each CUDA tensor replaced by an empty CPU tensor of its dtype;
-  the manifest is ``[numbers, [[ordinal, dtype code, offset in block, nbytes, *shape],
-  ...]]``, where ``numbers`` is an int64 array of ``(generation, seq, slot, block offset,
-  block bytes)`` (the values that change every message ride in the data region, so a
-  stream of same-shaped payloads sends the same header bytes and the receiver decodes
-  them by its cached plan), bounded and validated on receipt (block inside the pool, each region inside the block, ``nbytes == numel *
-  itemsize``, slot in range, ordinals matching empty placeholders of that dtype). The
-  receiver walks the host part in the same order (``omnilink.cuda.map_tensors``) and puts
-  the views back.
+  ``<channel>/cuda-ipc``. Its message is ``{"d": manifest, "h": host part, "n": size}``:
+  the host part is the payload with ``None`` where each CUDA tensor was (one walk of
+  the payload on the sender); the manifest is ``[generation, seq, slot, block offset,
+  block bytes, [[dtype code, offset in block, nbytes, shape, path], ...]]``, ``path``
+  the dict keys and list or tuple indices that lead to the tensor. It is bounded and
+  validated on receipt (block inside the pool, each region inside the block, ``nbytes ==
+  numel * itemsize``, shapes and paths bounded, slot in range), the tensor list once per
+  distinct list (a stream of same-shaped payloads repeats it); each view is put at its
+  path, which must lead to a ``None`` of the host part (no second walk of the payload).
 - **Pool directory** (``directory``): a 0600 segment the receiver creates, named like an
   arena of the receiver (``<prefix>-a<pid>-<token>``, token from the channel name), so
   ``omnilink gc`` and every connector's start-up remove it once its receiver is dead. It

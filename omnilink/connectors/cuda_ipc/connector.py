@@ -23,7 +23,7 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import Deadline, PeerWatch
-from omnilink.blob import DTYPE_CODES, _contiguous_strides, encoded_size
+from omnilink.blob import DTYPE_CODES, MAX_TREE_DEPTH, MAX_TREE_ITEMS, _contiguous_strides, encoded_size
 from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 from omnilink.connectors.cuda_ipc.blocks import ALIGN, BlockAllocator, round_up
 from omnilink.connectors.cuda_ipc.directory import (
@@ -93,19 +93,71 @@ _tables: tuple[dict[Any, int], dict[int, Any]] | None = None
 _ITEMSIZE = {code: size for code, size in DTYPE_CODES.values()}
 
 
-#: dtype -> the empty host tensor that stands for a device tensor in a put's host tree
-_PLACEHOLDERS: dict[Any, Any] = {}
+#: what the payload walks pass through as they are (no container, no tensor)
+_LEAVES = (str, int, float, bool, type(None), bytes)
 
 
-def _placeholder(dtype: Any) -> Any:
-    """The shared empty tensor of ``dtype`` that marks where a device tensor was (one per
-    dtype, never written: the encoder only reads its dtype and shape)."""
-    t = _PLACEHOLDERS.get(dtype)
-    if t is None:
-        import torch
+def _split(payload: Any, is_device: Any, tensor_type: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+    """One walk of ``payload``: the host part (each device tensor replaced by ``None``)
+    and ``[(path, tensor)]`` of the device tensors, ``path`` the dict keys and list or
+    tuple indices that lead to it (``()``: the payload is the tensor)."""
+    found: list[tuple[tuple[Any, ...], Any]] = []
 
-        t = _PLACEHOLDERS[dtype] = torch.empty(0, dtype=dtype)
-    return t
+    def walk(x: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(x, tensor_type):
+            if is_device(x):
+                found.append((path, x))
+                return None
+            return x
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                out[k] = v if type(v) in _LEAVES else walk(v, (*path, k))
+            return out
+        if isinstance(x, (list, tuple)):
+            items = [v if type(v) in _LEAVES else walk(v, (*path, i)) for i, v in enumerate(x)]
+            return items if isinstance(x, list) else tuple(items)
+        return x
+
+    return walk(payload, ()), found
+
+
+class _BadPath(Exception):
+    """A manifest path that does not lead to a ``None`` of the host part."""
+
+
+def _place(node: Any, path: tuple[Any, ...], depth: int, value: Any) -> Any:
+    """``node`` with ``value`` at ``path[depth:]`` in place of the ``None`` there (dicts
+    and lists changed in place, a tuple on the way rebuilt); ``_BadPath`` otherwise."""
+    step = path[depth]
+    t = type(node)
+    if t is dict:
+        if type(step) is not str or step not in node:
+            raise _BadPath
+    elif t is list or t is tuple:
+        if type(step) is not int or not 0 <= step < len(node):
+            raise _BadPath
+    else:
+        raise _BadPath
+    child = node[step]
+    if depth + 1 == len(path):
+        if child is not None:
+            raise _BadPath
+        new = value
+    else:
+        new = _place(child, path, depth + 1, value)
+    if t is tuple:
+        items = list(node)
+        items[step] = new
+        return tuple(items)
+    node[step] = new
+    return node
+
+
+def _tensor_type() -> Any:
+    import torch
+
+    return torch.Tensor
 
 
 def _dtypes() -> tuple[dict[Any, int], dict[int, Any]]:
@@ -442,8 +494,11 @@ class CudaIpcConnector(BaseConnector):
         """Validate a manifest before anything of it is used (a hostile sender cannot
         make the receiver read outside its pool or build a view that lies about its size).
 
-        Returns ``(gen, seq, slot, block, total, tensors)``, each tensor ``(ordinal,
-        dtype, offset, nbytes, shape, contiguous strides, offset in elements)``."""
+        ``m`` is ``[gen, seq, slot, block, total, tensors]``, each tensor ``[dtype code,
+        offset in block, nbytes, shape, path]``. Returns ``(gen, seq, slot, block, total,
+        tensors)``, each tensor ``(dtype, offset, nbytes, shape, contiguous strides,
+        offset in elements, path)``. The tensor list of the last valid manifest is
+        remembered: a stream of same-shaped payloads checks only its extent again."""
         pool = self._open(self._pool)
 
         def bad(why: str) -> BlobDecodeError:
@@ -452,23 +507,16 @@ class CudaIpcConnector(BaseConnector):
         def is_int(x: Any, lo: int = 0, hi: int = _INT64_MAX) -> bool:
             return type(x) is int and lo <= x <= hi
 
-        # [numbers, tensors]: the numbers that change every message (generation,
-        # sequence, event slot, block, size) ride in a 5-int64 array, so that the
-        # header of a stream of same-shaped payloads is the same bytes every time (the
-        # decoder's cached plan, no new plan learned per message).
-        if not isinstance(m, list) or len(m) != 2:
-            raise bad("not a [numbers, tensors] pair")
-        nums, entries = m
-        if type(nums) is not np.ndarray or nums.dtype != np.int64 or nums.shape != (5,):
-            raise bad("numbers are not an array of 5 int64")
-        gen, seq, slot, block, total = nums.tolist()
+        if type(m) is not list or len(m) != 6:
+            raise bad("not [generation, sequence, slot, block, size, tensors]")
+        gen, seq, slot, block, total, entries = m
         if not (is_int(gen, 1) and is_int(seq, 1) and is_int(slot, 0, pool.dir.nslots - 1)):
             raise bad("generation, sequence or event slot out of range")
         if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0 and block + total <= pool.nbytes):
-            raise bad(f"block [{block}, +{total}) is not inside the {pool.nbytes}-byte pool")
+            raise bad(f"block [{block!r}, +{total!r}) is not inside the {pool.nbytes}-byte pool")
         if total % ALIGN:
             raise bad(f"block size {total} is not a multiple of {ALIGN}")
-        if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_TENSORS:
+        if type(entries) is not list or not 1 <= len(entries) <= MAX_TENSORS:
             raise bad("tensor list missing or too long")
         last = self._parsed
         if last is not None and entries == last[0]:
@@ -480,21 +528,22 @@ class CudaIpcConnector(BaseConnector):
             return gen, seq, slot, block, total, last[2]
         _, by_code = _dtypes()
         out = []
-        seen: set[int] = set()
         end = 0
-        for e in entries:
-            if not isinstance(e, list) or not 4 <= len(e) <= 4 + MAX_NDIM:
-                raise bad("tensor entry is not [ordinal, dtype, offset, nbytes, *shape]")
-            ordinal, code, off, nbytes = e[:4]
-            shape = tuple(e[4:])
-            if not is_int(ordinal, 0, MAX_TENSORS) or ordinal in seen:
-                raise bad(f"tensor ordinal {ordinal!r} invalid or repeated")
-            seen.add(ordinal)
+        for i, e in enumerate(entries):
+            if type(e) is not list or len(e) != 5:
+                raise bad(f"tensor {i} is not [dtype, offset, nbytes, shape, path]")
+            code, off, nbytes, shape, path = e
             dt = by_code.get(code) if type(code) is int else None
             if dt is None:
-                raise bad(f"unknown dtype code {code!r}")
-            if not (is_int(off) and is_int(nbytes) and off + nbytes <= total) or not all(is_int(s) for s in shape):
-                raise bad(f"tensor {ordinal}: region [{off!r}, +{nbytes!r}) or shape {shape!r} invalid")
+                raise bad(f"tensor {i}: unknown dtype code {code!r}")
+            if type(shape) is not list or len(shape) > MAX_NDIM or not all(is_int(x) for x in shape):
+                raise bad(f"tensor {i}: shape {shape!r} is not a list of at most {MAX_NDIM} dims >= 0")
+            if (type(path) is not list or len(path) > MAX_TREE_DEPTH
+                    or not all(type(x) is str or is_int(x, 0, MAX_TREE_ITEMS) for x in path)):
+                raise bad(f"tensor {i}: path {path!r} is not a list of at most {MAX_TREE_DEPTH} keys or indices")
+            if not (is_int(off) and is_int(nbytes) and off + nbytes <= total):
+                raise bad(f"tensor {i}: region [{off!r}, +{nbytes!r}) is not inside the block")
+            shape = tuple(shape)
             itemsize = _ITEMSIZE[code]
             numel = 1
             # Bytes the non-zero dims address: every contiguous stride is a product of
@@ -503,19 +552,21 @@ class CudaIpcConnector(BaseConnector):
             # dims before any 0 can zero it. An empty tensor with a 2**40 x 2**40 rest
             # would otherwise reach as_strided (TypeError, or numel overflow).
             span = itemsize
-            for s in shape:
-                numel *= s
-                if s:
-                    span *= s
+            for x in shape:
+                numel *= x
+                if x:
+                    span *= x
             if span > _INT64_MAX:
-                raise bad(f"tensor {ordinal}: shape {shape} overflows int64 (its non-zero dims "
+                raise bad(f"tensor {i}: shape {shape} overflows int64 (its non-zero dims "
                           f"times itemsize {itemsize} exceed 2**63 - 1 bytes)")
             if numel * itemsize != nbytes:
-                raise bad(f"tensor {ordinal}: {nbytes} bytes for shape {shape} of {dt}")
+                raise bad(f"tensor {i}: {nbytes} bytes for shape {shape} of {dt}")
             if off % itemsize:
-                raise bad(f"tensor {ordinal}: offset {off} not aligned to its dtype")
-            out.append((ordinal, dt, off, nbytes, shape, _contiguous_strides(shape), off // itemsize))
+                raise bad(f"tensor {i}: offset {off} not aligned to its dtype")
+            out.append((dt, off, nbytes, shape, _contiguous_strides(shape), off // itemsize, tuple(path)))
             end = max(end, off + nbytes)
+        if len(out) > 1 and any(not t[6] for t in out):
+            raise bad("the payload itself is a tensor, yet the manifest names more than one")
         self._parsed = (entries, end, out)
         return gen, seq, slot, block, total, out
 
@@ -534,61 +585,51 @@ class CudaIpcConnector(BaseConnector):
     def _land_message(self, key: str, obj: Any) -> Any:
         """The payload of a message ``_send`` made, received under ``key`` (here from the
         inner channel; the shm backend's device-IPC route hands over the one it claimed
-        on its own channel): views of the pool, the current stream ordered after the
-        sender's copy (host not blocked)."""
-        if not isinstance(obj, dict) or set(obj) != {"m", "h", "n"} or type(obj["n"]) is not int:
+        on its own channel): views of the pool put where the manifest's paths say, the
+        current stream ordered after the sender's copy (host not blocked)."""
+        if type(obj) is not dict or len(obj) != 3 or type(obj.get("n")) is not int or "d" not in obj or "h" not in obj:
             raise BlobDecodeError(f"cuda_ipc: key {key!r}: not a cuda_ipc message")
-        m, host, size = obj["m"], obj["h"], obj["n"]
+        m, out, size = obj["d"], obj["h"], obj["n"]
         if m is None:
             self._count(bytes_got=size)
-            return host
+            return out
         pool = self._open(self._pool)
         gen, seq, slot, blk, total, entries = self._parse(key, m)
         d = pool.dir
         pool.hold(blk, total)
-        counter = [0]
-        used = [0]
-        views: dict[int, Any] = {}
-
-        def put_back(t: Any) -> Any:
-            i = counter[0]
-            counter[0] += 1
-            v = views.get(i)
-            if v is None:
-                return t
-            if t.numel() != 0 or t.dtype != v.dtype:
-                raise BlobDecodeError(f"cuda_ipc: key {key!r}: tensor {i} of the manifest does not match its placeholder")
-            used[0] += 1
-            return v
-
         try:
             base, lease = self._ops.view(pool.ptr + blk, total, pool.index)
+            views = []
             typed: dict[Any, Any] = {}
-            for ordinal, dt, off, nbytes, shape, stride, first in entries:
+            for dt, off, nbytes, shape, stride, first, path in entries:
                 # One view of the block per dtype, one as_strided per tensor (a slice and
                 # two views per tensor cost twice as much).
                 tv = typed.get(dt)
                 if tv is None:
                     t = base.view(dt)  # the block's size is a multiple of ALIGN (_parse)
                     tv = typed[dt] = (t, t.storage_offset())
-                views[ordinal] = tv[0].as_strided(shape, stride, tv[1] + first)
+                views.append(tv[0].as_strided(shape, stride, tv[1] + first))
             del base, typed
             fin = pool.track(lease, key, blk, total)
             del lease
         except BaseException:
-            views.clear()
+            views = []
             pool.release(None, blk, total)
             raise
         try:
-            # map_tensors' walker is a reference cycle that keeps put_back (and what its
-            # closure holds) until the garbage collector runs: empty the dict it sees.
             try:
-                out = map_tensors(host, put_back)
+                for (*_, path), v in zip(entries, views):
+                    if not path:
+                        if out is not None:
+                            raise _BadPath
+                        out = v
+                    else:
+                        out = _place(out, path, 0, v)
+            except _BadPath:
+                raise BlobDecodeError(f"cuda_ipc: key {key!r}: a manifest path does not lead to a free "
+                                      "place of the payload") from None
             finally:
-                n_views = len(views)
-                views.clear()
-            if used[0] != n_views:
-                raise BlobDecodeError(f"cuda_ipc: key {key!r}: the manifest names tensors the payload does not hold")
+                del views
             if d.get(CLEAN_GEN) != gen:  # the sender's copies may still run: order after them
                 sp = d.get(SENDER_PID)
                 if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
@@ -636,7 +677,7 @@ class CudaIpcConnector(BaseConnector):
 
     def _drop_message(self, key: str, obj: Any) -> bool:
         """Receiver: a message of ``_send`` discarded unread: its block goes back."""
-        m = obj.get("m") if isinstance(obj, dict) else None
+        m = obj.get("d") if isinstance(obj, dict) else None
         pool = self._pool
         if m is not None and pool is not None:
             try:
@@ -680,8 +721,9 @@ class CudaIpcConnector(BaseConnector):
     def _send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
               size: int | None = None, room: Deadline | None = None) -> int:
         """Copy the CUDA tensors of ``payload`` into a block of the receiver's pool and
-        hand ``publish`` the message that describes it (``{"m": manifest, "h": host
-        part, "n": size}``, what ``_land_message`` opens). If ``publish`` raises, the
+        hand ``publish`` the message that describes it (``{"d": manifest, "h": host
+        part, "n": size}``, what ``_land_message`` opens; the host part is the payload
+        with ``None`` where each CUDA tensor was). If ``publish`` raises, the
         block and its event slot are taken back and the error goes on. ``size``: the
         payload's tensor_blob size when the caller knows it; ``room``: the deadline of
         the wait for room in the pool (default ``deadline``)."""
@@ -691,38 +733,26 @@ class CudaIpcConnector(BaseConnector):
                 "and cannot put; open it with role='sender' or 'dual'"
             )
         ops = self._ops
-        picked: list[tuple[int, Any]] = []
-        counter = [0]
-
-        def pick(t: Any) -> Any:
-            i = counter[0]
-            counter[0] += 1
-            if not ops.is_device_tensor(t):
-                return t
-            picked.append((i, t))
-            return _placeholder(t.dtype)
-
         # What put returns (the Connector contract): the payload's tensor_blob size.
         if size is None:
             size = encoded_size(payload)
-        host = map_tensors(payload, pick)
-        # map_tensors' walker is a reference cycle that keeps pick's closure until the
-        # garbage collector runs: hand the tensors over to a list it does not see.
-        picked, chosen = [], picked
+        host, chosen = _split(payload, ops.is_device_tensor, _tensor_type())
         if not chosen:
-            publish({"m": None, "h": host, "n": size})
+            publish({"d": None, "h": host, "n": size})
             return size
         by_dtype, _ = _dtypes()
-        entries: list[list[int]] = []
+        entries: list[list[Any]] = []
         items: list[tuple[int, Any]] = []
         off = 0
-        for ordinal, t in chosen:
+        for path, t in chosen:
             code = by_dtype.get(t.dtype)
             if code is None:
                 from omnilink._errors import BlobEncodeError
 
-                raise BlobEncodeError(f"cuda_ipc: tensor {ordinal} has dtype {t.dtype}, which omnilink cannot carry")
-            t = t.detach()
+                raise BlobEncodeError(f"cuda_ipc: the tensor at {list(path)} has dtype {t.dtype}, which omnilink "
+                                      "cannot carry")
+            if t.requires_grad:
+                t = t.detach()
             if t.is_conj():
                 t = t.resolve_conj()
             if t.is_neg():
@@ -730,11 +760,11 @@ class CudaIpcConnector(BaseConnector):
             if not t.is_contiguous():
                 t = t.contiguous()
             n = t.numel() * t.element_size()
-            off = round_up(off)
-            entries.append([ordinal, code, off, n, *t.shape])
+            off = (off + ALIGN - 1) & -ALIGN
+            entries.append([code, off, n, list(t.shape), list(path)])
             items.append((off, t))
             off += n
-        total = round_up(max(off, 1))
+        total = max((off + ALIGN - 1) & -ALIGN, ALIGN)
         with self._tx_lock:
             self._check_open()
             tx = self._attached(deadline)
@@ -754,9 +784,8 @@ class CudaIpcConnector(BaseConnector):
                 raise
             tx.rec[slot] = seq
             tx.dir.set_rec_seq(slot, seq)
-            manifest = [np.array((tx.gen, seq, slot, blk, total), dtype=np.int64), entries]
             try:
-                publish({"m": manifest, "h": host, "n": size})
+                publish({"d": [tx.gen, seq, slot, blk, total, entries], "h": host, "n": size})
             except BaseException:
                 # Never published: nobody will wait on the slot or read the block; a later
                 # copy into it runs after this one (same copy stream).

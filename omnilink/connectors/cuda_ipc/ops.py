@@ -247,17 +247,37 @@ class CudaDeviceOps:
         return record_producer_events(devices) if devices else None
 
     def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None) -> None:
-        """Copy each ``(dst pointer, contiguous tensor)`` into the pool on the copy stream
-        of device ``index``, after everything the caller queued on the tensors' current
-        streams (or after the ``producer_events`` in ``after``); record ``event`` (the
-        slot's interprocess event) after the copies; make this thread's current streams
-        wait for them. The host does not block; the tensors are kept alive until the
-        copies are done."""
+        """Copy each ``(dst pointer, contiguous tensor)`` into the pool after everything
+        the caller queued on the tensors' current streams (or after the
+        ``producer_events`` in ``after``) and record ``event`` (the slot's interprocess
+        event) after the copies; this thread's current streams are ordered after them
+        (the caller may overwrite its tensors at once). Tensors on the pool's device
+        (and no ``after``): on the caller's current stream itself. Otherwise on the copy
+        stream of device ``index`` (a peer copy from another GPU; an interprocess event
+        must be recorded on a stream of the device that owns the memory), the tensors
+        kept alive until the copies are done. The host does not block."""
         ops = self._ops
+        devices = sorted({t.device.index for _, t in items})
+        if after is None and devices == [index]:
+            # The tensors live on the pool's device: copy on the caller's current stream
+            # (the one that produced them, so no ordering event is needed, and torch's
+            # caching allocator keeps their memory for that stream's later work) and
+            # record the slot's event there: one cudaMemcpyAsync per tensor and one
+            # cudaEventRecord, the hardware's floor, nothing kept alive on the host.
+            stream = current_raw_stream(index)
+            prev = self._on(index)
+            try:
+                for dst, t in items:
+                    n = t.numel() * t.element_size()
+                    if n:
+                        ops.memcpy_d2d(dst, t.data_ptr(), n, stream)
+                self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
+            finally:
+                ops.restore_device(prev)
+            return
         completer = self._completer_get()
         completer.reap()  # frees and releases whose copies are done: here, no hand-off
         stream = self._copy_stream(index)
-        devices = sorted({t.device.index for _, t in items})
         for d in devices:
             if d != index and (index, d) not in self._peers:
                 self._enable_peer(index, d)
@@ -300,12 +320,26 @@ class CudaDeviceOps:
 
     def after_use(self, index: int, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the work queued so far on ``index``'s current stream (the
-        last reader of a freed block) has run."""
+        last reader of a freed block) has run: here and now when that stream has nothing
+        left to run (a consumer that synchronized before dropping its views: its block
+        goes back before its next ``get``, so a sender short of room does not wait for
+        the completion thread), else on the completion thread after an event."""
+        ops = self._ops
+        idle = False
         try:
-            ev = Event(index).record(current_raw_stream(index))
+            stream = current_raw_stream(index)
+            prev = self._on(index)  # a legacy default stream (0) is the current device's
+            try:
+                idle = self.rt.cudaStreamQuery(stream)[0] == ops.success
+            finally:
+                ops.restore_device(prev)
+            ev = None if idle else Event(index).record(stream)
         except Exception:  # pragma: no cover - interpreter or driver teardown
             ev = None
-        self._completer_get().submit(ev, callback)
+        if idle:
+            callback()
+        else:
+            self._completer_get().submit(ev, callback)
 
     def synchronize(self, index: int) -> None:
         """Block until the copy stream of ``index`` has finished (close only)."""

@@ -141,8 +141,9 @@ class DeviceIpcRoute:
     def take(self, key: str, marker: dict, device: Any) -> Any:
         """The payload of the device-IPC message ``marker`` claimed under ``key``: views
         of the pool on its device (the current stream ordered after the sender's copy),
-        moved to ``device`` (a ``torch.device`` with an index) if it is another one; host
-        tensors when ``device`` is ``None``."""
+        moved to ``device`` (a ``torch.device`` with an index) if it is another one, and
+        the payload's CPU tensors moved there too; host tensors when ``device`` is
+        ``None``."""
         rx = self._rx
         if rx is None:
             raise TransportError(
@@ -151,13 +152,15 @@ class DeviceIpcRoute:
                 "per channel when senders use device_ipc)"
             )
         got = rx._land_message(key, marker[IPC_MARK])
-        from omnilink.cuda import map_tensors
+        from omnilink.cuda import map_tensors, payload_to_device
 
         if device is None:
             return map_tensors(got, lambda t: t.cpu() if t.is_cuda else t)
         if device.index != rx.pool_device:
-            return map_tensors(got, lambda t: t.to(device, non_blocking=True) if t.is_cuda else t)
-        return got
+            got = map_tensors(got, lambda t: t.to(device, non_blocking=True) if t.is_cuda else t)
+        # The payload's CPU tensors go to ``device`` too, as on every road (``get``'s
+        # contract); the pool's views, already there, stay as they are.
+        return payload_to_device(got, device)
 
     # ================================================================ sender
     def put(self, key: str, payload: Any, blob: Any, deadline: Any, events: Any) -> int | None:
