@@ -98,7 +98,7 @@ def test_receiver_killed_then_restarted(tls, procs):
         # A receiver restarted on the same (ipc) endpoint is taken back.
         stop2 = CTX.Event()
         p2 = start_process(procs, workers.receiver, tls, channel, q, stop2)
-        assert q.get(timeout=60)[0] == "ready"
+        assert q.get(timeout=120)[0] == "ready"
         deadline = 30.0
         while True:
             try:

@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from omnilink._errors import ConfigurationError, TransportError
+from omnilink._errors import ConfigurationError, PeerLostError, TransportError
 from omnilink._util import Deadline
 
 __all__ = ["Agent", "NIXL_INSTALL", "load_bindings", "nixl_unavailable"]
@@ -92,7 +92,13 @@ def nixl_unavailable() -> str | None:
 
 
 def _nixl_error(exc: BaseException, what: str) -> TransportError:
-    return TransportError(f"nixl: {what} failed: {type(exc).__name__}: {exc}")
+    """NIXL's exception as omnilink's: ``PeerLostError`` when UCX says the peer went away
+    (a SIGKILLed receiver surfaces as ``NIXL_ERR_REMOTE_DISCONNECT`` on the next
+    transfer, before the control channel notices), ``TransportError`` otherwise."""
+    text = f"nixl: {what} failed: {type(exc).__name__}: {exc}"
+    if "RemoteDisconnect" in type(exc).__name__ or "REMOTE_DISCONNECT" in str(exc):
+        return PeerLostError(text)
+    return TransportError(text)
 
 
 class Agent:

@@ -771,10 +771,16 @@ class _Sender:
             self._fill_device(prepared, staging)
             local = (staging.addr, n, staging.dev)
         remote = (welcome.pool_addr + off, n, welcome.dev)
-        req = self.agent.write(local, staging.mem, remote, welcome.mem, self.peer)  # type: ignore[arg-type]
-        if req is None:
-            return None
-        return self.agent.wait(req, deadline, self._check_lost)
+        try:
+            req = self.agent.write(local, staging.mem, remote, welcome.mem, self.peer)  # type: ignore[arg-type]
+            if req is None:
+                return None
+            return self.agent.wait(req, deadline, self._check_lost)
+        except PeerLostError as exc:
+            # UCX saw the receiver go before the control channel did: same as its loss.
+            if not self.lost:
+                self.lost = f"the receiver disconnected ({exc})"
+            raise self._peer_lost("writing a payload") from exc
 
     def _staging_for(self, prepared: Any, welcome: wire.Welcome) -> Staging:
         """Host staging, except for a device pool when this process has CUDA: device
