@@ -623,12 +623,21 @@ class _Sender:
                 self.lost = "the receiver disconnected"
         return self.lost
 
+    def _open_sock(self, what: str) -> Any:
+        """The control socket of the current session (``PeerLostError`` when it was
+        dropped meanwhile: the next put connects again)."""
+        sock = self.sock
+        if sock is None:
+            raise PeerLostError(f"nixl: the session with the receiver of channel {self.channel!r} was dropped "
+                                f"while {what}; the next put connects to the receiver again")
+        return sock
+
     def _send(self, msg: Any, deadline: Deadline, what: str) -> None:
         raw = wire.encode(msg)
-        assert self.sock is not None
+        sock = self._open_sock(what)
         while True:
             try:
-                self.sock.send(raw, zmq.NOBLOCK)
+                sock.send(raw, zmq.NOBLOCK)
                 return
             except zmq.Again:
                 pass
@@ -636,7 +645,7 @@ class _Sender:
                 raise self._peer_lost(what)
             if deadline.expired():
                 raise self.conn._timeout("put", None, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
-            self.sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLOUT)
+            sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLOUT)
 
     def _peer_lost(self, what: str) -> PeerLostError:
         why = self.lost or "the receiver disconnected"
@@ -646,10 +655,10 @@ class _Sender:
 
     def _receive(self, deadline: Deadline, until: Any, key: str | None, what: str) -> Any:
         """Handle the receiver's messages until ``until(msg)`` is true for one; return it."""
-        assert self.sock is not None
+        sock = self._open_sock(what)
         while True:
             try:
-                raw = self.sock.recv(zmq.NOBLOCK)
+                raw = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 raw = None
             if raw is not None:
@@ -662,7 +671,7 @@ class _Sender:
                 raise self._peer_lost(what)
             if deadline.expired():
                 raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
-            self.sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
+            sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
 
     def _apply(self, msg: Any) -> None:
         """What every answer carries: blocks come free, extents granted."""

@@ -28,7 +28,6 @@ Receiver pool (registered once with the receiver's agent)::
 
 from __future__ import annotations
 
-import bisect
 import collections
 import ctypes
 import logging
@@ -54,41 +53,11 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 class Blocks(Allocator):
-    """First-fit blocks of an area (the shm arena's allocator at 256-byte alignment) plus
-    ``reserve`` of a given extent, for the receiver's mirror of a sender's extent."""
+    """First-fit blocks of an area (the shm arena's allocator at 256-byte alignment), whose
+    ``reserve`` the receiver's mirror of a sender's extent uses."""
 
     __slots__ = ()
     align = ALIGN
-
-    def reserve(self, offset: int, nbytes: int) -> bool:
-        """Mark ``[offset, offset + nbytes)`` (rounded up) used; ``False`` if any of it is
-        not free or it is not aligned."""
-        need = round_up(max(nbytes, 1))
-        if offset % ALIGN or offset < 0 or offset + need > self.capacity:
-            return False
-        i = bisect.bisect_right(self._starts, offset) - 1
-        if i < 0:
-            return False
-        start = self._starts[i]
-        size = self._free[start]
-        if offset + need > start + size:
-            return False
-        del self._free[start]
-        del self._starts[i]
-        if offset > start:
-            self._starts.insert(i, start)
-            self._free[start] = offset - start
-            i += 1
-        end = offset + need
-        if end < start + size:
-            self._starts.insert(i, end)
-            self._free[end] = start + size - end
-        self._used[offset] = need
-        self.used_bytes += need
-        return True
-
-    def owns(self, offset: int) -> bool:
-        return offset in self._used
 
 
 def _map(nbytes: int) -> tuple[mmap.mmap, int]:

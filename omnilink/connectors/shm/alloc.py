@@ -112,6 +112,42 @@ class Allocator:
             free[start] = end - start
         return size
 
+    def reserve(self, offset: int, nbytes: int) -> bool:
+        """Mark the block ``[offset, offset + nbytes)`` (rounded up to ``align``) used, as
+        if ``alloc`` had returned it; ``False`` (nothing changed) if it is misaligned,
+        outside the area or not wholly free. For an allocator that must take over blocks
+        another party already holds (a sender attaching to a pool a dead sender left, a
+        receiver mirroring the blocks a sender publishes)."""
+        align = self.align
+        need = (max(nbytes, 1) + align - 1) // align * align
+        if offset % align or offset < 0 or offset + need > self.capacity:
+            return False
+        starts, free = self._starts, self._free
+        i = bisect.bisect_right(starts, offset) - 1
+        if i < 0:
+            return False
+        start = starts[i]
+        size = free[start]
+        if offset + need > start + size:
+            return False
+        del free[start]
+        del starts[i]
+        if offset > start:  # the part before the block stays free
+            starts.insert(i, start)
+            free[start] = offset - start
+            i += 1
+        end = offset + need
+        if end < start + size:  # and the part after it
+            starts.insert(i, end)
+            free[end] = start + size - end
+        self._used[offset] = need
+        self.used_bytes += need
+        return True
+
+    def owns(self, offset: int) -> bool:
+        """Whether a live block starts at ``offset``."""
+        return offset in self._used
+
     def size_of(self, offset: int) -> int:
         return self._used[offset]
 
