@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 
 
 def payload(i: int, size: int = 4096):
@@ -28,12 +29,22 @@ def sender(tls: str, channel: str, endpoint: str | None, count: int, size: int, 
 
 
 def receiver(tls: str, channel: str, q, stop) -> None:
-    """Open a receiver, report its endpoint, get one key, report, then wait."""
-    os.environ["UCX_TLS"] = tls
-    import omnilink
+    """Open a receiver, report its endpoint, get one key, report, then wait. Any error is
+    reported as ("error", traceback text) before the process exits with it.
 
-    with omnilink.connect("nixl", channel=channel, role="receiver", timeout=60.0, pool_bytes=16 << 20) as rx:
-        q.put(("ready", rx.endpoint))
-        got = rx.get("first", timeout=60.0)
-        q.put(("got", int(got["meta"]["i"])))
-        stop.wait(120)
+    ``q`` must be this process's own queue when the test SIGKILLs it: a multiprocessing
+    queue's write lock is shared by all its writers, and a writer killed right after the
+    reader saw its message (before its feeder thread released the lock) leaves it taken,
+    so any later writer on that queue blocks forever."""
+    os.environ["UCX_TLS"] = tls
+    try:
+        import omnilink
+
+        with omnilink.connect("nixl", channel=channel, role="receiver", timeout=60.0, pool_bytes=16 << 20) as rx:
+            q.put(("ready", rx.endpoint))
+            got = rx.get("first", timeout=60.0)
+            q.put(("got", int(got["meta"]["i"])))
+            stop.wait(120)
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+        raise

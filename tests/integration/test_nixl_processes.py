@@ -83,10 +83,14 @@ def test_receiver_killed_then_restarted(tls, procs):
     receiver on the same endpoint is taken back by the next put."""
     os.environ["UCX_TLS"] = tls
     channel = f"olnx/kill-rx-{os.getpid()}-{tls.replace(',', '')}"
+    # One queue per child: the first is SIGKILLed right after we read its ("got", 1), which
+    # can be before its queue feeder thread released the queue's shared write lock; a
+    # second writer on that queue would then block forever (seen: the restarted receiver's
+    # ("ready", ...) never arrived, its feeder thread stuck in the lock's acquire).
     q, stop = CTX.Queue(), CTX.Event()
     p = start_process(procs, workers.receiver, tls, channel, q, stop)
     tag, endpoint = q.get(timeout=60)
-    assert tag == "ready"
+    assert tag == "ready", endpoint
     with omnilink.connect("nixl", channel=channel, role="sender", timeout=30.0, heartbeat_interval=0.2) as tx:
         tx.put("first", workers.payload(1))
         assert q.get(timeout=60) == ("got", 1)
@@ -96,9 +100,11 @@ def test_receiver_killed_then_restarted(tls, procs):
             for i in range(50):  # the loss is seen at the latest by the put waiting for its answer
                 tx.put(f"lost{i}", workers.payload(i), timeout=20.0)
         # A receiver restarted on the same (ipc) endpoint is taken back.
-        stop2 = CTX.Event()
-        p2 = start_process(procs, workers.receiver, tls, channel, q, stop2)
-        assert q.get(timeout=120)[0] == "ready"
+        q2, stop2 = CTX.Queue(), CTX.Event()
+        p2 = start_process(procs, workers.receiver, tls, channel, q2, stop2)
+        tag, endpoint2 = q2.get(timeout=60)
+        assert tag == "ready", endpoint2
+        assert endpoint2 == endpoint
         deadline = 30.0
         while True:
             try:
@@ -107,7 +113,7 @@ def test_receiver_killed_then_restarted(tls, procs):
             except omnilink.PeerLostError:  # the old connection's loss, seen once more
                 continue
         try:
-            assert q.get(timeout=60) == ("got", 2)
+            assert q2.get(timeout=60) == ("got", 2)
         except queue.Empty:
             pytest.fail("the restarted receiver never got the payload")
         stop2.set()
