@@ -52,7 +52,7 @@ import uuid
 from typing import Any
 
 from omnilink._bench.units import format_size, parse_sizes
-from omnilink.connectors.cuda_ipc.ops import _handle_bytes  # the 64 raw bytes of a CUDA IPC handle
+from omnilink.connectors.devpool.ops import _handle_bytes  # the 64 raw bytes of a CUDA IPC handle
 
 LAT_BYTES = 4096
 

@@ -54,19 +54,6 @@ SENDER_OPTS: dict = {}
 CHECK_EVERY = 8
 
 
-def _mps_running() -> bool:
-    """Whether an MPS server runs here (processes then share the GPU without switching
-    contexts: the two-process figures differ a lot, so every run says which it was)."""
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:  # comm is cut at 15 characters
-                if b"nvidia-cuda-mps-server" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 def _fmt(n: int) -> str:
     return f"{n >> 20} MiB" if n >= MiB else f"{n >> 10} KiB"
 
@@ -560,6 +547,7 @@ def main() -> int:
     import torch
 
     from omnilink._bench import parse_sizes
+    from omnilink._bench.machine import mps_running
 
     if not torch.cuda.is_available():
         print("bench_gpu: needs a CUDA device; none is present", file=sys.stderr)
@@ -571,7 +559,7 @@ def main() -> int:
         SENDER_OPTS["slice_bytes"] = parse_sizes(args.slice_bytes)[0]
     big = [s for s in sizes if s >= MiB]
     machine = {"gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(), "mps": _mps_running()}
+               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(), "mps": mps_running()}
     print(f"# bench_gpu on {machine}", flush=True)
     ceil = ceilings(sizes, 10)
     ctl = d2h_controller([s for s in big if s >= 16 * MiB] or big, 10)

@@ -62,22 +62,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from omnilink._bench.machine import mps_running  # noqa: E402
 from omnilink._bench.units import format_size, parse_sizes  # noqa: E402
 
 builtins_setattr = builtins.setattr
 USE_BYTES = 64
 SMALL = 64 << 10
-
-
-def _mps_running() -> bool:
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"nvidia-cuda-mps-server" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def _count(nbytes: int, n: int, lat_n: int) -> int:
@@ -94,9 +84,11 @@ def _stats(xs: list[float]) -> dict[str, float]:
 TRACED = (
     "omnilink.blob", "omnilink._util", "omnilink.connectors.base",
     "omnilink.connectors.shm.connector", "omnilink.connectors.shm.segments", "omnilink.connectors.shm.gpu",
-    "omnilink.connectors.shm.ipc", "omnilink.connectors.shm.alloc",
-    "omnilink.connectors.cuda_ipc.connector", "omnilink.connectors.cuda_ipc.ops",
-    "omnilink.connectors.cuda_ipc.directory", "omnilink.connectors.cuda_ipc.blocks",
+    "omnilink.connectors.shm.ipc", "omnilink.connectors.shmem.alloc", "omnilink.connectors.shmem.segment",
+    "omnilink.connectors.cuda_ipc.connector", "omnilink.connectors.devpool.ops",
+    "omnilink.connectors.devpool.directory", "omnilink.connectors.devpool.blocks",
+    "omnilink.connectors.devpool.sender", "omnilink.connectors.devpool.receiver",
+    "omnilink.connectors.devpool.manifest",
     "omnilink.cuda.runtime", "omnilink.cuda.events", "omnilink.cuda.h2d", "omnilink.cuda.d2h",
     "omnilink.cuda.device", "omnilink.cuda.pool",
 )
@@ -250,7 +242,7 @@ def _raw_receiver(conn: Any, dst: str, slot: int, sems: tuple[str, str]) -> None
     import posix_ipc
     import torch
 
-    from omnilink.connectors.cuda_ipc.ops import _handle_bytes
+    from omnilink.connectors.devpool.ops import _handle_bytes
     from omnilink.cuda import cuda_ops
 
     ops = cuda_ops()
@@ -293,7 +285,7 @@ def raw_rows(src: str, dst: str, sizes: list[int], n: int, lat_n: int) -> dict[i
     import posix_ipc
     import torch
 
-    from omnilink.connectors.cuda_ipc.ops import _handle_bytes
+    from omnilink.connectors.devpool.ops import _handle_bytes
     from omnilink.cuda import cuda_ops
 
     ops = cuda_ops()
@@ -409,10 +401,14 @@ def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: s
             for i in range(count):
                 got = rx.get(f"{prefix}{i}", timeout=60.0, device=dst)
                 h = got["hidden_states.output"]
-                if not h.is_cuda or got["meta"]["chunk_id"] != i or int(got["ids.output"][0]) != i:
+                if not h.is_cuda or got["meta"]["chunk_id"] != i:
                     raise RuntimeError(f"{road}: payload {i} arrived wrong")
                 use(h.data_ptr(), stream)
                 t1s.append(time.perf_counter())
+                # Checked after t1: reading a device tensor from the host is a synchronous
+                # copy of its own, not part of the use the raw floor makes.
+                if int(got["ids.output"][0]) != i:
+                    raise RuntimeError(f"{road}: payload {i} arrived with the wrong ids")
                 del got, h
                 ack.release()
             conn.send((t1s, [(n, a, b) for n, a, b in spans]))
@@ -498,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-sizes", default="4KiB")
     ap.add_argument("--trace-json", default=None)
     ap.add_argument("--trace-only", default="",
-                    help="comma-separated name endings: trace only those functions (e.g. '.put,._send')")
+                    help="comma-separated name endings: trace only those functions (e.g. '.put,.send')")
     args = ap.parse_args(argv)
     import torch
 
@@ -506,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     roads = [r for r in args.roads.split(",") if r]
     machine = {"gpu_src": torch.cuda.get_device_name(torch.device(args.src)),
                "gpu_dst": torch.cuda.get_device_name(torch.device(args.dst)),
-               "src": args.src, "dst": args.dst, "mps": _mps_running(), "torch": torch.__version__,
+               "src": args.src, "dst": args.dst, "mps": mps_running(), "torch": torch.__version__,
                "host": platform.node(), "cpus": os.cpu_count(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"# bench_serial_gpu {json.dumps(machine)}", flush=True)

@@ -328,13 +328,17 @@ def cuda_ipc_input(rng: random.Random) -> dict[str, Any]:
     def step() -> Any:
         return rng.choice(["t0", "t1", "t2", "x", 0, 1, 3, -1, 1 << 40, 1.0, True, None, ["t0"]])
 
+    def block() -> int:
+        # ``segment << 48 | offset``: segments past the table, not live, or offsets past one
+        return rng.choice([0, 1, 2, 15, 16, 1 << 14, (1 << 15) - 1]) << 48 | rng.choice([0, 256, 1 << 22, 1 << 47])
+
     kind = rng.randrange(8)
     if kind == 0:  # malformed shapes of the message itself
         m: Any = rng.choice(["x", None, [], [1, 2, 3], [1, 1, 0, 0, 4096], [1, 1, 0, 0, 4096, [], 0], {"a": 1}])
     else:
         # Mostly numbers the receiver accepts, so that the tensor entries are reached.
         nums = [rng.choice([1, 1, 1, 2, num()]), rng.choice([1, 1, 2, num()]), rng.choice([0, 0, 0, 1, 3, num()]),
-                rng.choice([0, 0, 0, 256, 4096, num()]), rng.choice([4096, 4096, 256, 1 << 16, num()])]
+                rng.choice([0, 0, 0, 256, 4096, num(), block()]), rng.choice([4096, 4096, 256, 1 << 16, num()])]
         nums = [v if -(1 << 63) <= v < (1 << 63) else -1 for v in nums]
         if rng.random() < 0.1:
             nums[rng.randrange(5)] = rng.choice([1.0, True, "1", None])
@@ -609,7 +613,7 @@ class _Runner:
     def _shm(self, item: dict[str, Any]) -> None:
         import omnilink
         from omnilink.connectors.shm import segments
-        from omnilink.connectors.shm.names import channel_names
+        from omnilink.connectors.shmem import channel_names
 
         self.n += 1
         key = f"k{self.n}"

@@ -279,6 +279,12 @@ BLOCKS = (
     Block("pipeline-cuda-h100-mps", ("pipeline-cuda-h100-mps.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --prompt-tokens 4096 --requests 4 "
           "--rounds 2 --json FILE", render_pipeline),
+    Block("pipeline-cuda-2xh100-mps-c1", ("pipeline-cuda-2xh100-mps-c1.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
+          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 1 --json FILE", render_pipeline),
+    Block("pipeline-cuda-2xh100-mps-c8", ("pipeline-cuda-2xh100-mps-c8.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
+          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 8 --json FILE", render_pipeline),
     Block("shm-vs-pickle-epyc-2core", ("shm-vs-pickle-epyc-2core.jsonl",),
           "omnilink bench --json FILE --plot FILE.png", render_bench),
     Block("shm-vs-pickle-h100host-16core", ("shm-vs-pickle-h100host-16core.jsonl",),
@@ -304,6 +310,15 @@ BLOCKS = (
     Block("serial-gpu-cross-2xh200", ("serial-gpu-cross-2xh200.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --src cuda:0 --dst cuda:1 "
           "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
+    Block("serial-gpu-2xh100", ("serial-gpu-2xh100.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,64MiB,256MiB --roads raw,shm,cuda_ipc,shm-ipc "
+          "--lat-n 300 --json FILE", render_serial),
+    Block("serial-gpu-2xh100-mps", ("serial-gpu-2xh100-mps.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 300 --json FILE", render_serial),
+    Block("serial-gpu-cross-2xh100", ("serial-gpu-cross-2xh100.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,64MiB,256MiB --roads raw,shm,cuda_ipc,shm-ipc "
+          "--lat-n 300 --src cuda:0 --dst cuda:1 --json FILE", render_serial),
     Block("cuda-ipc-h100-mps", ("cuda-ipc-h100-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_cuda_ipc.py --cases same --json FILE", render_pivot),
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),

@@ -22,6 +22,7 @@ __all__ = [
     "PeerWatch",
     "duplicate_key",
     "pid_alive",
+    "plain_tensor",
     "validate_channel",
     "validate_key",
 ]
@@ -194,6 +195,20 @@ class ConsumedKeys:
             channel=channel,
             key=key,
         )
+
+
+def plain_tensor(t: Any) -> Any:
+    """``t`` as the bytes a transport copies: detached, its conjugate and negative bits
+    resolved, contiguous (``t`` itself when it already is)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
 
 
 def duplicate_key(backend: str, channel: str, key: str) -> DuplicateKeyError:

@@ -1,6 +1,6 @@
 """TEST DOUBLE (never offered to users): the ``cuda_ipc`` backend over host memory.
 
-``HostDeviceOps`` stands in for ``omnilink.connectors.cuda_ipc.ops.CudaDeviceOps`` so the
+``HostDeviceOps`` stands in for ``omnilink.connectors.devpool.ops.CudaDeviceOps`` so the
 backend's whole control plane (pool directory, allocation and frees, event slots,
 manifests, the key contract, faults) runs on a CPU-only machine:
 
@@ -15,6 +15,9 @@ manifests, the key contract, faults) runs on a CPU-only machine:
 
 ``HostCudaIpc`` is the connector class wired to it; ``register()`` registers it as the
 backend ``"cuda_ipc_host"`` for tests that go through ``omnilink.connect``.
+``host_route(conn)`` gives a shm connector a device-IPC route over the same double
+(``HostDeviceIpcRoute``), and ``route_put`` sends a payload by it: shm's ``put`` takes
+the route only for CUDA tensors, so tests call the route as that ``put`` would.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from omnilink.blob import prepare
 from omnilink.connectors.cuda_ipc import CudaIpcConnector
+from omnilink.connectors.shm.ipc import DeviceIpcRoute
 
 HANDLE = 64
 
@@ -63,6 +68,8 @@ class HostDeviceOps:
     """Host-memory double of ``CudaDeviceOps`` (same methods, same contracts)."""
 
     name = "host-double"
+    #: what ``free_bytes`` reports (the pool's default growth bound derives from it)
+    FREE_BYTES = 64 << 20
     #: every instance's pools and mappings, for tests that inspect them
     pools: dict[int, tuple[int, mmap.mmap, Any]] = {}
     lock = threading.Lock()
@@ -94,6 +101,9 @@ class HostDeviceOps:
         with self.lock:
             self.pools[ptr] = (fd, mm, anchor)
         return ptr, f"{os.getpid()}:{fd}".encode().ljust(HANDLE, b"\0")
+
+    def free_bytes(self, index: int) -> int:
+        return self.FREE_BYTES
 
     def free_pool(self, index: int, ptr: int) -> None:
         with self.lock:
@@ -175,3 +185,33 @@ def register() -> None:
     import omnilink
 
     omnilink.register_backend("cuda_ipc_host", HostCudaIpc, replace=True)
+
+
+class HostDeviceIpcRoute(DeviceIpcRoute):
+    """The shm backend's device-IPC route over ``HostDeviceOps`` (tests only)."""
+
+    @staticmethod
+    def _make_ops() -> Any:
+        return HostDeviceOps()
+
+    @staticmethod
+    def _unavailable() -> str | None:
+        return None
+
+
+def host_route(conn: Any, *, mode: str = "on", pool_bytes: int = 4 << 20, min_bytes: int = 0,
+               pool_max_bytes: int | None = None) -> HostDeviceIpcRoute:
+    """Give the shm connector ``conn`` (opened with ``device_ipc="off"``) a device-IPC
+    route over the host double (its ``"on"`` receiver opens its pool now); ``conn.close()``
+    closes it."""
+    assert conn._ipc is None, "open the connector with device_ipc='off'"
+    conn._ipc = HostDeviceIpcRoute(conn, mode, pool_bytes, min_bytes, None, pool_max_bytes=pool_max_bytes)
+    return conn._ipc
+
+
+def route_put(conn: Any, key: str, payload: Any, timeout: float = 5.0) -> int | None:
+    """Send ``payload`` by ``conn``'s device-IPC route as its ``put`` would for a CUDA
+    payload: the bytes sent, or ``None`` when the route handed it to the host path."""
+    from omnilink._util import Deadline
+
+    return conn._ipc.put(key, payload, prepare(payload), Deadline(timeout), None)

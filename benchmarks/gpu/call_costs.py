@@ -31,7 +31,7 @@ def measure(number: int = 2000) -> list[dict[str, Any]]:
     import torch
 
     from omnilink.blob import encoded_size, prepare
-    from omnilink.connectors.cuda_ipc.ops import _Lease
+    from omnilink.connectors.devpool.ops import _Lease
     from omnilink.cuda import cuda_ops
 
     torch.cuda.set_device(0)
@@ -88,18 +88,6 @@ def measure(number: int = 2000) -> list[dict[str, Any]]:
     return out
 
 
-def _mps_running() -> bool:
-    """Whether an MPS server runs on this host (its process is visible in /proc)."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"nvidia-cuda-mps-server" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=2000)
@@ -108,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     rows = measure(args.number)
-    mps = _mps_running()
+    from omnilink._bench.machine import mps_running
+
+    mps = mps_running()
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, MPS {'on' if mps else 'off'}")
     for r in rows:
         print(f"{r['us']:9.2f} us  {r['op']}")

@@ -37,7 +37,10 @@ transport's share of a step is visible. All three stages use the same chunk stre
 Requests: ``requests`` (plus ``warmup`` unmeasured ones first), at most ``concurrency``
 in flight: the thinker admits a request when fewer than K are between admission and
 their last audio (closed loop); each stage steps its active requests round robin and,
-when none has input, waits on the oldest.
+when none has input, waits on the oldest. The warm-up requests finish before the first
+measured one is admitted, so what a connector does once (a device pool opened at the
+first get, an IPC mapping, a route found) never lands in a measured request, whatever
+the concurrency.
 
 Figures (per connector, all from one run):
 
@@ -554,6 +557,16 @@ class _Span(msgspec.Struct, array_like=True):
     t1: float
 
 
+def _may_admit(admitted: int, completed: int, cfg: PipelineConfig) -> bool:
+    """Whether the thinker may admit request ``admitted`` (0-based; the first
+    ``cfg.warmup`` are the warm-up) with ``completed`` finished: fewer than
+    ``concurrency`` in flight, and a measured request only once every warm-up one has
+    finished."""
+    if admitted - completed >= cfg.concurrency:
+        return False
+    return admitted < cfg.warmup or completed >= cfg.warmup
+
+
 def _thinker(cfg: PipelineConfig, token: str, out_link: Any, done_pipe: Any, spans: list[_Span],
              starts: dict[int, float]) -> None:
     import torch
@@ -610,7 +623,7 @@ def _thinker(cfg: PipelineConfig, token: str, out_link: Any, done_pipe: Any, spa
         while done_pipe.poll(0):
             done_pipe.recv_bytes()
             completed += 1
-        while admitted < total and admitted - completed < cfg.concurrency:
+        while admitted < total and _may_admit(admitted, completed, cfg):
             starts[admitted] = time.perf_counter()
             active.append(request(admitted))
             admitted += 1

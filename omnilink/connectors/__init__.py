@@ -25,7 +25,10 @@ The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
 ``cuda_ipc/``, ``nixl/``), whose
 ``__init__`` is its door; ``memory.py`` (the in-process reference backend) and
 ``base.py`` (the ``Connector`` protocol, ``BaseConnector`` and ``ConnectorStats`` that
-every backend shares) sit here.
+every backend shares) sit here. Two packages here are no backends but what the
+same-host ones build on, below them: ``shmem/`` (names, segments and the allocator of
+``/dev/shm``) and ``devpool/`` (the receiver-owned CUDA IPC pool and its two ends, used
+by ``cuda_ipc`` and by ``shm``'s device-IPC route; it imports neither).
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ def connect(
     ipc_pool_bytes: int = ...,
     ipc_min_bytes: int = ...,
     ipc_device: Any = None,
+    ipc_pool_max_bytes: int | None = None,
 ) -> ShmConnector: ...
 
 
@@ -276,6 +280,7 @@ def connect(
     timeout: float | None = None,
     device: Any = None,
     pool_bytes: int = ...,
+    pool_max_bytes: int | None = None,
     event_slots: int = ...,
     max_blocks: int = ...,
     arena_bytes: int = ...,

@@ -202,6 +202,11 @@ class ConnectorStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes_mapped: int = 0
     #: bytes of transport blocks that live views of received payloads still hold
     bytes_held: int = 0
+    #: a receiver's device pool (``cuda_ipc``, shm's ``device_ipc``): its segments now
+    #: (it grows by a segment when a payload does not fit, and gives idle ones back)
+    #: and their bytes; 0 without a pool
+    pool_segments: int = 0
+    pool_bytes_now: int = 0
 
 
 @runtime_checkable

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnilink._errors import ConfigurationError, CudaError
+from omnilink._util import plain_tensor
 
 __all__ = ["payload_to_device"]
 
@@ -29,8 +30,19 @@ def payload_to_device(obj: Any, device: Any) -> Any:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
 
+    small: list[Any] = []  # [tensor, offset] of small CPU tensors, placed after the walk
+    total = 0
+
     def move(x: Any) -> Any:
+        nonlocal total
         if isinstance(x, torch.Tensor):
+            if batch and x.device.type == "cpu" and x.layout is torch.strided:
+                n = x.numel() * x.element_size()
+                if n <= SMALL_BYTES:
+                    slot = [x, total]
+                    small.append(slot)
+                    total += (n + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
+                    return slot
             return x.to(dev, non_blocking=False)
         if isinstance(x, dict):
             return {k: move(v) for k, v in x.items()}
@@ -40,7 +52,57 @@ def payload_to_device(obj: Any, device: Any) -> Any:
             return tuple(move(v) for v in x)
         return x
 
+    batch = dev.type == "cuda"
     try:
-        return move(obj)
+        out = move(obj)
+        if not small:
+            return out
+        views = _one_copy(torch, small, total, dev)
+        return _swap(out, {id(slot): v for slot, v in zip(small, views)})
     except RuntimeError as exc:
         raise CudaError(f"moving payload to {device!r} failed: {exc}") from exc
+
+
+#: CPU tensors up to this size go to a CUDA device together: packed into one page-locked
+#: staging buffer, one asynchronous copy on the current stream (the host does not wait
+#: for the stream), views of one device buffer. Larger ones are copied one by one.
+SMALL_BYTES = 64 << 10
+_ALIGN = 16
+
+
+def _one_copy(torch: Any, small: list[Any], total: int, dev: Any) -> list[Any]:
+    """Device tensors of the small CPU tensors ``small`` (``[tensor, offset]``): one
+    page-locked staging buffer from torch's caching host allocator (which keeps it until
+    the copy out of it has run), one ``non_blocking`` copy into one device buffer on the
+    current stream, a view per tensor."""
+    import ctypes
+
+    stage = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    base = stage.data_ptr()
+    memmove = ctypes.memmove
+    for slot in small:
+        t = slot[0] = plain_tensor(slot[0])
+        n = t.numel() * t.element_size()
+        if n:
+            memmove(base + slot[1], t.data_ptr(), n)
+    buf = stage.to(dev, non_blocking=True)
+    views = []
+    for t, off in small:
+        n = t.numel() * t.element_size()
+        views.append(buf[off:off + n].view(t.dtype).view(t.shape))
+    return views
+
+
+def _swap(x: Any, views: dict[int, Any]) -> Any:
+    """``x`` with each placeholder slot (a list ``move`` returned) replaced by its view."""
+    t = type(x)
+    if t is list:
+        v = views.get(id(x))
+        if v is not None:
+            return v
+        return [_swap(y, views) for y in x]
+    if t is dict:
+        return {k: _swap(y, views) for k, y in x.items()}
+    if t is tuple:
+        return tuple(_swap(y, views) for y in x)
+    return x

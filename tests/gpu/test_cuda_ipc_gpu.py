@@ -58,7 +58,7 @@ def _expect_mixed(got: dict, seed: int, device: str, pool: tuple[int, int]) -> N
 
 
 def _pool(rx) -> tuple[int, int]:
-    return rx._pool.ptr, rx._pool.ptr + rx._pool.nbytes
+    return rx._receiver.pool.ptr, rx._receiver.pool.ptr + rx._receiver.pool.nbytes
 
 
 @needs_backend
@@ -178,7 +178,7 @@ def test_sigkill_of_the_receiver_frees_its_pool(procs, tmp_path):
         p.join(30)
         with pytest.raises(omnilink.PeerLostError):
             tx.put("after", {"x": torch.ones(4, device="cuda:0")}, timeout=5)
-        assert tx._tx is None  # handles closed
+        assert tx._sender.tx is None  # handles closed
         deadline = time.monotonic() + 30
         while torch.cuda.mem_get_info(0)[0] < free0 - (64 << 20) and time.monotonic() < deadline:
             time.sleep(0.1)

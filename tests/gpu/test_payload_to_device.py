@@ -63,6 +63,28 @@ def test_every_tensor_lands_equal():
     assert int(got["ids"][3]) == 3
 
 
+def test_small_cpu_tensors_go_in_one_copy_without_blocking_the_host():
+    """Small CPU tensors are packed and copied with one asynchronous copy on the current
+    stream: the host does not wait for the stream (still busy with a long kernel when
+    the call returns), and the tensors are right once the stream has run; a large one and
+    one that requires grad come out right too."""
+    grad = torch.ones(4, requires_grad=True)
+    sent = {"ids": torch.arange(16, dtype=torch.int64), "flag": torch.tensor(False), "grad": grad,
+            "i8": torch.tensor([-1, 2, -3], dtype=torch.int8)}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
+    got = payload_to_device(sent, "cuda")
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the stream
+    ptrs = sorted(got[k].data_ptr() for k in ("ids", "flag", "grad", "i8"))
+    assert ptrs[-1] - ptrs[0] < 4096  # one device buffer
+    torch.cuda.synchronize()
+    assert not got["grad"].requires_grad
+    _check(got, {k: (v.detach() if v.requires_grad else v) for k, v in sent.items()})
+    # A large one beside a small one: copied on its own, both right.
+    big = torch.arange(1 << 17, dtype=torch.float32)  # 512 KiB: past the small ones' bound
+    _check(payload_to_device({"big": big, "ids": sent["ids"]}, "cuda"), {"big": big, "ids": sent["ids"]})
+
+
 @pytest.mark.skipif(backend_unavailable("cuda_ipc") is not None, reason="the cuda_ipc backend is unavailable")
 def test_shm_device_ipc_route_moves_cpu_tensors_too():
     ch = f"t/p2d-{uuid.uuid4().hex[:8]}"

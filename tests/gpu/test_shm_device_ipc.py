@@ -116,17 +116,21 @@ def test_discarded_routed_payload_frees_its_pool_block():
 
 def test_pool_full_falls_back_to_the_host_path_without_losing_anything():
     ch = _chan()
-    with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="on", ipc_pool_bytes=8 * MiB) as rx, \
+    # The pool may not grow past its 8 MiB: the second payload cannot fit beside the held one.
+    with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="on", ipc_pool_bytes=8 * MiB,
+                          ipc_pool_max_bytes=8 * MiB) as rx, \
             omnilink.connect("shm", channel=ch, role="sender", arena_bytes=64 * MiB, linger=0,
                              device_ipc="on") as tx:
         x = torch.full((6 * MiB,), 1, dtype=torch.uint8, device="cuda")
         tx.put("a", {"x": x}, timeout=30)
         held = rx.get("a", timeout=30, device="cuda:0")  # holds the pool block
-        tx.put("b", {"x": x * 2}, timeout=30)  # no room: host path at once
+        tx.put("b", {"x": x * 2}, timeout=30)  # no room and no growth: host path at once
         s = tx.stats()
         assert s.ipc_puts == 1 and s.device_puts == 1
         # Counted, with the reason: a payload that took the slow road is never silent.
-        assert s.ipc_fallbacks == 1 and s.ipc_fallback_reason.startswith("TransferTimeout"), s
+        # The growth it asked for is refused (CapacityError), or not answered within the
+        # route's short wait for room (TransferTimeout): either way, named.
+        assert s.ipc_fallbacks == 1 and s.ipc_fallback_reason.startswith(("CapacityError", "TransferTimeout")), s
         got = rx.get("b", timeout=30, device="cuda:0")
         assert int(got["x"].max()) == 2 and int(held["x"].max()) == 1
 

@@ -114,3 +114,18 @@ def test_config_validation_and_percentiles():
     assert _pct([3.0, 1.0, 2.0], 50) == 2.0
     assert _pct([float(i) for i in range(1, 101)], 99) == 99.0
     assert _pct([1.0, 2.0], 99) == 2.0
+
+
+def test_measured_requests_wait_for_the_warm_up_to_finish():
+    """With eight in flight, the warm-up request still finishes before the first
+    measured one is admitted: one-time set-up never lands in a measured request."""
+    from omnilink._bench.pipeline import _may_admit
+
+    cfg = PipelineConfig(warmup=1, requests=8, concurrency=8)
+    assert _may_admit(0, 0, cfg)  # the warm-up
+    assert not _may_admit(1, 0, cfg)  # a measured one while the warm-up runs
+    assert _may_admit(1, 1, cfg) and _may_admit(8, 1, cfg)  # then up to eight at once
+    assert not _may_admit(9, 1, cfg)
+    cfg2 = PipelineConfig(warmup=2, requests=4, concurrency=2)
+    assert _may_admit(1, 0, cfg2) and not _may_admit(2, 1, cfg2) and _may_admit(2, 2, cfg2)
+    assert _may_admit(0, 0, PipelineConfig(warmup=0, requests=2, concurrency=1))

@@ -147,7 +147,7 @@ try:
         _poke(w.name, [(w._rel_offset + 4 * (head % w.layout.n_desc), "<I", idx),
                        (segments._A_REL_HEAD, "<Q", head + 1)])
     elif case == "waiters":
-        from omnilink.connectors.shm.names import channel_names
+        from omnilink.connectors.shmem import channel_names
         ctrl = channel_names(os.environ["OMNILINK_SHM_PREFIX"], ch)[0]
         _poke(ctrl, [(segments._C_WAITERS, "<I", 0xFFFFFFFF)])
     got = {{}}

@@ -291,7 +291,7 @@ def test_many_small_messages_dev_shm_and_rss_flat():
 
 # ------------------------------------------------------------------ elastic arena
 def _extension_entries() -> set[str]:
-    from omnilink.connectors.shm.names import parse_owned_name
+    from omnilink.connectors.shmem import parse_owned_name
     from tests.conftest import SHM_PREFIX
 
     return {e for e in shm_entries() if (parse_owned_name(e, SHM_PREFIX) or ("",))[0] == "e"}

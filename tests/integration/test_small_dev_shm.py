@@ -57,7 +57,7 @@ _DEFAULTS = textwrap.dedent(
     import os
     import numpy as np
     import omnilink
-    from omnilink.connectors.shm.names import free_shm_bytes
+    from omnilink.connectors.shmem import free_shm_bytes
 
     MiB = 1 << 20
     assert 60 * MiB < free_shm_bytes() <= 64 * MiB, free_shm_bytes()

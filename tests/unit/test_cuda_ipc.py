@@ -27,8 +27,8 @@ from omnilink import (
     TransferTimeout,
 )
 from omnilink.connectors import backend_unavailable
-from omnilink.connectors.cuda_ipc.blocks import BlockAllocator
-from omnilink.connectors.cuda_ipc.directory import find_directories
+from omnilink.connectors.devpool.blocks import BlockAllocator
+from omnilink.connectors.devpool.directory import find_directories
 from omnilink.connectors.shm import ShmConnector, collect_garbage, read_prefix, unlink_segment
 from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps
 from tests.procs import start_process
@@ -49,7 +49,7 @@ def pair():
 
 
 def _pool_range(rx) -> tuple[int, int]:
-    return rx._pool.ptr, rx._pool.ptr + rx._pool.nbytes
+    return rx._receiver.pool.ptr, rx._receiver.pool.ptr + rx._receiver.pool.nbytes
 
 
 # ---------------------------------------------------------------- allocator, ring
@@ -73,7 +73,7 @@ def test_allocator_first_fit_reserve_and_coalesce():
 
 def test_released_ring_round_trip_and_bound(pair):
     tx, rx = pair
-    d = rx._pool.dir
+    d = rx._receiver.pool.dir
     assert d.drain_frees() == []
     for i in range(d.ring_cap):
         assert d.push_free(i * 256, 256)
@@ -117,8 +117,8 @@ def test_source_overwritten_after_put_arrives_intact(pair):
 
 
 def test_a_sender_far_ahead_looks_at_a_few_slots_not_all(monkeypatch):
-    from omnilink.connectors.cuda_ipc import connector as cic
-    from omnilink.connectors.cuda_ipc.directory import Directory
+    from omnilink.connectors.devpool import sender as pool_sender
+    from omnilink.connectors.devpool.directory import Directory
 
     ch = _chan()
     with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=64) as rx, \
@@ -129,8 +129,8 @@ def test_a_sender_far_ahead_looks_at_a_few_slots_not_all(monkeypatch):
         real = Directory.done_seq
         monkeypatch.setattr(Directory, "done_seq", lambda self, i: looked.append(i) or real(self, i))
         tx.put("k64", {"x": torch.full((2,), 64)}, timeout=5)
-        assert 0 < len(looked) <= cic.SLOT_SCAN
-        assert rx._pool.dir.rec_seq(0) == 65  # the next in turn (the oldest record) again
+        assert 0 < len(looked) <= pool_sender.SLOT_SCAN
+        assert rx._receiver.pool.dir.rec_seq(0) == 65  # the next in turn (the oldest record) again
         monkeypatch.setattr(Directory, "done_seq", real)
         for i in range(65):
             assert torch.equal(rx.get(f"k{i}", timeout=5)["x"], torch.full((2,), i))
@@ -140,11 +140,11 @@ def test_receiver_waits_on_the_slot_event_and_marks_it_done(pair):
     tx, rx = pair
     for i in range(3):
         tx.put(f"k{i}", {"x": torch.full((4,), i)}, timeout=5)
-    d = rx._pool.dir
+    d = rx._receiver.pool.dir
     assert [d.rec_seq(s) for s in range(4)] == [1, 2, 3, 0]
     got = rx.get("k1", timeout=5)
     ops: HostDeviceOps = rx._ops
-    assert ops.waits[-1].name == tx._tx.events[1].name  # the wait is on k1's slot's event
+    assert ops.waits[-1].name == tx._sender.tx.events[1].name  # the wait is on k1's slot's event
     assert d.done_seq(1) == 2 and d.done_seq(0) == 0
     # slots free again are preferred: slot 1 is reused before 0 and 2 are recorded again
     tx.put("k3", {"x": torch.zeros(1)}, timeout=5)
@@ -159,8 +159,16 @@ def test_receiver_waits_on_the_slot_event_and_marks_it_done(pair):
         rx.get(k, timeout=5)
 
 
-def test_pool_full_is_backpressure_then_capacity_error(pair):
-    tx, rx = pair
+def test_pool_full_is_backpressure_then_capacity_error():
+    ch = _chan()
+    # a pool that may not grow: a full pool is backpressure, a payload larger than it a
+    # CapacityError naming the sizes and the option to raise
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, pool_max_bytes=4 << 20) as rx, \
+            HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
+        _backpressure_then_capacity_error(tx, rx)
+
+
+def _backpressure_then_capacity_error(tx, rx):
     blob = torch.zeros(3 << 20, dtype=torch.uint8)
     tx.put("a", {"x": blob}, timeout=5)
     with pytest.raises(TransferTimeout, match="pool is full"):
@@ -168,7 +176,7 @@ def test_pool_full_is_backpressure_then_capacity_error(pair):
     got = rx.get("a", timeout=5)
     del got
     tx.put("b", {"x": blob}, timeout=5)  # the free came back through the ring
-    with pytest.raises(CapacityError, match="pool_bytes"):
+    with pytest.raises(CapacityError, match="pool_max_bytes"):
         tx.put("huge", {"x": torch.zeros(5 << 20, dtype=torch.uint8)}, timeout=1)
     rx.get("b", timeout=5)
 
@@ -230,6 +238,11 @@ _GOOD = _m(1, 1, 0, 0, 256, [_X])
     (_m(1, 1, 99, 0, 256, [_X]), {"x": None}),                        # slot out of range
     (_m(1, 1, 0, 4 << 20, 256, [_X]), {"x": None}),                   # block outside the pool
     (_m(1, 1, 0, 100, 256, [_X]), {"x": None}),                       # block misaligned
+    (_m(1, 1, 0, 1 << 48, 256, [_X]), {"x": None}),                   # segment 1: not live
+    (_m(1, 1, 0, 16 << 48, 256, [_X]), {"x": None}),                  # segment past the table
+    (_m(1, 1, 0, (1 << 15) - 1 << 48, 256, [_X]), {"x": None}),       # the highest segment bits
+    (_m(1, 1, 0, (4 << 20) - 256, 512, [_X]), {"x": None}),           # runs past segment 0
+    (_m(1, 1, 0, 1 << 47, 256, [_X]), {"x": None}),                   # offset past segment 0
     (_m(1, 1, 0, 0, -256, [_X]), {"x": None}),                        # negative size
     (_m(1, 1, 0, 0, 257, [_X]), {"x": None}),                         # size not a multiple of ALIGN
     (_m(0, 1, 0, 0, 256, [_X]), {"x": None}),                         # generation 0
@@ -283,13 +296,13 @@ def test_repeated_tensor_entries_are_checked_against_each_block():
             raw.put("k", {"d": _m(1, 1, 0, 0, 512, [x]), "h": {"x": None}, "n": 1}, timeout=5)
             with pytest.raises(PeerLostError):  # parsed and remembered; no such sender
                 rx.get("k", timeout=5)
-            assert rx._parsed is not None and rx._parsed[1] == 512
+            assert rx._receiver.parsed is not None and rx._receiver.parsed[1] == 512
             raw.put("bad", {"d": _m(1, 2, 0, 0, 256, [x]), "h": {"x": None}, "n": 1}, timeout=5)
             with pytest.raises(BlobDecodeError, match="past the block"):
                 rx.get("bad", timeout=5)
             # Floats equal to the remembered ints compare equal: the checked ints are used.
-            again = rx._parse("k2", _m(1, 3, 0, 0, 512, [[9.0, 0, 512.0, [128.0], ["x"]]]))
-            assert again[5] is rx._parsed[2]
+            again = rx._receiver.parse("k2", _m(1, 3, 0, 0, 512, [[9.0, 0, 512.0, [128.0], ["x"]]]))
+            assert again[5] is rx._receiver.parsed[2]
             dt, off, nbytes, shape, _stride, _first, path = again[5][0]
             assert type(off) is int and type(nbytes) is int and all(type(s) is int for s in shape)
             assert path == ("x",)
@@ -302,7 +315,7 @@ def test_a_payload_that_is_one_tensor_and_tensors_inside_tuples_come_back_whole(
     t = torch.arange(10, dtype=torch.float32)
     tx.put("one", t, timeout=5)
     got = rx.get("one", timeout=5)
-    assert torch.equal(got, t) and got.data_ptr() >= rx._pool.ptr
+    assert torch.equal(got, t) and got.data_ptr() >= rx._receiver.pool.ptr
     payload = {"a": (torch.ones(3), "s", [1, (torch.arange(4), None)]), "b": [torch.zeros(2), {"c": torch.ones(1)}]}
     tx.put("tup", payload, timeout=5)
     got = rx.get("tup", timeout=5)
@@ -310,7 +323,7 @@ def test_a_payload_that_is_one_tensor_and_tensors_inside_tuples_come_back_whole(
     assert torch.equal(got["a"][0], torch.ones(3)) and got["a"][1] == "s" and got["a"][2][0] == 1
     assert torch.equal(got["a"][2][1][0], torch.arange(4)) and got["a"][2][1][1] is None
     assert torch.equal(got["b"][0], torch.zeros(2)) and torch.equal(got["b"][1]["c"], torch.ones(1))
-    base, end = rx._pool.ptr, rx._pool.ptr + rx._pool.nbytes
+    base, end = rx._receiver.pool.ptr, rx._receiver.pool.ptr + rx._receiver.pool.nbytes
     assert all(base <= v.data_ptr() < end for v in (got["a"][0], got["a"][2][1][0], got["b"][0], got["b"][1]["c"]))
 
 
@@ -325,8 +338,8 @@ def test_views_of_several_dtypes_and_shapes_are_the_tensors_sent(pair):
         assert got[name].dtype == payload[name].dtype and got[name].shape == payload[name].shape
         assert torch.equal(got[name], payload[name]) and got[name].is_contiguous()
     assert torch.equal(got["c"][0], payload["c"][0]) and got["c"][1].shape == (0, 2)
-    base = rx._pool.ptr
-    assert all(base <= got[n].data_ptr() < base + rx._pool.nbytes for n in ("a", "b", "d", "e"))
+    base = rx._receiver.pool.ptr
+    assert all(base <= got[n].data_ptr() < base + rx._receiver.pool.nbytes for n in ("a", "b", "d", "e"))
 
 
 def test_valid_manifest_from_raw_sender_needs_its_events():
@@ -366,13 +379,13 @@ def test_receiver_close_makes_sender_fail_and_close_its_handles():
     try:
         tx.put("k", {"x": torch.ones(4)}, timeout=5)
         got = rx.get("k", timeout=5)
-        ptr = rx._pool.ptr
+        ptr = rx._receiver.pool.ptr
         rx.close()
         assert torch.equal(got["x"], torch.ones(4))  # views outlive the receiver...
         assert ptr in HostDeviceOps.pools
         with pytest.raises(PeerLostError, match="closed"):
             tx.put("k2", {"x": torch.ones(4)}, timeout=5)
-        assert tx._tx is None
+        assert tx._sender.tx is None
         del got
         assert ptr not in HostDeviceOps.pools  # ...and the pool goes with the last one
     finally:
@@ -382,7 +395,7 @@ def test_receiver_close_makes_sender_fail_and_close_its_handles():
 
 def test_new_sender_respects_blocks_the_receiver_still_holds():
     ch = _chan()
-    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20, event_slots=2)
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20, event_slots=2, pool_max_bytes=2 << 20)
     try:
         tx = HostCudaIpc(channel=ch, role="sender", linger=0)
         tx.put("a", {"x": torch.full((256 * 1024,), 7, dtype=torch.int32)}, timeout=5)  # 1 MiB
@@ -443,15 +456,15 @@ def test_sigkill_of_the_receiver(procs, tmp_path):
     with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
         tx.put("k", {"x": torch.arange(100)}, timeout=60)
         _wait_file(ready, p)
-        assert tx._tx is not None and tx._tx.opened
+        assert tx._sender.tx is not None and tx._sender.tx.segs[0].opened
         ops: HostDeviceOps = tx._ops
         assert len(ops.opened) == 1
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         deadline = time.monotonic() + 10  # the heartbeat closes the handle by itself
-        while tx._tx is not None and time.monotonic() < deadline:
+        while tx._sender.tx is not None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert tx._tx is None and ops.opened == {}
+        assert tx._sender.tx is None and ops.opened == {}
         with pytest.raises(PeerLostError, match="died"):  # at once, not after the timeout
             tx.put("k2", {"x": torch.arange(3)}, timeout=30)
     removed = collect_garbage()
@@ -495,7 +508,7 @@ def test_unavailable_without_cuda_says_why():
 
 # ------------------------------------------------ directory fields across processes
 def _hammer_ring_head(name: str, seconds: float) -> None:
-    from omnilink.connectors.cuda_ipc.directory import RING_HEAD, Directory
+    from omnilink.connectors.devpool.directory import RING_HEAD, Directory
 
     d = Directory.open(name)
     end = time.monotonic() + seconds
@@ -510,10 +523,10 @@ def test_a_field_being_written_never_reads_as_zero_in_another_process(procs):
     # struct.pack_into zero-fills its target before writing the value: a ring head
     # written that way read as 0 in the other process now and then (the sender then
     # raised "corrupt released ring"). Each field is one native 8-byte store now.
-    from omnilink.connectors.cuda_ipc.directory import RING_HEAD, Directory
+    from omnilink.connectors.devpool.directory import RING_HEAD, Directory
 
     d = Directory.create(read_prefix(), _chan(), device=0, uuid=b"u", pool_bytes=1 << 20,
-                         nslots=4, ring_cap=16, mem_handle=b"h")
+                         nslots=4, ring_cap=16, mem_handle=b"h", pool_max=1 << 20)
     try:
         d.set(RING_HEAD, 0x35C)
         p = start_process(procs, _hammer_ring_head, d.name, 2.0)

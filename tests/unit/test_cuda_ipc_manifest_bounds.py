@@ -50,7 +50,7 @@ def test_a_bad_entry_after_a_good_one_is_refused_and_nothing_is_remembered(rx_ra
     raw.put("bad", {"d": _m(entries), "h": {"x": None, "y": None}, "n": 1}, timeout=5)
     with pytest.raises(BlobDecodeError, match="tensor 1: shape"):
         rx.get("bad", timeout=5)
-    assert rx._parsed is None  # a refused manifest is never the remembered one
+    assert rx._receiver.parsed is None  # a refused manifest is never the remembered one
     gc.collect()
     assert rx.stats().blocks_in_use == 0
 
@@ -60,7 +60,7 @@ def test_the_largest_empty_shapes_that_fit_are_views(rx_raw):
     # one whose non-zero dims fit in int64 is a valid (empty) view.
     rx, _raw = rx_raw
     for shape in ([0, 2**30, 2**30], [2**60, 0], [0]):
-        out = rx._parse("ok", _m([[9, 0, 0, shape, ["x"]]]))
+        out = rx._receiver.parse("ok", _m([[9, 0, 0, shape, ["x"]]]))
         (_dt, _off, _n, got_shape, stride, _first, _path) = out[5][0]
         assert got_shape == tuple(shape) and all(0 <= s <= (1 << 63) - 1 for s in stride)
         t = torch.empty(64, dtype=torch.float32).as_strided(got_shape, stride, 0)

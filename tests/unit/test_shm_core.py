@@ -17,8 +17,9 @@ import pytest
 
 import omnilink
 from omnilink.connectors.shm import segments as seg
-from omnilink.connectors.shm.alloc import ALIGN, Allocator
-from omnilink.connectors.shm.names import (
+from omnilink.connectors.shmem import segment as shm_segment
+from omnilink.connectors.shmem.alloc import ALIGN, Allocator
+from omnilink.connectors.shmem.names import (
     arena_name,
     channel_names,
     parse_channel_name,
@@ -271,7 +272,7 @@ def test_every_entry_is_prefixed_owned_and_mode_0600():
 
 # ------------------------------------------------------------------- preflight
 def test_preflight_fails_with_actionable_message(monkeypatch):
-    monkeypatch.setattr(seg, "free_shm_bytes", lambda: 3 * MiB)
+    monkeypatch.setattr(shm_segment, "free_shm_bytes", lambda: 3 * MiB)
     before = shm_entries()
     with pytest.raises(omnilink.CapacityError) as info:
         omnilink.connect("shm", channel=_chan("tiny"), role="sender", arena_bytes=64 * MiB)
@@ -293,8 +294,8 @@ def test_shm_size_advice_grows_with_the_request(monkeypatch, used, asked, docker
         f_blocks = 1 << 20
         f_bfree = f_blocks - used // 4096
 
-    monkeypatch.setattr(seg.os, "statvfs", lambda path: _St())
-    text = seg.shm_size_advice(asked, 1 * MiB)
+    monkeypatch.setattr(shm_segment.os, "statvfs", lambda path: _St())
+    text = shm_segment.shm_size_advice(asked, 1 * MiB)
     assert f"--shm-size={docker};" in text and f"remount,size={mount} " in text
     assert "arena_bytes=" in text
 

@@ -1,14 +1,21 @@
 """The shm backend's device-IPC options where there is no GPU: validation, the "on"
-receiver's clear error, and that nothing changes for host payloads."""
+receiver's clear error, and that nothing changes for host payloads; and the route
+itself over the host-memory double of the device operations (``tests/cuda_ipc_double.py``:
+every torch tensor counts as a device tensor there, so the route is driven directly, as
+shm's ``put`` drives it for CUDA payloads)."""
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 
 import omnilink
 from omnilink.connectors.cuda_ipc import cuda_ipc_unavailable
+from omnilink.connectors.devpool.directory import directory_token
+from omnilink.connectors.shmem import channel_names
+from tests.conftest import SHM_PREFIX, shm_entries
 
 
 def _chan() -> str:
@@ -16,7 +23,8 @@ def _chan() -> str:
 
 
 @pytest.mark.parametrize("options", [{"device_ipc": "yes"}, {"device_ipc": True}, {"ipc_pool_bytes": 1024},
-                                     {"ipc_pool_bytes": 2.5}, {"ipc_min_bytes": -1}, {"ipc_min_bytes": True}])
+                                     {"ipc_pool_bytes": 2.5}, {"ipc_min_bytes": -1}, {"ipc_min_bytes": True},
+                                     {"ipc_pool_max_bytes": 1024}, {"ipc_pool_max_bytes": True}])
 def test_bad_device_ipc_options(options):
     with pytest.raises(omnilink.ConfigurationError):
         omnilink.connect("shm", channel=_chan(), role="receiver", **options)
@@ -38,3 +46,115 @@ def test_host_payloads_are_untouched_by_the_mode(mode):
         got = rx.get("k", timeout=5)
         assert torch.equal(got["x"], torch.arange(10)) and got["m"] == "meta"
         assert tx.stats().ipc_puts == 0 and rx.stats().ipc_gets == 0
+
+
+# ------------------------------------------------------------- the route, on the double
+def _routed(ch: str, pool_bytes: int = 4 << 20):
+    """A shm receiver and sender on ``ch`` whose device-IPC routes run on the double."""
+    from tests.cuda_ipc_double import host_route
+
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
+    try:
+        tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
+    except BaseException:
+        rx.close()
+        raise
+    try:
+        host_route(rx, pool_bytes=pool_bytes)
+        host_route(tx)
+    except BaseException:
+        tx.close()
+        rx.close()
+        raise
+    return tx, rx
+
+
+def _names(entries: set[str]) -> set[str]:
+    """/dev/shm entries as posix names without the slash (``sem.`` dropped)."""
+    return {e[4:] if e.startswith("sem.") else e for e in entries}
+
+
+def test_device_ipc_route_opens_no_inner_channel():
+    torch = pytest.importorskip("torch")
+    from tests.cuda_ipc_double import HostCudaIpc, route_put
+
+    ch = _chan()
+    before = shm_entries()
+    tx, rx = _routed(ch)
+    try:
+        payload = {"h": torch.arange(1000, dtype=torch.float32).reshape(10, 100), "meta": {"n": 1}, "ids": [torch.arange(3)]}
+        assert route_put(tx, "k", payload) == omnilink.encoded_size(payload)
+        made = _names(shm_entries() - before)
+        got = rx.get("k", timeout=5)
+        assert torch.equal(got["h"], payload["h"]) and torch.equal(got["ids"][0], torch.arange(3))
+        assert got["meta"] == {"n": 1}
+        pool = rx._ipc._rx.pool
+        assert pool.ptr <= got["h"].data_ptr() < pool.ptr + pool.nbytes  # a view of the device pool
+        assert tx.stats().ipc_puts == 1 and rx.stats().ipc_gets == 1 and tx.stats().ipc_fallbacks == 0
+        del got
+    finally:
+        tx.close()
+        rx.close()
+    inner = {n.lstrip("/") for n in channel_names(SHM_PREFIX, f"{ch}/cuda-ipc")}
+    chan = {n.lstrip("/") for n in channel_names(SHM_PREFIX, ch)}
+    directory = f"{SHM_PREFIX}-a{os.getpid()}-{directory_token(ch)}"
+    assert not made & inner, "the route opened a cuda_ipc inner channel"
+    assert chan <= made and directory in made
+    arenas = {n for n in made - chan - {directory} if not n.endswith("-s")}
+    assert len(arenas) == 1, arenas  # the shm sender's own arena, and no inner sender's
+    # The check can see an inner channel: a cuda_ipc connector pair does open one.
+    ch2 = _chan()
+    before = shm_entries()
+    with HostCudaIpc(channel=ch2, role="receiver", pool_bytes=2 << 20), HostCudaIpc(channel=ch2, role="sender",
+                                                                                     linger=0):
+        made = _names(shm_entries() - before)
+    assert {n.lstrip("/") for n in channel_names(SHM_PREFIX, f"{ch2}/cuda-ipc")} <= made
+
+
+def test_device_ipc_route_discard_gives_pool_blocks_back():
+    torch = pytest.importorskip("torch")
+    from tests.cuda_ipc_double import route_put
+
+    tx, rx = _routed(_chan())
+    try:
+        receiver = rx._ipc._rx
+        assert route_put(tx, "a", {"x": torch.ones(100)}) is not None
+        sender = tx._ipc._tx  # attached at the first put
+        assert receiver.in_use() == (0, 0)
+        assert rx.discard("a")  # the receiver drops it unread: its block goes back
+        assert receiver.in_use() == (0, 0) and rx.stats().ipc_gets == 0
+        assert route_put(tx, "b", {"x": torch.ones(100)}) is not None  # drains the free of "a"
+        assert sender.in_use()[0] == 1
+        assert tx.discard("b")  # withdrawn unread by the sender: its block is free again
+        assert sender.in_use() == (0, 0)
+        assert route_put(tx, "c", {"x": torch.full((4,), 7.0)}) is not None
+        got = rx.get("c", timeout=5)
+        assert torch.equal(got["x"], torch.full((4,), 7.0)) and receiver.in_use()[0] == 1
+        del got  # the last view: the block goes back
+        assert receiver.in_use() == (0, 0)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_device_ipc_route_falls_back_and_says_why(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from tests.cuda_ipc_double import HostDeviceOps, route_put
+
+    monkeypatch.setattr(HostDeviceOps, "FREE_BYTES", 0)  # the pool may not grow
+    tx, rx = _routed(_chan(), pool_bytes=1 << 20)
+    try:
+        assert route_put(tx, "big", {"x": torch.zeros(1 << 19)}) is None  # 2 MiB > the 1 MiB pool
+        st = tx.stats()
+        assert st.ipc_fallbacks == 1 and st.ipc_puts == 0 and "CapacityError" in st.ipc_fallback_reason
+        assert "pool_max_bytes" in st.ipc_fallback_reason and "1048576" in st.ipc_fallback_reason
+        assert route_put(tx, "small", {"x": torch.ones(8)}) is not None and tx.stats().ipc_puts == 1
+        assert torch.equal(rx.get("small", timeout=5)["x"], torch.ones(8))
+        rx._ipc.close()  # the pool's receiver goes: the sender drops its end, host path
+        assert route_put(tx, "after", {"x": torch.ones(8)}) is None
+        st = tx.stats()
+        assert st.ipc_fallbacks == 2 and "PeerLostError" in st.ipc_fallback_reason and tx._ipc._tx is None
+    finally:
+        tx.close()
+        rx.close()
+

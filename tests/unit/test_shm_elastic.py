@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import omnilink
-from omnilink.connectors.shm.names import parse_owned_name
+from omnilink.connectors.shmem import parse_owned_name
 from tests.conftest import SHM_DIR, SHM_PREFIX, shm_entries
 
 MiB = 1 << 20

@@ -37,7 +37,7 @@ import weakref
 from typing import Any
 
 from omnilink._errors import CapacityError, ConfigurationError
-from omnilink.connectors.shm import Allocator
+from omnilink.connectors.shmem import Allocator
 
 __all__ = ["ALIGN", "Blocks", "Pool", "Releaser", "Staging", "round_up"]
 

@@ -17,7 +17,8 @@ How a payload travels::
               blocks back to the allocator                  push on the released ring
 
 See ``omnilink.connectors.shm.segments`` for the byte layouts of the arena and the
-control segment and the descriptor state machine, and ``names`` for the names.
+control segment and the descriptor state machine, and ``omnilink.connectors.shmem``
+for the names.
 
 Guarantees
 ----------
@@ -64,23 +65,14 @@ from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text, check_constructor_options
-from omnilink.connectors.shm.alloc import round_up
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
 from omnilink.connectors.shm.ipc import IPC_MARK, DeviceIpcRoute
 from omnilink.connectors.shm.ipc import MODES as IPC_MODES
 from omnilink.connectors.shm.slices import SLICED_MARK
-from omnilink.connectors.shm.names import (
-    free_shm_bytes,
-    new_token,
-    overflow_name,
-    pid_alive,
-    read_prefix,
-)
 from omnilink.connectors.shm.segments import (
     FLAG_EXTENSION,
     FLAG_OVERFLOW,
-    PAGE,
     MUTEX_GRACE_S,
     ROLE_RECV,
     ROLE_SEND,
@@ -89,9 +81,18 @@ from omnilink.connectors.shm.segments import (
     Channel,
     _LockTimeout,
     _OutRec,
-    _unlink_quiet,
-    create_segment,
     out_rec,
+)
+from omnilink.connectors.shmem import (
+    PAGE,
+    create_segment,
+    free_shm_bytes,
+    new_token,
+    overflow_name,
+    pid_alive,
+    read_prefix,
+    round_up,
+    unlink_segment,
 )
 from omnilink.cuda import StagePayloadHandle
 
@@ -193,6 +194,14 @@ def _make_lease(mm: Any, offset: int, length: int) -> Any:
     ``length`` comes from a descriptor another process can write: cut to the mapping
     (the decoder then reports a frame longer than its bytes)."""
     return _np.frombuffer(mm, dtype=_np.uint8, count=max(0, min(length, len(mm) - offset)), offset=offset)
+
+
+class _LaneHit(tuple):
+    """A claim record of a message read from a device pool's lane (``devpool.lane``):
+    ``(None, -1, -1, 0, record bytes, message)``, in the shape of an arena claim (its
+    byte count at ``[4]``); the message is already decoded."""
+
+    __slots__ = ()
 
 
 class _Lease(weakref.ref):
@@ -345,6 +354,7 @@ def _check_values(
     device_ipc: Any,
     ipc_pool_bytes: Any,
     ipc_min_bytes: Any,
+    ipc_pool_max_bytes: Any = None,
 ) -> None:
     """The value checks of ``ShmConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -363,6 +373,11 @@ def _check_values(
     for name, value, lo in (("ipc_pool_bytes", ipc_pool_bytes, 1 << 20), ("ipc_min_bytes", ipc_min_bytes, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
+    if ipc_pool_max_bytes is not None and (isinstance(ipc_pool_max_bytes, bool)
+                                           or not isinstance(ipc_pool_max_bytes, int)
+                                           or ipc_pool_max_bytes < 1 << 20):
+        raise ConfigurationError(f"ipc_pool_max_bytes must be None or an int >= {1 << 20}, "
+                                 f"got {ipc_pool_max_bytes!r}")
     if arena_bytes is not None and (
         isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or arena_bytes < _MIN_ARENA_BYTES
     ):
@@ -434,7 +449,8 @@ class ShmConnector(BaseConnector):
         CPU per ``get`` that has to wait.
     device_ipc : {"auto", "on", "off"}
         CUDA payloads device to device when both ends are GPU processes of this host
-        (the ``cuda_ipc`` backend's pool, inside this connector; see "GPU payloads").
+        (a device pool the receiver owns, as the ``cuda_ipc`` backend's, opened by this
+        connector itself with no other channel; see "GPU payloads").
         ``"auto"`` (default): a receiver opens a device pool (``ipc_pool_bytes``) at
         its first ``get(device="cuda:k")`` if it is the channel's only receiver; a
         sender then sends payloads with at least ``ipc_min_bytes`` of CUDA tensors into
@@ -445,7 +461,14 @@ class ShmConnector(BaseConnector):
         only. ``stats()`` counts ``ipc_puts`` / ``ipc_gets`` apart from
         ``device_puts`` / ``device_gets`` (host-staged DMA).
     ipc_pool_bytes : int
-        Receiver: size of the device pool (default 256 MiB of GPU memory).
+        Receiver: size of the device pool as it opens (default 256 MiB of GPU memory). It
+        grows by segments for a payload larger than it, or when the payloads the
+        receiver still views fill it, and gives idle segments back.
+    ipc_pool_max_bytes : int, optional
+        Receiver: the most the device pool may grow to (default ``None``:
+        ``ipc_pool_bytes`` plus 3/4 of the GPU memory free when it opens). A payload that
+        would need more takes the host path (``stats().ipc_fallbacks``, with the sizes in
+        ``ipc_fallback_reason``).
     ipc_min_bytes : int
         Sender, ``"auto"``: least CUDA bytes of a payload for device IPC (default 16 MiB:
         below it the host path was faster on one GPU shared by two processes).
@@ -531,7 +554,8 @@ class ShmConnector(BaseConnector):
             outside [0, 100000]; ``pipeline_bytes`` or ``slice_bytes`` below 4096;
             ``linger``, ``shrink_after`` or ``reclaim_after`` not a number >= 0;
             ``max_bytes`` below ``arena_bytes`` (or below 1 MiB); ``device_ipc`` not one
-            of ``"auto"``, ``"on"``, ``"off"``; ``ipc_pool_bytes`` below 1 MiB or
+            of ``"auto"``, ``"on"``, ``"off"``; ``ipc_pool_bytes`` below 1 MiB,
+            ``ipc_pool_max_bytes`` neither ``None`` nor an int >= 1 MiB, or
             ``ipc_min_bytes`` below 0.
         """
         check_constructor_options(cls, _check_values, options)
@@ -556,13 +580,14 @@ class ShmConnector(BaseConnector):
         ipc_pool_bytes: int = DEFAULT_IPC_POOL_BYTES,
         ipc_min_bytes: int = DEFAULT_IPC_MIN_BYTES,
         ipc_device: Any = None,
+        ipc_pool_max_bytes: int | None = None,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
             arena_bytes=arena_bytes, max_inflight=max_inflight, overflow=overflow, linger=linger,
             spin_us=spin_us, pipeline_bytes=pipeline_bytes, slice_bytes=slice_bytes, max_bytes=max_bytes,
             shrink_after=shrink_after, reclaim_after=reclaim_after, device_ipc=device_ipc,
-            ipc_pool_bytes=ipc_pool_bytes, ipc_min_bytes=ipc_min_bytes,
+            ipc_pool_bytes=ipc_pool_bytes, ipc_min_bytes=ipc_min_bytes, ipc_pool_max_bytes=ipc_pool_max_bytes,
         )
         auto_arena = arena_bytes is None
         if arena_bytes is None:
@@ -608,6 +633,12 @@ class ShmConnector(BaseConnector):
         self._slock = threading.Lock()  # sender-local state: allocator, descriptors
         self._rlock = threading.Lock()  # receiver-local state: readers, index
         self._index: dict[str, list[Any]] = {}
+        #: the receiving end of a device pool's lane whose messages this channel's
+        #: receiver takes as its own (``attach_lane``), and what it read from it not yet
+        #: claimed: key -> (message, record bytes)
+        self._lane: Any = None
+        self._lane_drop: Any = None
+        self._lane_index: dict[str, tuple[Any, int]] = {}
         # Sender: key -> descriptor of our latest put of it (duplicate-put check).
         self._sent: dict[str, int] = {}
         self._sent_limit = 2 * max_inflight + 64
@@ -640,7 +671,8 @@ class ShmConnector(BaseConnector):
         self._ipc: DeviceIpcRoute | None = None
         if device_ipc != "off":
             try:
-                self._ipc = DeviceIpcRoute(self, device_ipc, ipc_pool_bytes, ipc_min_bytes, ipc_device)
+                self._ipc = DeviceIpcRoute(self, device_ipc, ipc_pool_bytes, ipc_min_bytes, ipc_device,
+                                           pool_max_bytes=ipc_pool_max_bytes)
             except BaseException:
                 self.close()
                 raise
@@ -984,7 +1016,7 @@ class ShmConnector(BaseConnector):
             except BaseException as exc:
                 if idx not in w.out:
                     w.free_desc.append(idx)
-                    _unlink_quiet(name)
+                    unlink_segment(name)
                 if isinstance(exc, _LockTimeout):
                     raise self._timeout("put", key, "the channel mutex", deadline.timeout) from None
                 raise
@@ -1307,7 +1339,11 @@ class ShmConnector(BaseConnector):
     def _drop_claimed(self, gots: list[tuple[Any, ...]], *, counted: bool) -> None:
         """Release claimed payloads that will not be opened (and take back their counts)."""
         with self._chan.locked():
-            for reader, idx, seq, *_rest in gots:
+            for got in gots:
+                if type(got) is _LaneHit:
+                    self._drop_lane_message(None, got[5])
+                    continue
+                reader, idx, seq, *_rest = got
                 reader.mark_released(idx, seq, self._pid)
         if counted:
             with self._rlock:
@@ -1591,6 +1627,9 @@ class ShmConnector(BaseConnector):
             return False
         if self._chan._gen[0] != self._known_gen:  # ``senders_gen()``
             return False
+        lane = self._lane
+        if lane is not None and (key in self._lane_index or lane.unread()):
+            return False
         for r in self._reader_list:
             if r.pub[0] != r.cursor:  # ``r.published()``, inlined
                 return False
@@ -1616,6 +1655,7 @@ class ShmConnector(BaseConnector):
                         self._refresh_locked()
                     self._scan_locked()
                     avail = set(self._index)
+                    avail.update(self._lane_index)
                     lost = self._peer_lost
                     if avail <= known and lost is None and deadline.remaining() != 0:
                         gen = chan.register_waiter()
@@ -1663,6 +1703,9 @@ class ShmConnector(BaseConnector):
         self._index_limit = 4096 + 2 * sum(r.layout.n_desc for r in self._readers.values())
 
     def _scan_locked(self) -> None:
+        lane = self._lane
+        if lane is not None:
+            lane.poll(self._lane_index)
         index = self._index
         for r in self._reader_list:  # ``_readers``' values (set with it)
             r.scan(index)
@@ -1684,6 +1727,12 @@ class ShmConnector(BaseConnector):
         that went stale (claimed by another receiver, discarded, reclaimed)."""
         refs = self._index.get(key)
         if refs is None:
+            hit = self._lane_index.get(key)
+            if hit is None:
+                return False
+            if self._lane is not None and self._lane.claimable(hit[2]):
+                return True
+            del self._lane_index[key]  # withdrawn by its sender
             return False
         while refs:
             reader, idx, seq = refs[0]
@@ -1707,7 +1756,11 @@ class ShmConnector(BaseConnector):
                 gots.append(claim(key))  # type: ignore[arg-type]  # claimable: never None
         except BaseException:
             # A segment of the sender is gone (PeerLostError): hand back what was claimed.
-            for reader, idx, seq, *_rest in gots:
+            for got in gots:
+                if type(got) is _LaneHit:
+                    self._drop_lane_message(None, got[5])
+                    continue
+                reader, idx, seq, *_rest = got
                 reader.mark_released(idx, seq, self._pid)
             raise
         return gots
@@ -1715,7 +1768,11 @@ class ShmConnector(BaseConnector):
     def _claim_locked(self, key: str) -> tuple[Any, ...] | None:
         refs = self._index.get(key)
         if refs is None:
-            return None
+            hit = self._lane_index.pop(key, None) if self._lane_index else None
+            if hit is None or self._lane is None or not self._lane.claim(hit[2]):
+                return None  # not there, or withdrawn by its sender (its block freed there)
+            self._consumed.add(key)
+            return _LaneHit((None, -1, -1, 0, hit[1], hit[0]))
         while refs:
             reader, idx, seq = refs.pop(0)
             res = reader.claim(idx, seq, self._pid)
@@ -1756,6 +1813,13 @@ class ShmConnector(BaseConnector):
         the payload cannot be decoded)."""
         # ``where``: None (the arena), an extension's token (bytes) or an overflow mapping
         reader, idx, seq, off, length, overflow_mm = got
+        if type(got) is _LaneHit:  # decoded as it was read
+            if not counted:
+                if count_get:
+                    self._count_op("gets", "bytes_got", length)
+                else:
+                    self._count(bytes_got=length)
+            return overflow_mm
         if overflow_mm is None:
             whole = reader._bytes
             if whole is None:
@@ -1829,6 +1893,40 @@ class ShmConnector(BaseConnector):
             self._peer_lost = None
 
     # ====================================================== discard / release
+    # ================================================================ lane
+    def attach_lane(self, lane: Any, drop: Any) -> None:
+        """Take the messages of a device pool's lane (``devpool.LaneReader``) as this
+        receiver's own: a key published there is claimed, consumed, discarded and counted
+        like one published on the channel; ``drop(key, message)`` gives back the pool
+        block of a message discarded unread (``key`` ``None`` when not known). ``None`` detaches (the pool is closing). The pool's
+        sender wakes this channel's waiters after each record (``wake_receivers``)."""
+        with self._rlock:
+            self._lane = lane
+            self._lane_drop = drop
+
+    def _drop_lane_message(self, key: str | None, message: Any) -> None:
+        drop = self._lane_drop
+        if drop is not None:
+            try:
+                drop(key, message)
+            except Exception:  # pragma: no cover - best effort (the pool may be closing)
+                logger.debug("shm: dropping a lane message failed", exc_info=True)
+
+    def wake_receivers(self, deadline: Deadline | None = None) -> None:
+        """Wake this channel's waiting receivers (a device pool's sender, after a record
+        of its lane: the receiver waits in one place, the channel's semaphore). If the
+        mutex cannot be had in time the record is still there: a receiver finds it at
+        its next look (its heartbeat at the latest)."""
+        chan = self._chan
+        if not chan.try_lock():
+            if not chan.lock_within(deadline or Deadline(MUTEX_GRACE_S)):
+                logger.debug("shm: channel %r: no wake-up for a lane record (mutex busy)", self.channel)
+                return
+        try:
+            chan.notify_all()
+        finally:
+            chan.unlock()
+
     def _discard(self, key: str) -> bool:
         ipc = self._ipc
         if ipc is not None and self._recvs and ipc.has_pool():
@@ -1854,9 +1952,12 @@ class ShmConnector(BaseConnector):
         chan = self._chan
         w = self._writer
         if w is not None:
+            ipc = self._ipc
             with self._slock:
                 with chan.locked():
-                    if w.discard(key):
+                    # A payload of ours in a device pool's lane (ours: the route's sender)
+                    # is withdrawn under the same mutex as the receiver's claim.
+                    if w.discard(key) or (ipc is not None and ipc.lane_withdraw(key)):
                         if self._recvs:
                             with self._rlock:
                                 self._consumed.add(key, "discarded")
@@ -1867,6 +1968,11 @@ class ShmConnector(BaseConnector):
                     if chan.senders_gen() != self._known_gen:
                         self._refresh_locked()
                     self._scan_locked()
+                    hit = self._lane_index.pop(key, None)
+                    if hit is not None and self._lane is not None and self._lane.claim(hit[2]):
+                        self._drop_lane_message(key, hit[0])
+                        self._consumed.add(key, "discarded")
+                        return True
                     refs = self._index.get(key)
                     while refs:
                         reader, idx, seq = refs.pop(0)
@@ -1959,10 +2065,17 @@ class ShmConnector(BaseConnector):
             raise ConfigurationError(
                 f"shm connector on channel {self.channel!r} was opened with role='receiver' and has no arena"
             )
+        ipc = self._ipc
         with self._slock:
             with self._chan.locked():
                 w.drain()
-                dropped = w.reclaim_unread(float(older_than), time.monotonic())
+                now = time.monotonic()
+                dropped = w.reclaim_unread(float(older_than), now)
+                if ipc is not None:
+                    # Payloads sent by device IPC whose message is in the pool's lane.
+                    lane = ipc.lane_reclaim(float(older_than), now)
+                    if lane:
+                        dropped = sorted(dropped + lane, key=lambda d: -d[1])
         if dropped:
             self._log_reclaimed(dropped, "reclaim_unread")
         return [(key, age) for key, age, _ in dropped]
@@ -1985,7 +2098,11 @@ class ShmConnector(BaseConnector):
         # The channel mutex alone: every change to the descriptors is made under it, and
         # a put waiting for room holds ``_slock`` (this must not wait for that put).
         with self._chan.locked():
-            return w.unread_keys()
+            keys = w.unread_keys()
+        ipc = self._ipc
+        if ipc is not None:
+            keys += ipc.lane_pending_keys()
+        return keys
 
     # =================================================================== misc
 
@@ -2007,6 +2124,9 @@ class ShmConnector(BaseConnector):
         route's last fallback reason."""
         ipc = self._ipc
         why = {"ipc_fallback_reason": ipc.fallback_reason} if ipc is not None and ipc.fallback_reason else {}
+        rx = ipc._rx if ipc is not None else None
+        if rx is not None:
+            why["pool_segments"], why["pool_bytes_now"] = rx.segments()
         w = self._writer
         held = self._releaser.nbytes if self._recvs else 0
         if w is None:
@@ -2041,6 +2161,10 @@ class ShmConnector(BaseConnector):
         w = self._writer
         if w is not None and self.linger > 0:
             self._linger()
+        with self._rlock:
+            self._lane = None  # before the pool (and its directory) goes: it goes whole
+            self._lane_drop = None
+            self._lane_index = {}
         if self._ipc is not None:
             self._ipc.close()
         if self._gpu is not None:

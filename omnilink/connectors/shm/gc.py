@@ -17,7 +17,7 @@ from typing import Any
 import posix_ipc
 
 from omnilink._errors import ConfigurationError
-from omnilink.connectors.shm.names import (
+from omnilink.connectors.shmem import (
     SHM_DIR,
     HostLock,
     parse_channel_name,

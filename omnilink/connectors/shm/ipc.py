@@ -1,27 +1,32 @@
 """The shm backend's device-IPC route: CUDA tensors GPU to GPU when both ends can.
 
 When both ends of a channel are GPU processes of one host, a host bounce (device ->
-page-locked arena -> device, about 50 GB/s over PCIe) is the wrong road: the
-``cuda_ipc`` backend copies device to device into a pool the receiver owns (hundreds
-of GB/s). This route lets one ``ShmConnector`` use it by itself::
+page-locked arena -> device, about 50 GB/s over PCIe) is the wrong road: a device pool
+the receiver owns (``omnilink.connectors.devpool``, what the ``cuda_ipc`` backend is
+built on) takes a device-to-device copy (hundreds of GB/s). This route lets one
+``ShmConnector`` use the pool's two ends itself, with no ``cuda_ipc`` connector and no
+channel besides its own::
 
     receiver (device_ipc="auto")                 sender (device_ipc="auto")
     first get(device="cuda:k"), the channel's    put of a payload with >= ipc_min_bytes
-    only receiver: open a cuda_ipc receiver      of CUDA tensors: is there a live pool
-    (its pool on cuda:k) on the same channel     for this channel, owned by the channel's
+    only receiver: open a PoolReceiver (its      of CUDA tensors: is there a live pool
+    pool on cuda:k) for the channel              for this channel, owned by the channel's
                                                  only receiver? can our devices reach
-                                                 its device? then: reserve a block for a
-                                                 marker, cuda_ipc put (device copy into
-                                                 the pool; a short wait for room at
-                                                 most), publish the marker under the key
-    get(key) claims the marker on the shm  <---  (otherwise, or on any failure of the
-    channel and takes the payload from the       route: the host path, unchanged)
-    cuda_ipc receiver: views of the pool on
-    its current stream (host not blocked)
+                                                 its device? then: PoolSender.send (device
+                                                 copy into the pool; a short wait for
+                                                 room at most), whose message is
+                                                 published on the shm channel under the
+                                                 key, marked IPC_MARK
+    get(key) claims the message on the shm <---  (otherwise, or on any failure of the
+    channel; PoolReceiver.land: views of the     route: the host path, unchanged)
+    pool on its current stream (host not
+    blocked)
 
-The shm channel stays the only place a receiver waits, so keys, wake-ups, timeouts and
-the key contract are the shm backend's; the cuda_ipc channel carries the device part.
-The marker is published after the device payload, so the receiver finds it at once.
+The shm channel stays the only place a receiver waits, and carries each routed
+payload's one message (the pool's message: manifest and host part): keys, wake-ups,
+timeouts and the key contract are the shm backend's, one claim and one decode per
+payload. The message is published after the device copy is queued, so the receiver
+finds it ready.
 
 Modes (``device_ipc``): ``"auto"`` (default) as above; ``"on"``: the receiver opens
 its pool when the connector opens (``ipc_device``, default the current device) and
@@ -29,9 +34,15 @@ the sender routes every CUDA payload that can go this way; ``"off"``: never.
 ``stats()`` counts ``ipc_puts`` / ``ipc_gets`` (device IPC) apart from
 ``device_puts`` / ``device_gets`` (the host-staged DMA path).
 
-Limits: one receiver per channel owns the pool (cuda_ipc's one-receiver, one-sender
+A payload the route could not take (no room in the pool in time, the pool's receiver
+gone, ...) goes by the host path, counted in ``stats().ipc_fallbacks`` with the last
+reason in ``ipc_fallback_reason``. ``discard`` gives a routed payload's pool block back
+on either side.
+
+Limits: one receiver per channel owns the pool (the pool's one-receiver, one-sender
 rule): the sender checks, before each put by this route, that the shm channel's only
-receiver is the pool's owner; a second sender falls back to the host path.
+receiver is the pool's owner (cached until the channel's participants generation
+moves); a second sender falls back to the host path.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import (
     CapacityError,
@@ -51,13 +62,17 @@ from omnilink._errors import (
     TransferTimeout,
     TransportError,
 )
+from omnilink._util import Deadline, duplicate_key
 from omnilink.blob import prepare
+
+if TYPE_CHECKING:  # the device pool loads at the route's first use: shm's import stays cheap
+    from omnilink.connectors.devpool import PoolReceiver, PoolSender
 
 __all__ = ["DeviceIpcRoute", "IPC_MARK", "MODES"]
 
 logger = logging.getLogger(__name__)
 
-#: The key of the marker payload on the shm channel: "take this key from cuda_ipc".
+#: The key under which a routed payload's pool message rides the shm channel.
 IPC_MARK = "__omnilink_device_ipc__"
 MODES = ("auto", "on", "off")
 #: Seconds a route put waits for room in the receiver's pool before the host path.
@@ -80,19 +95,25 @@ class DeviceIpcRoute:
         In ``"auto"``, payloads with fewer bytes of CUDA tensors take the host path.
     device : str, optional
         ``"on"``: the receiver's pool device (default: the current device).
+    pool_max_bytes : int, optional
+        The most the receiver's pool may grow to (``None``: from the free device memory).
     """
 
-    def __init__(self, conn: Any, mode: str, pool_bytes: int, min_bytes: int, device: Any) -> None:
+    def __init__(self, conn: Any, mode: str, pool_bytes: int, min_bytes: int, device: Any, *,
+                 pool_max_bytes: int | None = None) -> None:
         # A weak proxy: the connector holds the route, and an unclosed connector must
         # still be cleaned when its last reference goes (no cycle to wait for).
         self.conn = weakref.proxy(conn)
         self.mode = mode
         self.pool_bytes = pool_bytes
+        self.pool_max_bytes = pool_max_bytes
         self.min_bytes = min_bytes if mode == "auto" else 0
         self._lock = threading.Lock()
-        self._rx: Any = None
+        #: the device operations both ends use (made with the first end)
+        self._ops: Any = None
+        self._rx: PoolReceiver | None = None
         self._rx_tried = False
-        self._tx: Any = None
+        self._tx: PoolSender | None = None
         self._tx_device: int | None = None
         self._owner: int | None = None
         #: participants generation at which the pool's owner was the only receiver
@@ -105,9 +126,31 @@ class DeviceIpcRoute:
         if mode == "on" and conn._recvs:
             self.open_pool(device, strict=True)
 
+    # ================================================================ the ends
+    @staticmethod
+    def _unavailable() -> str | None:
+        """Why this process cannot open a device pool's end, or ``None``; the test
+        suite overrides it (with ``_make_ops``) to run the route over a host double."""
+        from omnilink.connectors.devpool import cuda_ipc_unavailable
+
+        return cuda_ipc_unavailable()
+
+    @staticmethod
+    def _make_ops() -> Any:
+        """The device operations of the route's ends (``CudaDeviceOps``)."""
+        from omnilink.connectors.devpool import CudaDeviceOps
+
+        return CudaDeviceOps()
+
+    def _device_ops(self) -> Any:
+        """The one device-operations object of this route (holds ``_lock``)."""
+        if self._ops is None:
+            self._ops = self._make_ops()
+        return self._ops
+
     # ================================================================ receiver
     def open_pool(self, device: Any, *, strict: bool = False) -> None:
-        """Open this receiver's cuda_ipc pool on ``device`` once (``auto``: at the first
+        """Open this receiver's device pool on ``device`` once (``auto``: at the first
         device get, if this is the channel's only receiver; failures are logged once and
         leave the host path)."""
         if self._rx is not None or (self._rx_tried and not strict):
@@ -116,19 +159,29 @@ class DeviceIpcRoute:
             if self._rx is not None or (self._rx_tried and not strict):
                 return
             self._rx_tried = True
-            from omnilink.connectors.cuda_ipc import CudaIpcConnector
-
-            why = CudaIpcConnector.unavailable_reason()
+            why = self._unavailable()
             if why is None and not strict and self.conn._live_receivers() != 0:
                 why = "the channel has other receivers (one receiver owns a device pool)"
             if why is None:
+                from omnilink.connectors.devpool import DEFAULT_EVENT_SLOTS, DEFAULT_MAX_BLOCKS, PoolReceiver
+
                 try:
-                    self._rx = CudaIpcConnector(channel=self.conn.channel, role="receiver", device=device,
-                                                pool_bytes=self.pool_bytes)
+                    self._rx = PoolReceiver(self._device_ops(), self.conn.channel, device=device,
+                                            pool_bytes=self.pool_bytes, event_slots=DEFAULT_EVENT_SLOTS,
+                                            max_blocks=DEFAULT_MAX_BLOCKS, pool_max_bytes=self.pool_max_bytes)
                 except (OmnilinkError, RuntimeError) as exc:
                     if strict:
                         raise
                     why = f"{type(exc).__name__}: {exc}"
+            rx = self._rx
+            if rx is not None:
+                def drop(key: str | None, marker: Any) -> None:
+                    if type(marker) is dict and IPC_MARK in marker:
+                        rx.drop(key or "<lane>", marker[IPC_MARK])
+
+                # The pool's sender puts each message in the pool's lane: this channel
+                # takes them as its own (one claim, no arena block, no frame to decode).
+                self.conn.attach_lane(rx.lane, drop)
             if self._rx is None:
                 if strict:
                     raise CudaError(f"shm: device_ipc='on' on channel {self.conn.channel!r}: {why}")
@@ -151,12 +204,12 @@ class DeviceIpcRoute:
                 "receiver that owns the channel's device pool; this receiver has none (one receiver "
                 "per channel when senders use device_ipc)"
             )
-        got = rx._land_message(key, marker[IPC_MARK])
+        got = rx.land(key, marker[IPC_MARK])
         from omnilink.cuda import map_tensors, payload_to_device
 
         if device is None:
             return map_tensors(got, lambda t: t.cpu() if t.is_cuda else t)
-        if device.index != rx.pool_device:
+        if device.index != rx.index:
             got = map_tensors(got, lambda t: t.to(device, non_blocking=True) if t.is_cuda else t)
         # The payload's CPU tensors go to ``device`` too, as on every road (``get``'s
         # contract); the pool's views, already there, stay as they are.
@@ -175,15 +228,23 @@ class DeviceIpcRoute:
         conn = self.conn
 
         def publish(msg: dict) -> None:
-            # The device part's descriptor rides the shm channel's own message: one
-            # claim, one wake-up and one decode per payload at the receiver.
+            # The device part's descriptor goes in the pool's lane, which the receiver's
+            # channel reads as its own, and the channel's waiters are woken; one that
+            # the lane cannot take rides the shm channel as a message of its own. Either
+            # way: one claim, one wake-up and one decode per payload at the receiver.
+            marker = {IPC_MARK: msg}
             try:
-                conn._put_arena(key, key.encode("utf-8"), prepare({IPC_MARK: msg}), deadline)
+                if tx.lane_pending(key):
+                    raise duplicate_key(conn.backend, conn.channel, key)
+                if tx.lane_write(key, marker):
+                    conn.wake_receivers(deadline)
+                    return
+                conn._put_arena(key, key.encode("utf-8"), prepare(marker), deadline)
             except BaseException as exc:
                 raise _NotPublished(exc) from exc
 
         try:
-            tx._send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline))
+            tx.send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline))
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
@@ -210,18 +271,18 @@ class DeviceIpcRoute:
         if now < self._next_probe:
             return None
         self._next_probe = now + PROBE_EVERY_S
-        from omnilink.connectors.cuda_ipc import CudaIpcConnector, live_pool_owner
+        from omnilink.connectors.devpool import PoolSender, live_pool_owner
 
         owner = live_pool_owner(self.conn.channel)
-        if owner is None or CudaIpcConnector.unavailable_reason() is not None:
+        if owner is None or self._unavailable() is not None:
             return None
         with self._lock:
             if self._tx is not None:
                 return self._tx
             tx = None
             try:
-                tx = CudaIpcConnector(channel=self.conn.channel, role="sender", linger=0)
-                index = tx.attach(1.0)
+                tx = PoolSender(self._device_ops(), self.conn.channel)
+                index = tx.attach(Deadline(1.0))
             except (OmnilinkError, RuntimeError) as exc:
                 if tx is not None:
                     tx.close()
@@ -296,15 +357,32 @@ class DeviceIpcRoute:
         its pool block goes back (nothing viewed it)."""
         rx = self._rx
         if rx is not None:
-            rx._drop_message(key, marker[IPC_MARK])
+            rx.drop(key, marker[IPC_MARK])
 
     # ================================================================ sender
+    def lane_withdraw(self, key: str) -> bool:
+        """Sender: withdraw ``key``'s unclaimed record from the pool's lane and free its
+        block (the caller holds the channel mutex); whether it was there unclaimed."""
+        tx = self._tx
+        return tx is not None and tx.lane_withdraw(key)
+
+    def lane_reclaim(self, older_than: float, now: float) -> list[tuple[str, float, int]]:
+        """Sender: withdraw lane records unclaimed for more than ``older_than`` seconds
+        (their blocks freed; the caller holds the channel mutex): ``(key, age, block
+        bytes)`` each."""
+        tx = self._tx
+        return [] if tx is None else tx.lane_reclaim(older_than, now)
+
+    def lane_pending_keys(self) -> list[str]:
+        tx = self._tx
+        return [] if tx is None else tx.lane_pending_keys()
+
     def discard(self, key: str) -> None:
         """Sender: ``key`` was withdrawn unread from the shm channel: free its pool block
         (if it went by device IPC)."""
         tx = self._tx
         if tx is not None:
-            tx._withdrawn(key)
+            tx.withdrawn(key)
 
     def close(self) -> None:
         self._closed = True
@@ -328,8 +406,6 @@ class _NotPublished(Exception):
 
 
 def _short(deadline: Any) -> Any:
-    from omnilink._util import Deadline
-
     if deadline is None:
         return Deadline(1.0)
     remaining = deadline.remaining()

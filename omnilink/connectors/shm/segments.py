@@ -143,17 +143,24 @@ import posix_ipc
 
 from omnilink._errors import CapacityError, ConfigurationError, TransportError
 from omnilink._util import MAX_KEY_BYTES, Deadline
-from omnilink.connectors.shm.alloc import ALIGN, Allocator
-from omnilink.connectors.shm.names import (
-    SHM_DIR,
+from omnilink.connectors.shmem import (
+    ALIGN,
+    MODE,
+    PAGE,
+    PROT,
+    Allocator,
     HostLock,
     arena_name,
     channel_names,
+    create_segment,
     extension_name,
-    free_shm_bytes,
     new_token,
+    open_segment,
     overflow_name,
     pid_alive,
+    shm_error,
+    unlink_segment,
+    unlink_semaphore,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,7 +170,6 @@ __all__ = [
     "ArenaWriter",
     "Channel",
     "Space",
-    "create_segment",
     "FREE",
     "WRITTEN",
     "CLAIMED",
@@ -172,10 +178,6 @@ __all__ = [
     "ROLE_RECV",
 ]
 
-PAGE = mmap.PAGESIZE
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-_PROT = mmap.PROT_READ | mmap.PROT_WRITE
-MODE = 0o600
 
 FREE, WRITTEN, CLAIMED, RELEASED = 0, 1, 2, 3
 ROLE_SEND, ROLE_RECV = 1, 2
@@ -243,112 +245,11 @@ _U64_MASK = 0xFFFFFFFFFFFFFFFF
 _sched_yield = getattr(os, "sched_yield", lambda: None)
 
 
-def _shm_error(what: str, exc: BaseException) -> TransportError:
-    return TransportError(f"shm: {what} failed: {exc}")
-
-
-def _nice_size(nbytes: int) -> tuple[str, str, str]:
-    """``nbytes`` rounded up to a size people type: (docker, mount, Kubernetes) spellings."""
-    if nbytes <= 1 << 30:
-        mib = -(-nbytes // (64 << 20)) * 64
-        return f"{mib}m", f"{mib}M", f"{mib}Mi"
-    gib = -(-nbytes // (1 << 30))
-    return f"{gib}g", f"{gib}G", f"{gib}Gi"
-
-
-def shm_size_advice(nbytes: int, free: int) -> str:
-    """How to make room for ``nbytes`` more in ``/dev/shm``, sized from what was asked.
-
-    The suggested size is what ``/dev/shm`` holds now plus ``nbytes``, with a quarter of
-    headroom, rounded up (to 64 MiB steps below 1 GiB, whole GiB above); the smaller
-    ``arena_bytes=`` is the largest power of two that fits in what is free now.
-    """
-    try:
-        st = os.statvfs(SHM_DIR)
-        used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    except OSError:  # pragma: no cover - /dev/shm unreadable; size from the request alone
-        used = 0
-    docker, mount, k8s = _nice_size((used + nbytes) * 5 // 4)
-    advice = (
-        f"Give /dev/shm room for it: docker run --shm-size={docker}; Kubernetes: an emptyDir "
-        f"with medium: Memory and sizeLimit: {k8s}; on a host: mount -o remount,size={mount} "
-        "/dev/shm"
-    )
-    fit_mib = (free * 9 // 10) >> 20
-    if fit_mib >= 1:
-        fits = 1 << (fit_mib.bit_length() - 1)  # MiB, a power of two
-        return f"{advice}; or pass arena_bytes={fits << 20} ({fits} MiB) or less to omnilink.connect('shm', ...)"
-    return f"{advice}; or pass a smaller arena_bytes= to omnilink.connect('shm', ...)"
-
-
-def preflight(nbytes: int, what: str) -> None:
-    """Fail with an actionable error when ``/dev/shm`` cannot hold ``nbytes`` more."""
-    free = free_shm_bytes()
-    if free < nbytes:
-        raise CapacityError(
-            f"shm: {what} needs {nbytes / 2**20:.1f} MiB but /dev/shm has only "
-            f"{free / 2**20:.1f} MiB free. {shm_size_advice(nbytes, free)}"
-        )
-
-
-def create_segment(name: str, size: int, what: str) -> mmap.mmap:
-    """Create segment ``name`` (mode 0600), reserve and pre-fault its pages, map it.
-
-    ``posix_fallocate`` makes tmpfs allocate every page now: a full ``/dev/shm`` is a
-    clean ``CapacityError`` here instead of a SIGBUS on some later write, and the first
-    ``put`` does not pay page faults. ``MAP_POPULATE`` also fills the page tables.
-    """
-    preflight(size, what)
-    try:
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, MODE, size)
-    except posix_ipc.Error as exc:
-        raise _shm_error(f"creating {name}", exc) from exc
-    try:
-        try:
-            os.posix_fallocate(shm.fd, 0, size)
-        except OSError as exc:
-            raise CapacityError(
-                f"shm: reserving {size / 2**20:.1f} MiB for {what} in /dev/shm failed "
-                f"({exc}). {shm_size_advice(size, free_shm_bytes())}"
-            ) from exc
-        return mmap.mmap(shm.fd, size, flags=_MAP_FLAGS, prot=_PROT)
-    except BaseException:
-        _unlink_quiet(name)
-        raise
-    finally:
-        shm.close_fd()
-
-
-def open_segment(name: str) -> mmap.mmap:
-    """Map an existing segment (raises ``posix_ipc.ExistentialError`` if it is gone)."""
-    shm = posix_ipc.SharedMemory(name)
-    try:
-        return mmap.mmap(shm.fd, shm.size, flags=_MAP_FLAGS, prot=_PROT)
-    finally:
-        shm.close_fd()
-
-
-def _unlink_quiet(name: str) -> bool:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-        return True
-    except posix_ipc.ExistentialError:
-        return False
-
-
-def _unlink_sem_quiet(name: str) -> bool:
-    try:
-        posix_ipc.unlink_semaphore(name)
-        return True
-    except posix_ipc.ExistentialError:
-        return False
-
-
 def unlink_sender_objects(prefix: str, pid: int, token: str) -> None:
     """Remove a dead sender's arena, semaphore, overflow and extension segments."""
     name = arena_name(prefix, pid, token)
-    _unlink_quiet(name)
-    _unlink_sem_quiet(name + "-s")
+    unlink_segment(name)
+    unlink_semaphore(name + "-s")
     starts = (f"{prefix}-o{pid}-", f"{prefix}-e{pid}-")
     try:
         entries = os.listdir("/dev/shm")
@@ -356,7 +257,7 @@ def unlink_sender_objects(prefix: str, pid: int, token: str) -> None:
         return
     for entry in entries:
         if entry.startswith(starts):
-            _unlink_quiet("/" + entry)
+            unlink_segment("/" + entry)
 
 
 # ============================================================== the channel
@@ -417,11 +318,11 @@ class Channel:
                 if shm.size < CTRL_SIZE:
                     os.ftruncate(shm.fd, CTRL_SIZE)
             try:
-                self._mm = mmap.mmap(shm.fd, CTRL_SIZE, flags=mmap.MAP_SHARED, prot=_PROT)
+                self._mm = mmap.mmap(shm.fd, CTRL_SIZE, flags=mmap.MAP_SHARED, prot=PROT)
             finally:
                 shm.close_fd()
         except posix_ipc.Error as exc:
-            raise _shm_error(f"opening channel {self.channel!r}", exc) from exc
+            raise shm_error(f"opening channel {self.channel!r}", exc) from exc
         mm = self._mm
         #: ``senders_gen``, read without the mutex by receivers (``_word``); the mapping
         #: is never closed explicitly (finalizers of views may still lock the mutex)
@@ -464,9 +365,9 @@ class Channel:
                 reaped = self._reap_locked()
                 last = not self._participants_locked()
                 if last:
-                    _unlink_quiet(self.ctrl_name)
-                    _unlink_sem_quiet(self.mutex_name)
-                    _unlink_sem_quiet(self.wake_name)
+                    unlink_segment(self.ctrl_name)
+                    unlink_semaphore(self.mutex_name)
+                    unlink_semaphore(self.wake_name)
             self._remove_reaped(reaped)
         # The handles stay open until this object is garbage: finalizers of views still
         # alive after close() lock the mutex to hand their blocks back.
@@ -875,7 +776,7 @@ class ArenaWriter:
             self.sem = posix_ipc.Semaphore(self.sem_name, posix_ipc.O_CREX, MODE, 0)
         except BaseException:
             self.mm.close()
-            _unlink_quiet(self.name)
+            unlink_segment(self.name)
             raise
         self.primary = Space(self.mm, lay.data_offset, lay.data_bytes, 0, b"", self.name, -1)
         #: ``pub_seq`` of the mapping (receivers read it without the mutex: ``_word``)
@@ -1014,7 +915,7 @@ class ArenaWriter:
             return False
         _U32.pack_into(self.mm, _DESC_OFFSET + idx * DESC_SIZE, FREE)
         if rec.overflow is not None:
-            _unlink_quiet(rec.overflow)
+            unlink_segment(rec.overflow)
             self.overflow_bytes -= rec.reserved
         else:
             sp = rec.space if rec.space is not None else self.primary
@@ -1182,7 +1083,7 @@ class ArenaWriter:
         _U32.pack_into(self.mm, _A_CLOSED, 1)
         for rec in self.out.values():
             if rec.overflow is not None:
-                _unlink_quiet(rec.overflow)
+                unlink_segment(rec.overflow)
 
     # -------------------------------------------------------------- no mutex
     def new_extension(self, size: int, slot: int) -> Space:
@@ -1195,7 +1096,7 @@ class ArenaWriter:
 
     @staticmethod
     def drop_extension(sp: Space) -> None:
-        _unlink_quiet(sp.name)
+        unlink_segment(sp.name)
         sp.unmap()
 
     def wait_space(self, timeout: float) -> bool:
@@ -1209,13 +1110,13 @@ class ArenaWriter:
         """Unlink everything this arena created; the mappings go too."""
         for rec in self.out.values():
             if rec.overflow is not None:
-                _unlink_quiet(rec.overflow)
+                unlink_segment(rec.overflow)
         for sp in self.spaces[1:]:
-            _unlink_quiet(sp.name)
+            unlink_segment(sp.name)
             sp.unmap()
         del self.spaces[1:]
-        _unlink_quiet(self.name)
-        _unlink_sem_quiet(self.sem_name)
+        unlink_segment(self.name)
+        unlink_semaphore(self.sem_name)
         self._pub.release()
         self._q.release()
         self._u32.release()
@@ -1512,7 +1413,7 @@ class ArenaReader:
         mapping keeps the memory; nothing is left in /dev/shm once the views die)."""
         name = overflow_name(self.prefix, self.pid, otoken.rstrip(b"\0").decode("ascii"))
         mm = open_segment(name)
-        _unlink_quiet(name)
+        unlink_segment(name)
         return mm
 
 

@@ -1,8 +1,9 @@
-"""Names, liveness and host-wide locking for the ``shm`` backend.
+"""Names, liveness and host-wide locking of what omnilink keeps in ``/dev/shm``.
 
-Every object the backend creates in ``/dev/shm`` is named from the prefix in
-``OMNILINK_SHM_PREFIX`` (default ``omnilink``, read once per connector) and says who owns
-it, so that ``collect_garbage`` can tell a dead process's leftovers from a live one's::
+Every object the ``shm`` backend and the device pool create in ``/dev/shm`` is named
+from the prefix in ``OMNILINK_SHM_PREFIX`` (default ``omnilink``, read once per
+connector) and says who owns it, so that ``collect_garbage`` can tell a dead process's
+leftovers from a live one's::
 
     <prefix>-a<pid>-<token>      arena of a sender (shared memory segment)
     <prefix>-a<pid>-<token>-s    that sender's "space freed" semaphore (sem.<...> in /dev/shm)
@@ -11,6 +12,8 @@ it, so that ``collect_garbage`` can tell a dead process's leftovers from a live 
     <prefix>-c<hash>             control segment of a channel (shared, refcounted)
     <prefix>-c<hash>-m           the channel's mutex semaphore
     <prefix>-c<hash>-w           the channel's wake-up semaphore
+    <prefix>-a<pid>-<token>      also a device pool's directory (``devpool``), named like an
+                                 arena of its receiver, token from the channel name
 
 ``<token>`` is ``secrets.token_hex(8)``; ``<hash>`` is the first 24 hex digits of the
 SHA-256 of the channel name (channel names may contain ``/``, file names may not). The
@@ -54,7 +57,7 @@ _PID_T_MAX = 0x7FFFFFFF
 def pid_alive(pid: int) -> bool:
     """``omnilink._util.pid_alive`` for a pid read from shared memory, which any process
     of the user can overwrite: a value no pid can have is a dead process, not an error.
-    The shm modules import it from here."""
+    The shm and device-pool modules import it from here."""
     return 0 < pid <= _PID_T_MAX and _pid_alive(pid)
 _PREFIX_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,99}")
 _OWNED_RE = re.compile(r"-([aoe])([0-9]+)-([0-9a-f]{16})(-s)?$")

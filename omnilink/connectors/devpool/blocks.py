@@ -6,7 +6,7 @@ still holds before it allocates anything.
 
 from __future__ import annotations
 
-from omnilink.connectors.shm import Allocator
+from omnilink.connectors.shmem import Allocator
 
 __all__ = ["ALIGN", "BlockAllocator", "round_up"]
 

@@ -1,7 +1,8 @@
 """First-fit block allocator with coalescing, for the data area of a sender's arena.
 
 Only the sender allocates in its own arena, so the allocator is process-local state;
-what crosses processes is the state word of each descriptor (see ``segments``).
+what crosses processes is the state word of each descriptor (the ``shm`` backend's
+``segments``). The device pool's allocator (``devpool.blocks``) derives from it.
 Every block starts and ends on a 64-byte boundary (``ALIGN``), which is what
 tensor_blob needs for its data region (``FRAME_ALIGN``) and keeps blocks on separate
 cache lines.

@@ -1,8 +1,9 @@
-"""``CudaDeviceOps``: every CUDA call of the ``cuda_ipc`` backend, in one small object.
+"""``CudaDeviceOps``: every CUDA call of the device pool, in one small object.
 
-The connector never calls CUDA itself; it calls these methods, so the whole control
-plane (allocation, frees, event slots, manifests, the key contract) runs unchanged over a
-host-memory test double in the test suite. Calls go through cuda-python
+The pool's ends (and the ``cuda_ipc`` connector and shm device-IPC route over them) never
+call CUDA themselves; they call these methods, so the whole control plane (allocation,
+frees, event slots, manifests, the key contract) runs unchanged over a host-memory test
+double in the test suite. Calls go through cuda-python
 (``cuda.bindings.runtime``) via ``omnilink.cuda.cuda_ops()``; handles cross processes as
 their 64 raw bytes.
 """
@@ -159,6 +160,17 @@ class CudaDeviceOps:
         finally:
             self._ops.restore_device(prev)
 
+    def free_bytes(self, index: int) -> int:
+        """Receiver: bytes of device ``index`` free now (``cudaMemGetInfo``); what the
+        default bound of the pool's growth derives from."""
+        prev = self._on(index)
+        try:
+            err, free, _total = self.rt.cudaMemGetInfo()
+            self._check((err,), "cudaMemGetInfo")
+            return int(free)
+        finally:
+            self._ops.restore_device(prev)
+
     def open_pool(self, index: int, handle: bytes) -> int:
         """Sender: map the receiver's pool once (peer access enabled lazily by CUDA)."""
         h = self.rt.cudaIpcMemHandle_t()
@@ -264,16 +276,7 @@ class CudaDeviceOps:
             # caching allocator keeps their memory for that stream's later work) and
             # record the slot's event there: one cudaMemcpyAsync per tensor and one
             # cudaEventRecord, the hardware's floor, nothing kept alive on the host.
-            stream = current_raw_stream(index)
-            prev = self._on(index)
-            try:
-                for dst, t in items:
-                    n = t.numel() * t.element_size()
-                    if n:
-                        ops.memcpy_d2d(dst, t.data_ptr(), n, stream)
-                self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
-            finally:
-                ops.restore_device(prev)
+            self._copy_and_record(index, items, event, current_raw_stream(index))
             return
         completer = self._completer_get()
         completer.reap()  # frees and releases whose copies are done: here, no hand-off
@@ -287,6 +290,19 @@ class CudaDeviceOps:
         else:
             for d in devices:
                 ops.wait(stream, ops.ordering_event(d).record(current_raw_stream(d)))
+        self._copy_and_record(index, items, event, stream)
+        done = Event(index).record(stream)
+        for d in devices:
+            ops.wait(current_raw_stream(d), done)
+        keep: list[Any] = [t for _, t in items]
+        if after is not None:
+            keep.append(after)  # the producer events live until the copy is done
+        completer.submit(done, keep.clear)
+
+    def _copy_and_record(self, index: int, items: list[tuple[int, Any]], event: Any, stream: int) -> None:
+        """One ``cudaMemcpyAsync`` per non-empty tensor into the pool on ``stream`` (of
+        device ``index``, made current meanwhile), then ``event`` recorded there."""
+        ops = self._ops
         prev = self._on(index)
         try:
             for dst, t in items:
@@ -296,13 +312,6 @@ class CudaDeviceOps:
             self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
         finally:
             ops.restore_device(prev)
-        done = Event(index).record(stream)
-        for d in devices:
-            ops.wait(current_raw_stream(d), done)
-        keep: list[Any] = [t for _, t in items]
-        if after is not None:
-            keep.append(after)  # the producer events live until the copy is done
-        completer.submit(done, keep.clear)
 
     def wait(self, index: int, event: Any) -> None:
         """Receiver: the caller's current stream on ``index`` waits for ``event``."""

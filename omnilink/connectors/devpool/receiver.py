@@ -1,0 +1,644 @@
+"""``PoolReceiver``: the receiver's end of a device pool (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from omnilink._errors import BlobDecodeError, ClosedError, ConfigurationError, PeerLostError
+from omnilink._util import PeerWatch
+from omnilink.blob import MAX_TREE_DEPTH, MAX_TREE_ITEMS, _contiguous_strides
+from omnilink.connectors.devpool.blocks import ALIGN, round_up
+from omnilink.connectors.devpool.directory import (
+    ACK_GEN,
+    CLEAN_GEN,
+    EVENTS_GEN,
+    GEN,
+    GROW_ACK,
+    GROW_ALLOC_FAILED,
+    GROW_BYTES,
+    GROW_ERR,
+    GROW_NO_ENTRY,
+    GROW_OK,
+    GROW_PAST_BOUND,
+    GROW_REQ,
+    HELD_BYTES,
+    MAX_SEGMENTS,
+    POOL_NOW,
+    RING_HEAD,
+    SENDER_PID,
+    SNAP_HEAD,
+    STATE,
+    SEG_GEN,
+    SEG_LIVE,
+    SEG_MASK,
+    SEG_NONE,
+    SEG_RETIRING,
+    SEG_SHIFT,
+    STATE_CLOSED,
+    WANT_GEN,
+    Directory,
+    find_directories,
+)
+from omnilink.connectors.devpool.lane import LANE_RECORD, LANE_SLOTS, LaneReader
+from omnilink.connectors.devpool.manifest import (
+    INT64_MAX,
+    ITEMSIZE,
+    MAX_NDIM,
+    MAX_TENSORS,
+    BadPath,
+    dtypes,
+    place,
+)
+from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, local_lock, start_heartbeat
+from omnilink.connectors.shmem import HostLock, pid_alive, read_prefix, unlink_segment
+
+__all__ = ["PoolReceiver"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between looks for a new sender asking what this receiver holds.
+ANSWER_EVERY_S = 0.02
+#: Seconds a grown segment stays without a block this receiver holds before it is
+#: given back (``PoolReceiver.idle_s``).
+IDLE_S = 2.0
+
+
+class _Pool:
+    """The receiver's pool: its memory, its directory, and the blocks live views hold.
+
+    Shared by the leases of one receiver; it holds only what a free takes (not the
+    receiver), so views may outlive ``close()``: the pool memory is freed when the
+    receiver is closed and the last view is gone, whichever comes last.
+    """
+
+    def __init__(self, ops: Any, directory: Directory, index: int, ptr: int, nbytes: int) -> None:
+        self.ops = ops
+        self.dir = directory
+        self.index = index
+        self.ptr = ptr
+        self.nbytes = nbytes
+        #: ``(pointer, bytes)`` of each live segment by index (``None``: no such segment);
+        #: entries are replaced whole, so a landing reads one without the lock
+        self.segs: list[tuple[int, int] | None] = [None] * MAX_SEGMENTS
+        self.segs[0] = (ptr, nbytes)
+        #: per segment: since when no block of it is held; the segment generation at
+        #: which it was marked retiring
+        self.idle_since = [0.0] * MAX_SEGMENTS
+        self.retire_gen = [0] * MAX_SEGMENTS
+        # Reentrant: a lease may die (and its finalizer run) in a thread that holds it.
+        self.lock = threading.RLock()
+        #: offset -> length of blocks this process holds (views alive, or their last
+        #: reader's stream not yet past them)
+        self.held: dict[int, int] = {}
+        self.by_key: dict[str, list[Any]] = {}
+        #: bytes of ``held``, published in the directory (the sender grows the pool
+        #: only for blocks the receiver holds, not for payloads nobody has read yet)
+        self.held_bytes = 0
+        self.closed = False
+        self.freed = False
+
+    def track(self, lease: Any, key: str, offset: int, length: int) -> Any:
+        with self.lock:
+            self.held[offset] = length
+            fin = weakref.finalize(lease, self.release, key, offset, length)
+            self.by_key.setdefault(key, []).append(fin)
+        return fin
+
+    def hold(self, offset: int, length: int) -> None:
+        with self.lock:
+            if offset not in self.held:
+                self.held_bytes += length
+                if not self.closed:
+                    self.dir.set(HELD_BYTES, self.held_bytes)
+            self.held[offset] = length
+
+    def release(self, key: str | None, offset: int, length: int) -> None:
+        """The last view of a block died (or ``release(key)``): hand it back once the
+        work queued on this thread's stream (its last reader) is past it."""
+        if key is not None:
+            with self.lock:
+                fins = self.by_key.get(key)
+                if fins is not None:
+                    fins[:] = [f for f in fins if f.alive]
+                    if not fins:
+                        del self.by_key[key]
+        try:
+            self.ops.after_use(self.index, lambda: self.push(offset, length))
+        except Exception:  # pragma: no cover - interpreter teardown
+            logger.debug("cuda_ipc: deferred free failed; freeing now", exc_info=True)
+            self.push(offset, length)
+
+    def push(self, offset: int, length: int) -> None:
+        with self.lock:
+            popped = self.held.pop(offset, None)
+            if popped is None:
+                return
+            self.held_bytes -= popped
+            if not self.closed:
+                self.dir.set(HELD_BYTES, self.held_bytes)  # before the free: never too low
+                if not self.dir.push_free(offset, length):  # pragma: no cover - bounded by the sender
+                    logger.error("cuda_ipc: released ring full; block at %d lost until the sender restarts", offset)
+            elif not self.held:
+                self._free_locked()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if not self.held:
+                self._free_locked()
+
+    def bytes_now(self) -> int:
+        return sum(seg[1] for seg in self.segs if seg is not None)
+
+    def _free_locked(self) -> None:
+        if self.freed:
+            return
+        self.freed = True
+        for i, seg in enumerate(self.segs):
+            if seg is None:
+                continue
+            self.segs[i] = None
+            try:
+                self.ops.free_pool(self.index, seg[0])
+            except Exception:  # pragma: no cover - driver teardown
+                logger.warning("cuda_ipc: freeing the device pool failed", exc_info=True)
+        self.dir.close()
+
+
+class PoolReceiver:
+    """The receiver's end of a device pool on ``channel``: allocates the pool on
+    ``device`` (through ``ops``), exports it once through its directory, and turns
+    messages of the pool's sender into views of it.
+
+    Parameters
+    ----------
+    ops : CudaDeviceOps
+        The device operations (or a test double of them).
+    channel : str
+        The channel the pool serves (its directory's name derives from it).
+    device : str or torch.device, optional
+        The pool's device (default: the current CUDA device).
+    pool_bytes, event_slots, max_blocks : int
+        Size of the pool (rounded up to 256 bytes), interprocess events the sender
+        creates, most blocks out at once (the released ring's size). Checked by the
+        caller.
+    pool_max_bytes : int, optional
+        The most bytes the pool may grow to, all segments together (``None``: the
+        pool's size plus three quarters of the device memory free once it is
+        allocated; never less than ``pool_bytes``).
+
+    Raises
+    ------
+    ConfigurationError
+        The channel already has a live receiver.
+    CudaError
+        The pool could not be allocated or exported.
+    """
+
+    def __init__(self, ops: Any, channel: str, *, device: Any, pool_bytes: int, event_slots: int,
+                 max_blocks: int, pool_max_bytes: int | None = None) -> None:
+        self.ops = ops
+        self.channel = channel
+        self._prefix = read_prefix()
+        self._pid = os.getpid()
+        #: the sender's liveness, looked up on every landing (a pidfd poll)
+        self._peers = PeerWatch()
+        #: (gen, events, opened) of the sender generation whose events are open
+        self._events: tuple[int, list[Any], bool] | None = None
+        self._events_lock = threading.Lock()
+        #: (tensor entries, their end, parsed) of the last valid manifest (``parse``)
+        self.parsed: tuple[list[Any], int, list[Any]] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.pool: _Pool | None = None
+        try:
+            self._open_pool(device, round_up(pool_bytes), event_slots, max_blocks, pool_max_bytes)
+        except BaseException:
+            self._peers.close()
+            raise
+
+    def _open_pool(self, device: Any, pool_bytes: int, event_slots: int, max_blocks: int,
+                   pool_max_bytes: int | None) -> None:
+        ops = self.ops
+        index = ops.device_index(device)
+        with HostLock():
+            for pid, name in find_directories(self._prefix, self.channel):
+                if pid_alive(pid):
+                    raise ConfigurationError(
+                        f"cuda_ipc: channel {self.channel!r} already has a receiver (pid {pid}); "
+                        "one receiver per channel"
+                    )
+                unlink_segment(name)
+            ptr, handle = ops.alloc_pool(index, pool_bytes)
+            try:
+                if pool_max_bytes is None:
+                    pool_max_bytes = pool_bytes + ops.free_bytes(index) * 3 // 4
+                bound = max(round_up(pool_max_bytes), pool_bytes)
+                d = Directory.create(self._prefix, self.channel, device=index, uuid=ops.device_uuid(index),
+                                     pool_bytes=pool_bytes, nslots=event_slots, ring_cap=max_blocks,
+                                     mem_handle=handle, pool_max=bound, lane_slots=LANE_SLOTS,
+                                     lane_record=LANE_RECORD)
+            except BaseException:
+                ops.free_pool(index, ptr)
+                raise
+        with local_lock:
+            LOCAL_POOLS[(d.name, 0)] = ptr
+        self.pool = _Pool(ops, d, index, ptr, pool_bytes)
+        #: the receiving end of the pool's lane (its transport reads it)
+        self.lane = LaneReader(d)
+        self.pool_max_bytes = bound
+        #: seconds a grown segment stays unheld before it is given back
+        self.idle_s = IDLE_S
+        self._thread = start_heartbeat(self, self._stop, f"omnilink-cuda-ipc-rx-{self.channel}", ANSWER_EVERY_S,
+                                       "_beat")
+
+    @property
+    def index(self) -> int | None:
+        """The CUDA device index of the pool (``None`` once closed)."""
+        pool = self.pool
+        return None if pool is None else pool.index
+
+    def _open(self) -> _Pool:
+        pool = self.pool
+        if pool is None:
+            raise ClosedError(f"cuda_ipc connector on channel {self.channel!r} is closed")
+        return pool
+
+    def _beat(self) -> None:
+        self._answer_attach()
+        self._answer_grow()
+        self._retire_idle()
+
+    def _retire_idle(self) -> None:
+        """Give back grown segments idle for ``idle_s``: mark one retiring (the sender
+        allocates there no more, and unmaps it once it has no block there: its
+        ``released`` flag), then free it once released (or its sender died). Segment 0
+        stays. Runs on the receiver's heartbeat thread."""
+        pool = self.pool
+        if pool is None or all(seg is None for seg in pool.segs[1:]):
+            return
+        d = pool.dir
+        now = time.monotonic()
+        sp = d.get(SENDER_PID)
+        sender_dead = sp != 0 and sp != self._pid and not pid_alive(sp)
+        freed = []
+        with pool.lock:
+            busy = {addr >> SEG_SHIFT for addr in pool.held}
+            for i in range(1, MAX_SEGMENTS):
+                seg = pool.segs[i]
+                if seg is None:
+                    continue
+                if i in busy:
+                    pool.idle_since[i] = now
+                    continue
+                state = d.segment(i)[0]
+                if state == SEG_LIVE:
+                    if now - pool.idle_since[i] >= self.idle_s:
+                        # The generation before the bump: any the sender reads once it
+                        # has seen the state is at least this.
+                        g0 = d.get(SEG_GEN)
+                        pool.retire_gen[i] = g0
+                        d.set_segment(i, SEG_RETIRING, seg[1])
+                        d.set(SEG_GEN, g0 + 1)
+                elif d.released(i) >= pool.retire_gen[i] or sender_dead:
+                    pool.segs[i] = None
+                    d.set_segment(i, SEG_NONE)
+                    d.set(POOL_NOW, pool.bytes_now())
+                    d.set(SEG_GEN, d.get(SEG_GEN) + 1)
+                    with local_lock:
+                        LOCAL_POOLS.pop((d.name, i), None)
+                    freed.append((i, seg))
+        for i, (ptr, nbytes) in freed:
+            try:
+                self.ops.free_pool(pool.index, ptr)
+            except Exception:  # pragma: no cover - driver teardown
+                logger.warning("cuda_ipc: freeing segment %d of the device pool failed", i, exc_info=True)
+            logger.info("cuda_ipc: device pool of channel %r gave back segment %d (%d bytes; %d bytes now)",
+                        self.channel, i, nbytes, pool.bytes_now())
+
+    def _answer_grow(self) -> None:
+        """The sender asked for a new segment (``grow request`` ahead of ``grow
+        answered``): allocate it within the bound and publish it in the segment table,
+        or say why not; runs on the receiver's heartbeat thread."""
+        pool = self.pool
+        if pool is None:
+            return
+        d = pool.dir
+        req = d.get(GROW_REQ)
+        if req == d.get(GROW_ACK):
+            return
+        want = round_up(max(d.get(GROW_BYTES), 1))
+        now = pool.bytes_now()
+        err = GROW_OK
+        free = [i for i in range(1, MAX_SEGMENTS) if pool.segs[i] is None]
+        if now + want > self.pool_max_bytes or want > SEG_MASK:
+            err = GROW_PAST_BOUND
+        elif not free:
+            err = GROW_NO_ENTRY
+        else:
+            i = free[0]
+            try:
+                ptr, handle = self.ops.alloc_pool(pool.index, want)
+            except Exception as exc:
+                logger.warning("cuda_ipc: growing the device pool of channel %r by %d bytes failed: %s",
+                               self.channel, want, exc)
+                err = GROW_ALLOC_FAILED
+            else:
+                with local_lock:
+                    LOCAL_POOLS[(d.name, i)] = ptr
+                with pool.lock:
+                    pool.segs[i] = (ptr, want)
+                    pool.idle_since[i] = time.monotonic()
+                d.set_segment(i, SEG_LIVE, want, handle)
+                d.set(POOL_NOW, now + want)
+                d.set(SEG_GEN, d.get(SEG_GEN) + 1)
+                logger.info("cuda_ipc: device pool of channel %r grew by %d bytes (segment %d, %d bytes now)",
+                            self.channel, want, i, now + want)
+        d.set(GROW_ERR, err)
+        d.set(GROW_ACK, req)  # last: the answer is complete
+
+    def _answer_attach(self) -> None:
+        """A new sender asked what this receiver still holds (its allocator starts from
+        that); runs on the receiver's heartbeat thread."""
+        pool = self.pool
+        if pool is None:
+            return
+        d = pool.dir
+        want = d.get(WANT_GEN)
+        if want == d.get(ACK_GEN):
+            return
+        with pool.lock:
+            d.write_held(sorted(pool.held.items()))
+            d.set(SNAP_HEAD, d.get(RING_HEAD))
+        d.set(ACK_GEN, want)
+
+    def _slot_events(self, gen: int) -> list[Any]:
+        pool = self._open()
+        with self._events_lock:
+            cached = self._events
+            if cached is not None and cached[0] == gen:
+                return cached[1]
+            if cached is not None and cached[2]:
+                self.ops.destroy_events(pool.index, cached[1])
+            self._events = None
+            d = pool.dir
+            if d.get(EVENTS_GEN) != gen:
+                raise PeerLostError(f"cuda_ipc: the sender on channel {self.channel!r} has not published "
+                                    "its events")
+            with local_lock:
+                local = LOCAL_EVENTS.get((d.name, gen))
+            if local is not None:
+                events, opened = local, False
+            else:
+                events = self.ops.open_events(pool.index, [d.slot_handle(i) for i in range(d.nslots)])
+                opened = True
+            self._events = (gen, events, opened)
+            return events
+
+    def parse(self, key: str, m: Any) -> tuple[int, int, int, int, int, list[tuple[Any, ...]]]:
+        """Validate a manifest before anything of it is used (a hostile sender cannot
+        make the receiver read outside its pool or build a view that lies about its size).
+
+        ``m`` is ``[gen, seq, slot, block, total, tensors]``, each tensor ``[dtype code,
+        offset in block, nbytes, shape, path]``. Returns ``(gen, seq, slot, block, total,
+        tensors)``, each tensor ``(dtype, offset, nbytes, shape, contiguous strides,
+        offset in elements, path)``. The tensor list of the last valid manifest is
+        remembered: a stream of same-shaped payloads checks only its extent again.
+
+        Raises
+        ------
+        BlobDecodeError
+            The manifest is malformed or names anything outside the pool.
+        ClosedError
+            The receiver was closed.
+        """
+        pool = self._open()
+
+        def bad(why: str) -> BlobDecodeError:
+            return BlobDecodeError(f"cuda_ipc: key {key!r}: invalid device manifest: {why}")
+
+        def is_int(x: Any, lo: int = 0, hi: int = INT64_MAX) -> bool:
+            return type(x) is int and lo <= x <= hi
+
+        if type(m) is not list or len(m) != 6:
+            raise bad("not [generation, sequence, slot, block, size, tensors]")
+        gen, seq, slot, block, total, entries = m
+        if not (is_int(gen, 1) and is_int(seq, 1) and is_int(slot, 0, pool.dir.nslots - 1)):
+            raise bad("generation, sequence or event slot out of range")
+        if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0):
+            raise bad(f"block [{block!r}, +{total!r}) is not an aligned block of the pool")
+        seg_index = block >> SEG_SHIFT
+        seg = pool.segs[seg_index] if seg_index < MAX_SEGMENTS else None
+        if seg is None or (block & SEG_MASK) + total > seg[1]:
+            raise bad(f"block [{block!r}, +{total!r}) (segment {seg_index}, offset {block & SEG_MASK}) is not "
+                      "inside a live segment of the pool")
+        if total % ALIGN:
+            raise bad(f"block size {total} is not a multiple of {ALIGN}")
+        if type(entries) is not list or not 1 <= len(entries) <= MAX_TENSORS:
+            raise bad("tensor list missing or too long")
+        last = self.parsed
+        if last is not None and entries == last[0]:
+            # The tensors of the last valid manifest (a stream repeats them): only their
+            # extent against this block's size is new. ``==`` may also match floats or
+            # bools equal to those ints; what is used is the validated copy.
+            if last[1] > total:
+                raise bad(f"tensors end at {last[1]}, past the block's {total} bytes")
+            return gen, seq, slot, block, total, last[2]
+        _, by_code = dtypes()
+        out = []
+        end = 0
+        for i, e in enumerate(entries):
+            if type(e) is not list or len(e) != 5:
+                raise bad(f"tensor {i} is not [dtype, offset, nbytes, shape, path]")
+            code, off, nbytes, shape, path = e
+            dt = by_code.get(code) if type(code) is int else None
+            if dt is None:
+                raise bad(f"tensor {i}: unknown dtype code {code!r}")
+            if type(shape) is not list or len(shape) > MAX_NDIM or not all(is_int(x) for x in shape):
+                raise bad(f"tensor {i}: shape {shape!r} is not a list of at most {MAX_NDIM} dims >= 0")
+            if (type(path) is not list or len(path) > MAX_TREE_DEPTH
+                    or not all(type(x) is str or is_int(x, 0, MAX_TREE_ITEMS) for x in path)):
+                raise bad(f"tensor {i}: path {path!r} is not a list of at most {MAX_TREE_DEPTH} keys or indices")
+            if not (is_int(off) and is_int(nbytes) and off + nbytes <= total):
+                raise bad(f"tensor {i}: region [{off!r}, +{nbytes!r}) is not inside the block")
+            shape = tuple(shape)
+            itemsize = ITEMSIZE[code]
+            numel = 1
+            # Bytes the non-zero dims address: every contiguous stride is a product of
+            # later dims (a 0 counts as 1) and every extent stride * (dim - 1), so all
+            # of them fit in int64 when this does, and torch counts numel over these
+            # dims before any 0 can zero it. An empty tensor with a 2**40 x 2**40 rest
+            # would otherwise reach as_strided (TypeError, or numel overflow).
+            span = itemsize
+            for x in shape:
+                numel *= x
+                if x:
+                    span *= x
+            if span > INT64_MAX:
+                raise bad(f"tensor {i}: shape {shape} overflows int64 (its non-zero dims "
+                          f"times itemsize {itemsize} exceed 2**63 - 1 bytes)")
+            if numel * itemsize != nbytes:
+                raise bad(f"tensor {i}: {nbytes} bytes for shape {shape} of {dt}")
+            if off % itemsize:
+                raise bad(f"tensor {i}: offset {off} not aligned to its dtype")
+            out.append((dt, off, nbytes, shape, _contiguous_strides(shape), off // itemsize, tuple(path)))
+            end = max(end, off + nbytes)
+        if len(out) > 1 and any(not t[6] for t in out):
+            raise bad("the payload itself is a tensor, yet the manifest names more than one")
+        self.parsed = (entries, end, out)
+        return gen, seq, slot, block, total, out
+
+    def land(self, key: str, obj: Any) -> Any:
+        """The payload of a message the pool's sender made (``PoolSender.send``),
+        received under ``key``: views of the pool put where the manifest's paths say, the
+        current stream ordered after the sender's copy (host not blocked).
+
+        Raises
+        ------
+        BlobDecodeError
+            ``obj`` is not such a message, or its manifest is invalid.
+        PeerLostError
+            The sender died before its copy could be confirmed.
+        ClosedError
+            The receiver was closed.
+        """
+        if type(obj) is not dict or len(obj) != 3 or type(obj.get("n")) is not int or "d" not in obj or "h" not in obj:
+            raise BlobDecodeError(f"cuda_ipc: key {key!r}: not a cuda_ipc message")
+        m, out = obj["d"], obj["h"]
+        if m is None:
+            return out
+        pool = self._open()
+        gen, seq, slot, blk, total, entries = self.parse(key, m)
+        d = pool.dir
+        pool.hold(blk, total)
+        try:
+            # Held now: its segment cannot be given back meanwhile; check it again (it may
+            # have gone between ``parse`` and ``hold``).
+            seg = pool.segs[blk >> SEG_SHIFT]
+            if seg is None or (blk & SEG_MASK) + total > seg[1]:
+                raise BlobDecodeError(f"cuda_ipc: key {key!r}: its pool segment is gone")
+            base, lease = self.ops.view(seg[0] + (blk & SEG_MASK), total, pool.index)
+            views = []
+            typed: dict[Any, Any] = {}
+            for dt, off, nbytes, shape, stride, first, path in entries:
+                # One view of the block per dtype, one as_strided per tensor (a slice and
+                # two views per tensor cost twice as much).
+                tv = typed.get(dt)
+                if tv is None:
+                    t = base.view(dt)  # the block's size is a multiple of ALIGN (parse)
+                    tv = typed[dt] = (t, t.storage_offset())
+                views.append(tv[0].as_strided(shape, stride, tv[1] + first))
+            del base, typed
+            fin = pool.track(lease, key, blk, total)
+            del lease
+        except BaseException:
+            views = []
+            pool.release(None, blk, total)
+            raise
+        try:
+            try:
+                for (*_, path), v in zip(entries, views):
+                    if not path:
+                        if out is not None:
+                            raise BadPath
+                        out = v
+                    else:
+                        out = place(out, path, 0, v)
+            except BadPath:
+                raise BlobDecodeError(f"cuda_ipc: key {key!r}: a manifest path does not lead to a free "
+                                      "place of the payload") from None
+            finally:
+                del views
+            if d.get(CLEAN_GEN) != gen:  # the sender's copies may still run: order after them
+                sp = d.get(SENDER_PID)
+                if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
+                    raise PeerLostError(
+                        f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
+                        "its device copy could be confirmed; the payload is lost"
+                    )
+                self.ops.wait(pool.index, self._slot_events(gen)[slot])
+                if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
+                    d.set_done_seq(slot, seq)
+        except BaseException:
+            out = None
+            fin()  # no view was handed out: free the block now (after this stream)
+            raise
+        return out
+
+    def drop(self, key: str, obj: Any) -> None:
+        """A message of the pool's sender, received under ``key``, discarded unread: its
+        block goes back (nothing viewed it)."""
+        m = obj.get("d") if isinstance(obj, dict) else None
+        pool = self.pool
+        if m is not None and pool is not None:
+            try:
+                gen, seq, slot, blk, total, _ = self.parse(key, m)
+            except BlobDecodeError:
+                logger.warning("cuda_ipc: discarded key %r carried an invalid manifest", key)
+                return
+            pool.hold(blk, total)
+            if pool.dir.get(GEN) == gen and seq > pool.dir.done_seq(slot):
+                pool.dir.set_done_seq(slot, seq)
+            pool.push(blk, total)  # never viewed: no reader to wait for
+
+    def release(self, key: str) -> bool:
+        """Hand the pool blocks of the payload received under ``key`` back now (its
+        views must not be used afterwards); whether any was still held."""
+        pool = self.pool
+        if pool is None:
+            return False
+        with pool.lock:
+            fins = pool.by_key.pop(key, [])
+        done = False
+        for fin in fins:
+            if fin.alive:
+                fin()
+                done = True
+        return done
+
+    def in_use(self) -> tuple[int, int]:
+        """(blocks, bytes) of the pool this process's views hold."""
+        pool = self.pool
+        if pool is None:
+            return 0, 0
+        with pool.lock:
+            return len(pool.held), sum(pool.held.values())
+
+    def segments(self) -> tuple[int, int]:
+        """(segments, bytes) of the pool now (it grows when its sender asks)."""
+        pool = self.pool
+        if pool is None:
+            return 0, 0
+        segs = [seg for seg in pool.segs if seg is not None]
+        return len(segs), sum(seg[1] for seg in segs)
+
+    def wake(self) -> None:
+        """Stop the heartbeat (``close`` does the rest)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the pool to its sender (it raises ``PeerLostError``) and remove the
+        directory; the pool memory goes once the last view is gone too. Idempotent."""
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(5)
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            d = pool.dir
+            d.set(STATE, STATE_CLOSED)
+            unlink_segment(d.name)
+            with local_lock:
+                for i in range(MAX_SEGMENTS):
+                    LOCAL_POOLS.pop((d.name, i), None)
+            with self._events_lock:
+                cached, self._events = self._events, None
+            if cached is not None and cached[2]:
+                self.ops.destroy_events(pool.index, cached[1])
+            pool.close()
+        self._peers.close()

@@ -1,0 +1,728 @@
+"""``PoolSender``: the sender's end of a device pool (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from omnilink._errors import (
+    BlobEncodeError,
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    OmnilinkError,
+    PeerLostError,
+    TransferTimeout,
+)
+from omnilink._util import Deadline, PeerWatch, plain_tensor
+from omnilink.blob import encoded_size
+from omnilink.connectors.devpool.blocks import ALIGN, BlockAllocator
+from omnilink.connectors.devpool.directory import (
+    ACK_GEN,
+    CLEAN_GEN,
+    DEVICE,
+    EVENTS_GEN,
+    GEN,
+    GROW_ACK,
+    GROW_ALLOC_FAILED,
+    GROW_BYTES,
+    GROW_ERR,
+    GROW_NO_ENTRY,
+    GROW_REQ,
+    HELD_BYTES,
+    MAX_SEGMENTS,
+    POOL_MAX,
+    POOL_NOW,
+    RECV_PID,
+    RING_HEAD,
+    RING_TAIL,
+    RELEASED_ALL,
+    SEG_GEN,
+    SEG_LIVE,
+    SEG_MASK,
+    SEG_RETIRING,
+    SEG_SHIFT,
+    SENDER_PID,
+    SNAP_HEAD,
+    STATE,
+    STATE_OPEN,
+    WANT_GEN,
+    Directory,
+    find_directories,
+)
+from omnilink.connectors.devpool.lane import LaneWriter
+from omnilink.connectors.devpool.manifest import dtypes, split, tensor_type
+from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, LOCAL_SENDERS, local_lock, start_heartbeat
+from omnilink.connectors.shmem import HostLock, pid_alive, read_prefix
+
+__all__ = ["PoolSender"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between liveness checks of the receiver.
+HEARTBEAT_S = 0.25
+#: Event slots a put looks at for one already waited on before it takes the next in turn.
+SLOT_SCAN = 4
+#: Seconds a put waits for room in the pool's segments before it asks the receiver for
+#: a new one (shorter than the shm route's wait for room, so the route grows the pool
+#: instead of falling back to the host path).
+GROW_AFTER_S = 0.001
+
+
+class _Segment:
+    """One segment of the receiver's pool as this sender maps it."""
+
+    __slots__ = ("index", "ptr", "opened", "alloc", "nbytes")
+
+    def __init__(self, index: int, ptr: int, opened: bool, nbytes: int) -> None:
+        self.index = index
+        self.ptr = ptr
+        self.opened = opened
+        self.nbytes = nbytes
+        self.alloc = BlockAllocator(nbytes)
+
+
+class _Attachment:
+    """A sender's view of one receiver's pool: the mapped memory, its events, the
+    allocator, the slots in use."""
+
+    __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane")
+    dir: Directory
+    gen: int
+    #: the mapped segments by index (``None``: not live), and the live ones in order
+    segs: list[_Segment | None]
+    live: list[_Segment]
+    #: mapped segments the receiver is giving back: no new block there; unmapped (and
+    #: ``released``) once the last block there is freed
+    retiring: list[_Segment]
+    #: the directory's segment generation ``segs`` reflects
+    seg_gen: int
+    #: (segment generation, bytes) of the last growth the receiver refused: no new
+    #: request for as much until the segments change
+    refused: tuple[int, int, str] | None
+    index: int
+    events: list[Any]
+    rec: list[int]
+    next_slot: int
+    seq: int
+    sent: dict[str, tuple[int, int, int]]
+    by_block: dict[int, str]
+    receiver_pid: int
+    ring_cap: int
+    #: the sending end of the pool's lane
+    lane: LaneWriter
+
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[int, int, int]] = {}
+        self.by_block: dict[int, str] = {}
+        self.next_slot = 0
+        self.seq = 0
+        self.segs = [None] * MAX_SEGMENTS
+        self.live = []
+        self.retiring = []
+        self.seg_gen = -1
+        self.refused = None
+
+    def free(self, addr: int) -> None:
+        """Give the block at address ``addr`` back to its segment's allocator."""
+        seg = self.segs[addr >> SEG_SHIFT]
+        if seg is None:
+            raise KeyError(addr)
+        seg.alloc.free(addr & SEG_MASK)
+
+
+class PoolSender:
+    """The sender's end of a device pool on ``channel``: finds the channel's receiver,
+    maps its pool once (``attach``, or the first ``send``), and copies the device
+    tensors of each payload into a block of it.
+
+    Counts what a connector reports: ``device_puts`` (messages with a device part) and
+    ``timeouts`` (``TransferTimeout`` raised here).
+
+    Parameters
+    ----------
+    ops : CudaDeviceOps
+        The device operations (or a test double of them).
+    channel : str
+        The channel whose receiver's pool it sends into.
+    """
+
+    def __init__(self, ops: Any, channel: str) -> None:
+        self.ops = ops
+        self.channel = channel
+        self._prefix = read_prefix()
+        self._pid = os.getpid()
+        #: the receiver's liveness, looked up on every put (a pidfd poll)
+        self._peers = PeerWatch()
+        #: the receiver's pool this sender is attached to (``None`` until it is, and
+        #: once the receiver is gone)
+        self.tx: _Attachment | None = None
+        self.lock = threading.RLock()
+        #: why the last receiver went away (until a new one is found): a put raises it
+        #: instead of waiting for a receiver
+        self.lost_reason: str | None = None
+        self.closed = False
+        self.device_puts = 0
+        self.timeouts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"cuda_ipc connector on channel {self.channel!r} is closed")
+
+    def _timeout(self, op: str, key: str | None, peer: str, waited: float | None) -> TransferTimeout:
+        """Build (and count) the ``TransferTimeout`` of a wait that ran out."""
+        self.timeouts += 1
+        what = f"{op} of key {key!r}" if key is not None else op
+        return TransferTimeout(
+            f"cuda_ipc: {what} on channel {self.channel!r} timed out after "
+            f"{waited if waited is not None else '?'} s waiting for {peer}",
+            channel=self.channel,
+            key=key,
+            peer=peer,
+        )
+
+    # --------------------------------------------------------------------- send
+    def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
+             size: int | None = None, room: Deadline | None = None) -> int:
+        """Copy the device tensors of ``payload`` into a block of the receiver's pool and
+        hand ``publish`` the message that describes it (``{"d": manifest, "h": host
+        part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
+        payload with ``None`` where each device tensor was). If ``publish`` raises, the
+        block and its event slot are taken back and the error goes on. ``ctx``: the
+        producer's events of a ``put_async`` (``ops.producer_events``); ``size``: the
+        payload's tensor_blob size when the caller knows it; ``room``: the deadline of
+        the wait for room in the pool (default ``deadline``). Returns ``size``.
+
+        Raises
+        ------
+        TransferTimeout
+            No receiver opened its pool, or no room came (and the pool could not grow),
+            in time.
+        CapacityError
+            The payload's device part is larger than every segment of the pool, and the
+            receiver refused to grow it (past its ``pool_max_bytes``, or out of device
+            memory); the message names the sizes.
+        PeerLostError, ConfigurationError
+            The receiver is gone; the channel already has a sender.
+        BlobEncodeError
+            A device tensor of a dtype omnilink cannot carry.
+        ClosedError
+            The sender was closed.
+        """
+        ops = self.ops
+        # What put returns (the Connector contract): the payload's tensor_blob size.
+        if size is None:
+            size = encoded_size(payload)
+        host, chosen = split(payload, ops.is_device_tensor, tensor_type())
+        if not chosen:
+            publish({"d": None, "h": host, "n": size})
+            return size
+        by_dtype, _ = dtypes()
+        entries: list[list[Any]] = []
+        items: list[tuple[int, Any]] = []
+        off = 0
+        for path, t in chosen:
+            code = by_dtype.get(t.dtype)
+            if code is None:
+                raise BlobEncodeError(f"cuda_ipc: the tensor at {list(path)} has dtype {t.dtype}, which omnilink "
+                                      "cannot carry")
+            t = plain_tensor(t)
+            n = t.numel() * t.element_size()
+            off = (off + ALIGN - 1) & -ALIGN
+            entries.append([code, off, n, list(t.shape), list(path)])
+            items.append((off, t))
+            off += n
+        total = max((off + ALIGN - 1) & -ALIGN, ALIGN)
+        with self.lock:
+            self._check_open()
+            tx = self._attached(deadline)
+            blk = self._alloc(tx, key, total, room or deadline, deadline)
+            slot = self._take_slot(tx)
+            tx.seq += 1
+            seq = tx.seq
+            base = tx.segs[blk >> SEG_SHIFT].ptr + (blk & SEG_MASK)  # type: ignore[union-attr]
+            try:
+                ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx)
+            except BaseException:
+                tx.free(blk)
+                raise
+            tx.rec[slot] = seq
+            tx.dir.set_rec_seq(slot, seq)
+            try:
+                publish({"d": [tx.gen, seq, slot, blk, total, entries], "h": host, "n": size})
+            except BaseException:
+                # Never published: nobody will wait on the slot or read the block; a later
+                # copy into it runs after this one (same copy stream).
+                tx.dir.set_done_seq(slot, seq)
+                tx.free(blk)
+                raise
+            tx.sent[key] = (blk, slot, seq)
+            tx.by_block[blk] = key
+            self.device_puts += 1
+        return size
+
+    def lane_write(self, key: str, message: Any) -> bool:
+        """Put ``message`` (what ``send`` hands its ``publish``) in the pool's lane, for
+        the receiver's transport to read (see ``devpool.lane``); ``False`` when the lane
+        cannot take it (not plain, too large, full; no pool attached): the transport
+        carries it its general way. Called from ``publish``, under this sender's lock."""
+        tx = self.tx
+        # A key whose earlier block is still out: the general way (which knows whether
+        # that earlier payload is still unread), never a second record of the key.
+        return tx is not None and key not in tx.sent and tx.lane.write(key, message)
+
+    def lane_pending(self, key: str) -> bool:
+        """Whether this sender's last lane record of ``key`` is still unclaimed."""
+        tx = self.tx
+        return tx is not None and tx.lane.pending(key)
+
+    def lane_pending_keys(self) -> list[str]:
+        """Keys of this sender's lane records not claimed yet."""
+        tx = self.tx
+        return [] if tx is None else tx.lane.pending_keys()
+
+    def lane_withdraw(self, key: str) -> bool:
+        """Withdraw the unclaimed lane record of ``key`` and free its block (the caller
+        holds the transport's channel mutex, as the receiver's claim does); whether it
+        was unclaimed."""
+        with self.lock:
+            tx = self.tx
+            if tx is None or not tx.lane.withdraw(key):
+                return False
+        self.withdrawn(key)
+        return True
+
+    def lane_reclaim(self, older_than: float, now: float) -> list[tuple[str, float, int]]:
+        """Withdraw this sender's lane records unclaimed for more than ``older_than``
+        seconds and free their blocks (the caller holds the transport's channel mutex);
+        ``(key, age, block bytes)`` of each, oldest first."""
+        out = []
+        with self.lock:
+            tx = self.tx
+            if tx is None:
+                return []
+            for k, age in tx.lane.unread_older_than(older_than, now):
+                if not tx.lane.withdraw(k):
+                    continue
+                got = tx.sent.get(k)
+                seg = tx.segs[got[0] >> SEG_SHIFT] if got is not None else None
+                out.append((k, age, seg.alloc.size_of(got[0] & SEG_MASK) if seg is not None else 0))
+        for k, _, _ in out:
+            self.withdrawn(k)
+        return out
+
+    def withdrawn(self, key: str) -> None:
+        """The message of ``key`` was withdrawn unread: its block is free again."""
+        with self.lock:
+            tx = self.tx
+            got = tx.sent.pop(key, None) if tx is not None else None
+            if tx is not None and got is not None:
+                blk, slot, seq = got
+                tx.by_block.pop(blk, None)
+                tx.free(blk)
+                tx.dir.set_done_seq(slot, seq)
+
+    def in_use(self) -> tuple[int, int]:
+        """(blocks, bytes) of the pool this sender has out."""
+        tx = self.tx
+        if tx is None:
+            return 0, 0
+        segs = [seg for seg in tx.segs if seg is not None]
+        return sum(seg.alloc.blocks for seg in segs), sum(seg.alloc.used_bytes for seg in segs)
+
+    # ------------------------------------------------------------------- attach
+    def attach(self, deadline: Deadline) -> int:
+        """Find the channel's receiver and map its pool now (``send`` does it on first
+        use); return the pool's device index in this process.
+
+        Raises
+        ------
+        TransferTimeout
+            No receiver opened its pool before ``deadline``.
+        PeerLostError, ConfigurationError
+            The receiver is gone; the channel already has a sender.
+        """
+        with self.lock:
+            self._check_open()
+            return self._attached(deadline).index
+
+    def _lost(self, tx: _Attachment) -> str | None:
+        d = tx.dir
+        if d.get(STATE) != STATE_OPEN:
+            return "closed"
+        if tx.receiver_pid != self._pid and not self._peers.alive(tx.receiver_pid):
+            return "died"
+        return None
+
+    def _peer_lost(self, why: str, key: str | None) -> PeerLostError:
+        with self.lock:
+            tx, self.tx = self.tx, None
+            pid = tx.receiver_pid if tx is not None else 0
+            if tx is not None:
+                self._detach(tx, clean=False)
+        msg = (f"cuda_ipc: the receiver (pid {pid}) on channel {self.channel!r} {why}; this sender closed "
+               "its handles to its pool")
+        self.lost_reason = msg
+        return PeerLostError(msg)
+
+    def _attached(self, deadline: Deadline) -> _Attachment:
+        tx = self.tx
+        if tx is not None:
+            why = self._lost(tx)
+            if why is None:
+                return tx
+            raise self._peer_lost(why, None)
+        return self._attach(deadline)
+
+    def _attach(self, deadline: Deadline) -> _Attachment:
+        """Find the channel's receiver, map its pool, create and publish the events."""
+        ops = self.ops
+        delay = 0.001
+        while True:
+            found = [(pid, name) for pid, name in find_directories(self._prefix, self.channel)
+                     if pid == self._pid or pid_alive(pid)]
+            if found:
+                try:
+                    d = Directory.open(found[0][1])
+                except Exception:  # gone meanwhile, or not yet complete
+                    d = None
+                if d is not None and d.get(STATE) == STATE_OPEN:
+                    break
+                if d is not None:
+                    d.close()
+            if self.lost_reason is not None:
+                raise PeerLostError(self.lost_reason)
+            if deadline.expired():
+                raise self._timeout("put (waiting for a cuda_ipc receiver to open its pool)", None,
+                                    "a receiver", deadline.timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        tx = _Attachment()
+        try:
+            with HostLock():
+                sp = d.get(SENDER_PID)
+                with local_lock:
+                    mine = d.name in LOCAL_SENDERS
+                if (sp and sp != self._pid and pid_alive(sp)) or (sp == self._pid and mine):
+                    raise ConfigurationError(
+                        f"cuda_ipc: channel {self.channel!r} already has a sender (pid {sp}); one sender per channel"
+                    )
+                with local_lock:
+                    LOCAL_SENDERS.add(d.name)
+                old = d.get(GEN)
+                gen = old + 1
+                d.set(SENDER_PID, self._pid)
+                d.set(GEN, gen)
+                if old:
+                    d.set(WANT_GEN, gen)
+            tx.dir, tx.gen = d, gen
+            tx.lane = LaneWriter(d)
+            tx.receiver_pid = d.get(RECV_PID)
+            tx.ring_cap = d.ring_cap
+            tx.index = ops.index_of_uuid(d.uuid(), d.get(DEVICE))
+            self._sync_segments(tx)
+            if tx.segs[0] is None:
+                raise ConfigurationError(f"cuda_ipc: pool directory {d.name} has no segment 0")
+            if old:  # a sender was here before: start from what the receiver still holds
+                while d.get(ACK_GEN) != gen:
+                    if self._lost(tx) is not None:
+                        raise PeerLostError(f"cuda_ipc: the receiver on channel {self.channel!r} is gone")
+                    if deadline.expired():
+                        raise self._timeout("put (waiting for the receiver to list the blocks it holds)",
+                                            None, "the receiver", deadline.timeout)
+                    time.sleep(0.001)
+                for addr, length in d.read_held():
+                    seg = tx.segs[addr >> SEG_SHIFT] if addr >> SEG_SHIFT < MAX_SEGMENTS else None
+                    if seg is None or not seg.alloc.reserve(addr & SEG_MASK, length):
+                        logger.warning("cuda_ipc: receiver holds an invalid block [%d, +%d)", addr, length)
+                d.set(RING_TAIL, d.get(SNAP_HEAD))
+            else:
+                d.set(RING_TAIL, d.get(RING_HEAD))
+            created = ops.create_events(tx.index, d.nslots)
+            tx.events = [ev for ev, _ in created]
+            tx.rec = [0] * d.nslots
+            for i, (_, handle) in enumerate(created):
+                d.set_slot_handle(i, handle)
+                d.set_done_seq(i, 0)
+                d.set_rec_seq(i, 0)
+            with local_lock:
+                LOCAL_EVENTS[(d.name, gen)] = tx.events
+            d.set(EVENTS_GEN, gen)
+        except BaseException:
+            for seg in tx.segs:
+                if seg is not None and seg.opened:
+                    try:
+                        ops.close_pool(tx.index, seg.ptr)
+                    except Exception:  # pragma: no cover
+                        logger.debug("cuda_ipc: close_pool failed", exc_info=True)
+            if d.get(SENDER_PID) == self._pid and d.get(GEN) == getattr(tx, "gen", -1):
+                d.set(SENDER_PID, 0)
+                with local_lock:
+                    LOCAL_SENDERS.discard(d.name)
+            d.close()
+            raise
+        self.tx = tx
+        self.lost_reason = None
+        if self._thread is None:
+            self._thread = start_heartbeat(self, self._stop, f"omnilink-cuda-ipc-tx-{self.channel}", HEARTBEAT_S,
+                                           "_watch_receiver")
+        logger.debug("cuda_ipc: sender attached to %s (generation %d)", d.name, gen)
+        return tx
+
+    # ------------------------------------------------------------------- blocks
+    def _drain(self, tx: _Attachment) -> None:
+        for off, _length in tx.dir.drain_frees():
+            key = tx.by_block.pop(off, None)
+            if key is not None:
+                tx.sent.pop(key, None)
+            try:
+                tx.free(off)
+            except (KeyError, IndexError):
+                logger.warning("cuda_ipc: the receiver freed an unknown block at %d", off)
+
+    def _wait_room(self, tx: _Attachment, key: str, deadline: Deadline, what: str, rounds: int) -> None:
+        """One round of waiting for the receiver to free pool blocks. The first rounds
+        only yield (a free usually arrives within microseconds of the receiver's next
+        get: a 0.5 ms sleep per round cost large payloads a third of their speed), then
+        sleeps grow to 0.5 ms."""
+        why = self._lost(tx)
+        if why is not None:
+            raise self._peer_lost(why, key)
+        self._check_open()
+        if deadline.expired():
+            raise self._timeout(f"put ({what})", key, "the receiver", deadline.timeout)
+        time.sleep(0 if rounds < 200 else min(0.0005, 0.00002 * (rounds - 199)))
+
+    def _alloc(self, tx: _Attachment, key: str, total: int, room: Deadline, deadline: Deadline) -> int:
+        """A block of ``total`` bytes (its address, ``segment << SEG_SHIFT | offset``):
+        first fit in the live segments in order; when none has room after
+        ``GROW_AFTER_S`` (at once if ``total`` is larger than every segment), a new
+        segment from the receiver; else wait for frees until ``room``."""
+        rounds = 0
+        since = 0.0
+        while True:
+            self._drain(tx)
+            live = tx.live
+            if len(live) == 1:  # the common case: one segment, as before growth
+                seg = live[0]
+                if seg.alloc.blocks < tx.ring_cap:
+                    off = seg.alloc.alloc(total)
+                    if off is not None:
+                        return seg.index << SEG_SHIFT | off
+            elif sum(seg.alloc.blocks for seg in live) < tx.ring_cap:
+                for seg in live:
+                    off = seg.alloc.alloc(total)
+                    if off is not None:
+                        return seg.index << SEG_SHIFT | off
+            too_large = all(seg.nbytes < total for seg in live)
+            now = time.monotonic()
+            if not since:
+                since = now
+            if (too_large or now - since >= GROW_AFTER_S) and self._may_grow(tx, total):
+                if self._grow(tx, key, total, deadline):
+                    continue
+                if too_large:
+                    raise CapacityError(
+                        f"cuda_ipc: payload {key!r} holds {total} device bytes, more than any segment of the "
+                        f"receiver's pool ({max(seg.nbytes for seg in live)} bytes), and the pool cannot grow: "
+                        f"{tx.refused[2] if tx.refused else 'refused'}"
+                    )
+            self._wait_room(tx, key, room, "the receiver's pool is full", rounds)
+            rounds += 1
+
+    def _may_grow(self, tx: _Attachment, total: int) -> bool:
+        """Whether a pool with no room should grow for ``total`` bytes: only for blocks
+        the receiver holds (as the shm arena). If the payloads nobody has read yet, with
+        this one, would not fit in segment 0 (or this payload alone), a reader is slow
+        and ``send`` waits (backpressure) instead."""
+        d = tx.dir
+        if d.get(POOL_NOW) + total > d.get(POOL_MAX):
+            return True  # no growth could fit it: ask, so the receiver's refusal says why
+        out = sum(seg.alloc.used_bytes for seg in tx.segs if seg is not None)
+        unread = max(out - d.get(HELD_BYTES), 0)
+        first = tx.segs[0]
+        return unread + total <= max(first.nbytes if first is not None else 0, total)
+
+    def _grow(self, tx: _Attachment, key: str, total: int, deadline: Deadline) -> bool:
+        """Ask the receiver for a new segment able to hold ``total`` bytes (as large as
+        the pool already is, within its bound: the pool doubles) and map it; ``False``
+        when the receiver refused (``tx.refused`` says why) or refused as much before."""
+        d = tx.dir
+        self._sync_segments(tx)
+        gen = tx.seg_gen
+        now, bound = d.get(POOL_NOW), d.get(POOL_MAX)
+        want = max(total, min(now, bound - now if bound > now else 0))
+        if tx.refused is not None and tx.refused[0] == gen and want >= tx.refused[1]:
+            return False
+        req = d.get(GROW_REQ) + 1
+        d.set(GROW_BYTES, want)
+        d.set(GROW_REQ, req)  # after the size: publishes the request
+        while d.get(GROW_ACK) != req:
+            why = self._lost(tx)
+            if why is not None:
+                raise self._peer_lost(why, key)
+            self._check_open()
+            if deadline.expired():
+                raise self._timeout("put (waiting for the receiver to grow its pool)", key, "the receiver",
+                                    deadline.timeout)
+            time.sleep(0.001)
+        err = d.get(GROW_ERR)
+        if err:
+            if err == GROW_ALLOC_FAILED:
+                why = f"the receiver could not allocate {want} more device bytes (out of device memory?)"
+            elif err == GROW_NO_ENTRY:
+                why = f"the pool already has its most segments ({MAX_SEGMENTS})"
+            else:
+                why = (f"growing the pool ({now} bytes now) by {want} bytes would pass its bound of {bound} "
+                       "bytes (raise the receiver's pool_max_bytes; shm: ipc_pool_max_bytes)")
+            tx.refused = (gen, want, why)
+            logger.info("cuda_ipc: channel %r: %s", self.channel, why)
+            return False
+        self._sync_segments(tx)
+        return True
+
+    def _sync_segments(self, tx: _Attachment) -> None:
+        """Map the segments the receiver published since ``tx.seg_gen``."""
+        d = tx.dir
+        gen = d.get(SEG_GEN)
+        if gen == tx.seg_gen:
+            return
+        for i in range(MAX_SEGMENTS):
+            state, nbytes = d.segment(i)
+            known = tx.segs[i]
+            if state != SEG_LIVE:
+                if known is not None and known not in tx.retiring:
+                    tx.retiring.append(known)
+                elif known is None and state == SEG_RETIRING:
+                    d.set_released(i, gen)  # never mapped here (a sender before us did)
+                continue
+            if known is not None:
+                continue
+            if not 0 < nbytes <= SEG_MASK or nbytes % ALIGN:
+                logger.warning("cuda_ipc: pool directory %s: segment %d has an invalid size %d", d.name, i, nbytes)
+                continue
+            with local_lock:
+                local = LOCAL_POOLS.get((d.name, i)) if tx.receiver_pid == self._pid else None
+            if local is not None:
+                seg = _Segment(i, local, False, nbytes)
+            else:
+                seg = _Segment(i, self.ops.open_pool(tx.index, d.segment_handle(i)), True, nbytes)
+            tx.segs[i] = seg
+            if i:
+                d.set_released(i, 0)
+        tx.live = [seg for seg in tx.segs if seg is not None and seg not in tx.retiring]
+        tx.seg_gen = gen
+
+    def _release_retiring(self, tx: _Attachment) -> None:
+        """Unmap the retiring segments this sender has no block in any more, and tell
+        the receiver (``released``), which then frees them."""
+        d = tx.dir
+        for seg in list(tx.retiring):
+            if seg.alloc.blocks:
+                continue
+            tx.retiring.remove(seg)
+            tx.segs[seg.index] = None
+            if seg.opened:
+                try:
+                    self.ops.close_pool(tx.index, seg.ptr)
+                except OmnilinkError:
+                    logger.warning("cuda_ipc: closing the handle of a retired pool segment failed", exc_info=True)
+            d.set_released(seg.index, d.get(SEG_GEN))
+
+    def _take_slot(self, tx: _Attachment) -> int:
+        """A slot whose last record the receiver has already waited on (or discarded);
+        when every slot is still awaited, the next one in turn. Recording a slot again
+        is always correct: all records are on one copy stream, so a receiver whose wait
+        comes after the new record waits for a later point of that stream (its own copy
+        is done by then); it may only wait longer. Free slots keep that from happening
+        while fewer than ``event_slots`` payloads are unread.
+
+        Slots are taken in turn, so the oldest record is the next one: only the next
+        ``SLOT_SCAN`` are looked at (a sender far ahead of its receiver found every slot
+        awaited after scanning all of them: 100 us per put on an H100 host)."""
+        n = len(tx.events)
+        d = tx.dir
+        start = tx.next_slot
+        for k in range(min(n, SLOT_SCAN)):
+            i = (start + k) % n
+            if d.done_seq(i) >= tx.rec[i]:
+                tx.next_slot = (i + 1) % n
+                return i
+        tx.next_slot = (start + 1) % n
+        return start
+
+    # -------------------------------------------------------------- lifecycle
+    def _detach(self, tx: _Attachment, *, clean: bool) -> None:
+        ops = self.ops
+        d = tx.dir
+        try:
+            if clean:
+                ops.synchronize(tx.index)
+                if d.get(GEN) == tx.gen:
+                    d.set(CLEAN_GEN, tx.gen)
+            ops.drain()
+            if clean:  # frees already pushed: segments with no block left may go at once
+                try:
+                    self._drain(tx)
+                except ConfigurationError:  # pragma: no cover - a corrupt ring
+                    pass
+                for seg in tx.segs[1:]:
+                    if seg is not None and not seg.alloc.blocks:
+                        d.set_released(seg.index, RELEASED_ALL)
+            for seg in tx.segs:
+                if seg is not None and seg.opened:
+                    ops.close_pool(tx.index, seg.ptr)
+        except OmnilinkError:
+            logger.warning("cuda_ipc: closing the pool handle failed", exc_info=True)
+        finally:
+            with local_lock:
+                LOCAL_EVENTS.pop((d.name, tx.gen), None)
+            ops.destroy_events(tx.index, tx.events)
+            if d.get(SENDER_PID) == self._pid and d.get(GEN) == tx.gen:
+                d.set(SENDER_PID, 0)
+            with local_lock:
+                LOCAL_SENDERS.discard(d.name)
+            d.close()
+
+    def _watch_receiver(self) -> None:
+        """Heartbeat of a sender: a receiver that died takes its pool with it; close our
+        handle to it now, not at the next put."""
+        with self.lock:
+            tx = self.tx
+            if tx is None:
+                return
+            why = self._lost(tx)
+            if why is None and (tx.retiring or tx.dir.get(SEG_GEN) != tx.seg_gen):
+                self._drain(tx)
+                self._sync_segments(tx)
+                self._release_retiring(tx)
+        if why is not None:
+            logger.warning("cuda_ipc: receiver (pid %d) on channel %r %s; closing its pool handle",
+                           tx.receiver_pid, self.channel, why)
+            self._peer_lost(why, None)
+
+    def wake(self) -> None:
+        """Refuse new sends and end waits for room (``ClosedError``); ``close`` does the
+        rest."""
+        self.closed = True
+        self._stop.set()
+
+    def close(self) -> None:
+        """Wait for this sender's copies, mark them done for the receiver and close the
+        pool's handles. Idempotent."""
+        self.wake()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(5)
+        with self.lock:
+            tx, self.tx = self.tx, None
+        if tx is not None:
+            self._detach(tx, clean=True)
+        self._peers.close()
