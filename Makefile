@@ -24,6 +24,11 @@ $(STAMP): pyproject.toml
 	# vLLM-Omni's connector modules, for the integration tests: they load them without vLLM
 	# (tests/integration/_vllm_omni_stubs.py says how).
 	$(PY) -m pip install -q --no-deps "vllm-omni==0.30.0"
+	# NIXL for the nixl backend's tests (the `[nixl]` extra): the meta package and one build
+	# of it, without dependencies, so that pip never swaps the installed torch for another
+	# build (nixl-cu12 declares torch). Without a GPU the meta package takes whichever
+	# build is installed.
+	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	touch $(STAMP)
 else
 $(STAMP): pyproject.toml

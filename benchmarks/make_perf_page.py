@@ -215,6 +215,42 @@ def render_serial(data: list[Any]) -> str:
     return text
 
 
+def render_nixl(data: list[Any]) -> str:
+    """``benchmarks/bench_nixl.py --json``: us per payload (and GB/s) by UCX transport,
+    with each row's ratio to vLLM-Omni's NixlConnector of the same run."""
+    (records,) = data
+    head, rows = records[0], [r for r in records[1:] if "size" in r]
+    if head.get("scenario") != "nixl":
+        raise ValueError("not a benchmarks/bench_nixl.py --json file")
+    m = head["machine"]
+    sizes = sorted({r["size"] for r in rows})
+    out = []
+    for tls in dict.fromkeys(r["tls"] for r in rows):
+        base = {r["size"]: r["p50_s"] for r in rows if r["tls"] == tls and r["connector"] == "vllm-omni-nixl"}
+        table = []
+        for name in dict.fromkeys(r["connector"] for r in rows if r["tls"] == tls):
+            cells = [name]
+            for size in sizes:
+                r = next((r for r in rows if r["tls"] == tls and r["connector"] == name and r["size"] == size), None)
+                if r is None:
+                    cells.append("-")
+                    continue
+                us = r["p50_s"] * 1e6
+                text = f"{us:,.0f} us" if size < (16 << 20) else f"{us / 1000:.1f} ms ({r['gbps']:.2f} GB/s)"
+                if size in base and name != "vllm-omni-nixl":
+                    text += f", {base[size] / r['p50_s']:.1f}x"
+                cells.append(text)
+            table.append(cells)
+        out.append(f"`UCX_TLS={tls}`:\n\n" + _table(["connector"] + [_size(s) for s in sizes], table,
+                                                     "<" + ">" * len(sizes)))
+    gpus = _gpus(m)
+    where = f"{gpus}; " if gpus else ""
+    return (f"{where}{m.get('cpu')}, {m.get('cores')} cores; torch {m['versions'].get('torch')}. "
+            "p50 time per payload, from `put` to the receiver holding it (one payload at a time; "
+            "after the comma: vLLM-Omni's NixlConnector time / the row's, same run, same transport):\n\n"
+            + "\n\n".join(out))
+
+
 def render_headline(data: list[Any]) -> str:
     """README: transport per chunk and first audio of the streaming pipeline, CPU and GPU."""
     cpu, gpu = data
@@ -288,6 +324,8 @@ BLOCKS = (
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),
           "python benchmarks/bench_cuda_ipc.py --cases cross --sizes 256MiB,64MiB --latency-iters 200 --rounds 2 "
           "--json FILE", render_pivot),
+    Block("nixl-cpu-epyc-2core", ("nixl-cpu-epyc-2core.jsonl",), "python benchmarks/bench_nixl.py --json FILE",
+          render_nixl),
     Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --json FILE",
           render_pivot),
 )

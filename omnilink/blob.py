@@ -91,6 +91,7 @@ __all__ = [
     "PreparedBlob",
     "TensorDesc",
     "decode",
+    "decode_detached",
     "decode_parts",
     "decode_parts_counted",
     "encode",
@@ -99,6 +100,7 @@ __all__ = [
     "encoded_size",
     "peek_header",
     "prepare",
+    "torch_dtype_of",
 ]
 
 MAGIC = b"OLB1"
@@ -794,6 +796,13 @@ class PreparedBlob:
         buf = bytearray(self.nbytes)
         self.write_into(buf)
         return bytes(buf)
+
+    def tensor_sources(self) -> list[tuple[int, int, Any]]:
+        """``(offset in the data region, nbytes, source)`` of every tensor, in frame
+        order: for a transport that fills the data region itself (the ``nixl``
+        backend's device staging). A source is the tensor or array as passed (any
+        device, any strides); its bytes go at the offset in C order."""
+        return [(d.offset, d.nbytes, src) for d, (_kind, src) in zip(self._descs, self._sources)]
 
     def regions(self) -> list[memoryview]:
         """Each tensor's bytes as a C-contiguous host memoryview (copy only if needed)."""
@@ -1821,3 +1830,51 @@ def decode_parts_counted(
         copied = [0]
         views = _make_views(header, region_of, copy, copied, view_readonly)
     return _decode_tree(header, views), copied[0]
+
+
+def decode_detached(meta: Any, data: Any, /, *, device_view: Any = None) -> Any:
+    """Decode a frame whose head and data region travel apart (the ``nixl`` backend:
+    the head over its control channel, the data region written into a pool block).
+
+    ``meta`` is the frame's prefix and header (``PreparedBlob.meta``), validated in full
+    before anything of ``data`` is viewed. ``data`` is the data region: a writable
+    host buffer at least ``data_len`` bytes long, whose views the tensors become (each
+    keeps ``data`` alive); or, with ``device_view``, anything: ``device_view(desc)``
+    then returns the tensor of each descriptor (a view of device memory), and only
+    torch tensors may be described (``BlobDecodeError`` otherwise: the caller decodes
+    such frames on the host).
+
+    Raises
+    ------
+    BlobDecodeError
+        Malformed ``meta``, a data region shorter than the header says, bool data
+        other than 0/1 on the host, a non-torch tensor with ``device_view``.
+    BlobVersionError
+        A frame of another version.
+    """
+    raw = _byte_view(meta, "decode_detached", BlobDecodeError)
+    header_len, data_len, _total = _peek(raw)
+    if raw.nbytes != PREFIX_SIZE + header_len:
+        raise BlobDecodeError(f"meta is {raw.nbytes} bytes, the prefix says {PREFIX_SIZE + header_len}")
+    header = _parse_header(raw, header_len, data_len, max_tensors=MAX_TENSORS, max_tree_items=MAX_TREE_ITEMS)
+    if not header.tensors:
+        return _decode_tree(header, [])
+    if device_view is not None:
+        views = []
+        for i, d in enumerate(header.tensors):
+            if d.kind != KIND_TORCH:
+                raise BlobDecodeError(f"tensor {i}: a numpy array cannot be viewed on a device")
+            views.append(device_view(d))
+        return _decode_tree(header, views)
+    dmv = _byte_view(data, "decode_detached", BlobDecodeError)
+    if dmv.nbytes < data_len:
+        raise BlobDecodeError(f"data region is {dmv.nbytes} bytes, the header says {data_len}")
+    if dmv.readonly:
+        raise BlobDecodeError("decode_detached needs a writable data region")
+    return _decode_tree(header, _make_views(header, lambda i, d: (dmv, d.offset), False))
+
+
+def torch_dtype_of(code: int) -> Any:
+    """The torch dtype of a validated descriptor's dtype code (``None``: not in this
+    torch build)."""
+    return _torch_dtypes()[1].get(code)

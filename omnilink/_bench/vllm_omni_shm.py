@@ -28,7 +28,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["PIP_HINT", "load_shared_memory_connector", "probe"]
+__all__ = ["PIP_HINT", "load_nixl_connector", "load_shared_memory_connector", "probe"]
 
 PIP_HINT = "pip install --no-deps vllm-omni==0.30.0"
 _PARENTS = (
@@ -126,3 +126,29 @@ def load_shared_memory_connector() -> Any:
         _placeholder("PIL.Image", Image=Image)
     mod = importlib.import_module("vllm_omni.distributed.omni_connectors.connectors.shm_connector")
     return mod.SharedMemoryConnector
+
+
+def load_nixl_connector() -> Any:
+    """Return vLLM-Omni's ``NixlConnector`` class, loaded as ``load_shared_memory_connector``
+    loads its shm connector (call in the process that uses it).
+
+    The class imports ``NixlWrapper`` and ``nixl_agent_config`` from vLLM's
+    ``vllm.distributed.nixl_utils``; where vLLM is not installed that module is a
+    placeholder holding what vLLM puts there, NIXL's own ``nixl._api.nixl_agent`` and
+    ``nixl_agent_config``. Everything the connector does per put and get is its own.
+
+    Raises
+    ------
+    ImportError
+        vllm-omni or NIXL is not installed (the message says what to install).
+    """
+    load_shared_memory_connector()  # the package stubs and placeholders
+    if not _importable("vllm.distributed.nixl_utils"):
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ImportError(f"vLLM-Omni's NixlConnector needs NIXL: {exc}; run `pip install nixl`") from exc
+        _placeholder("vllm.distributed", __path__=[])
+        _placeholder("vllm.distributed.nixl_utils", NixlWrapper=nixl_agent, nixl_agent_config=nixl_agent_config)
+    mod = importlib.import_module("vllm_omni.distributed.omni_connectors.connectors.nixl_connector")
+    return mod.NixlConnector

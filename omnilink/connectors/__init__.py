@@ -8,7 +8,7 @@ Third parties either call ``register_backend`` or declare, in their ``pyproject.
     mybackend = "mypkg.connector:MyConnector"
 
 A backend that needs something a process may lack (``cuda_ipc``: a CUDA device and
-cuda-python) has a ``unavailable_reason()`` on its factory; ``backend_unavailable(name)``
+cuda-python; ``nixl``: NIXL) has a ``unavailable_reason()`` on its factory; ``backend_unavailable(name)``
 returns that reason (``omnilink info`` shows it), and ``connect`` raises it as an error.
 
 Opening: ``connect("shm", ...)`` is typed per built-in backend (an overload each, no
@@ -22,7 +22,7 @@ called from both), leaving what needs the machine (free ``/dev/shm``, a CUDA dev
 to the constructor and ``omnilink check``.
 
 The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
-``cuda_ipc/``), whose
+``cuda_ipc/``, ``nixl/``), whose
 ``__init__`` is its door; ``memory.py`` (the in-process reference backend) and
 ``base.py`` (the ``Connector`` protocol, ``BaseConnector`` and ``ConnectorStats`` that
 every backend shares) sit here. Two packages here are no backends but what the
@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only: no impo
     from omnilink.connectors.cuda_ipc import CudaIpcConnector
     from omnilink.connectors.memory import MemoryConnector
     from omnilink.connectors.nccl import NcclConnector
+    from omnilink.connectors.nixl import NixlConnector
     from omnilink.connectors.shm import ShmConnector
     from omnilink.connectors.zmq import ZmqConnector
 
@@ -74,6 +75,7 @@ _BUILTIN: dict[str, str] = {
     "zmq": "omnilink.connectors.zmq:ZmqConnector",
     "nccl": "omnilink.connectors.nccl:NcclConnector",
     "cuda_ipc": "omnilink.connectors.cuda_ipc:CudaIpcConnector",
+    "nixl": "omnilink.connectors.nixl:NixlConnector",
 }
 _registered: dict[str, Callable[..., Connector] | str] = {}
 _lock = threading.Lock()
@@ -285,6 +287,23 @@ def connect(
     arena_bytes: int = ...,
     linger: float = ...,
 ) -> CudaIpcConnector: ...
+
+
+@overload
+def connect(
+    backend: Literal["nixl"],
+    /,
+    *,
+    channel: str,
+    role: Role = "dual",
+    timeout: float | None = None,
+    endpoint: str | None = None,
+    pool_bytes: int = ...,
+    extent_bytes: int = ...,
+    device: Any = None,
+    heartbeat_interval: float = 1.0,
+    peer_timeout: float = 5.0,
+) -> NixlConnector: ...
 
 
 def connect(backend: str, /, **options: Any) -> Connector:

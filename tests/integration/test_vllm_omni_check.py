@@ -256,3 +256,24 @@ def test_vllm_plugins_without_omnilink_is_a_problem_here(capsys, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver,omnilink")
     rc, out, _ = _run(capsys, str(EXAMPLE))
     assert rc == 0, out
+
+
+def test_nixl_named_on_one_edge(tmp_path, capsys):
+    """An edge may name the nixl backend while the other keeps shm; its options are
+    checked against the nixl backend's own schema."""
+    from omnilink.connectors import backend_unavailable
+
+    def mutate(c):
+        c["stages"][2]["input_connectors"]["from_stage_1"] = {
+            "name": "OmnilinkConnector",
+            "extra": {"backend": "nixl", "options": {"endpoint": "tcp://127.0.0.1:29555", "pool_bytes": 64 << 20}}}
+
+    rc, out, _ = _run(capsys, str(_write(tmp_path, mutate)))
+    assert "edge 0 -> 1: OmnilinkConnector 'omnilink_shm', backend shm" in out, out
+    assert "edge 1 -> 2: OmnilinkConnector" in out and "backend nixl" in out, out
+    if backend_unavailable("nixl") is None:
+        assert rc == 0, out
+    bad = _write(tmp_path, lambda c: (mutate(c), c["stages"][2]["input_connectors"]["from_stage_1"]["extra"]
+                                      ["options"].update(pool_byte=1)))
+    rc, out, _ = _run(capsys, "--file-only", str(bad))
+    assert rc == 1 and "'pool_byte' (did you mean 'pool_bytes'?)" in out, out

@@ -353,7 +353,16 @@ class LaneReader(_LaneEnd):
             try:
                 if n + 4 > rec:
                     raise BadRecord(f"length {n} past the record's {rec - 4} bytes")
-                key, message = decode_record(mm[o + 4 : o + 4 + n])
+                # Decoded in place: what the message keeps is copied out by msgspec
+                # (strings) and by the tensor hook (a bytearray of its own), once.
+                view = memoryview(mm)[o + 4 : o + 4 + n]
+                try:
+                    key, message = decode_record(view)
+                finally:
+                    try:
+                        view.release()
+                    except BufferError:  # pragma: no cover - a sub-view still alive
+                        pass
             except BadRecord as exc:
                 self.bad += 1
                 logger.warning("devpool lane: record %d skipped: %s", s, exc)

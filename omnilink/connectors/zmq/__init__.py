@@ -11,13 +11,29 @@ This package is the public door of the backend; its modules are internal:
 ``support``    endpoint helpers, ipc directories and the translation of zmq errors
 =============  ==========================================================================
 
-Exports: ``ZmqConnector``, ``curve_keypair``, ``collect_ipc_garbage`` (``omnilink gc``). Tests may import ``wire`` and ``cma`` by
+Exports: ``ZmqConnector``, ``curve_keypair``, ``collect_ipc_garbage`` (``omnilink gc``), and the
+endpoint helpers the ``nixl`` backend's control channel reuses (``check_endpoint``,
+``resolve_endpoint``, ``EndpointLock``, ``remove_stale_socket``). Tests may import ``wire`` and ``cma`` by
 their full path to check layouts; library code outside this package uses the names above.
 """
 
 from __future__ import annotations
 
 from omnilink.connectors.zmq.connector import ZmqConnector, curve_keypair
-from omnilink.connectors.zmq.support import collect_ipc_garbage
+from omnilink.connectors.zmq.support import (
+    EndpointLock,
+    check_endpoint,
+    collect_ipc_garbage,
+    remove_stale_socket,
+    resolve_endpoint,
+)
 
-__all__ = ["ZmqConnector", "collect_ipc_garbage", "curve_keypair"]
+__all__ = [
+    "EndpointLock",
+    "ZmqConnector",
+    "check_endpoint",
+    "collect_ipc_garbage",
+    "curve_keypair",
+    "remove_stale_socket",
+    "resolve_endpoint",
+]

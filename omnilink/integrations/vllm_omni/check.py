@@ -333,6 +333,11 @@ def _host(edge: EdgeReport, settings: Any, shm_arenas: list[tuple[EdgeReport, in
     if settings.backend == "shm":
         arena = settings.options.get("arena_bytes")
         shm_arenas.append((edge, arena if isinstance(arena, int) else None))
+    elif settings.backend == "nixl":
+        endpoint = settings.options.get("endpoint")
+        if not (isinstance(endpoint, str) and endpoint.startswith("tcp://")):
+            edge.notes.append("nixl without options.endpoint tcp://HOST:PORT: the control channel is an ipc "
+                              "socket, so both stages must run on this host")
     elif settings.backend == "nccl":
         import torch
 

@@ -1,0 +1,446 @@
+"""omnilink's ``nixl`` backend beside vLLM-Omni 0.30.0's own ``NixlConnector``, zmq over
+tcp, a raw NIXL WRITE + notification, and (on two GPUs) the nccl connector and an
+in-process peer copy: one payload at a time, as a stage consumes them.
+
+Benchmarks are hard: two processes on one machine, whatever else runs on it. Read the
+ratios of one run (every connector measured in the same run, same machine, same UCX
+transport), re-run before quoting, and quote the machine record.
+
+What it measures: per size, ROUNDS messages one after the other (after WARMUP). A
+message's time runs from the sender's ``put`` until the receiver's answer on a pipe
+says it holds the payload (``get`` returned, first bytes checked on the first message
+of each size): put + transport + get + one pipe hop, the same hop for every row.
+
+- ``omnilink-nixl``    ``omnilink.connect("nixl")``: the receiver's pool registered once,
+                       sender-side allocation, the receiver blocks in ``get``
+- ``vllm-omni-nixl``   vLLM-Omni 0.30.0's ``NixlConnector`` from its wheel (loaded
+                       without vLLM, see ``omnilink._bench.vllm_omni_shm``), used as
+                       fast as it allows: the metadata ``put`` returns goes straight to
+                       the receiver over the pipe, which calls ``get`` with it (the
+                       producer registers per put; the consumer registers, READs, polls
+                       with its 1 ms sleep, deregisters and acknowledges per get)
+- ``zmq-tcp``          ``omnilink.connect("zmq")`` over ``tcp://127.0.0.1`` (GPU tensors
+                       bounce through host memory)
+- ``raw-nixl``         the floor: one NIXL WRITE with a notification from memory
+                       registered once into memory registered once; the receiver spins
+                       on its notifications; no header, no allocation, no views
+- ``nccl`` (GPU)       ``omnilink.connect("nccl")`` between the two processes
+- ``peer-copy`` (GPU)  one process: ``dst.copy_(src)`` cuda:0 -> cuda:1, synchronised
+
+The UCX transport is ``UCX_TLS``, set per run (``--tls``): ``tcp`` and ``cma,tcp`` (cma
+moves the bytes with ``process_vm_writev``; UCX needs tcp beside it for its messages).
+With ``--device cuda`` the sender's tensors are on cuda:0 and the receiver's land on
+cuda:1 (UCX picks cuda_ipc; leave ``--tls`` at ``default``).
+
+Usage::
+
+    python benchmarks/bench_nixl.py [--device cpu|cuda] [--tls tcp,cma,tcp] [--sizes 4KiB,1MiB,64MiB]
+                                    [--rounds 200] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+from omnilink._bench.units import format_size, parse_size
+
+WAIT = 120.0
+CONNECTORS_CPU = ("omnilink-nixl", "vllm-omni-nixl", "zmq-tcp", "raw-nixl")
+CONNECTORS_GPU = ("omnilink-nixl", "vllm-omni-nixl", "zmq-tcp", "raw-nixl", "nccl", "peer-copy")
+
+
+def _rounds(size: int, rounds: int) -> int:
+    return max(5, min(rounds, (512 << 20) // max(size, 1)))
+
+
+def _payload(size: int, dev: str) -> dict[str, Any]:
+    import torch
+
+    n = size // 2
+    hidden = torch.arange(n, dtype=torch.int32, device=dev).remainder_(251).to(torch.bfloat16)
+    return {"hidden": hidden, "meta": {"finished": False}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup_process(opts: dict[str, Any]) -> None:
+    os.environ["UCX_TLS"] = opts["tls"] if opts["tls"] != "default" else os.environ.get("UCX_TLS", "")
+    if opts["tls"] == "default":
+        os.environ.pop("UCX_TLS", None)
+    import logging
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _vllm_connector(role: str, dev: str) -> Any:
+    from omnilink._bench.vllm_omni_shm import load_nixl_connector
+
+    cls = load_nixl_connector()
+    extra: dict[str, Any] = {"role": role, "stage_id": 0 if role == "sender" else 1, "host": "127.0.0.1"}
+    if dev.startswith("cuda"):
+        extra["receive_device"] = dev
+    return cls(extra)
+
+
+def _sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
+    _setup_process(opts)
+    import torch
+
+    import omnilink
+
+    dev = "cuda:0" if opts["device"] == "cuda" else "cpu"
+    if dev != "cpu":
+        torch.cuda.set_device(0)
+    info = pipe.recv()  # the receiver is up: its endpoint / metadata
+    conn: Any = None
+    agent = None
+    if name == "omnilink-nixl":
+        conn = omnilink.connect("nixl", channel=opts["channel"], role="sender", endpoint=info, timeout=WAIT)
+    elif name == "zmq-tcp":
+        conn = omnilink.connect("zmq", channel=opts["channel"], role="sender", endpoint=info, timeout=WAIT)
+    elif name == "vllm-omni-nixl":
+        conn = _vllm_connector("sender", dev)
+    elif name == "nccl":
+        conn = omnilink.connect("nccl", channel=opts["channel"], role="dual", rank=0, backend="nccl", device=dev,
+                                master_port=info, timeout=WAIT)
+        conn.wait_connected(WAIT)
+    out: dict[str, Any] = {}
+    for size in opts["sizes"]:
+        payload = _payload(size, dev)
+        if name == "raw-nixl":
+            agent, peer, src, remote = _raw_sender_setup(payload["hidden"], info, agent)
+        n = opts["warmup"] + _rounds(size, opts["rounds"])
+        times = []
+        for i in range(n):
+            key = f"s{size}-{i}"
+            t0 = time.perf_counter()
+            if name == "vllm-omni-nixl":
+                ok, _n, meta = conn.put("0", "1", key, payload)
+                if not ok:
+                    raise RuntimeError("vLLM-Omni NixlConnector put failed")
+                pipe.send(meta)
+            elif name == "raw-nixl":
+                _raw_write(agent, peer, src, remote, key)
+            else:
+                conn.put(key, payload)
+            pipe.recv()
+            if i >= opts["warmup"]:
+                times.append(time.perf_counter() - t0)
+        out[str(size)] = times
+    pipe.send(("done", out))
+    pipe.recv()
+    if conn is not None:
+        conn.close()
+
+
+def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
+    _setup_process(opts)
+    import torch
+
+    import omnilink
+
+    dev = "cuda:1" if opts["device"] == "cuda" else "cpu"
+    if dev != "cpu":
+        torch.cuda.set_device(1)
+    conn: Any = None
+    if name == "omnilink-nixl":
+        pool = max(256 << 20, 4 * max(opts["sizes"]))
+        conn = omnilink.connect("nixl", channel=opts["channel"], role="receiver", endpoint="tcp://127.0.0.1:*",
+                                pool_bytes=pool, device=None if dev == "cpu" else dev, timeout=WAIT)
+        pipe.send(conn.endpoint)
+    elif name == "zmq-tcp":
+        conn = omnilink.connect("zmq", channel=opts["channel"], role="receiver", endpoint="tcp://127.0.0.1:*",
+                                timeout=WAIT, max_buffered_bytes=8 * max(opts["sizes"]))
+        pipe.send(conn.endpoint)
+    elif name == "vllm-omni-nixl":
+        conn = _vllm_connector("receiver", dev)
+        pipe.send(None)
+    elif name == "nccl":
+        port = _free_port()
+        pipe.send(port)
+        conn = omnilink.connect("nccl", channel=opts["channel"], role="dual", rank=1, backend="nccl", device=dev,
+                                master_port=port, timeout=WAIT)
+        conn.wait_connected(WAIT)
+    agent = None
+    for size in opts["sizes"]:
+        expect = _payload(size, "cpu")["hidden"][:64]
+        if name == "raw-nixl":
+            agent, dst = _raw_receiver_setup(size, dev, pipe, agent)
+        n = opts["warmup"] + _rounds(size, opts["rounds"])
+        for i in range(n):
+            key = f"s{size}-{i}"
+            if name == "vllm-omni-nixl":
+                meta = pipe.recv()
+                got = conn.get("0", "1", key, meta)
+                if got is None:
+                    raise RuntimeError("vLLM-Omni NixlConnector get failed")
+                hidden = got[0]["hidden"]
+            elif name == "raw-nixl":
+                _raw_wait(agent, key)
+                hidden = dst.view(torch.bfloat16)
+            elif name == "zmq-tcp" and dev != "cpu":
+                hidden = conn.get(key, timeout=WAIT, device=dev)["hidden"]  # the host bounce, landed on the GPU
+            else:
+                hidden = conn.get(key, timeout=WAIT)["hidden"]
+            if i == 0 and not torch.equal(hidden[:64].cpu(), expect):
+                raise RuntimeError(f"{name}: the first {format_size(size)} payload arrived with other bytes")
+            if i == 0 and name == "omnilink-nixl" and dev != "cpu" and hidden.device != torch.device(dev):
+                raise RuntimeError(f"omnilink-nixl: payload landed on {hidden.device}, not {dev}")
+            del hidden
+            got = None
+            pipe.send(1)
+    msg = pipe.recv()
+    pipe.send(msg)
+    if conn is not None:
+        conn.close()
+
+
+# --------------------------------------------------------------- raw NIXL floor
+def _raw_agent(name: str) -> Any:
+    from omnilink.connectors.nixl.agent import Agent
+
+    return Agent(name)
+
+
+def _raw_receiver_setup(size: int, dev: str, pipe: Any, agent: Any) -> tuple[Any, Any]:
+    import torch
+
+    agent = agent or _raw_agent(f"raw-rx-{os.getpid()}")
+    dst = torch.empty(size, dtype=torch.uint8, device=dev)
+    mem = "DRAM" if dev == "cpu" else "VRAM"
+    index = 0 if dev == "cpu" else torch.device(dev).index
+    agent.register(dst.data_ptr(), size, mem, index)
+    pipe.send((agent.metadata(), dst.data_ptr(), mem, index))
+    agent._held = getattr(agent, "_held", []) + [dst]
+    return agent, dst
+
+
+def _raw_sender_setup(hidden: Any, info: Any, agent: Any) -> tuple[Any, str, Any, Any]:
+    import torch
+
+    agent = agent or _raw_agent(f"raw-tx-{os.getpid()}")
+    src = hidden.reshape(-1).view(torch.uint8)
+    mem = "DRAM" if src.device.type == "cpu" else "VRAM"
+    index = 0 if mem == "DRAM" else src.device.index
+    agent.register(src.data_ptr(), src.numel(), mem, index)
+    md, addr, rmem, rindex = info if isinstance(info, tuple) else (None, None, None, None)
+    return agent, md, (src, mem, index), (addr, rmem, rindex)
+
+
+def _raw_write(agent: Any, md: Any, src: Any, remote: Any, key: str) -> None:
+    b = agent._b
+    if not hasattr(agent, "_peers"):
+        agent._peers = {}
+    peer = agent._peers.get(md)
+    if peer is None:
+        peer = agent._peers[md] = agent.add_remote(md)
+    t, mem, index = src
+    addr, rmem, rindex = remote
+    ld = b.nixlXferDList(agent._mems[mem], [(t.data_ptr(), t.numel(), index)])
+    rd = b.nixlXferDList(agent._mems[rmem], [(addr, t.numel(), rindex)])
+    req = agent._agent.createXferReq(b.NIXL_WRITE, ld, rd, peer, key.encode(), [agent._ucx])
+    status = agent._agent.postXferReq(req, key.encode())
+    while status == b.NIXL_IN_PROG:
+        status = agent._agent.getXferStatus(req)
+    agent._agent.releaseXferReq(req)
+    if status != b.NIXL_SUCCESS:
+        raise RuntimeError(f"raw NIXL WRITE failed: {status}")
+
+
+def _raw_wait(agent: Any, key: str) -> None:
+    want = key.encode()
+    seen = getattr(agent, "_seen", None)
+    if seen is None:
+        seen = agent._seen = set()
+    deadline = time.monotonic() + WAIT
+    while want not in seen:
+        for msgs in agent._agent.getNotifs({}, [agent._ucx]).values():
+            seen.update(bytes(m) for m in msgs)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"raw NIXL: notification {key} never came")
+    seen.discard(want)
+
+
+def _raw_loop_sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
+    # The raw floor's receiver sends fresh metadata per size: read it per size.
+    _setup_process(opts)
+    import torch
+
+    dev = "cuda:0" if opts["device"] == "cuda" else "cpu"
+    if dev != "cpu":
+        torch.cuda.set_device(0)
+    out: dict[str, Any] = {}
+    agent = None
+    for size in opts["sizes"]:
+        payload = _payload(size, dev)
+        info = pipe.recv()
+        agent, md, src, remote = _raw_sender_setup(payload["hidden"], info, agent)
+        n = opts["warmup"] + _rounds(size, opts["rounds"])
+        times = []
+        for i in range(n):
+            key = f"s{size}-{i}"
+            t0 = time.perf_counter()
+            _raw_write(agent, md, src, remote, key)
+            pipe.recv()
+            if i >= opts["warmup"]:
+                times.append(time.perf_counter() - t0)
+        out[str(size)] = times
+    pipe.send(("done", out))
+    pipe.recv()
+
+
+def _peer_copy(opts: dict[str, Any]) -> dict[str, list[float]]:
+    import torch
+
+    out = {}
+    for size in opts["sizes"]:
+        src = torch.empty(size, dtype=torch.uint8, device="cuda:0").fill_(7)
+        dst = torch.empty(size, dtype=torch.uint8, device="cuda:1")
+        n = opts["warmup"] + _rounds(size, opts["rounds"])
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(1)
+            torch.cuda.synchronize(0)
+            if i >= opts["warmup"]:
+                times.append(time.perf_counter() - t0)
+        out[str(size)] = times
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--tls", default=None, help="comma-separated UCX_TLS values, ';' between runs "
+                    "(default: 'tcp;cma,tcp' on cpu, 'default' on cuda)")
+    ap.add_argument("--sizes", default=None, help="default 4KiB,1MiB,64MiB (cpu); 4KiB,1MiB,64MiB,256MiB (cuda)")
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--connectors", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    gpu = args.device == "cuda"
+    sizes = [parse_size(s) for s in (args.sizes or ("4KiB,1MiB,64MiB,256MiB" if gpu else "4KiB,1MiB,64MiB")).split(",")]
+    tls_runs = (args.tls or ("default" if gpu else "tcp;cma,tcp")).split(";")
+    names = args.connectors.split(",") if args.connectors else list(CONNECTORS_GPU if gpu else CONNECTORS_CPU)
+    from omnilink._bench.machine import machine_record
+
+    machine = machine_record(include_cuda=gpu)
+    rows = []
+    for tls in tls_runs:
+        for name in names:
+            if name in ("nccl", "peer-copy") and tls != tls_runs[0]:
+                continue
+            opts = {"device": args.device, "tls": tls, "sizes": sizes, "rounds": args.rounds, "warmup": args.warmup}
+            try:
+                res = _run_pipe(name, opts)
+            except Exception as exc:  # a row that cannot run is reported, the rest go on
+                print(f"{name} ({tls}): unavailable: {exc}", file=sys.stderr)
+                rows.append({"connector": name, "tls": tls, "error": str(exc)})
+                continue
+            for size in sizes:
+                ts = sorted(res[str(size)])
+                p50 = statistics.median(ts)
+                rows.append({"connector": name, "tls": tls, "size": size, "p50_s": p50,
+                             "p10_s": ts[len(ts) // 10], "p90_s": ts[(len(ts) * 9) // 10], "n": len(ts),
+                             "gbps": size / p50 / 1e9})
+    _print(rows, sizes, tls_runs)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps({"scenario": "nixl", "device": args.device, "machine": machine,
+                                "command": "python benchmarks/bench_nixl.py " + " ".join(argv or sys.argv[1:])})
+                    + "\n")
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+def _run_pipe(name: str, opts: dict[str, Any]) -> dict[str, list[float]]:
+    if name == "peer-copy":
+        return _peer_copy(opts)
+    ctx = mp.get_context("spawn")
+    rx_end, tx_end = ctx.Pipe()
+    results_r, results_w = ctx.Pipe(duplex=False)
+    opts = {**opts, "channel": f"bench-nixl/{name}-{secrets.token_hex(3)}"}
+    send_target = _raw_loop_sender if name == "raw-nixl" else _sender
+    rx = ctx.Process(target=_receiver_main, args=(name, opts, rx_end, results_w), daemon=True)
+    tx = ctx.Process(target=send_target, args=(name, opts, tx_end), daemon=True)
+    rx.start()
+    tx.start()
+    try:
+        if not results_r.poll(WAIT * 10):
+            raise RuntimeError("no result in time")
+        out = results_r.recv()
+    finally:
+        for p in (rx, tx):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    if isinstance(out, str):
+        raise RuntimeError(out)
+    return out
+
+
+def _receiver_main(name: str, opts: dict[str, Any], pipe: Any, results: Any) -> None:
+    """The receiver, whose pipe end also carries the sender's results at the end."""
+    import traceback
+
+    class _Tap:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def send(self, obj: Any) -> None:
+            self.inner.send(obj)
+
+        def recv(self) -> Any:
+            obj = self.inner.recv()
+            if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "done":
+                results.send(obj[1])
+            return obj
+
+    try:
+        _receiver(name, opts, _Tap(pipe))
+    except BaseException as exc:
+        results.send(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        raise
+
+
+def _print(rows: list[dict[str, Any]], sizes: list[int], tls_runs: list[str]) -> None:
+    for tls in tls_runs:
+        print(f"\nUCX_TLS={tls}: per-message time p50 (put -> get -> answer), ratio = vllm-omni-nixl / row")
+        base = {r["size"]: r["p50_s"] for r in rows if r.get("tls") == tls and r["connector"] == "vllm-omni-nixl"
+                and "size" in r}
+        print(f"{'connector':<16}" + "".join(f"{format_size(s):>22}" for s in sizes))
+        for name in dict.fromkeys(r["connector"] for r in rows if r.get("tls") == tls):
+            cells = []
+            for s in sizes:
+                r = next((r for r in rows if r.get("tls") == tls and r["connector"] == name and r.get("size") == s),
+                         None)
+                if r is None:
+                    cells.append(f"{'-':>22}")
+                    continue
+                ratio = f" {base[s] / r['p50_s']:5.1f}x" if s in base else ""
+                cells.append(f"{r['p50_s'] * 1e6:>10.0f} us{ratio:>8}"[:22].rjust(22))
+            print(f"{name:<16}" + "".join(cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""NIXL, loaded on first use, and the one agent wrapper the backend uses.
+
+The backend talks to NIXL's pybind11 bindings (``nixl._bindings``, the module the
+``nixl`` meta package or a ``nixl-cu12`` / ``nixl-cu13`` wheel installs) rather than to
+``nixl._api.nixl_agent``, for one reason: that wrapper starts the UCX progress thread
+with ``pthrDelay = 0``, a thread that polls its worker without ever sleeping and burns
+a whole core per agent (measured: 1.94 s of CPU per 2 s idle on the 2-core CI machine).
+With a delay, the same thread blocks in ``poll()`` on the UCX worker's event fd and
+wakes when something arrives (0.0002 s of CPU over the same test, and 4 KiB writes over
+``UCX_TLS=tcp`` went from 8 ms p50, starved by the spinning peer, to 26 us). The
+receiver's agent needs that thread: over tcp the bytes of a WRITE are placed by the
+target's CPU. ``PROGRESS_WAKE_US`` is the poll timeout (a safety net, not a period).
+
+Completion of a WRITE has no blocking wait in NIXL: ``Agent.wait`` asks for the
+transfer's state in a tight loop for ``SPIN_S`` (a 4 KiB write completes in 3-30 us,
+inside the spin, and over ``cma`` it is complete when posted), then sleeps between
+looks, doubling from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` (a 64 MiB write over tcp
+takes ~10 ms on the 2-core machine: a late look costs at most a few percent there).
+The receiver never waits on NIXL: the sender's "done" reaches it over the zmq control
+channel, where its loop thread sleeps in ``poll()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from typing import Any, Callable
+
+from omnilink._errors import ConfigurationError, PeerLostError, TransportError
+from omnilink._util import Deadline
+
+__all__ = ["Agent", "NIXL_INSTALL", "load_bindings", "nixl_unavailable"]
+
+logger = logging.getLogger(__name__)
+
+NIXL_INSTALL = 'pip install "pyomnilink[nixl]"'
+#: Modules tried in turn: the ``nixl`` meta package (it picks the CUDA 12 or 13 build
+#: from torch), then the builds themselves.
+_CANDIDATES = ("nixl._bindings", "nixl_cu13._bindings", "nixl_cu12._bindings")
+#: Poll timeout of the UCX progress thread, in microseconds (see the module docstring).
+PROGRESS_WAKE_US = 100_000
+SPIN_S = 0.0002
+BACKOFF_MIN_S = 0.00002
+BACKOFF_MAX_S = 0.001
+
+_bindings: Any = None
+_load_error: str | None = None
+
+
+def load_bindings() -> Any:
+    """NIXL's bindings module.
+
+    Raises
+    ------
+    ConfigurationError
+        NIXL is not installed (the message says what to install) or does not load.
+    """
+    global _bindings, _load_error
+    if _bindings is not None:
+        return _bindings
+    if _load_error is None:
+        errors = []
+        for name in _CANDIDATES:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError as exc:
+                errors.append(f"{name}: {exc}")
+                continue
+            except Exception as exc:  # a broken build: report, never crash the caller
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                continue
+            if not hasattr(mod, "nixlAgent"):
+                errors.append(f"{name}: no nixlAgent")
+                continue
+            _bindings = mod
+            return mod
+        _load_error = "; ".join(errors)
+    raise ConfigurationError(
+        f"the nixl backend needs NIXL, which does not import here ({_load_error}); "
+        f"install it with `{NIXL_INSTALL}`"
+    )
+
+
+def nixl_unavailable() -> str | None:
+    """Why NIXL cannot be used in this process, or ``None``. Never initialises CUDA."""
+    try:
+        load_bindings()
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
+
+
+def _nixl_error(exc: BaseException, what: str) -> TransportError:
+    """NIXL's exception as omnilink's: ``PeerLostError`` when UCX says the peer went away
+    (a SIGKILLed receiver surfaces as ``NIXL_ERR_REMOTE_DISCONNECT`` on the next
+    transfer, before the control channel notices), ``TransportError`` otherwise."""
+    text = f"nixl: {what} failed: {type(exc).__name__}: {exc}"
+    if "RemoteDisconnect" in type(exc).__name__ or "REMOTE_DISCONNECT" in str(exc):
+        return PeerLostError(text)
+    return TransportError(text)
+
+
+class Agent:
+    """One NIXL agent with its UCX backend and an event-driven progress thread.
+
+    Memory types are ``"DRAM"`` and ``"VRAM"``; a region is ``(address, nbytes,
+    device_id)`` (``device_id`` 0 for host memory).
+
+    Raises
+    ------
+    ConfigurationError
+        NIXL is missing.
+    TransportError
+        NIXL or UCX refused to start (no usable transport: see ``UCX_TLS``).
+    """
+
+    def __init__(self, name: str) -> None:
+        b = load_bindings()
+        self._b = b
+        self.name = name
+        try:
+            cfg = b.nixlAgentConfig()
+            cfg.useProgThread = True
+            cfg.useListenThread = False
+            cfg.listenPort = 0
+            # The progress thread and the caller's threads share the agent.
+            cfg.syncMode = b.NIXL_THREAD_SYNC_STRICT
+            cfg.pthrDelay = PROGRESS_WAKE_US
+            cfg.lthrDelay = 100_000
+            cfg.captureTelemetry = False
+            self._agent = b.nixlAgent(name, cfg)
+            if "UCX" not in self._agent.getAvailPlugins():
+                raise TransportError("nixl: this NIXL build has no UCX plugin")
+            self._ucx = self._agent.createBackend("UCX", {})
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise _nixl_error(exc, "starting an agent with the UCX backend") from exc
+        self._mems = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
+        #: transfer handles NIXL refused to release (still active): retried at close
+        self._stuck: list[Any] = []
+
+    # -------------------------------------------------------------- memory
+    def register(self, addr: int, nbytes: int, mem: str, dev: int) -> Any:
+        """Register ``[addr, addr + nbytes)`` once; returns what ``deregister`` takes."""
+        b = self._b
+        try:
+            descs = b.nixlRegDList(self._mems[mem], [(addr, nbytes, dev, "")])
+            self._agent.registerMem(descs, [self._ucx])
+        except Exception as exc:
+            raise _nixl_error(exc, f"registering {nbytes} bytes of {mem}") from exc
+        return descs
+
+    def deregister(self, descs: Any) -> None:
+        try:
+            self._agent.deregisterMem(descs, [self._ucx])
+        except Exception:  # teardown: log, go on
+            logger.debug("nixl: deregistering memory failed", exc_info=True)
+
+    # ------------------------------------------------------------ metadata
+    def metadata(self) -> bytes:
+        return bytes(self._agent.getLocalMD())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its agent name.
+
+        Raises
+        ------
+        TransportError
+            NIXL refused the metadata (malformed, or no common transport).
+        """
+        try:
+            name = self._agent.loadRemoteMD(metadata)
+        except Exception as exc:
+            raise _nixl_error(exc, "loading a peer's agent metadata") from exc
+        return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        try:
+            self._agent.invalidateRemoteMD(name)
+        except Exception:  # already gone, or never loaded
+            logger.debug("nixl: removing remote agent %r failed", name, exc_info=True)
+
+    # ----------------------------------------------------------- transfers
+    def write(self, local: tuple[int, int, int], local_mem: str, remote: tuple[int, int, int], remote_mem: str,
+              peer: str) -> Any:
+        """Post one WRITE of ``local`` into the peer's ``remote``; returns the request
+        (``None`` when it completed while being posted)."""
+        b = self._b
+        try:
+            ld = b.nixlXferDList(self._mems[local_mem], [local])
+            rd = b.nixlXferDList(self._mems[remote_mem], [remote])
+            req = self._agent.createXferReq(b.NIXL_WRITE, ld, rd, peer, b"", [self._ucx])
+        except Exception as exc:
+            raise _nixl_error(exc, f"preparing a WRITE of {local[1]} bytes to {peer}") from exc
+        try:
+            status = self._agent.postXferReq(req, b"")
+        except Exception as exc:
+            self.release(req)
+            raise _nixl_error(exc, f"posting a WRITE of {local[1]} bytes to {peer}") from exc
+        if status == b.NIXL_SUCCESS:
+            self.release(req)
+            return None
+        if status != b.NIXL_IN_PROG:
+            self.release(req)
+            raise TransportError(f"nixl: a WRITE of {local[1]} bytes to {peer} failed when posted ({status})")
+        return req
+
+    def wait(self, req: Any, deadline: Deadline, lost: Callable[[], str | None]) -> str | None:
+        """Wait for ``req`` to complete (see the module docstring for how).
+
+        Returns ``None`` when it completed; otherwise why it did not (``"timeout"``,
+        or ``lost()``'s answer: the peer went away), the request released or parked.
+
+        Raises
+        ------
+        TransportError
+            The transfer failed.
+        """
+        b = self._b
+        get = self._agent.getXferStatus
+        in_prog = b.NIXL_IN_PROG
+        spin_until = time.monotonic() + SPIN_S
+        pause = BACKOFF_MIN_S
+        while True:
+            try:
+                status = get(req)
+            except Exception as exc:
+                self.release(req)
+                raise _nixl_error(exc, "a WRITE") from exc
+            if status != in_prog:
+                self.release(req)
+                if status != b.NIXL_SUCCESS:
+                    raise TransportError(f"nixl: a WRITE failed ({status})")
+                return None
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            why = lost()
+            if why is None and deadline.expired():
+                why = "timeout"
+            if why is not None:
+                self.release(req)
+                return why
+            time.sleep(pause)
+            pause = min(pause * 2, BACKOFF_MAX_S)
+
+    def release(self, req: Any) -> None:
+        try:
+            self._agent.releaseXferReq(req)
+        except Exception:
+            # Still active (a dead peer's transfer NIXL cannot cancel yet): keep it
+            # referenced and try again at close, never free memory it may touch.
+            self._stuck.append(req)
+
+    def close(self) -> None:
+        for req in self._stuck:
+            try:
+                self._agent.releaseXferReq(req)
+            except Exception:
+                logger.debug("nixl: a transfer request could not be released at close", exc_info=True)
+        self._stuck.clear()
+        # The agent (its progress thread, UCX workers) goes with the last reference.
+        self._agent = None

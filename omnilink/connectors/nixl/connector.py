@@ -1,0 +1,1040 @@
+"""``NixlConnector``: payloads written by NIXL (UCX) into the receiver's registered pool.
+
+Topology and one ``put``::
+
+    sender (DEALER, its own NIXL agent)            receiver (ROUTER bound, NIXL agent, pool)
+    -----------------------------------            -----------------------------------------
+    hello(session, agent md)          ---------->  load the sender's md; a session
+                                      <----------  welcome(agent md, pool address, kind)
+    (once per connection; then per payload:)
+    block = alloc in own extents      (extent(need) -> granted(...) only when they are full)
+    encode the frame into staging     (registered once; tensors copied in, one copy)
+    NIXL WRITE staging -> pool block  (one transfer request per payload)
+    publish(seq, key, block, meta)    ---------->  loop thread: check the block against the
+                                                   sender's extents, decode views of the
+                                                   pool (header from ``meta``), index them
+                                      <----------  ack(seq, status, blocks freed since)
+    put returns                                    get(key): the views; the block goes
+                                                   back when the last view dies
+
+- **Memory registered once.** The receiver's pool (host memory, or its GPU's with
+  ``device=``) is registered when the connector opens; the sender's staging buffer
+  when it first needs it (and again only when a larger payload makes it grow).
+- **No polling sleep on the receiving side.** The receiver learns of a payload from
+  the control channel, where its loop thread sleeps in ``poll()``; a ``get`` sleeps on
+  a condition variable. The sender waits for its WRITE as ``agent.Agent.wait`` says (a
+  short spin, then a backoff), and for the ack in ``poll()``.
+- **Sender-side allocation.** The receiver hands each sender extents of its pool; a
+  sender allocates blocks inside them without asking, and learns which came free from
+  the answers it gets anyway (``wire``). Only a sender whose extents are full asks for
+  another extent, and waits (backpressure, bounded by its timeout) while the pool is
+  full.
+- **Key contract, consume-once, deadlines**: as the ``zmq`` backend's (the receiver
+  refuses a pending key in its ack: ``DuplicateKeyError``; it remembers the last 65,536
+  consumed keys: ``KeyConsumedError``). One receiver per endpoint; any number of
+  senders.
+- **Faults.** Each connection is a session (its zmq routing id). A disconnection
+  (zmq heartbeats: ``heartbeat_interval``, 3x for the timeout; a killed process's
+  socket closes at once) ends the session on both sides: the sender's waiting ``put``
+  raises ``PeerLostError`` at once and its next ``put`` says hello again (a restarted
+  receiver on the same endpoint is taken back); the receiver drops the peer's agent
+  metadata and takes its extents back once their blocks' views are gone. Payloads
+  already published stay deliverable: their bytes are in the receiver's pool. A
+  receiver's ``get`` raises ``PeerLostError`` once no sender has been connected for
+  ``peer_timeout`` seconds (after one was). A ``put`` that raised is in doubt, as with
+  ``zmq``.
+- **Trust.** Every control message is typed and bounded (``wire``); a block is checked
+  against the sending session's extents and live blocks before anything is read, and
+  the frame's head comes over the control channel, validated by the decoder before a
+  view is made. A peer that can WRITE into a registered pool can change the bytes of
+  any payload in it (that is what RDMA grants): connect senders you trust, on a
+  network you trust.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from omnilink._errors import (
+    BlobDecodeError,
+    CapacityError,
+    ClosedError,
+    ConfigurationError,
+    OmnilinkError,
+    PeerLostError,
+    TransportError,
+    WouldBlock,
+)
+from omnilink._util import ConsumedKeys, Deadline, duplicate_key, validate_key
+from omnilink.blob import decode_detached, peek_header, prepare, torch_dtype_of
+from omnilink.connectors.base import BaseConnector, ConnectorStats, Role, check_constructor_options
+from omnilink.connectors.nixl import wire
+from omnilink.connectors.nixl.agent import Agent, nixl_unavailable
+from omnilink.connectors.nixl.pool import Blocks, Pool, Releaser, Staging, round_up
+from omnilink.connectors.zmq import EndpointLock, check_endpoint, remove_stale_socket, resolve_endpoint
+
+__all__ = ["NixlConnector"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POOL_BYTES = 256 << 20
+DEFAULT_EXTENT_BYTES = 16 << 20
+_MON = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+#: Poll slice of a sender waiting for an answer (it also watches for disconnection).
+_SLICE_MS = 100
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigurationError(f"nixl: {name} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+def _seconds(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigurationError(f"nixl: {name} must be a number of seconds > 0, got {value!r}")
+
+
+def _check_values(
+    *, role: Any, endpoint: Any, pool_bytes: Any, extent_bytes: Any, device: Any, heartbeat_interval: Any,
+    peer_timeout: Any,
+) -> None:
+    """The value checks of ``NixlConnector``'s options (its constructor and its
+    ``check_options`` both call this), opening nothing.
+
+    Raises
+    ------
+    ConfigurationError
+        The first option out of its range or of the wrong type, named.
+    """
+    _int(pool_bytes, "pool_bytes", 1 << 20, 1 << 46)
+    _int(extent_bytes, "extent_bytes", 1 << 16, 1 << 46)
+    _seconds(heartbeat_interval, "heartbeat_interval")
+    _seconds(peer_timeout, "peer_timeout")
+    if endpoint is not None:
+        check_endpoint(endpoint, binding=role in ("receiver", "dual"))
+    if device is not None:
+        text = str(device)
+        if not (text == "cuda" or text.startswith("cuda:")):
+            raise ConfigurationError(f"nixl: device must be None (host memory) or a CUDA device, got {device!r}")
+
+
+def _cuda_context(device: Any) -> None:
+    """Make ``device``'s CUDA context exist before an agent starts: NIXL's UCX backend
+    binds its progress thread to the context of the first device memory it sees."""
+    import torch
+
+    try:
+        torch.zeros(1, device=torch.device(device))
+    except (RuntimeError, AssertionError) as exc:
+        raise ConfigurationError(f"nixl: device {device!r} is not a usable CUDA device: {exc}") from exc
+
+
+class _Session:
+    """What the receiver knows of one sender's connection."""
+
+    __slots__ = ("ident", "session", "pid", "fd", "peer", "extents", "frees", "parked", "lost")
+
+    def __init__(self, ident: bytes, session: str, pid: int, fd: int, peer: str) -> None:
+        self.ident = ident
+        self.session = session
+        self.pid = pid
+        self.fd = fd
+        self.peer = peer
+        #: extent offset -> mirror of the sender's blocks in it
+        self.extents: dict[int, Blocks] = {}
+        #: offsets of blocks freed since the last answer
+        self.frees: list[int] = []
+        #: bytes of an extent asked for and not granted yet
+        self.parked: int | None = None
+        self.lost = False
+
+
+class _Receiver:
+    """The receiving end: pool, ROUTER, loop thread, key index."""
+
+    def __init__(self, *, conn: NixlConnector, ctx: zmq.Context, endpoint: str, lock_path: str | None,
+                 pool_bytes: int, extent_bytes: int, device: Any, heartbeat: dict[int, int],
+                 peer_timeout: float) -> None:
+        self.channel = conn.channel
+        self.extent_bytes = extent_bytes
+        self.peer_timeout = peer_timeout
+        self.lock_file: EndpointLock | None = None
+        self.socket_path: str | None = None
+        if device is not None:
+            _cuda_context(device)
+        self.agent = Agent(f"omnilink-rx-{os.getpid()}-{secrets.token_hex(6)}")
+        self.pool = Pool(self.agent, pool_bytes, device)
+        self.releaser = Releaser(self.pool.device if self.pool.mem == "VRAM" else None)
+        self.md = self.agent.metadata()
+        if lock_path is not None:
+            self.lock_file = EndpointLock(lock_path, channel=self.channel)
+            self.socket_path = endpoint[len("ipc://"):]
+            remove_stale_socket(self.socket_path)
+        self.sock = ctx.socket(zmq.ROUTER)
+        for opt, val in {zmq.LINGER: 0, zmq.ROUTER_MANDATORY: 0, zmq.MAXMSGSIZE: wire.MAX_FRAME_BYTES,
+                         zmq.SNDHWM: 100_000, zmq.RCVHWM: 100_000, **heartbeat}.items():
+            self.sock.setsockopt(opt, val)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise ConfigurationError(f"nixl: cannot bind the control endpoint {endpoint!r} of channel "
+                                     f"{self.channel!r}: {exc}") from exc
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.socket_path is not None:
+            os.chmod(self.socket_path, 0o600)
+        self.mon = self.sock.get_monitor_socket(_MON)
+        self.cond = threading.Condition()
+        self.index: dict[str, tuple[Any, int]] = {}
+        self.consumed = ConsumedKeys()
+        self.sessions: dict[bytes, _Session] = {}
+        self.had_peer = False
+        self.no_peer_since: float | None = None
+        self.stopping = False
+        self.error: BaseException | None = None
+        self.fallbacks = 0
+        self.thread = threading.Thread(target=self._run, name=f"omnilink-nixl-rx-{self.channel}", daemon=True)
+        self.thread.start()
+
+    # ---------------------------------------------------------------- loop
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.mon, zmq.POLLIN)
+        poller.register(self.releaser.fd, zmq.POLLIN)
+        try:
+            while not self.stopping:
+                ready = dict(poller.poll(1000))
+                if self.stopping:
+                    break
+                if self.mon in ready:
+                    self._drain_monitor()
+                if self.releaser.fd in ready or self.releaser.queue:
+                    self._drain_frees()
+                if self.sock in ready:
+                    for _ in range(256):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._on_message(frames)
+                        except Exception:  # one bad message must not stop the channel
+                            logger.exception("nixl: channel %r: a control message failed", self.channel)
+        except BaseException as exc:  # the loop must not die silently: gets report it
+            if not self.stopping:
+                logger.exception("nixl: the receiver loop of channel %r failed", self.channel)
+                with self.cond:
+                    self.error = exc
+                    self.cond.notify_all()
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                msg = self.mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                ev = parse_monitor_message(msg)
+            except Exception:  # noqa: BLE001 - not fatal
+                continue
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                fd = int(ev["value"])
+                for s in list(self.sessions.values()):
+                    if s.fd == fd and not s.lost:
+                        self._lose(s, "disconnected")
+
+    def _lose(self, s: _Session, why: str) -> None:
+        logger.info("nixl: channel %r lost sender session %s (pid %d): %s", self.channel, s.session, s.pid, why)
+        s.lost = True
+        self.agent.remove_remote(s.peer)
+        self.sessions.pop(s.ident, None)
+        for off, mirror in list(s.extents.items()):
+            if not mirror.used_bytes:
+                self._free_extent(s, off)
+        with self.cond:
+            if not any(not x.lost for x in self.sessions.values()) and self.no_peer_since is None:
+                self.no_peer_since = time.monotonic()
+            self.cond.notify_all()
+
+    def _free_extent(self, s: _Session, off: int) -> None:
+        s.extents.pop(off, None)
+        self.pool.extents.free(off)
+        self._grant_parked()
+
+    def _drain_frees(self) -> None:
+        touched: set[int] = set()
+        for s, off in self.releaser.drain():
+            ext = next((e for e in s.extents if e <= off < e + s.extents[e].capacity), None)
+            if ext is None:
+                continue
+            mirror = s.extents[ext]
+            if mirror.owns(off - ext):
+                mirror.free(off - ext)
+            if s.lost:
+                if not mirror.used_bytes:
+                    self._free_extent(s, ext)
+            else:
+                s.frees.append(off)
+                touched.add(id(s))
+        for s in list(self.sessions.values()):
+            if id(s) in touched and s.parked is not None:
+                # It waits for room: what came free may be enough for it.
+                s.parked = None
+                self._send(s, wire.Granted(offset=0, length=0, frees=self._take_frees(s)))
+
+    def _take_frees(self, s: _Session) -> list[int]:
+        frees = s.frees[: wire.MAX_FREES]
+        del s.frees[: wire.MAX_FREES]
+        return frees
+
+    def _send(self, s: _Session, msg: Any) -> None:
+        try:
+            self.sock.send_multipart([s.ident, wire.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:  # the peer is gone: its session ends with the disconnection
+            logger.debug("nixl: answer to session %s dropped", s.session, exc_info=True)
+
+    def _grant_parked(self) -> None:
+        for s in list(self.sessions.values()):
+            if s.parked is not None and not s.lost:
+                off = self._new_extent(s, s.parked)
+                if off is not None:
+                    s.parked = None
+                    self._send(s, wire.Granted(offset=off, length=s.extents[off].capacity,
+                                               frees=self._take_frees(s)))
+
+    def _new_extent(self, s: _Session, need: int) -> int | None:
+        need = round_up(need)
+        if need > self.pool.nbytes:
+            return None
+        for size in (max(need, self.extent_bytes), need):
+            size = min(size, self.pool.nbytes)
+            off = self.pool.extents.alloc(size)
+            if off is not None:
+                s.extents[off] = Blocks(self.pool.extents.size_of(off))
+                return off
+        return None
+
+    def _on_message(self, frames: list[Any]) -> None:
+        if len(frames) != 2:
+            return
+        ident = frames[0].bytes
+        try:
+            msg = wire.decode_from_sender(frames[1].buffer)
+        except BlobDecodeError as exc:
+            logger.warning("nixl: channel %r: %s", self.channel, exc)
+            return
+        s = self.sessions.get(ident)
+        if isinstance(msg, wire.Hello):
+            self._hello(ident, msg, frames[1])
+            return
+        if s is None or s.lost:
+            if isinstance(msg, wire.Publish):
+                self.sock.send_multipart([ident, wire.encode(wire.Ack(
+                    seq=msg.seq, status=wire.ACK_BAD_BLOCK, text="no session: say hello first", frees=[]))],
+                    zmq.NOBLOCK)
+            return
+        if isinstance(msg, wire.Publish):
+            self._publish(s, msg)
+        elif isinstance(msg, wire.Extent):
+            off = self._new_extent(s, msg.need)
+            if off is not None:
+                self._send(s, wire.Granted(offset=off, length=s.extents[off].capacity, frees=self._take_frees(s)))
+            elif s.frees:
+                self._send(s, wire.Granted(offset=0, length=0, frees=self._take_frees(s)))
+            else:
+                s.parked = msg.need
+        elif isinstance(msg, wire.Return):
+            mirror = s.extents.get(msg.offset)
+            if mirror is not None and not mirror.used_bytes:
+                self._free_extent(s, msg.offset)
+        elif isinstance(msg, wire.Bye):
+            self._lose(s, "closed")
+
+    def _hello(self, ident: bytes, msg: wire.Hello, frame: Any) -> None:
+        if msg.version != wire.VERSION or ident != msg.session.encode():
+            self.sock.send_multipart([ident, wire.encode(wire.Refused(
+                text=f"protocol version {msg.version} / routing id do not match this receiver's"))], zmq.NOBLOCK)
+            return
+        old = self.sessions.get(ident)
+        if old is not None:
+            self._lose(old, "said hello again")
+        try:
+            peer = self.agent.add_remote(msg.md)
+        except TransportError as exc:
+            self.sock.send_multipart([ident, wire.encode(wire.Refused(text=str(exc)[: wire.MAX_TEXT]))], zmq.NOBLOCK)
+            return
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            fd = -1
+        s = _Session(ident, msg.session, msg.pid, fd, peer)
+        self.sessions[ident] = s
+        with self.cond:
+            self.had_peer = True
+            self.no_peer_since = None
+        pool = self.pool
+        self._send(s, wire.Welcome(version=wire.VERSION, session=msg.session, md=self.md, pool_addr=pool.addr,
+                                   pool_bytes=pool.nbytes, mem=pool.mem, dev=pool.dev))
+
+    def _publish(self, s: _Session, msg: wire.Publish) -> None:
+        def ack(status: int, text: str = "") -> None:
+            self._send(s, wire.Ack(seq=msg.seq, status=status, text=text[: wire.MAX_TEXT],
+                                   frees=self._take_frees(s)))
+
+        try:
+            key = validate_key(msg.key)
+            _hl, data_len, total = peek_header(msg.meta)
+        except (ConfigurationError, BlobDecodeError) as exc:
+            ack(wire.ACK_DECODE_ERROR, str(exc))
+            return
+        ext = None
+        if msg.length:
+            extents = {off: m.capacity for off, m in s.extents.items()}
+            ext = wire.check_block(msg.offset, msg.length, extents, self.pool.nbytes)
+            if ext is None or not s.extents[ext].reserve(msg.offset - ext, msg.length):
+                ack(wire.ACK_BAD_BLOCK, f"block [{msg.offset}, +{msg.length}) is not a free block of this "
+                    "sender's extents")
+                return
+        if data_len > msg.length:
+            self._unreserve(s, ext, msg.offset)
+            ack(wire.ACK_DECODE_ERROR, f"the frame's data region is {data_len} bytes, its block {msg.length}")
+            return
+        with self.cond:
+            pending = key in self.index
+        if pending:
+            self._unreserve(s, ext, msg.offset)
+            ack(wire.ACK_DUPLICATE_KEY)
+            return
+        ref = None
+        try:
+            if ext is None:
+                payload = decode_detached(msg.meta, bytearray(0))
+            else:
+                lease = self.pool.lease(msg.offset, msg.length)
+                ref = self.releaser.track(lease, (s, msg.offset), msg.length)
+                payload = self._decode(msg.meta, lease)
+                del lease
+        except BlobDecodeError as exc:
+            if ref is not None:
+                self.releaser.release(ref)
+            else:
+                self._unreserve(s, ext, msg.offset)
+            ack(wire.ACK_DECODE_ERROR, str(exc))
+            return
+        with self.cond:
+            self.index[key] = (payload, total)
+            self.consumed.forget(key)
+            self.cond.notify_all()
+        del payload
+        ack(wire.ACK_OK)
+
+    def _unreserve(self, s: _Session, ext: int | None, offset: int) -> None:
+        if ext is not None:
+            s.extents[ext].free(offset - ext)
+            s.frees.append(offset)
+
+    def _decode(self, meta: bytes, lease: Any) -> Any:
+        if self.pool.mem == "DRAM":
+            return decode_detached(meta, lease)
+        import torch
+
+        base = torch.as_tensor(lease, device=self.pool.device)
+
+        def view(d: Any) -> Any:
+            dt = torch_dtype_of(d.dtype)
+            if dt is None:
+                raise BlobDecodeError(f"dtype code {d.dtype} is not available in this torch build")
+            if not d.nbytes:
+                return torch.empty(d.shape, dtype=dt, device=base.device)
+            t = base[d.offset : d.offset + d.nbytes].view(dt).view(d.shape)
+            if dt == torch.bool and bool((base[d.offset : d.offset + d.nbytes] > 1).any()):
+                raise BlobDecodeError("bool data holds bytes other than 0 and 1")
+            return t
+
+        try:
+            return decode_detached(meta, None, device_view=view)
+        except BlobDecodeError as exc:
+            if "numpy" not in str(exc):
+                raise
+        # numpy arrays: decoded on the host from one copy of the region (a fallback).
+        self.fallbacks += 1
+        host = bytearray(base.cpu().numpy().tobytes())
+        return decode_detached(meta, host)
+
+    # ------------------------------------------------------------- get side
+    def take(self, key: str, deadline: Deadline, block: bool, conn: NixlConnector) -> Any:
+        with self.cond:
+            while True:
+                entry = self.index.pop(key, None)
+                if entry is not None:
+                    self.consumed.add(key)
+                    conn._count(bytes_got=entry[1])
+                    return entry[0]
+                self._raise_if_dead(key, conn)
+                if key in self.consumed:
+                    raise self.consumed.error("nixl", self.channel, key)
+                if not block:
+                    raise WouldBlock(f"nixl: key {key!r} is not on channel {self.channel!r} yet")
+                remaining = deadline.remaining()
+                if remaining == 0.0:
+                    raise conn._timeout("get", key, f"a sender on {self.endpoint}", deadline.timeout)
+                self.cond.wait(1.0 if remaining is None else min(remaining, 1.0))
+
+    def _raise_if_dead(self, key: str | None, conn: NixlConnector) -> None:
+        if conn._closed:
+            raise ClosedError(f"nixl connector on channel {self.channel!r} is closed")
+        if self.error is not None:
+            raise TransportError(f"nixl: the receiver loop of channel {self.channel!r} failed: {self.error}")
+        since = self.no_peer_since
+        if self.had_peer and since is not None and time.monotonic() - since >= self.peer_timeout:
+            what = f"key {key!r}" if key is not None else "payloads"
+            raise PeerLostError(
+                f"nixl: every sender of channel {self.channel!r} has been gone for {self.peer_timeout} s; "
+                f"{what} cannot arrive"
+            )
+
+    def arrivals(self, known: set[str], timeout: float, conn: NixlConnector) -> set[str]:
+        end = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                avail = set(self.index)
+                if avail - known:
+                    return avail
+                self._raise_if_dead(None, conn)
+                left = end - time.monotonic()
+                if left <= 0:
+                    return avail
+                self.cond.wait(min(left, 1.0))
+
+    def discard(self, key: str) -> bool:
+        with self.cond:
+            entry = self.index.pop(key, None)
+            if entry is None:
+                return False
+            self.consumed.add(key, "discarded")
+        del entry
+        return True
+
+    def close(self) -> None:
+        self.stopping = True
+        try:
+            os.eventfd_write(self.releaser.fd, 1)
+        except OSError:
+            pass
+        self.thread.join(10)
+        with self.cond:
+            self.index.clear()
+            self.cond.notify_all()
+        self.sock.disable_monitor()
+        self.mon.close(0)
+        self.sock.close(0)
+        for s in list(self.sessions.values()):
+            self.agent.remove_remote(s.peer)
+        self.sessions.clear()
+        self.pool.close()
+        self.releaser.close()
+        self.agent.close()
+        if self.socket_path is not None:
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+        if self.lock_file is not None:
+            self.lock_file.release()
+
+
+class _Sender:
+    """The sending end: its agent, staging buffers and one session at a time."""
+
+    def __init__(self, *, conn: NixlConnector, ctx: zmq.Context, endpoint: str, heartbeat: dict[int, int],
+                 device: Any) -> None:
+        self.conn = conn
+        self.channel = conn.channel
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.heartbeat = heartbeat
+        self.device = device
+        self.lock = threading.RLock()
+        if device is not None:
+            _cuda_context(device)
+        self.agent = Agent(f"omnilink-tx-{os.getpid()}-{secrets.token_hex(6)}")
+        self.host_staging = Staging(self.agent)
+        self.dev_staging: dict[int, Staging] = {}
+        self.sock: zmq.Socket | None = None
+        self.mon: zmq.Socket | None = None
+        self.welcome: wire.Welcome | None = None
+        self.peer: str | None = None
+        self.extents: dict[int, Blocks] = {}
+        self.seq = 0
+        self.acks: dict[int, wire.Ack] = {}
+        self.lost: str | None = None
+        self.puts_in_session = 0
+
+    # ------------------------------------------------------------ session
+    def _open_socket(self) -> str:
+        session = secrets.token_hex(16)
+        sock = self.ctx.socket(zmq.DEALER)
+        for opt, val in {zmq.LINGER: 0, zmq.ROUTING_ID: session.encode(), zmq.IMMEDIATE: 1,
+                         zmq.SNDHWM: 100_000, zmq.RCVHWM: 100_000, zmq.MAXMSGSIZE: 1 << 24,
+                         zmq.RECONNECT_IVL: 100, zmq.RECONNECT_IVL_MAX: 1000, **self.heartbeat}.items():
+            sock.setsockopt(opt, val)
+        self.mon = sock.get_monitor_socket(_MON)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self.lost = None
+        return session
+
+    def _drop_session(self, linger: int = 0) -> None:
+        if self.peer is not None:
+            self.agent.remove_remote(self.peer)
+        if self.sock is not None:
+            self.sock.disable_monitor()
+            self.sock.close(linger)
+        if self.mon is not None:
+            self.mon.close(0)
+        self.sock = self.mon = None
+        self.welcome = None
+        self.peer = None
+        self.extents.clear()
+        self.acks.clear()
+
+    def _check_lost(self) -> str | None:
+        """Read the connection's events; why the session ended, or ``None``."""
+        mon = self.mon
+        while mon is not None:
+            try:
+                msg = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                ev = parse_monitor_message(msg)
+            except Exception:  # noqa: BLE001
+                continue
+            if ev["event"] == zmq.EVENT_DISCONNECTED and self.welcome is not None:
+                self.lost = "the receiver disconnected"
+        return self.lost
+
+    def _open_sock(self, what: str) -> Any:
+        """The control socket of the current session (``PeerLostError`` when it was
+        dropped meanwhile: the next put connects again)."""
+        sock = self.sock
+        if sock is None:
+            raise PeerLostError(f"nixl: the session with the receiver of channel {self.channel!r} was dropped "
+                                f"while {what}; the next put connects to the receiver again")
+        return sock
+
+    def _send(self, msg: Any, deadline: Deadline, what: str) -> None:
+        raw = wire.encode(msg)
+        sock = self._open_sock(what)
+        while True:
+            try:
+                sock.send(raw, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            if self._check_lost():
+                raise self._peer_lost(what)
+            if deadline.expired():
+                raise self.conn._timeout("put", None, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
+            sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLOUT)
+
+    def _peer_lost(self, what: str) -> PeerLostError:
+        why = self.lost or "the receiver disconnected"
+        self._drop_session()
+        return PeerLostError(f"nixl: {why} on channel {self.channel!r} while {what}; the next put "
+                             "connects to the receiver again")
+
+    def _receive(self, deadline: Deadline, until: Any, key: str | None, what: str) -> Any:
+        """Handle the receiver's messages until ``until(msg)`` is true for one; return it."""
+        sock = self._open_sock(what)
+        while True:
+            try:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                raw = None
+            if raw is not None:
+                msg = wire.decode_from_receiver(raw)
+                self._apply(msg)
+                if until(msg):
+                    return msg
+                continue
+            if self._check_lost():
+                raise self._peer_lost(what)
+            if deadline.expired():
+                raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
+            sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
+
+    def _apply(self, msg: Any) -> None:
+        """What every answer carries: blocks come free, extents granted."""
+        if isinstance(msg, (wire.Granted, wire.Ack)):
+            for off in msg.frees:
+                ext = next((e for e in self.extents if e <= off < e + self.extents[e].capacity), None)
+                if ext is not None and self.extents[ext].owns(off - ext):
+                    self.extents[ext].free(off - ext)
+            if isinstance(msg, wire.Granted) and msg.length:
+                self.extents[msg.offset] = Blocks(msg.length)
+            self._return_empty()
+        if isinstance(msg, wire.Ack):
+            self.acks[msg.seq] = msg
+
+    def _return_empty(self) -> None:
+        empty = sorted((off for off, b in self.extents.items() if not b.used_bytes),
+                       key=lambda off: self.extents[off].capacity)
+        for off in empty[:-1]:  # keep the largest empty extent for the next payloads
+            del self.extents[off]
+            try:
+                self.sock.send(wire.encode(wire.Return(offset=off)), zmq.NOBLOCK)  # type: ignore[union-attr]
+            except zmq.ZMQError:
+                pass
+
+    def _ensure_session(self, deadline: Deadline) -> wire.Welcome:
+        if self.welcome is not None:
+            if self._check_lost():
+                raise self._peer_lost("putting")
+            return self.welcome
+        self._drop_session()
+        session = self._open_socket()
+        self._send(wire.Hello(version=wire.VERSION, session=session, pid=os.getpid(), md=self.agent.metadata()),
+                   deadline, "saying hello")
+        msg = self._receive(deadline, lambda m: isinstance(m, (wire.Welcome, wire.Refused)), None,
+                            "waiting for its welcome")
+        if isinstance(msg, wire.Refused):
+            self._drop_session()
+            raise TransportError(f"nixl: the receiver of channel {self.channel!r} refused this sender: {msg.text}")
+        if msg.session != session:
+            self._drop_session()
+            raise TransportError(f"nixl: the receiver of channel {self.channel!r} answered another session")
+        self.peer = self.agent.add_remote(msg.md)
+        self.welcome = msg
+        return msg
+
+    # ---------------------------------------------------------------- put
+    def _alloc(self, n: int, deadline: Deadline, key: str) -> int:
+        pool_bytes = self.welcome.pool_bytes  # type: ignore[union-attr]
+        if round_up(n) > pool_bytes:
+            raise CapacityError(f"nixl: a payload of {n} data bytes can never fit the {pool_bytes}-byte pool of "
+                                f"the receiver of channel {self.channel!r} (its pool_bytes option)")
+        while True:
+            for ext, blocks in self.extents.items():
+                off = blocks.alloc(n)
+                if off is not None:
+                    return ext + off
+            self._send(wire.Extent(need=round_up(n)), deadline, "asking for room in its pool")
+            self._receive(deadline, lambda m: isinstance(m, wire.Granted), key, "waiting for room in its pool")
+
+    def _free_local(self, off: int) -> None:
+        for ext, blocks in self.extents.items():
+            if ext <= off < ext + blocks.capacity and blocks.owns(off - ext):
+                blocks.free(off - ext)
+                return
+
+    def put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        prepared = prepare(payload)
+        with self.lock:
+            welcome = self._ensure_session(deadline)
+            n = prepared.data_len
+            off = 0
+            if n:
+                off = self._alloc(n, deadline, key)
+                try:
+                    why = self._write(prepared, welcome, off, deadline)
+                except BaseException:
+                    self._free_local(off)
+                    raise
+                if why is not None:
+                    if why == "timeout":
+                        if not self.agent._stuck:
+                            self._free_local(off)
+                        raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} (its WRITE)",
+                                                 deadline.timeout)
+                    raise self._peer_lost("writing")
+            self.seq += 1
+            seq = self.seq
+            self._send(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta), deadline,
+                       "publishing")
+            self._receive(deadline, lambda m: isinstance(m, wire.Ack) and m.seq == seq, key, "waiting for its ack")
+            ack = self.acks.pop(seq)
+        if ack.status == wire.ACK_OK:
+            return prepared.nbytes
+        if ack.status == wire.ACK_DUPLICATE_KEY:
+            raise duplicate_key("nixl", self.channel, key)
+        raise BlobDecodeError(f"nixl: the receiver of channel {self.channel!r} rejected key {key!r}: {ack.text}")
+
+    def _write(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline) -> str | None:
+        n = prepared.data_len
+        staging = self._staging_for(prepared, welcome)
+        staging.ensure(prepared.nbytes if staging.mem == "DRAM" else n)
+        if staging.mem == "DRAM":
+            prepared.write_at(staging.view, 0, staging.addr)
+            local = (staging.addr + prepared.data_offset, n, 0)
+        else:
+            self._fill_device(prepared, staging)
+            local = (staging.addr, n, staging.dev)
+        remote = (welcome.pool_addr + off, n, welcome.dev)
+        try:
+            req = self.agent.write(local, staging.mem, remote, welcome.mem, self.peer)  # type: ignore[arg-type]
+            if req is None:
+                return None
+            return self.agent.wait(req, deadline, self._check_lost)
+        except PeerLostError as exc:
+            # UCX saw the receiver go before the control channel did: same as its loss.
+            if not self.lost:
+                self.lost = f"the receiver disconnected ({exc})"
+            raise self._peer_lost("writing a payload") from exc
+
+    def _staging_for(self, prepared: Any, welcome: wire.Welcome) -> Staging:
+        """Host staging, except for a device pool when this process has CUDA: device
+        staging on ``device`` (the option), else on the payload's first GPU, else on
+        the current one."""
+        if welcome.mem != "VRAM":
+            return self.host_staging
+        import torch
+
+        if not torch.cuda.is_available():
+            return self.host_staging
+        dev = self.device
+        if dev is None:
+            devs = prepared.devices()
+            dev = devs[0] if devs else torch.device("cuda", torch.cuda.current_device())
+        dev = torch.device(dev)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        st = self.dev_staging.get(index)
+        if st is None:
+            st = self.dev_staging[index] = Staging(self.agent, torch.device("cuda", index))
+        return st
+
+    @staticmethod
+    def _fill_device(prepared: Any, staging: Staging) -> None:
+        """Copy every tensor into the device staging buffer (on the current stream of
+        its device), then wait for the copies: the WRITE reads the buffer next."""
+        import numpy as np
+        import torch
+
+        dst = staging.tensor
+        with torch.cuda.device(staging.device):
+            for offset, nbytes, src in prepared.tensor_sources():
+                if not nbytes:
+                    continue
+                if isinstance(src, torch.Tensor):
+                    flat = src.contiguous().reshape(-1).view(torch.uint8)
+                else:
+                    flat = torch.from_numpy(np.ascontiguousarray(src).reshape(-1).view(np.uint8))
+                dst[offset : offset + nbytes].copy_(flat)
+            torch.cuda.current_stream(staging.device).synchronize()
+
+    def close(self) -> None:
+        with self.lock:
+            if self.sock is not None and self.welcome is not None:
+                try:
+                    self.sock.send(wire.encode(wire.Bye()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            self._drop_session(linger=200)
+            if self.agent._stuck:
+                # A transfer NIXL could not cancel may still read the staging memory:
+                # keep it (and the agent) for the life of the process.
+                _RETAINED.append((self.agent, self.host_staging, self.dev_staging))
+                return
+            self.host_staging.close()
+            for st in self.dev_staging.values():
+                st.close()
+            self.agent.close()
+
+
+_RETAINED: list[Any] = []
+
+
+class NixlConnector(BaseConnector):
+    """Payloads written with NIXL (UCX: RDMA, cma, tcp, CUDA IPC) into a pool the
+    receiver registered once.
+
+    See the module docstring for the design and the guarantees. Needs NIXL
+    (``pip install "pyomnilink[nixl]"``); the transports are UCX's choice, narrowed by
+    ``UCX_TLS`` as for any UCX program (``tcp``; ``cma,tcp`` on one host; the RDMA and
+    CUDA transports where present).
+
+    Parameters
+    ----------
+    channel, role, timeout
+        As for every backend.
+    endpoint : str, optional
+        The control channel: ``tcp://HOST:PORT`` (a receiver may bind port ``*`` and
+        publish its ``endpoint`` attribute) or ``ipc://PATH``. Without it both ends
+        derive an ipc path from the channel name in the private directory the ``zmq``
+        backend uses (same host only).
+    pool_bytes : int
+        Receiver: the registered pool's size; a payload's data must fit it
+        (``CapacityError`` otherwise). Default 256 MiB.
+    extent_bytes : int
+        Receiver: the size of the extents it hands to senders (larger payloads get an
+        extent their size).
+    device : str, optional
+        Receiver: ``None`` (host memory) or ``"cuda:k"``: the pool is on that GPU and
+        received tensors are views of it there. Sender: the GPU of its device staging
+        buffer for such a pool (default: the payload's first GPU).
+    heartbeat_interval : float
+        zmq heartbeats on the control channel; a peer silent for three intervals is
+        disconnected (a killed process's socket closes at once).
+    peer_timeout : float
+        Receiver: ``get`` raises ``PeerLostError`` once no sender has been connected for
+        this long.
+
+    Raises
+    ------
+    ConfigurationError
+        Bad options, NIXL missing (the message says what to install), an endpoint in
+        use.
+    TransportError
+        NIXL or UCX would not start.
+    """
+
+    backend = "nixl"
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], /) -> None:
+        """Refuse, opening nothing, the option values the constructor would refuse.
+
+        Raises
+        ------
+        ConfigurationError
+            ``role`` or ``timeout`` invalid; ``pool_bytes`` outside [1 MiB, 2**46],
+            ``extent_bytes`` outside [64 KiB, 2**46]; ``heartbeat_interval`` or
+            ``peer_timeout`` not a number > 0; an endpoint that is not ``ipc://PATH``
+            or ``tcp://HOST:PORT`` (``*`` for a receiver only); ``device`` not
+            ``None`` or a CUDA device.
+        """
+        check_constructor_options(cls, _check_values, options)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this process cannot use the backend (NIXL missing), or ``None``."""
+        return nixl_unavailable()
+
+    def __init__(
+        self,
+        *,
+        channel: str,
+        role: Role = "dual",
+        timeout: float | None = None,
+        endpoint: str | None = None,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        extent_bytes: int = DEFAULT_EXTENT_BYTES,
+        device: Any = None,
+        heartbeat_interval: float = 1.0,
+        peer_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(channel=channel, role=role, timeout=timeout)
+        _check_values(role=role, endpoint=endpoint, pool_bytes=pool_bytes, extent_bytes=extent_bytes,
+                      device=device, heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout)
+        reason = nixl_unavailable()
+        if reason is not None:
+            raise ConfigurationError(reason)
+        receives = role in ("receiver", "dual")
+        sends = role in ("sender", "dual")
+        prefix = os.environ.get("OMNILINK_SHM_PREFIX", "omnilink")
+        resolved, lock_path = resolve_endpoint(endpoint, channel=f"nixl/{self.channel}", binding=receives,
+                                               ipc_dir=None, prefix=prefix)
+        ms = int(float(heartbeat_interval) * 1000)
+        heartbeat = {zmq.HEARTBEAT_IVL: ms, zmq.HEARTBEAT_TIMEOUT: 3 * ms, zmq.HEARTBEAT_TTL: 3 * ms}
+        self._ctx = zmq.Context(io_threads=1)
+        self._rx: _Receiver | None = None
+        self._tx: _Sender | None = None
+        try:
+            if receives:
+                self._rx = _Receiver(conn=self, ctx=self._ctx, endpoint=resolved, lock_path=lock_path,
+                                     pool_bytes=pool_bytes, extent_bytes=extent_bytes, device=device,
+                                     heartbeat=heartbeat, peer_timeout=float(peer_timeout))
+                resolved = self._rx.endpoint
+            self.endpoint: str = resolved
+            if sends:
+                self._tx = _Sender(conn=self, ctx=self._ctx, endpoint=resolved, heartbeat=heartbeat,
+                                   device=device if not receives else None)
+        except BaseException:
+            self._closed = True
+            self._teardown()
+            raise
+
+    # ----------------------------------------------------------------- hooks
+    def _put(self, key: str, payload: Any, deadline: Deadline) -> int:
+        if self._tx is None:
+            raise ConfigurationError(f"nixl connector on channel {self.channel!r} has role {self.role!r}: it cannot put")
+        try:
+            return self._tx.put(key, payload, deadline)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"nixl: control channel of {self.channel!r}: {exc}") from exc
+
+    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+        if self._rx is None:
+            raise ConfigurationError(f"nixl connector on channel {self.channel!r} has role {self.role!r}: it cannot get")
+        return self._rx.take(key, deadline, block, self)
+
+    def _arrivals(self, known: set[str], timeout: float) -> set[str]:
+        if self._rx is None:
+            raise ConfigurationError(f"nixl connector on channel {self.channel!r} has role {self.role!r}: it cannot get")
+        return self._rx.arrivals(known, timeout, self)
+
+    def _discard(self, key: str) -> bool:
+        if self._rx is None:
+            raise ConfigurationError(
+                f"nixl connector on channel {self.channel!r} has role {self.role!r}: it cannot discard"
+            )
+        return self._rx.discard(key)
+
+    def _in_use(self) -> tuple[int, int]:
+        rx = self._rx
+        if rx is None:
+            return (0, 0)
+        return (len(rx.releaser.live), rx.releaser.live_bytes)
+
+    def stats(self) -> ConnectorStats:
+        """Counters since this connector was opened; ``fallbacks`` counts received payloads
+        holding numpy arrays on a device pool (decoded on the host from a copy).
+
+        Raises
+        ------
+        ClosedError
+            The connector was closed.
+        """
+        import msgspec
+
+        st = super().stats()
+        rx = self._rx
+        if rx is None:
+            return st
+        return msgspec.structs.replace(st, fallbacks=st.fallbacks + rx.fallbacks, bytes_held=rx.releaser.live_bytes,
+                                       bytes_mapped=rx.pool.nbytes)
+
+    def _wake(self) -> None:
+        rx = self._rx
+        if rx is not None:
+            with rx.cond:
+                rx.cond.notify_all()
+
+    def _close(self) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        tx, rx = self._tx, self._rx
+        self._tx = self._rx = None
+        errors: list[BaseException] = []
+        for part in (tx, rx):
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception as exc:  # close every part, then report
+                errors.append(exc)
+        self._ctx.destroy(linger=0)
+        if errors and not isinstance(errors[0], OmnilinkError):
+            raise TransportError(f"nixl: closing channel {self.channel!r} failed: {errors[0]}") from errors[0]
+        if errors:
+            raise errors[0]

@@ -1,0 +1,68 @@
+"""The nixl backend with GPU memory: the receiver's pool on its GPU, payloads of GPU
+tensors (and a CPU tensor beside them) from another process, received as views of
+the pool on that GPU, bit for bit. With two GPUs the sender's tensors are on cuda:0 and
+the pool on cuda:1. Skipped without a GPU or without NIXL."""
+
+from __future__ import annotations
+
+import os
+import queue
+
+import pytest
+
+import omnilink
+from omnilink.connectors import backend_unavailable
+from tests.gpu import _nixl_gpu_workers as workers
+from tests.procs import CTX, start_process
+
+torch = pytest.importorskip("torch")
+_REASON = backend_unavailable("nixl")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")]
+WAIT = 120.0
+
+
+def _devices() -> tuple[str, str]:
+    n = torch.cuda.device_count()
+    return ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0")
+
+
+def test_gpu_payloads_land_in_the_device_pool(procs):
+    src, dst = _devices()
+    torch.cuda.set_device(torch.device(dst))
+    channel = f"olnx/gpu-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=64 << 20, timeout=WAIT) as rx:
+        q = CTX.Queue()
+        start_process(procs, workers.sender, channel, rx.endpoint, src, 3, q)
+        try:
+            msg = q.get(timeout=WAIT)
+        except queue.Empty:
+            pytest.fail("no report from the sender")
+        assert msg == ("sent", 3), msg
+        pool = rx._rx.pool
+        for i in range(3):
+            got = rx.get(f"g{i}")
+            want = workers.gpu_payload(i, "cpu")
+            for name in ("hidden_states.output", "ids.output", "codes.audio"):
+                t = got[name]
+                assert t.device == torch.device(dst), (name, t.device)
+                assert pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name  # a view of the pool
+                assert t.dtype == want[name].dtype and torch.equal(t.cpu(), want[name]), name
+            assert bool(got["meta"]["finished"]) == (i == 2) and got["speaker"] == "Ethan"
+            del got, t
+        torch.cuda.synchronize()
+        assert rx.stats().blocks_in_use == 0
+
+
+def test_host_tensors_into_a_device_pool_in_one_process():
+    dev = _devices()[1]
+    channel = f"olnx/gpu1-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dev,
+                          pool_bytes=16 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        a = torch.arange(4096, dtype=torch.float32)
+        tx.put("h", {"a": a, "b": torch.ones(5, dtype=torch.bool, device=dev)})
+        got = rx.get("h")
+        assert got["a"].device == torch.device(dev) and torch.equal(got["a"].cpu(), a)
+        assert bool(got["b"].all())

@@ -1,0 +1,50 @@
+"""Child-process bodies of the nixl two-process tests (importable, spawn-safe)."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+
+def payload(i: int, size: int = 4096):
+    import torch
+
+    n = max(1, size // 2)
+    return {"hidden": (torch.arange(n, dtype=torch.int32) % 251 + i).to(torch.bfloat16),
+            "ids": torch.arange(7) + i, "meta": {"finished": torch.tensor(i % 2 == 0), "i": i}}
+
+
+def sender(tls: str, channel: str, endpoint: str | None, count: int, size: int, q) -> None:
+    """Put ``count`` payloads, then report and wait to be killed or told to stop."""
+    os.environ["UCX_TLS"] = tls
+    import omnilink
+
+    opts = {} if endpoint is None else {"endpoint": endpoint}
+    with omnilink.connect("nixl", channel=channel, role="sender", timeout=60.0, **opts) as tx:
+        for i in range(count):
+            tx.put(f"k{i}", payload(i, size))
+        q.put(("sent", count))
+        time.sleep(120)  # killed by the test (or it times out)
+
+
+def receiver(tls: str, channel: str, q, stop) -> None:
+    """Open a receiver, report its endpoint, get one key, report, then wait. Any error is
+    reported as ("error", traceback text) before the process exits with it.
+
+    ``q`` must be this process's own queue when the test SIGKILLs it: a multiprocessing
+    queue's write lock is shared by all its writers, and a writer killed right after the
+    reader saw its message (before its feeder thread released the lock) leaves it taken,
+    so any later writer on that queue blocks forever."""
+    os.environ["UCX_TLS"] = tls
+    try:
+        import omnilink
+
+        with omnilink.connect("nixl", channel=channel, role="receiver", timeout=60.0, pool_bytes=16 << 20) as rx:
+            q.put(("ready", rx.endpoint))
+            got = rx.get("first", timeout=60.0)
+            q.put(("got", int(got["meta"]["i"])))
+            stop.wait(120)
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+        raise

@@ -1,0 +1,127 @@
+"""The nixl backend in one process: zero-copy views of the pool, hostile block
+descriptors refused before anything is read (the channel stays usable), capacity,
+option checks and how the backend reports NIXL missing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import omnilink
+from omnilink.connectors import backend_unavailable, check_backend_options
+from omnilink.connectors.nixl import agent as nixl_agent
+from omnilink.connectors.nixl import wire
+
+_REASON = backend_unavailable("nixl")
+needs_nixl = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
+
+
+@pytest.fixture
+def pair():
+    old = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"
+    rx = omnilink.connect("nixl", channel=f"olnx/unit-{os.getpid()}", role="receiver", endpoint="tcp://127.0.0.1:*",
+                          pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0)
+    tx = omnilink.connect("nixl", channel=f"olnx/unit-{os.getpid()}", role="sender", endpoint=rx.endpoint,
+                          timeout=30.0)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+        if old is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = old
+
+
+def _in_pool(rx, t):
+    pool = rx._rx.pool
+    return pool.addr <= t.data_ptr() < pool.addr + pool.nbytes
+
+
+@needs_nixl
+def test_views_of_the_pool_and_freed_when_the_last_view_dies(pair):
+    tx, rx = pair
+    a = torch.arange(1000, dtype=torch.float32)
+    tx.put("k", {"a": a, "b": torch.ones(3, dtype=torch.bool), "s": "text"})
+    got = rx.get("k")
+    assert torch.equal(got["a"], a) and got["s"] == "text" and bool(got["b"].all())
+    assert _in_pool(rx, got["a"]) and _in_pool(rx, got["b"])
+    assert rx.stats().blocks_in_use == 1
+    view = got["a"][10:20]
+    del got
+    assert rx.stats().blocks_in_use == 1  # a view of the block is still alive
+    del view
+    assert rx.stats().blocks_in_use == 0
+
+
+@needs_nixl
+def test_payload_without_tensors_and_capacity(pair):
+    tx, rx = pair
+    tx.put("plain", {"x": [1, 2, (3, "4")]})
+    assert rx.get("plain") == {"x": [1, 2, (3, "4")]}
+    with pytest.raises(omnilink.CapacityError):
+        tx.put("big", {"t": torch.empty(9 << 20, dtype=torch.uint8)})
+    tx.put("after", {"t": torch.arange(5)})
+    assert torch.equal(rx.get("after")["t"], torch.arange(5))
+
+
+def _hostile(tx, offset, length, key="evil"):
+    """Publish a block descriptor the sender never allocated (the socket of a real
+    session, so only the descriptor is hostile)."""
+    s = tx._tx
+    meta = omnilink.blob.prepare({"t": torch.zeros(16, dtype=torch.uint8)}).meta
+    s.seq += 1
+    seq = s.seq
+    from omnilink._util import Deadline
+
+    s._send(wire.Publish(seq=seq, key=key, offset=offset, length=length, meta=meta), Deadline(10), "publishing")
+    s._receive(Deadline(10), lambda m: isinstance(m, wire.Ack) and m.seq == seq, key, "ack")
+    return s.acks.pop(seq)
+
+
+@needs_nixl
+def test_hostile_block_descriptors_are_refused(pair):
+    tx, rx = pair
+    tx.put("warm", {"t": torch.arange(64, dtype=torch.uint8)})  # a session and an extent
+    held = rx.get("warm")
+    (ext, blocks), = tx._tx.extents.items()
+    live = ext  # the block 'warm' occupies (its view is alive)
+    pool = rx._rx.pool.nbytes
+    for offset, length in [(pool, 256), (pool - 256, 512), (wire.MAX_OFFSET, 1), (ext + (1 << 20), 256),
+                           (live, 256), (live + 64, 256), (ext + 256 * 7 + 1, 256), (0, 1 << 47)]:
+        if offset == live + 64 or offset % 256:
+            pass
+        ack = _hostile(tx, offset, length)
+        assert ack.status == wire.ACK_BAD_BLOCK, (offset, length, ack)
+    # A well-formed meta whose data region is longer than the block.
+    ack = _hostile(tx, ext + (512 << 10), 8)
+    assert ack.status in (wire.ACK_DECODE_ERROR, wire.ACK_BAD_BLOCK)
+    # Nothing was published, the live block is intact, and the channel still works.
+    with pytest.raises(omnilink.WouldBlock):
+        rx.get_nowait("evil")
+    assert torch.equal(held["t"], torch.arange(64, dtype=torch.uint8))
+    tx.put("good", {"t": torch.arange(9)})
+    assert torch.equal(rx.get("good")["t"], torch.arange(9))
+
+
+def test_check_options_refuses_bad_values():
+    for bad in ({"pool_bytes": 10}, {"extent_bytes": 0}, {"peer_timeout": 0}, {"device": "cpu"},
+                {"endpoint": "udp://x"}, {"heartbeat_interval": -1}):
+        with pytest.raises(omnilink.ConfigurationError):
+            check_backend_options("nixl", {"channel": "c", "role": "receiver", **bad})
+    check_backend_options("nixl", {"channel": "c", "role": "receiver", "endpoint": "tcp://127.0.0.1:*",
+                                   "device": "cuda:1"})
+
+
+def test_reports_nixl_missing(monkeypatch):
+    monkeypatch.setattr(nixl_agent, "_bindings", None)
+    monkeypatch.setattr(nixl_agent, "_load_error", None)
+    monkeypatch.setattr(nixl_agent, "_CANDIDATES", ("omnilink_no_such_nixl._bindings",))
+    reason = backend_unavailable("nixl")
+    assert reason is not None and 'pip install "pyomnilink[nixl]"' in reason
+    with pytest.raises(omnilink.ConfigurationError, match=r"pyomnilink\[nixl\]"):
+        omnilink.connect("nixl", channel="c", role="receiver", endpoint="tcp://127.0.0.1:*")
