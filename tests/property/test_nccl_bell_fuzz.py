@@ -15,6 +15,7 @@ fields replaced by hostile values, byte-level mutations of them, and raw noise.
 from __future__ import annotations
 
 import msgspec
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -197,3 +198,22 @@ def test_out_of_sequence_and_oversized_are_refused():
         assert "max_message_bytes=1000" in str(exc)
     else:
         raise AssertionError("accepted over max_message_bytes")
+
+
+def test_region_with_bulk_transfers_is_refused():
+    """A sender puts device tensors in the region only when nothing else of the payload
+    goes by the bulk group: a message with both is malformed (the receiver would post
+    receives for a payload it also builds from the region)."""
+    payload = {"a": torch.arange(16, dtype=torch.float32), "b": torch.arange(4096, dtype=torch.float32)}
+    sp = wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=0,
+                        max_inline_total=1 << 20, key="k", pack_bytes=0)
+    assert sp.plan.count(wire.P2P) == 2
+    plan = list(sp.plan)
+    plan[0] = wire.BELL  # "a" in the region, "b" still by the bulk group
+    raw = wire.encode_envelope(wire.Envelope(0, "k", sp.meta, plan, sp.inline, 0, bytes(64)))
+    with pytest.raises(BlobDecodeError, match="region and bulk transfers"):
+        wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=True)
+    plan[1] = wire.BELL  # both in the region: accepted
+    raw = wire.encode_envelope(wire.Envelope(0, "k", sp.meta, plan, sp.inline, 0, bytes(64 + 16384)))
+    ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=True)
+    assert ann.sizes == [] and ann.nbytes == 64 + 16384

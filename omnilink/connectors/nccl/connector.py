@@ -280,6 +280,13 @@ def _tcp_store_client(dist: Any, addr: str, port: int, timeout: float, channel: 
     return result[0]
 
 
+def _address(data: bytes) -> int:
+    """The address of the first byte of ``data`` (kept alive by the caller)."""
+    import numpy as np
+
+    return int(np.frombuffer(data, dtype=np.uint8).ctypes.data)
+
+
 def _poll_ms(seconds: float | None) -> int:
     return -1 if seconds is None else max(0, math.ceil(seconds * 1000))
 
@@ -716,12 +723,23 @@ class NcclConnector(BaseConnector):
         self._lazy_bytes = max_inflight_bytes // 2
         self._sent_event: Any = None  # NCCL: recorded after the last put's sends (close)
         self._bell_host: Any = None  # NCCL: pinned staging of the region (under _send_lock)
-        self._bell_copied: Any = None
+        self._bell_view: Any = None  # its numpy view
+        self._bell_ptr = 0
+        self._bell_copied: Any = None  # a raw Event, reused (record then synchronize)
         self._bye_lock = threading.Lock()
         self._bye_sent = False
         self._threads: list[threading.Thread] = []
         self._pgs: dict[str, Any] = {}  # direction -> bulk group
         self._recv_stream: Any = None  # NCCL: receive buffers, their receives and copies
+        self._recv_ids: tuple[int, int, int] = (0, 0, 0)  # its (stream_id, device_index, device_type)
+        self._recv_raw = 0  # its raw handle
+        self._region_stream: Any = None  # NCCL: the doorbell regions' copies to the device, nothing else
+        self._region_ids: tuple[int, int, int] = (0, 0, 0)
+        self._region_raw = 0
+        self._ops: Any = None  # NCCL: omnilink.cuda.runtime.CudaOps (raw CUDA calls, no torch helpers)
+        self._event_cls: Any = None  # NCCL: omnilink.cuda.runtime.Event
+        self._dev_index = -1
+        self._streams: dict[tuple[int, int, int], Any] = {}  # torch Stream objects by ids (record_stream)
         # Receiver, the doorbell: read by one thread at a time, the *pumper* (a get, an
         # aget's waiter or the keeper); the fields below are the pumper's own.
         self._pumper: int | None = None  # thread ident, or _KEEPER; under _cond
@@ -916,9 +934,21 @@ class NcclConnector(BaseConnector):
             # both ranks together. Left to the first coalesced put (several bulk
             # tensors), the sender would block creating it while the receiver, not yet
             # rung, could not join: a deadlock (2x H200, 64 MiB + 16 small tensors).
+            from omnilink.cuda.runtime import Event, cuda_ops
+
+            self._event_cls = Event
+            self._ops = cuda_ops()  # CudaError naming what to install without cuda-python
+            self._dev_index = int(self.device.index)
             with torch.cuda.device(self.device):
                 self._recv_stream = torch.cuda.Stream(self.device)
-                self._sent_event = torch.cuda.Event()
+                rs = self._recv_stream
+                self._recv_ids = (rs.stream_id, rs.device_index, rs.device_type)
+                self._recv_raw = int(rs.cuda_stream)
+                self._region_stream = gs = torch.cuda.Stream(self.device)
+                self._region_ids = (gs.stream_id, gs.device_index, gs.device_type)
+                self._region_raw = int(gs.cuda_stream)
+                self._sent_event = Event(self._dev_index)
+                self._sent_event.record(self._recv_raw)  # recorded once before close may query it
                 for d in dirs:
                     pg = self._pgs[d]
                     t = torch.zeros(1, dtype=torch.uint8, device=self.device)
@@ -1264,26 +1294,31 @@ class NcclConnector(BaseConnector):
         """The region of a payload's BELL tensors, in this end's pinned staging buffer
         (under ``_send_lock``; the envelope copies it before the next put may): copied
         on the caller's current stream, which put waits for (the copy, and what was
-        queued before it)."""
-        torch = self._torch
+        queued before it). Raw CUDA calls (one ``cudaMemcpyAsync`` per tensor, one
+        reused event): torch's stream and device helpers cost more than the copy."""
+        ops = self._ops
+        idx = self._dev_index
         try:
-            with torch.cuda.device(self.device):
-                host = self._bell_host
-                if host is None:
-                    host = self._bell_host = torch.empty(self.bell_bytes, dtype=torch.uint8, pin_memory=True)
-                    self._bell_copied = torch.cuda.Event()
-                view = host.numpy()
-                end = 0
-                for at, flat in sp.bell:
-                    if at > end:
-                        view[end:at] = 0
-                    n = int(flat.numel())
-                    host[at: at + n].copy_(flat, non_blocking=True)
-                    end = at + n
-                copied = self._bell_copied
-                copied.record()
-                copied.synchronize()
-        except RuntimeError as exc:
+            view = self._bell_view
+            if view is None:
+                torch = self._torch
+                from omnilink.cuda.runtime import Event
+
+                with torch.cuda.device(self.device):
+                    self._bell_host = torch.empty(self.bell_bytes, dtype=torch.uint8, pin_memory=True)
+                view = self._bell_view = self._bell_host.numpy()
+                self._bell_ptr = int(self._bell_host.data_ptr())
+                self._bell_copied = Event(idx)
+            base = self._bell_ptr
+            stream = int(self._torch._C._cuda_getCurrentRawStream(idx))
+            end = 0
+            for at, t, n in sp.bell:
+                if at > end:
+                    view[end:at] = 0
+                ops.memcpy(base + at, t.data_ptr(), n, stream)
+                end = at + n
+            self._bell_copied.record(stream).synchronize()
+        except (RuntimeError, CudaError) as exc:
             raise CudaError(f"nccl: copying the small device tensors of a payload to host failed: {exc}") from exc
         return memoryview(view[: sp.region_bytes])
 
@@ -1298,14 +1333,16 @@ class NcclConnector(BaseConnector):
     def _send_nccl(self, bulk: list[Any]) -> None:
         """Post one payload's bulk sends, one coalesced group; the caller's stream waits
         for them (the caller may reuse its tensors: the stream contract)."""
-        torch = self._torch
-        with torch.cuda.device(self.device):
-            for w in self._post(self._pgs[self._out], bulk, send=True):
-                try:
-                    w.wait()
-                except RuntimeError as exc:
-                    raise self._translate(exc, None) from exc
-            self._sent_event.record()  # close waits for the last sends with it
+        for w in self._post(self._pgs[self._out], bulk, send=True):
+            try:
+                w.wait()  # the current stream of the tensors' device waits for the sends
+            except RuntimeError as exc:
+                raise self._translate(exc, None) from exc
+        try:
+            # close waits for the last sends with it
+            self._sent_event.record(int(self._torch._C._cuda_getCurrentRawStream(self._dev_index)))
+        except CudaError as exc:
+            raise self._translate(exc, None) from exc
 
     def _send_gloo(self, bulk: list[Any]) -> None:
         """Post one payload's bulk sends on gloo; the reaper keeps them alive until sent
@@ -1588,8 +1625,32 @@ class NcclConnector(BaseConnector):
         works: list[Any] = []
         if self._is_nccl:
             dev = self.device
-            with torch.cuda.device(dev), torch.cuda.stream(self._recv_stream):
-                if ann.sizes:
+            idx = self._dev_index
+            # The stream of this payload's copies made current for this device with
+            # torch's internal call (its ``stream`` context manager costs more than a
+            # small payload's copy): its buffers are allocated on that stream.
+            C = torch._C
+            prev = C._cuda_getCurrentStream(idx)
+            if env.region:
+                # The region (nothing else goes by NCCL then): from the doorbell
+                # message's own bytes to the device on the region stream, where only
+                # such small copies run (a copy from pageable memory may wait for its
+                # stream, and returns once CUDA staged the bytes).
+                rid = self._region_ids
+                C._cuda_setStream(stream_id=rid[0], device_index=rid[1], device_type=rid[2])
+                try:
+                    n = len(env.region)
+                    region = torch.empty(n, dtype=uint8, device=dev)
+                    self._ops.memcpy(region.data_ptr(), _address(env.region), n, self._region_raw)
+                    item.event = self._event_cls(idx).record(self._region_raw)
+                finally:
+                    C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+                item.device_tensors = [region]
+            elif ann.sizes:
+                # The receive stream: its work waits for the receives.
+                rid = self._recv_ids
+                C._cuda_setStream(stream_id=rid[0], device_index=rid[1], device_type=rid[2])
+                try:
                     bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
                     for w in self._post(self._pgs[self._in], bufs, send=False):
                         w.wait()  # the receive stream waits for the receives
@@ -1605,17 +1666,10 @@ class NcclConnector(BaseConnector):
                             host_bufs.append(buf)
                         bufs = host_bufs
                         item.host_wait = True
-                if env.region:
-                    pinned = torch.empty(len(env.region), dtype=uint8, pin_memory=True)
-                    pinned.numpy()[:] = memoryview(env.region)
-                    region = torch.empty(len(env.region), dtype=uint8, device=dev)
-                    region.copy_(pinned, non_blocking=True)
-                if bufs or region is not None:
-                    item.event = torch.cuda.Event()
-                    item.event.record()
-            item.device_tensors = [b for b in bufs if b.is_cuda]
-            if region is not None:
-                item.device_tensors.append(region)
+                    item.event = self._event_cls(idx).record(self._recv_raw)
+                finally:
+                    C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+                item.device_tensors = [b for b in bufs if b.is_cuda]
         elif ann.sizes:
             bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]
             works = self._post(self._pgs[self._in], bufs, send=False)
@@ -1819,12 +1873,23 @@ class NcclConnector(BaseConnector):
         if event is not None:
             if self._peer_state == "lost" and not event.query():
                 raise self._peer_error(key)  # its receives were aborted, not completed
-            stream = self._torch.cuda.current_stream(self.device)
-            stream.wait_event(event)
-            for t in item.device_tensors:
-                # Allocated on the receive stream: keep the allocator from reusing the
-                # memory while the caller's stream may still use it.
-                t.record_stream(stream)
+            ids = self._torch._C._cuda_getCurrentStream(self._dev_index)
+            try:
+                self._ops.wait(self._torch._C._cuda_getCurrentRawStream(self._dev_index), event)
+            except CudaError as exc:
+                raise PeerLostError(f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}") from exc
+            if item.device_tensors:
+                stream = self._streams.get(ids)
+                if stream is None:
+                    if len(self._streams) >= 64:
+                        self._streams.clear()
+                    stream = self._streams[ids] = self._torch.cuda.Stream(
+                        stream_id=ids[0], device_index=ids[1], device_type=ids[2]
+                    )
+                for t in item.device_tensors:
+                    # Allocated on the receive stream: keep the allocator from reusing the
+                    # memory while the caller's stream may still use it.
+                    t.record_stream(stream)
         self._count(bytes_got=item.frame_bytes)
         return item.payload
 

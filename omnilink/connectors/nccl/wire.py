@@ -341,6 +341,10 @@ def _check_plan(header: blob.BlobHeader, env: Envelope, nccl: bool) -> None:
         raise BlobDecodeError(
             f"nccl: key {env.key!r} carries a region of {len(env.region)} bytes, its plan needs {region}"
         )
+    if region and any(code in (P2P, PACK, STAGED) for code in env.plan):
+        # A sender puts a payload's device tensors in the region only when nothing of it
+        # goes by the bulk group.
+        raise BlobDecodeError(f"nccl: key {env.key!r} has a region and bulk transfers too")
 
 
 def encode_credit(seq: int, duplicate: bool) -> bytes:
@@ -372,9 +376,10 @@ class SendPlan:
         One transport code per tensor_blob descriptor.
     inline : list[bytes]
         Bytes of the INLINE descriptors.
-    bell : list[tuple[int, Any]]
-        ``(offset in the region, flat uint8 device tensor)`` of the BELL descriptors,
-        in descriptor order: the sender copies them to host into the region.
+    bell : list[tuple[int, Any, int]]
+        ``(offset in the region, contiguous device tensor, its byte count)`` of the
+        BELL descriptors, in descriptor order: the sender copies them to host into the
+        region (from the tensor's pointer).
     region_bytes : int
         Size of the region (0 when no BELL descriptor).
     p2p : list[Any]
@@ -389,7 +394,7 @@ class SendPlan:
 
     def __init__(
         self, meta: bytes, plan: list[int], inline: list[bytes], p2p: list[Any], nbytes: int,
-        bell: list[tuple[int, Any]] | None = None, region_bytes: int = 0,
+        bell: list[tuple[int, Any, int]] | None = None, region_bytes: int = 0,
     ) -> None:
         self.meta = meta
         self.plan = plan
@@ -475,6 +480,7 @@ def plan_send(
     packable: list[tuple[int, Any]] = []
     inline_total = 0
     region = 0  # the region's size, were every device tensor in it
+    device_ts: set[int] = set()  # descriptors whose entry is a contiguous device tensor, not yet flat
     staged = False
     cuda_link = device.type == "cuda"
     for i, (d, (kind, src)) in enumerate(zip(descs, sources)):
@@ -508,11 +514,12 @@ def plan_send(
             # Device tensor on the link's device: sent straight from the caller's memory
             # (NCCL orders the send after the caller's stream; the process group keeps
             # the tensor alive until the send is done), packed when small, or in the
-            # region (decided below, once the whole payload is known).
-            flat = _flat_bytes(src, uint8)
+            # region (decided below, once the whole payload is known). Made a flat byte
+            # view only if it goes by NCCL (the region copies from its pointer).
             plan.append(P2P)
             region = _align(region) + nbytes
-            (packable if nbytes <= pack_bytes else singles).append((i, flat))
+            (packable if nbytes <= pack_bytes else singles).append((i, src if src.is_contiguous() else src.contiguous()))
+            device_ts.add(i)
             continue
         flat = _host_flat(torch, kind, src)
         if nccl:
@@ -532,14 +539,18 @@ def plan_send(
         nccl and region and not staged and region <= bell_bytes and inline_total + region <= max_inline_total
     ):
         # Nothing but small device tensors for the bulk group: they ride the region.
-        bell: list[tuple[int, Any]] = []
+        bell: list[tuple[int, Any, int]] = []
         end = 0
-        for i, flat in sorted(packable + singles, key=lambda item: item[0]):
+        for i, t in sorted(packable + singles, key=lambda item: item[0]):
             at = _align(end)
-            bell.append((at, flat))
+            n = descs[i].nbytes
+            bell.append((at, t, n))
             plan[i] = BELL
-            end = at + int(flat.numel())
+            end = at + n
         return SendPlan(prepared.meta, plan, inline, [], prepared.nbytes, bell, end)
+    if device_ts:
+        packable = [(i, _flat_bytes(t, uint8) if i in device_ts else t) for i, t in packable]
+        singles = [(i, _flat_bytes(t, uint8) if i in device_ts else t) for i, t in singles]
     p2p: list[Any] = []
     packed: set[int] = set()
     if len(packable) >= 2:
