@@ -268,6 +268,7 @@ def connect(
     pack_bytes: int = ...,
     header_addr: str | None = None,
     bell_bytes: int = ...,
+    spin_us: int = ...,
 ) -> NcclConnector: ...
 
 

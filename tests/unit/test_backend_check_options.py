@@ -93,6 +93,7 @@ CASES = [
     ("nccl", {"connect_timeout": -1}, "connect_timeout"),
     ("nccl", {"header_addr": ""}, "header_addr"),
     ("nccl", {"bell_bytes": -1}, "bell_bytes"),
+    ("nccl", {"spin_us": -1}, "spin_us"),
     ("nccl", {"backend": "mpi"}, "backend"),
     ("nccl", {"device": "not-a-device"}, "device"),
     ("nccl", {"device": "cuda:0"}, "device"),  # gloo moves host tensors only

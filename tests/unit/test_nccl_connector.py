@@ -934,3 +934,41 @@ def test_peers_on_two_hosts_use_a_tcp_credit_socket(store, monkeypatch):
 def test_bad_header_addr_is_refused(store):
     with pytest.raises(ConfigurationError, match="header_addr"):
         _open(store, "sender", header_addr="")
+
+
+# ------------------------------------------------------------------ the get's spin
+@pytest.mark.parametrize("spin_us", [0, 200, 5000])
+def test_waiting_get_with_any_spin_gets_what_comes_later(store, spin_us):
+    """A get that waits (spinning on the doorbell, or sleeping in poll at once) takes a
+    payload put after it started waiting, and a later one after a pause."""
+    with _open(store, "sender") as tx, _open(store, "receiver", spin_us=spin_us) as rx:
+        got = {}
+        for i in range(3):
+            t = threading.Thread(target=lambda i=i: got.__setitem__(i, rx.get(f"k{i}", timeout=WAIT)))
+            t.start()
+            threading.Event().wait(0.02 * i)
+            tx.put(f"k{i}", {"t": torch.arange(4096) + i}, timeout=WAIT)
+            t.join(WAIT)
+            assert not t.is_alive()
+            assert torch.equal(got[i]["t"], torch.arange(4096) + i)
+
+
+def test_spin_adapts_within_its_bounds():
+    """The spin follows the typical wait for a doorbell message: twice it, between
+    spin_us and SPIN_GROWTH x spin_us, and spin_us alone once messages come later."""
+    from omnilink.connectors.nccl.connector import SPIN_GROWTH
+
+    end = type("End", (), {})()
+    lo = 200_000
+    end._spin_min_ns = end._spin_ns = end._arrival_ns = lo
+    end._spin_max_ns = lo * SPIN_GROWTH
+    adapt = NcclConnector._adapt_spin
+    for _ in range(20):
+        adapt(end, 400_000)  # messages typically 400 us after a get starts waiting
+    assert end._spin_ns == pytest.approx(800_000, rel=0.01)
+    for _ in range(20):
+        adapt(end, 50_000_000)  # then much later than the ceiling
+    assert end._spin_ns == lo
+    for _ in range(20):
+        adapt(end, 10_000)  # then at once: never below spin_us
+    assert end._spin_ns == lo

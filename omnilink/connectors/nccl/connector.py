@@ -220,6 +220,8 @@ _KEEPER = -1
 #: How long a get reading the doorbell waits for more messages before it sends the
 #: credits it owes (see ``_pump``).
 _CREDIT_QUIET_S = 0.001
+#: A waiting get's spin on the doorbell adapts up to this many times ``spin_us``.
+SPIN_GROWTH = 10
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -381,6 +383,7 @@ def _check_values(
     pack_bytes: Any,
     header_addr: Any,
     bell_bytes: Any = 64 << 10,
+    spin_us: Any = 200,
 ) -> None:
     """The value checks of ``NcclConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -417,6 +420,8 @@ def _check_values(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
+    if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= 100_000:
+        raise ConfigurationError(f"nccl: spin_us must be an int in [0, 100000], got {spin_us!r}")
     if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or not connect_timeout >= 0:
         raise ConfigurationError(f"nccl: connect_timeout must be a number of seconds >= 0, got {connect_timeout!r}")
     if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
@@ -526,6 +531,15 @@ class NcclConnector(BaseConnector):
         doorbell message instead (default 64 KiB): no NCCL operation, but ``put`` copies
         them to host and waits for the caller's stream to reach that copy. 0 keeps every
         device tensor on NCCL (``put`` never waits for the stream).
+    spin_us : int
+        Microseconds a waiting ``get`` watches the doorbell socket before sleeping in
+        ``poll`` (default 200; 0 sleeps at once): waking a sleeping thread, and running
+        the first code after it on a cold core, costs tens to hundreds of microseconds.
+        The spin adapts as the ``shm`` backend's does: when payloads have lately come a
+        little after it ended, it grows to twice their typical wait, up to
+        ``SPIN_GROWTH`` (10) x ``spin_us``; past the first ``spin_us`` the thread yields
+        the CPU at every look. The cost is up to the current spin of CPU per ``get``
+        that has to wait.
 
     Raises
     ------
@@ -562,7 +576,8 @@ class NcclConnector(BaseConnector):
             ``role`` or ``timeout`` invalid; ``world_size`` not 2; ``rank`` not 0 or 1,
             or missing for ``role="dual"``; ``send_window``, ``max_inflight_bytes``,
             ``max_pending_bytes`` or ``max_message_bytes`` below 1, ``max_inline_bytes``,
-            ``pack_bytes``, ``bell_bytes`` or ``inline_bytes`` below 0; ``connect_timeout`` not a number
+            ``pack_bytes``, ``bell_bytes`` or ``inline_bytes`` below 0; ``spin_us`` outside
+            [0, 100000]; ``connect_timeout`` not a number
             >= 0; an empty ``header_addr``; ``backend`` not ``"auto"``, ``"nccl"`` or
             ``"gloo"``; a ``device`` torch cannot parse or of the wrong kind for
             ``backend``; no ``store`` and ``master_port`` missing, outside [0, 65535],
@@ -594,6 +609,7 @@ class NcclConnector(BaseConnector):
         pack_bytes: int = 1 << 20,
         header_addr: str | None = None,
         bell_bytes: int = 64 << 10,
+        spin_us: int = 200,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
@@ -601,7 +617,7 @@ class NcclConnector(BaseConnector):
             master_port=master_port, connect_timeout=connect_timeout, send_window=send_window,
             max_inflight_bytes=max_inflight_bytes, max_pending_bytes=max_pending_bytes,
             inline_bytes=inline_bytes, max_inline_bytes=max_inline_bytes, max_message_bytes=max_message_bytes,
-            pack_bytes=pack_bytes, header_addr=header_addr, bell_bytes=bell_bytes,
+            pack_bytes=pack_bytes, header_addr=header_addr, bell_bytes=bell_bytes, spin_us=spin_us,
         )
         import torch
         import torch.distributed as dist
@@ -623,6 +639,11 @@ class NcclConnector(BaseConnector):
         self.coalesce = bool(coalesce)
         self.pack_bytes = pack_bytes
         self.bell_bytes = bell_bytes
+        self.spin_us = spin_us
+        self._spin_ns = spin_us * 1000  # the spin now (adaptive, see _adapt_spin)
+        self._spin_min_ns = spin_us * 1000
+        self._spin_max_ns = spin_us * 1000 * SPIN_GROWTH
+        self._arrival_ns = spin_us * 1000  # typical wait for a doorbell message (EWMA)
         self.header_addr = header_addr
         #: Largest doorbell message accepted (ZeroMQ drops a larger one unallocated).
         self.max_header_bytes = blob.PREFIX_SIZE + blob.MAX_HEADER_BYTES + max_inline_bytes + _HEADER_SLACK
@@ -1513,21 +1534,37 @@ class NcclConnector(BaseConnector):
 
     def _pump(self, deadline: Deadline) -> None:
         """Read the doorbell (the pumper only, ``_cond`` not held) until a message was
-        handled, a wake-up came or ``deadline`` passed. The credits owed go out once the
-        doorbell has stayed quiet for ``_CREDIT_QUIET_S`` (nothing more in hand; a
-        sender waiting for room may need them), not before each wait: a reader that
-        waits for the next message of a busy link sends none."""
+        handled, a wake-up came or ``deadline`` passed: first a spin of looks that never
+        sleep (``spin_us``, adaptive; past its first ``spin_us`` each look yields the
+        CPU), then ``poll``. The credits owed go out once the doorbell has stayed quiet
+        for ``_CREDIT_QUIET_S`` (nothing more in hand; a sender waiting for room may
+        need them), not before each wait: a reader that waits for the next message of
+        a busy link sends none."""
         waker = cast(_Waker, self._pump_waker)
         poller = self._bell_poller
+        clock = time.perf_counter_ns
+        t0 = clock()
+        spin_end = t0 + self._spin_ns
+        yield_from = t0 + self._spin_min_ns
         try:
             while True:
                 if self._drain():
+                    if self._spin_min_ns:
+                        self._adapt_spin(clock() - t0)
                     return
                 if self._closing or self._peer_state == "lost" or self._link_error is not None:
                     return
                 remaining = deadline.remaining()
                 if remaining == 0.0:
                     return
+                now = clock()
+                if now < spin_end:
+                    if now >= yield_from:
+                        os.sched_yield()
+                    if poller.poll(0) and waker.rx.poll(0):
+                        waker.drain()
+                        return
+                    continue
                 if self._owed:
                     quiet = _CREDIT_QUIET_S if remaining is None else min(remaining, _CREDIT_QUIET_S)
                     events = dict(poller.poll(_poll_ms(quiet)))
@@ -1551,6 +1588,16 @@ class NcclConnector(BaseConnector):
             # (nothing was allocated for a doorbell that did not validate).
             if not self._closing:
                 self._fail_link(exc, "doorbell")
+
+    def _adapt_spin(self, waited_ns: int) -> None:
+        """Fold one wait for a doorbell message into the typical wait and set the next
+        spin: twice that, within [``spin_us``, ``SPIN_GROWTH`` x ``spin_us``], or
+        ``spin_us`` alone when messages typically come later than the ceiling (a longer
+        spin would only burn CPU)."""
+        hi = self._spin_max_ns
+        typical = self._arrival_ns = (3 * self._arrival_ns + min(waited_ns, 4 * hi)) >> 2
+        want = 2 * typical
+        self._spin_ns = want if self._spin_min_ns < want <= hi else self._spin_min_ns
 
     def _drain(self) -> bool:
         """Take every doorbell message waiting (never blocks) and post the receives of
