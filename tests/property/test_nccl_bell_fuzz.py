@@ -217,3 +217,105 @@ def test_region_with_bulk_transfers_is_refused():
     raw = wire.encode_envelope(wire.Envelope(0, "k", sp.meta, plan, sp.inline, 0, bytes(64 + 16384)))
     ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=True)
     assert ann.sizes == [] and ann.nbytes == 64 + 16384
+
+
+def _same_views(fast, slow):
+    assert len(fast) == len(slow)
+    for f, s in zip(fast, slow):
+        assert type(f) is type(s)
+        if isinstance(s, torch.Tensor):
+            assert f.dtype == s.dtype and f.shape == s.shape and f.stride() == s.stride()
+            if s.numel():
+                assert f.data_ptr() == s.data_ptr()  # a view of the same received bytes
+                assert torch.equal(f.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
+
+
+@fuzz(300)
+@given(payload=payloads, bell=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_cached_recipe_builds_the_views_one_at_a_time_would(payload, bell, seed):
+    """The recipe path of ``build_views`` (one split of each typed buffer, planned once
+    per header) gives the same views, of the same bytes, as building them one by one,
+    for any payload of either transport's plan; what it does not cover it leaves to
+    the one-by-one path (it returns None)."""
+    raw = _message(payload, bell=bell)
+    try:
+        ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=bell)
+    except (BlobDecodeError, CapacityError):
+        return
+    env, header = ann.env, ann.header
+    g = torch.Generator().manual_seed(seed)
+    bufs = [torch.randint(0, 2, (n,), dtype=torch.uint8, generator=g) for n in ann.sizes]
+    region = torch.randint(0, 2, (len(env.region),), dtype=torch.uint8, generator=g) if env.region else None
+    recipe = wire._recipe(header, env.plan)
+    assert wire._recipe(header, env.plan) is recipe  # planned once per header
+    if recipe is None:
+        return
+    fast = wire._fast_views(recipe, bufs, region)
+    if fast is None:
+        return
+    slow = wire._slow_views(header, env.plan, env.inline, bufs, region)
+    _same_views(fast, slow)
+    wire.decode_tree(header, fast)
+
+
+def test_recipe_covers_a_hidden_state_with_many_small_tensors():
+    """The shape the recipe is for (vLLM-Omni's: a hidden state plus small tensors of
+    several dtypes, packed) takes the recipe path, and its views are right."""
+    payload = {
+        "hidden": torch.arange(4096, dtype=torch.float32),
+        "small": [torch.arange(i + 3, dtype=torch.int64) for i in range(8)] + [torch.ones(2, 3, dtype=torch.float16)],
+        "flag": torch.tensor([True]),
+    }
+    sp = wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=0,
+                        max_inline_total=1 << 20, key="k", pack_bytes=1024, pad=torch.zeros(64, dtype=torch.uint8))
+    assert sp.plan.count(wire.PACK) == 10
+    raw = wire.encode_envelope(wire.Envelope(0, "k", sp.meta, sp.plan, sp.inline, 0, b""))
+    ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False)
+    sent = [t.contiguous().reshape(-1).view(torch.uint8) for t in [payload["hidden"]]]
+    offsets, size = wire.pack_layout(ann.header, sp.plan)
+    pack = torch.zeros(size, dtype=torch.uint8)
+    flat = [payload["hidden"], *payload["small"], payload["flag"]]
+    packed = [t for t, code in zip(flat, sp.plan) if code == wire.PACK]
+    for at, t in zip(offsets, packed):
+        b = t.reshape(-1).view(torch.uint8)
+        pack[at: at + b.numel()] = b
+    bufs = [pack, *sent]
+    recipe = wire._recipe(ann.header, sp.plan)
+    assert recipe is not None and len(recipe.runs) == 3  # int64, float16, bool
+    views = wire._fast_views(recipe, bufs, None)
+    assert views is None  # a host bool in the pack: its bytes are checked one by one
+    del payload["flag"]
+    sp = wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=0,
+                        max_inline_total=1 << 20, key="k", pack_bytes=1024, pad=torch.zeros(64, dtype=torch.uint8))
+    raw = wire.encode_envelope(wire.Envelope(0, "k", sp.meta, sp.plan, sp.inline, 0, b""))
+    ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False)
+    offsets, size = wire.pack_layout(ann.header, sp.plan)
+    pack = torch.zeros(size, dtype=torch.uint8)
+    for at, t in zip(offsets, payload["small"]):
+        b = t.reshape(-1).view(torch.uint8)
+        pack[at: at + b.numel()] = b
+    recipe = wire._recipe(ann.header, sp.plan)
+    views = wire._fast_views(recipe, [pack, *sent], None)
+    assert views is not None
+    got = wire.decode_tree(ann.header, views)
+    assert torch.equal(got["hidden"], payload["hidden"])
+    for a, b in zip(got["small"], payload["small"]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert pack.data_ptr() <= a.data_ptr() < pack.data_ptr() + size  # views of the pack
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(10, dtype=torch.int64),  # 1-D, unit stride: one view
+    lambda: torch.arange(20, dtype=torch.float32)[::2],  # 1-D strided: a copy
+    lambda: torch.arange(6, dtype=torch.float16).reshape(2, 3),
+    lambda: torch.arange(6, dtype=torch.int32).reshape(2, 3).t(),  # not contiguous
+    lambda: torch.tensor([7], dtype=torch.int16).as_strided((1,), (2,)),  # size 1, stride 2
+    lambda: torch.tensor(3.5),  # 0-d
+    lambda: torch.zeros(0, dtype=torch.float64),
+    lambda: torch.ones(5, requires_grad=True),
+])
+def test_flat_bytes_is_the_tensors_bytes(make):
+    t = make()
+    flat = wire._flat_bytes(t, torch.uint8)
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    assert bytes(flat.numpy()) == t.detach().contiguous().numpy().tobytes()
