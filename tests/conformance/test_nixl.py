@@ -20,8 +20,15 @@ _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
 
 
+def _gpu_tls(tls: str) -> str:
+    """``tls`` plus ``cuda_copy`` on a machine with an NVIDIA GPU: NIXL's UCX backend
+    refuses a transport list without a CUDA transport there (the payloads of the suite
+    are host memory either way)."""
+    return tls + ",cuda_copy" if any(os.path.exists(f"/dev/nvidia{i}") for i in range(8)) else tls
+
+
 def _pair(channel: str, tls: str, **options):
-    os.environ["UCX_TLS"] = tls
+    os.environ["UCX_TLS"] = _gpu_tls(tls)
     rx = omnilink.connect("nixl", channel=channel, role="receiver", pool_bytes=80 << 20, **options)
     try:
         if "endpoint" in options:
@@ -42,7 +49,7 @@ def over_cma(channel: str):
 
 
 def one_dual(channel: str):
-    os.environ["UCX_TLS"] = "cma,tcp"
+    os.environ["UCX_TLS"] = _gpu_tls("cma,tcp")
     conn = omnilink.connect("nixl", channel=channel, role="dual", pool_bytes=24 << 20)
     return conn, conn
 

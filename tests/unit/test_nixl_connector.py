@@ -125,3 +125,23 @@ def test_reports_nixl_missing(monkeypatch):
     assert reason is not None and 'pip install "pyomnilink[nixl]"' in reason
     with pytest.raises(omnilink.ConfigurationError, match=r"pyomnilink\[nixl\]"):
         omnilink.connect("nixl", channel="c", role="receiver", endpoint="tcp://127.0.0.1:*")
+
+
+def test_tls_without_cuda_on_a_gpu_machine_is_named(monkeypatch):
+    """NIXL refuses UCX when UCX_TLS names no CUDA transport on a GPU machine and says
+    why only in its log: the error omnilink raises then says it (nothing otherwise)."""
+    from omnilink.connectors.nixl import agent
+
+    gpu = {"on": True}
+    real = os.path.exists
+    monkeypatch.setattr(agent.os.path, "exists", lambda p: gpu["on"] if p.startswith("/dev/nvidia") else real(p))
+    monkeypatch.setenv("UCX_TLS", "cma,tcp")
+    assert "cuda_copy" in agent._tls_hint() and "UCX_TLS=cma,tcp" in agent._tls_hint()
+    for tls in ("tcp,cuda_copy", "^ib", "all"):
+        monkeypatch.setenv("UCX_TLS", tls)
+        assert agent._tls_hint() == ""
+    monkeypatch.delenv("UCX_TLS")
+    assert agent._tls_hint() == ""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    gpu["on"] = False
+    assert agent._tls_hint() == ""

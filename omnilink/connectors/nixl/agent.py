@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -101,6 +102,21 @@ def _nixl_error(exc: BaseException, what: str) -> TransportError:
     return TransportError(text)
 
 
+def _tls_hint() -> str:
+    """Why NIXL may have refused UCX here: on a machine with an NVIDIA GPU, NIXL's UCX
+    backend refuses a ``UCX_TLS`` that names no CUDA transport (its reason goes to the
+    log only). Empty when that is not the case."""
+    tls = os.environ.get("UCX_TLS", "").strip()
+    if not tls or tls.startswith("^") or "cuda" in tls or tls == "all":
+        return ""
+    if not any(os.path.exists(f"/dev/nvidia{i}") for i in range(8)):
+        return ""
+    return (
+        f"UCX_TLS={tls} names no CUDA transport, which NIXL refuses on a machine with an "
+        "NVIDIA GPU: add cuda_copy (host and device memory) or cuda (also NVLink)"
+    )
+
+
 class Agent:
     """One NIXL agent with its UCX backend and an event-driven progress thread.
 
@@ -136,7 +152,11 @@ class Agent:
         except TransportError:
             raise
         except Exception as exc:
-            raise _nixl_error(exc, "starting an agent with the UCX backend") from exc
+            err = _nixl_error(exc, "starting an agent with the UCX backend")
+            hint = _tls_hint()
+            if hint:
+                err = TransportError(f"{err} ({hint})")
+            raise err from exc
         self._mems = {"DRAM": b.DRAM_SEG, "VRAM": b.VRAM_SEG}
         #: transfer handles NIXL refused to release (still active): retried at close
         self._stuck: list[Any] = []
