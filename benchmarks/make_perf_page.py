@@ -326,6 +326,8 @@ BLOCKS = (
           "--json FILE", render_pivot),
     Block("nixl-cpu-epyc-2core", ("nixl-cpu-epyc-2core.jsonl",), "python benchmarks/bench_nixl.py --json FILE",
           render_nixl),
+    Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --json FILE",
+          render_nixl),
     Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --json FILE",
           render_pivot),
 )

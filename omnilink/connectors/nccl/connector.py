@@ -1,7 +1,6 @@
 """The ``nccl`` backend: payloads between two processes through ``torch.distributed``.
 
-Protocol 5 (NOT YET RUN ON A GPU: written and tested over gloo only; the device run is
-``benchmarks/gpu/run_nccl_device.sh``). Tensor bytes travel by point-to-point
+Protocol 5 (the device run, on two GPUs: ``benchmarks/gpu/run_nccl_device.sh``). Tensor bytes travel by point-to-point
 ``send``/``recv`` of a process group (NCCL between GPUs, gloo between CPUs, so CI runs
 the same code), received straight into fresh tensors on the receiver's device. Each
 payload's header (its envelope, see ``omnilink.connectors.nccl.wire``) travels on a
