@@ -663,6 +663,9 @@ class NcclConnector(BaseConnector):
                 raise CudaError("nccl: backend 'nccl' needs CUDA, which is not available in this process")
             if not dist.is_nccl_available():
                 raise CudaError("nccl: this torch build has no NCCL; use backend='gloo'")
+            from omnilink.cuda.runtime import cuda_ops
+
+            cuda_ops()  # the per-message CUDA calls: CudaError naming what to install
             if dev is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
             if dev.index is None:
