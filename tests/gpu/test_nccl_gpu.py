@@ -438,3 +438,55 @@ def test_first_time_kernels_beside_a_link_never_hang(role, tmp_path):
                 p.wait()
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"OK {rank}" in out, f"rank {rank} (exit {p.returncode}):\n{out[-6000:]}"
+
+
+def _plan_fields(sp):
+    return (sp.meta, list(sp.plan), list(sp.inline), sp.region_bytes, sp.nbytes,
+            [(at, t.data_ptr(), n) for at, t, n in sp.bell],
+            [bytes(t.cpu().numpy()) for t in sp.p2p])
+
+
+@pytest.mark.gpu
+def test_a_payload_shape_is_planned_once_and_replayed_exactly():
+    """On an NCCL link the sender replays its plan for a payload of a shape it planned
+    before (``_SEND_PLANS``): the replay equals planning afresh (plan, inline bytes,
+    region layout, bulk buffers byte for byte), and a tensor that moved (another GPU,
+    the host) makes it plan afresh, so the device checks still hold."""
+    from omnilink import blob
+    from omnilink.connectors.nccl import wire
+
+    dev = torch.device("cuda", 0)
+    pad = torch.zeros(64, dtype=torch.uint8, device=dev)
+    opts = dict(device=dev, nccl=True, inline_bytes=256, max_inline_total=1 << 20, key="k", pack_bytes=1 << 20,
+                pad=pad)
+    for bell_bytes in (0, 1 << 16):
+        wire._SEND_PLANS.clear()
+        for step in range(3):
+            g = torch.Generator(device=dev).manual_seed(step)
+            payload = {
+                "hidden": torch.randn(64, 1024, device=dev, generator=g).to(torch.bfloat16),
+                "ids": torch.arange(10) + step,  # host, inline
+                "small": [torch.randn(7 + i, device=dev, generator=g) for i in range(5)],
+                "t": torch.randn(3, 4, device=dev, generator=g).t(),  # not contiguous
+                "meta": {"step": step},
+            }
+            if bell_bytes:
+                del payload["hidden"]  # small enough for the region
+            got = wire.plan_send(payload, bell_bytes=bell_bytes, **opts)
+            assert len(wire._SEND_PLANS) == 1
+            fresh = wire._plan_fresh(torch, blob.prepare(payload), bell_bytes=bell_bytes, **opts)
+            assert (wire.BELL in got.plan) == bool(bell_bytes)
+            if not bell_bytes:
+                assert _plan_fields(got) == _plan_fields(fresh)
+            else:
+                assert _plan_fields(got)[:5] == _plan_fields(fresh)[:5]
+                for (a, ta, na), (b, tb, nb) in zip(got.bell, fresh.bell):
+                    assert (a, na) == (b, nb) and torch.equal(ta, tb)
+        moved = {**payload, "ids": payload["ids"].to(dev)}  # the same meta, a tensor elsewhere
+        assert blob.prepare(moved).meta == blob.prepare(payload).meta
+        sp = wire.plan_send(moved, bell_bytes=bell_bytes, **opts)
+        assert sp.plan != got.plan  # the ids planned as a device tensor now, not inline
+        if torch.cuda.device_count() > 1:
+            other = {**payload, "ids": payload["ids"].to("cuda:1")}
+            with pytest.raises(ConfigurationError, match="cuda:1"):
+                wire.plan_send(other, bell_bytes=bell_bytes, **opts)

@@ -319,3 +319,21 @@ def test_flat_bytes_is_the_tensors_bytes(make):
     flat = wire._flat_bytes(t, torch.uint8)
     assert flat.dtype == torch.uint8 and flat.dim() == 1
     assert bytes(flat.numpy()) == t.detach().contiguous().numpy().tobytes()
+
+
+def test_replayed_plan_recomputes_the_inline_bytes():
+    """A payload shape planned once is replayed (``_SEND_PLANS``), with each payload's
+    own inline bytes; a tensor no longer where it was makes it plan afresh."""
+    dev = torch.device("cuda", 0)  # only named: every tensor below is a small host one
+    wire._SEND_PLANS.clear()
+    opts = dict(device=dev, nccl=True, inline_bytes=1024, max_inline_total=1 << 20, key="k", pack_bytes=0)
+    for step in range(3):
+        payload = {"ids": torch.arange(16) * step, "flag": torch.tensor([step % 2 == 0])}
+        sp = wire.plan_send(payload, **opts)
+        assert sp.plan == [wire.INLINE, wire.INLINE] and len(wire._SEND_PLANS) == 1
+        assert sp.inline == [payload["ids"].numpy().tobytes(), payload["flag"].numpy().tobytes()]
+    recipe = next(iter(wire._SEND_PLANS.values()))
+    prepared = blob.prepare({"ids": torch.arange(16), "flag": torch.tensor([True])})
+    assert recipe.apply(torch, prepared, None).inline[0] == torch.arange(16).numpy().tobytes()
+    recipe.where[0] = 1  # as if the ids had been on the GPU when it was planned
+    assert recipe.apply(torch, prepared, None) is None

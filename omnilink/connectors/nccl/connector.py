@@ -663,7 +663,7 @@ class NcclConnector(BaseConnector):
                 raise CudaError("nccl: backend 'nccl' needs CUDA, which is not available in this process")
             if not dist.is_nccl_available():
                 raise CudaError("nccl: this torch build has no NCCL; use backend='gloo'")
-            from omnilink.cuda.runtime import cuda_ops
+            from omnilink.cuda import cuda_ops
 
             cuda_ops()  # the per-message CUDA calls: CudaError naming what to install
             if dev is None:
@@ -957,7 +957,7 @@ class NcclConnector(BaseConnector):
             # both ranks together. Left to the first coalesced put (several bulk
             # tensors), the sender would block creating it while the receiver, not yet
             # rung, could not join: a deadlock (2x H200, 64 MiB + 16 small tensors).
-            from omnilink.cuda.runtime import Event, cuda_ops
+            from omnilink.cuda import Event, cuda_ops
 
             self._event_cls = Event
             self._ops = cuda_ops()  # CudaError naming what to install without cuda-python
@@ -1325,7 +1325,7 @@ class NcclConnector(BaseConnector):
             view = self._bell_view
             if view is None:
                 torch = self._torch
-                from omnilink.cuda.runtime import Event
+                from omnilink.cuda import Event
 
                 with torch.cuda.device(self.device):
                     self._bell_host = torch.empty(self.bell_bytes, dtype=torch.uint8, pin_memory=True)

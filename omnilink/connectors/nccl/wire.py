@@ -472,8 +472,122 @@ def plan_send(
     """
     import torch
 
-    uint8 = torch.uint8
     prepared = blob.prepare(payload)
+    if not (nccl and device.type == "cuda"):
+        return _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
+                           max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
+                           bell_bytes=bell_bytes)
+    ck = (prepared.meta, device.index, inline_bytes, max_inline_total, pack_bytes, bell_bytes)
+    cached = _SEND_PLANS.get(ck)
+    if cached is not None:
+        sp = cached.apply(torch, prepared, pad)
+        if sp is not None:
+            return sp
+    sp = _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
+                     max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
+                     bell_bytes=bell_bytes)
+    if cached is None:
+        recipe = _SendRecipe.of(prepared, sp, device.index)
+        if recipe is not None:
+            if len(_SEND_PLANS) >= _SEND_PLANS_MAX:
+                _SEND_PLANS.clear()
+            _SEND_PLANS[ck] = recipe
+    return sp
+
+
+#: (meta, device index, the planning options) -> ``_SendRecipe``: the decisions of
+#: ``plan_send`` for a payload shape (a stream of payloads of one shape on an NCCL
+#: link plans once; the devices are checked per payload, as the meta does not say them).
+_SEND_PLANS: dict[tuple[Any, ...], _SendRecipe] = {}
+_SEND_PLANS_MAX = 256
+
+
+class _SendRecipe:
+    """What ``plan_send`` decided for a payload shape on an NCCL link, replayed for the
+    next payload of that shape once its tensors are where they were (torch tensors on
+    the link's device, or on the host) and contiguous as needed."""
+
+    __slots__ = ("plan", "where", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles", "index")
+
+    @classmethod
+    def of(cls, prepared: Any, sp: SendPlan, index: int) -> _SendRecipe | None:
+        plan = sp.plan
+        if STAGED in plan:
+            return None
+        r = cls()
+        r.plan = plan
+        r.index = index
+        r.where = []  # per descriptor: 1 on the link's GPU, 0 on the host (torch), -1 not torch
+        for kind, src in prepared._sources:
+            if kind != blob.KIND_TORCH:
+                r.where.append(-1)
+            elif src.is_cuda:
+                r.where.append(1)
+            else:
+                r.where.append(0)
+        descs = prepared._descs
+        r.inline = [i for i, code in enumerate(plan) if code == INLINE]
+        r.bell = []
+        end = 0
+        for i, code in enumerate(plan):
+            if code == BELL:
+                at = _align(end)
+                r.bell.append((at, i, descs[i].nbytes))
+                end = at + descs[i].nbytes
+        r.region_bytes = end
+        r.pack = []
+        end = 0
+        for i, code in enumerate(plan):
+            if code == PACK:
+                at = _align(end)
+                r.pack.append((at, i, descs[i].nbytes))
+                end = at + descs[i].nbytes
+        r.pack_bytes = end
+        r.singles = [i for i, code in enumerate(plan) if code == P2P]
+        if r.region_bytes != sp.region_bytes:
+            return None  # pragma: no cover - one layout rule for both
+        return r
+
+    def apply(self, torch: Any, prepared: Any, pad: Any) -> SendPlan | None:
+        """The plan of ``prepared`` (a payload of this shape), or ``None`` if a tensor is
+        not where it was (``plan_send`` plans afresh and names what is wrong)."""
+        sources = prepared._sources
+        index = self.index
+        for w, (kind, src) in zip(self.where, sources):
+            if w == 1:
+                if not src.is_cuda or src.get_device() != index:
+                    return None
+            elif w == 0 and not src.is_cpu:
+                return None
+        inline = [_host_bytes(*sources[i]) for i in self.inline]
+        if self.bell:
+            bell = []
+            for at, i, n in self.bell:
+                t = sources[i][1]
+                bell.append((at, t if t.is_contiguous() else t.contiguous(), n))
+            return SendPlan(prepared.meta, self.plan, inline, [], prepared.nbytes, bell, self.region_bytes)
+        uint8 = torch.uint8
+        p2p: list[Any] = []
+        if self.pack:
+            parts: list[Any] = []
+            end = 0
+            for at, i, n in self.pack:
+                if at > end:
+                    parts.append(pad[: at - end])
+                parts.append(_flat_bytes(sources[i][1], uint8))
+                end = at + n
+            p2p.append(torch.cat(parts))
+        for i in self.singles:
+            p2p.append(_flat_bytes(sources[i][1], uint8))
+        return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes)
+
+
+def _plan_fresh(
+    torch: Any, prepared: Any, *, device: Any, nccl: bool, inline_bytes: int, max_inline_total: int, key: str,
+    pack_bytes: int, pad: Any, bell_bytes: int,
+) -> SendPlan:
+    """``plan_send``'s decisions for one prepared payload (see there)."""
+    uint8 = torch.uint8
     descs = prepared._descs
     sources = prepared._sources
     plan: list[int] = []
