@@ -468,7 +468,7 @@ def test_a_payload_shape_is_planned_once_and_replayed_exactly():
                 "ids": torch.arange(10) + step,  # host, inline
                 "small": [torch.randn(7 + i, device=dev, generator=g) for i in range(5)],
                 "t": torch.randn(3, 4, device=dev, generator=g).t(),  # not contiguous
-                "meta": {"step": step},
+                "meta": {"step": step},  # values differ from payload to payload: one plan still
             }
             if bell_bytes:
                 del payload["hidden"]  # small enough for the region

@@ -477,7 +477,10 @@ def plan_send(
         return _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
                            max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
                            bell_bytes=bell_bytes)
-    ck = (prepared.meta, device.index, inline_bytes, max_inline_total, pack_bytes, bell_bytes)
+    # What the decisions depend on: each tensor's kind and size (not the tree's values,
+    # which change from payload to payload), the device and the options.
+    ck = (tuple([(d.kind, d.nbytes) for d in prepared._descs]), device.index, inline_bytes, max_inline_total,
+          pack_bytes, bell_bytes)
     cached = _SEND_PLANS.get(ck)
     if cached is not None:
         sp = cached.apply(torch, prepared, pad)
@@ -495,9 +498,9 @@ def plan_send(
     return sp
 
 
-#: (meta, device index, the planning options) -> ``_SendRecipe``: the decisions of
-#: ``plan_send`` for a payload shape (a stream of payloads of one shape on an NCCL
-#: link plans once; the devices are checked per payload, as the meta does not say them).
+#: (each tensor's kind and size, device index, the planning options) -> ``_SendRecipe``:
+#: the decisions of ``plan_send`` for a payload shape (a stream of payloads of one shape
+#: on an NCCL link plans once; where each tensor lives is checked per payload).
 _SEND_PLANS: dict[tuple[Any, ...], _SendRecipe] = {}
 _SEND_PLANS_MAX = 256
 
