@@ -5,6 +5,7 @@ and the envelope wire format."""
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import msgspec
@@ -22,6 +23,7 @@ from omnilink import (
     TransferTimeout,
 )
 from omnilink.connectors.nccl import wire
+from omnilink._util import Deadline
 from omnilink.connectors.nccl import NcclConnector
 
 WAIT = 30.0
@@ -461,7 +463,7 @@ def test_forged_doorbell_fails_the_link(store):
         tx.put("a", {"v": 1}, timeout=WAIT)
         assert rx.get("a", timeout=WAIT) == {"v": 1}
         with tx._send_lock:
-            tx._bell_out.send(b"ring")
+            tx._bell_out.send(b"ring", WAIT)
         with pytest.raises(BlobDecodeError, match="malformed envelope"):
             rx.get("never", timeout=WAIT)
         assert rx._p2p_ops == 0 and rx._posted == 1
@@ -607,7 +609,7 @@ def test_oversized_payload_is_refused_by_the_sender(store):
 def _forge_bell(tx, raw):
     """Send ``raw`` as the next doorbell message, bypassing tx's own checks."""
     with tx._send_lock:
-        tx._ring_bell(raw, None)
+        tx._ring_bell(raw, None, Deadline(WAIT))
 
 
 def _meta(payload, key="k"):
@@ -693,15 +695,23 @@ def test_hostile_doorbell_is_a_named_error_before_allocation(store, monkeypatch,
 
 
 def test_doorbell_larger_than_the_bound_is_refused(store):
-    """The receiver publishes max_header_bytes; the doorbell socket drops a larger
-    message before allocating it (ZeroMQ's MAXMSGSIZE) and read_bell refuses one too."""
+    """The receiver bounds a doorbell message by max_header_bytes: a longer one fails the
+    link by its length alone, before anything of it is allocated or read (and read_bell
+    refuses one too)."""
     with _open(store, "sender") as tx, _open(store, "receiver", max_inline_bytes=0) as rx:
         tx.wait_connected(WAIT)
         rx.wait_connected(WAIT)
         bound = rx.max_header_bytes
-        assert rx._bell_in.getsockopt(__import__("zmq").MAXMSGSIZE) == bound
+        assert rx._bell_in.max_message == bound
         with pytest.raises(BlobDecodeError, match="more than this end's"):
             wire.read_bell(bytes(bound + 1), seq=0, max_header_bytes=bound, max_message_bytes=1 << 30, nccl=False)
+        with tx._send_lock:
+            # Only the length of a message past the bound goes out: the reader must judge
+            # it by that.
+            tx._bell_out.sock.setblocking(True)
+            tx._bell_out.sock.sendall(struct.pack("<I", bound + 1))
+        with pytest.raises(BlobDecodeError, match="more than this end's"):
+            rx.get("never", timeout=WAIT)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ This package is the public door of the backend; its modules are internal:
 ``wire``       the doorbell message (envelope, inline data, region of small device
                tensors) and the credit, the pack and region layouts, and the
                validation of a doorbell before anything is allocated (``read_bell``)
+``bell``       the doorbell's byte stream: a plain socket (Unix-domain on one host, TCP
+               across hosts), length-prefixed messages, bounded before allocation
 =============  ==========================================================================
 
 Exports: ``NcclConnector``.

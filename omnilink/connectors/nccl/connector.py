@@ -4,9 +4,9 @@ Protocol 5 (the device run, on two GPUs: ``benchmarks/gpu/run_nccl_device.sh``).
 ``send``/``recv`` of a process group (NCCL between GPUs, gloo between CPUs, so CI runs
 the same code), received straight into fresh tensors on the receiver's device. Each
 payload's header (its envelope, see ``omnilink.connectors.nccl.wire``) travels on a
-ZeroMQ ``PAIR`` socket, the *doorbell*, sent once the payload's sends are queued;
-small payloads travel in that message whole. Credits come back, batched, on a second
-socket. The torch.distributed store (a ``TCPStore``) both ends share serves the
+plain stream socket, the *doorbell* (``omnilink.connectors.nccl.bell``: no I/O thread
+between the two ends), sent once the payload's sends are queued; small payloads travel
+in that message whole. Credits come back, batched, on a ZeroMQ ``PAIR`` socket. The torch.distributed store (a ``TCPStore``) both ends share serves the
 rendezvous only: hellos, rank claims, the process groups' own setup and the two
 sockets' addresses, exchanged once. Nothing is pickled.
 
@@ -27,7 +27,7 @@ group for the goodbye::
         then large tensors; caller's stream
         waits) ===== bulk group (NCCL) =========>     (posted on the bell, below)
       then the doorbell: envelope + inline data
-        + region ------------- zmq PAIR ------->     get(key) / get_nowait(key), itself:
+        + region ----- stream socket ---------->     get(key) / get_nowait(key), itself:
                                                        poll the doorbell (deadline),
                                                        validate each message (bounds,
                                                        plan, sizes) BEFORE allocating,
@@ -145,8 +145,9 @@ Semantics, chosen and tested:
   stay in step). A ``get`` of a key this receiver consumed or discarded raises
   ``KeyConsumedError``.
 - Hostile or broken doorbells: the doorbell socket refuses messages larger than the
-  bound the receiver published (``max_header_bytes``, enforced by ZeroMQ before any
-  allocation; the sender refuses larger ones itself with ``CapacityError``), and the
+  bound the receiver published (``max_header_bytes``, judged by the length before any
+  allocation: the link fails; the sender refuses larger ones itself with
+  ``CapacityError``), and the
   first message must be the session id. ``wire.read_bell`` validates each message (its
   size, the envelope's types and flags, its ``seq``, the key, the tensor_blob limits,
   the plan against the descriptors and the link, the inline parts and the region) and
@@ -185,11 +186,12 @@ from omnilink._errors import (
     CudaError,
     OmnilinkError,
     PeerLostError,
+    TransferTimeout,
     TransportError,
     WouldBlock,
 )
 from omnilink._util import CONSUMED_KEYS_REMEMBERED, ConsumedKeys, Deadline, duplicate_key, pid_alive
-from omnilink.connectors.nccl import wire
+from omnilink.connectors.nccl import bell, wire
 from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 
 __all__ = ["NcclConnector"]
@@ -644,7 +646,7 @@ class NcclConnector(BaseConnector):
         self._spin_max_ns = spin_us * 1000 * SPIN_GROWTH
         self._arrival_ns = spin_us * 1000  # typical wait for a doorbell message (EWMA)
         self.header_addr = header_addr
-        #: Largest doorbell message accepted (ZeroMQ drops a larger one unallocated).
+        #: Largest doorbell message accepted (a longer one fails the link unallocated).
         self.max_header_bytes = blob.PREFIX_SIZE + blob.MAX_HEADER_BYTES + max_inline_bytes + _HEADER_SLACK
         # Sender: keys put recently (a repeat waits for its ack: DuplicateKeyError).
         self._sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -780,6 +782,7 @@ class NcclConnector(BaseConnector):
         self._pump_waker: _Waker | None = None
         self._bell_poller: Any = None
         self._bell_authed = False
+        self._bell_eof = False  # the doorbell's writer closed its end (the pumper's)
         self._meta_cache: dict[Any, Any] = {}
         #: Point-to-point operations this end posted on its data groups (a test seam).
         self._p2p_ops = 0
@@ -1025,11 +1028,16 @@ class NcclConnector(BaseConnector):
             self._credit_poller = zmq.Poller()
             self._credit_poller.register(self._credit_in, zmq.POLLIN)
             self._credit_poller.register(self._credit_waker.rx, zmq.POLLIN)
+        listener = None
         if receiving:
-            self._bell_in, mine["d"] = bind("d", self.max_header_bytes)
+            # The doorbell: a plain stream socket (see ``bell``), accepted below.
+            listener = bell.BellListener(
+                same_host, f"omnilink-nccl-{self._token}-{self.rank}-d",
+                "" if same_host else self._bind_address(),
+            )
+            mine["d"] = listener.endpoint
             self._pump_waker = _Waker(ctx, f"omnilink-nccl-{self._token}-pump")
             self._bell_poller = zmq.Poller()
-            self._bell_poller.register(self._bell_in, zmq.POLLIN)
             self._bell_poller.register(self._pump_waker.rx, zmq.POLLIN)
         st.set(f"{self._sid}zmq/{self.rank}", wire.encode_endpoints(mine))
         peer_key = f"{self._sid}zmq/{self.peer_rank}"
@@ -1058,10 +1066,39 @@ class NcclConnector(BaseConnector):
             s.send(sid)
             return s
 
-        if receiving:
-            self._credit_out = connect(theirs["c"], "credit")
-        if sending:
-            self._bell_out = connect(theirs["d"], "doorbell")
+        try:
+            if receiving:
+                self._credit_out = connect(theirs["c"], "credit")
+            if sending:
+                # Connected before this end accepts (a dual end does both): the peer's
+                # listener queues the connection until it accepts.
+                endpoint = theirs["d"]
+                if not endpoint.startswith((bell.UNIX_PREFIX + "omnilink-nccl-", "tcp://")):
+                    raise ConfigurationError(
+                        f"nccl: rank {self.peer_rank} of channel {self.channel!r} published no usable "
+                        f"doorbell socket ({endpoint!r})"
+                    )
+                try:
+                    self._bell_out = bell.BellWriter(bell.connect_bell(endpoint, deadline.remaining()))
+                    self._bell_out.send(sid, deadline.remaining())
+                except (OSError, ValueError) as exc:
+                    raise PeerLostError(
+                        f"nccl: connecting to the doorbell of rank {self.peer_rank} of channel "
+                        f"{self.channel!r} failed ({exc})"
+                    ) from exc
+            if listener is not None:
+                try:
+                    conn = listener.accept(deadline.remaining())
+                except TransferTimeout as exc:
+                    raise PeerLostError(
+                        f"nccl: rank {self.peer_rank} of channel {self.channel!r} did not connect to "
+                        f"the doorbell within connect_timeout={self.connect_timeout} s"
+                    ) from exc
+                self._bell_in = bell.BellReader(conn, self.max_header_bytes)
+                self._bell_poller.register(self._bell_in.fileno(), zmq.POLLIN)
+        finally:
+            if listener is not None:
+                listener.close()
 
     def _bind_address(self) -> str:
         """The local address the peer on another host can reach (see ``header_addr``)."""
@@ -1296,7 +1333,7 @@ class NcclConnector(BaseConnector):
                 # Rung after the sends are queued, never before: the receiver posts this
                 # payload's receives when it reads the bell, so none waits for a send
                 # not made.
-                self._ring_bell(raw, key)
+                self._ring_bell(raw, key, deadline)
             except BaseException:
                 self._verdicts.pop(seq, None)
                 raise
@@ -1345,12 +1382,20 @@ class NcclConnector(BaseConnector):
             raise CudaError(f"nccl: copying the small device tensors of a payload to host failed: {exc}") from exc
         return memoryview(view[: sp.region_bytes])
 
-    def _ring_bell(self, raw: bytes, key: str | None) -> None:
+    def _ring_bell(self, raw: bytes, key: str | None, deadline: Deadline) -> None:
         """Announce one payload whose sends are queued: the doorbell message is its
-        envelope. Under ``_send_lock``, so bells come in the order of the sends."""
+        envelope. Under ``_send_lock``, so bells come in the order of the sends. The
+        reader takes every message as it comes; if it takes none for ``deadline`` (its
+        process stuck), part of a message may be written: the link fails."""
         try:
-            self._bell_out.send(raw, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+            self._bell_out.send(raw, deadline.remaining())
+        except TransferTimeout as exc:
+            self._fail_link(PeerLostError(
+                f"nccl: the doorbell of channel {self.channel!r} was not read by rank {self.peer_rank} "
+                f"for the timeout of key {key!r}"
+            ), "doorbell")
+            raise self._timeout("put", key, f"rank {self.peer_rank} to read its doorbell", deadline.timeout) from exc
+        except PeerLostError as exc:
             raise self._translate(exc, key) from exc
 
     def _send_nccl(self, bulk: list[Any]) -> None:
@@ -1606,14 +1651,19 @@ class NcclConnector(BaseConnector):
         what they announce, in order, as far as the budget allows. The pumper only.
         Whether anything was taken or posted."""
         did = bool(self._deferred) and self._post_deferred()
-        sock = self._bell_in
+        reader = self._bell_in
         while True:
-            try:
-                raw = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            messages = reader.read()
+            if reader.eof and not self._bell_eof:
+                # The writer's end closed (it closed, or its process died): nothing more
+                # comes; the watcher tells which. Never polled again (always readable).
+                self._bell_eof = True
+                self._bell_poller.unregister(reader.fileno())
+            if not messages:
                 return did
-            self._announce(raw)
-            self._post_deferred()
+            for raw in messages:
+                self._announce(raw)
+                self._post_deferred()
             did = True
 
     def _announce(self, raw: bytes) -> None:
