@@ -530,22 +530,8 @@ class _SendRecipe:
                 r.where.append(0)
         descs = prepared._descs
         r.inline = [i for i, code in enumerate(plan) if code == INLINE]
-        r.bell = []
-        end = 0
-        for i, code in enumerate(plan):
-            if code == BELL:
-                at = _align(end)
-                r.bell.append((at, i, descs[i].nbytes))
-                end = at + descs[i].nbytes
-        r.region_bytes = end
-        r.pack = []
-        end = 0
-        for i, code in enumerate(plan):
-            if code == PACK:
-                at = _align(end)
-                r.pack.append((at, i, descs[i].nbytes))
-                end = at + descs[i].nbytes
-        r.pack_bytes = end
+        r.bell, r.region_bytes = _placed(descs, plan, BELL)
+        r.pack, r.pack_bytes = _placed(descs, plan, PACK)
         r.singles = [i for i, code in enumerate(plan) if code == P2P]
         if r.region_bytes != sp.region_bytes:
             return None  # pragma: no cover - one layout rule for both
@@ -583,6 +569,20 @@ class _SendRecipe:
         for i in self.singles:
             p2p.append(_flat_bytes(sources[i][1], uint8))
         return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes)
+
+
+def _placed(descs: list[Any], plan: list[int], code: int) -> tuple[list[tuple[int, int, int]], int]:
+    """``(offset, descriptor index, nbytes)`` of the descriptors planned ``code``, laid out
+    as ``pack_layout`` lays them (each at the next multiple of 64), and the end."""
+    out = []
+    end = 0
+    for i, c in enumerate(plan):
+        if c == code:
+            at = _align(end)
+            n = descs[i].nbytes
+            out.append((at, i, n))
+            end = at + n
+    return out, end
 
 
 def _plan_fresh(
