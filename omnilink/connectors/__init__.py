@@ -304,6 +304,7 @@ def connect(
     device: Any = None,
     heartbeat_interval: float = 1.0,
     peer_timeout: float = 5.0,
+    spin_us: int = ...,
 ) -> NixlConnector: ...
 
 

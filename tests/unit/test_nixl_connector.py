@@ -110,7 +110,7 @@ def test_hostile_block_descriptors_are_refused(pair):
 
 def test_check_options_refuses_bad_values():
     for bad in ({"pool_bytes": 10}, {"extent_bytes": 0}, {"peer_timeout": 0}, {"device": "cpu"},
-                {"endpoint": "udp://x"}, {"heartbeat_interval": -1}):
+                {"endpoint": "udp://x"}, {"heartbeat_interval": -1}, {"spin_us": -1}, {"spin_us": 1.5}):
         with pytest.raises(omnilink.ConfigurationError):
             check_backend_options("nixl", {"channel": "c", "role": "receiver", **bad})
     check_backend_options("nixl", {"channel": "c", "role": "receiver", "endpoint": "tcp://127.0.0.1:*",
@@ -145,3 +145,32 @@ def test_tls_without_cuda_on_a_gpu_machine_is_named(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
     gpu["on"] = False
     assert agent._tls_hint() == ""
+
+
+@needs_nixl
+@pytest.mark.parametrize("spin_us", [0, 200, 20_000])
+def test_a_waiting_get_with_any_spin_takes_what_comes_later(spin_us, monkeypatch):
+    """A get that waits (watching the index, or asleep at once) takes a payload put
+    after it began waiting, and another after a pause longer than the spin."""
+    import threading
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    rx = omnilink.connect("nixl", channel=f"olnx/spin-{os.getpid()}-{spin_us}", role="receiver",
+                          endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0,
+                          spin_us=spin_us)
+    tx = omnilink.connect("nixl", channel=f"olnx/spin-{os.getpid()}-{spin_us}", role="sender", endpoint=rx.endpoint,
+                          timeout=30.0, spin_us=spin_us)
+    try:
+        for i, pause in enumerate((0.0, 0.05)):
+            got = {}
+            t = threading.Thread(target=lambda i=i: got.__setitem__(i, rx.get(f"k{i}", timeout=30.0)))
+            t.start()
+            threading.Event().wait(pause)
+            tx.put(f"k{i}", {"t": torch.arange(1000) + i}, timeout=30.0)
+            t.join(30.0)
+            assert not t.is_alive()
+            assert torch.equal(got[i]["t"], torch.arange(1000) + i)
+            del got
+    finally:
+        tx.close()
+        rx.close()

@@ -21,9 +21,10 @@ Topology and one ``put``::
   ``device=``) is registered when the connector opens; the sender's staging buffer
   when it first needs it (and again only when a larger payload makes it grow).
 - **No polling sleep on the receiving side.** The receiver learns of a payload from
-  the control channel, where its loop thread sleeps in ``poll()``; a ``get`` sleeps on
-  a condition variable. The sender waits for its WRITE as ``agent.Agent.wait`` says (a
-  short spin, then a backoff), and for the ack in ``poll()``.
+  the control channel, where its loop thread sleeps in ``poll()``; a ``get`` watches
+  the index for ``spin_us``, then sleeps on a condition variable. The sender waits for
+  its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for the ack
+  for ``spin_us``, then in ``poll()``.
 - **Sender-side allocation.** The receiver hands each sender extents of its pool; a
   sender allocates blocks inside them without asking, and learns which came free from
   the answers it gets anyway (``wire``). Only a sender whose extents are full asks for
@@ -104,7 +105,7 @@ def _seconds(value: Any, name: str) -> None:
 
 def _check_values(
     *, role: Any, endpoint: Any, pool_bytes: Any, extent_bytes: Any, device: Any, heartbeat_interval: Any,
-    peer_timeout: Any,
+    peer_timeout: Any, spin_us: Any = 200,
 ) -> None:
     """The value checks of ``NixlConnector``'s options (its constructor and its
     ``check_options`` both call this), opening nothing.
@@ -118,6 +119,7 @@ def _check_values(
     _int(extent_bytes, "extent_bytes", 1 << 16, 1 << 46)
     _seconds(heartbeat_interval, "heartbeat_interval")
     _seconds(peer_timeout, "peer_timeout")
+    _int(spin_us, "spin_us", 0, 100_000)
     if endpoint is not None:
         check_endpoint(endpoint, binding=role in ("receiver", "dual"))
     if device is not None:
@@ -162,8 +164,9 @@ class _Receiver:
 
     def __init__(self, *, conn: NixlConnector, ctx: zmq.Context, endpoint: str, lock_path: str | None,
                  pool_bytes: int, extent_bytes: int, device: Any, heartbeat: dict[int, int],
-                 peer_timeout: float) -> None:
+                 peer_timeout: float, spin_us: int = 0) -> None:
         self.channel = conn.channel
+        self.spin_ns = spin_us * 1000
         self.extent_bytes = extent_bytes
         self.peer_timeout = peer_timeout
         self.lock_file: EndpointLock | None = None
@@ -472,6 +475,7 @@ class _Receiver:
 
     # ------------------------------------------------------------- get side
     def take(self, key: str, deadline: Deadline, block: bool, conn: NixlConnector) -> Any:
+        spin_end: int | None = None
         with self.cond:
             while True:
                 entry = self.index.pop(key, None)
@@ -487,6 +491,20 @@ class _Receiver:
                 remaining = deadline.remaining()
                 if remaining == 0.0:
                     raise conn._timeout("get", key, f"a sender on {self.endpoint}", deadline.timeout)
+                if spin_end is None and self.spin_ns:
+                    # Watch the index before sleeping (the loop thread indexes the
+                    # payload; a woken thread on a cold core costs more than the spin).
+                    spin_end = time.perf_counter_ns() + self.spin_ns
+                    if remaining is not None:
+                        spin_end = min(spin_end, time.perf_counter_ns() + int(remaining * 1e9))
+                    index = self.index
+                    self.cond.release()
+                    try:
+                        while key not in index and time.perf_counter_ns() < spin_end:
+                            time.sleep(0)  # lets the loop thread have the GIL
+                    finally:
+                        self.cond.acquire()
+                    continue
                 self.cond.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def _raise_if_dead(self, key: str | None, conn: NixlConnector) -> None:
@@ -556,8 +574,9 @@ class _Sender:
     """The sending end: its agent, staging buffers and one session at a time."""
 
     def __init__(self, *, conn: NixlConnector, ctx: zmq.Context, endpoint: str, heartbeat: dict[int, int],
-                 device: Any) -> None:
+                 device: Any, spin_us: int = 0) -> None:
         self.conn = conn
+        self.spin_ns = spin_us * 1000
         self.channel = conn.channel
         self.ctx = ctx
         self.endpoint = endpoint
@@ -654,8 +673,10 @@ class _Sender:
                              "connects to the receiver again")
 
     def _receive(self, deadline: Deadline, until: Any, key: str | None, what: str) -> Any:
-        """Handle the receiver's messages until ``until(msg)`` is true for one; return it."""
+        """Handle the receiver's messages until ``until(msg)`` is true for one; return it
+        (looking without sleeping for ``spin_us`` first)."""
         sock = self._open_sock(what)
+        spin_end = time.perf_counter_ns() + self.spin_ns
         while True:
             try:
                 raw = sock.recv(zmq.NOBLOCK)
@@ -671,6 +692,9 @@ class _Sender:
                 raise self._peer_lost(what)
             if deadline.expired():
                 raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
+            if time.perf_counter_ns() < spin_end:
+                time.sleep(0)  # the GIL for any other thread of this process
+                continue
             sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
 
     def _apply(self, msg: Any) -> None:
@@ -887,6 +911,11 @@ class NixlConnector(BaseConnector):
     peer_timeout : float
         Receiver: ``get`` raises ``PeerLostError`` once no sender has been connected for
         this long.
+    spin_us : int
+        Microseconds a waiting ``get`` watches for its payload, and a ``put`` for its
+        acknowledgement, before sleeping (default 200; 0 sleeps at once): a thread woken
+        on a cold core costs tens to hundreds of microseconds. The cost is up to that
+        much CPU per wait.
 
     Raises
     ------
@@ -931,10 +960,12 @@ class NixlConnector(BaseConnector):
         device: Any = None,
         heartbeat_interval: float = 1.0,
         peer_timeout: float = 5.0,
+        spin_us: int = 200,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(role=role, endpoint=endpoint, pool_bytes=pool_bytes, extent_bytes=extent_bytes,
-                      device=device, heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout)
+                      device=device, heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout,
+                      spin_us=spin_us)
         reason = nixl_unavailable()
         if reason is not None:
             raise ConfigurationError(reason)
@@ -952,12 +983,12 @@ class NixlConnector(BaseConnector):
             if receives:
                 self._rx = _Receiver(conn=self, ctx=self._ctx, endpoint=resolved, lock_path=lock_path,
                                      pool_bytes=pool_bytes, extent_bytes=extent_bytes, device=device,
-                                     heartbeat=heartbeat, peer_timeout=float(peer_timeout))
+                                     heartbeat=heartbeat, peer_timeout=float(peer_timeout), spin_us=spin_us)
                 resolved = self._rx.endpoint
             self.endpoint: str = resolved
             if sends:
                 self._tx = _Sender(conn=self, ctx=self._ctx, endpoint=resolved, heartbeat=heartbeat,
-                                   device=device if not receives else None)
+                                   device=device if not receives else None, spin_us=spin_us)
         except BaseException:
             self._closed = True
             self._teardown()
