@@ -277,3 +277,30 @@ def test_nixl_named_on_one_edge(tmp_path, capsys):
                                       ["options"].update(pool_byte=1)))
     rc, out, _ = _run(capsys, "--file-only", str(bad))
     assert rc == 1 and "'pool_byte' (did you mean 'pool_bytes'?)" in out, out
+
+
+def test_nccl_on_gpus_without_cuda_python_is_a_problem_here(tmp_path, capsys, monkeypatch):
+    """An nccl edge that would run on NCCL here (a GPU and NCCL present) needs
+    cuda-python for its per-message CUDA calls: without it, a problem here naming the
+    extra; with it, or over gloo, none."""
+    import omnilink.cuda as ocuda
+
+    def mutate(c):
+        c["stages"][2]["input_connectors"]["from_stage_1"] = {
+            "name": "OmnilinkConnector",
+            "extra": {"backend": "nccl", "options": {"master_port": 29600}}}
+
+    path = _write(tmp_path, mutate)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: False)
+    rc, out, _ = _run(capsys, str(path))
+    assert rc == 1 and "needs cuda-python" in out and "pyomnilink[cuda]" in out, out
+    monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: True)
+    rc, out, _ = _run(capsys, str(path))
+    assert "needs cuda-python" not in out, out
+    monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: False)
+    gloo = _write(tmp_path, lambda c: (mutate(c), c["stages"][2]["input_connectors"]["from_stage_1"]["extra"]
+                                       ["options"].update(backend="gloo")))
+    rc, out, _ = _run(capsys, str(gloo))
+    assert "needs cuda-python" not in out, out

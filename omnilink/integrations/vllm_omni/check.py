@@ -348,6 +348,12 @@ def _host(edge: EdgeReport, settings: Any, shm_arenas: list[tuple[EdgeReport, in
             edge.here.append("options.backend is 'nccl' but NCCL with a CUDA device is not available here")
         elif wants == "auto" and not (torch.distributed.is_nccl_available() and torch.cuda.is_available()):
             edge.notes.append("here: no NCCL with CUDA, so the nccl backend would run over gloo on CPU")
+        elif wants != "gloo":
+            from omnilink.cuda import CUDA_INSTALL_HINT, have_cuda_ops
+
+            if not have_cuda_ops():
+                edge.here.append(f"the nccl backend on GPUs needs cuda-python, which is not importable here: "
+                                 f"{CUDA_INSTALL_HINT}")
 
 
 def _check_shm_space(shm_arenas: list[tuple[EdgeReport, int | None]]) -> None:
