@@ -114,6 +114,39 @@ def install_step_timers() -> dict[str, list[int]]:
     return acc
 
 
+def join_pair(rank: int, port: int, backend: str) -> tuple[Any, Any, Any]:
+    """This rank's default process group of two over ``tcp://127.0.0.1:port`` (NCCL with
+    cuda:``rank`` as the device, or gloo on the CPU); returns ``(device, sync,
+    barrier)``: ``sync()`` waits for the device, ``barrier()`` for both ranks, then
+    syncs."""
+    import torch
+    import torch.distributed as dist
+
+    nccl = backend == "nccl"
+    if nccl:
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=dev,
+        )
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+    def sync() -> None:
+        if nccl:
+            torch.cuda.synchronize(dev)
+
+    def barrier() -> None:
+        if nccl:
+            dist.barrier(device_ids=[rank])
+        else:
+            dist.barrier()
+        sync()
+
+    return dev, sync, barrier
+
+
 def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
     import faulthandler
 
@@ -129,15 +162,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
 
     backend = opts["backend"]
     nccl = backend == "nccl"
-    if nccl:
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-        dist.init_process_group(
-            "nccl", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2, device_id=dev,
-        )
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    dev, sync, barrier = join_pair(rank, ports[0], backend)
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
@@ -145,17 +170,6 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
-
-    def sync() -> None:
-        if nccl:
-            torch.cuda.synchronize(dev)
-
-    def barrier() -> None:
-        if nccl:
-            dist.barrier(device_ids=[rank])
-        else:
-            dist.barrier()
-        sync()
 
     def rand_bf16(n: int, seed: int) -> Any:
         g = torch.Generator(device=dev).manual_seed(seed)

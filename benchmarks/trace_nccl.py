@@ -31,7 +31,6 @@ import collections
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -39,6 +38,9 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_nccl import free_port, join_pair  # noqa: E402  (the same pair of ranks as the benchmark)
 
 #: Connector methods and wire functions timed (those a version lacks are skipped).
 CONNECTOR_STEPS = (
@@ -49,12 +51,6 @@ CONNECTOR_STEPS = (
 WIRE_STEPS = ("plan_send", "encode_envelope", "read_bell", "build_views", "decode_tree")
 LATENCY_BYTES = 4096
 SMALL = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _install(rec: dict[str, Any]) -> None:
@@ -125,29 +121,10 @@ def _run_rank(rank: int, ports: tuple[int, int], opts: dict[str, Any]) -> dict[s
     _install(rec)
     import omnilink
 
-    nccl = opts["backend"] == "nccl"
-    if nccl:
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2,
-                                device_id=dev)
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    dev, sync, barrier = join_pair(rank, ports[0], opts["backend"])
     conn = omnilink.connect("nccl", channel="trace/nccl", role="dual", rank=rank, backend=opts["backend"],
                             device=str(dev), master_port=ports[1], timeout=120.0)
     conn.wait_connected(120.0)
-
-    def sync() -> None:
-        if nccl:
-            torch.cuda.synchronize(dev)
-
-    def barrier() -> None:
-        if nccl:
-            dist.barrier(device_ids=[rank])
-        else:
-            dist.barrier()
-        sync()
 
     def mark(name: str) -> None:
         if rec["on"]:
@@ -290,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     opts = {"backend": args.backend, "n": args.n, "pause_ms": args.pause_ms, "streams": parse_streams(args.streams),
             "stream_n": args.stream_n}
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]

@@ -14,6 +14,7 @@ import pytest
 
 import omnilink
 from omnilink.connectors import backend_unavailable
+from omnilink.connectors.nixl.agent import nvidia_gpu_present
 from omnilink.testing import CHECKS, check_connector
 
 _REASON = backend_unavailable("nixl")
@@ -24,7 +25,7 @@ def _gpu_tls(tls: str) -> str:
     """``tls`` plus ``cuda_copy`` on a machine with an NVIDIA GPU: NIXL's UCX backend
     refuses a transport list without a CUDA transport there (the payloads of the suite
     are host memory either way)."""
-    return tls + ",cuda_copy" if any(os.path.exists(f"/dev/nvidia{i}") for i in range(8)) else tls
+    return tls + ",cuda_copy" if nvidia_gpu_present() else tls
 
 
 def _pair(channel: str, tls: str, **options):

@@ -533,8 +533,6 @@ class _SendRecipe:
         r.bell, r.region_bytes = _placed(descs, plan, BELL)
         r.pack, r.pack_bytes = _placed(descs, plan, PACK)
         r.singles = [i for i, code in enumerate(plan) if code == P2P]
-        if r.region_bytes != sp.region_bytes:
-            return None  # pragma: no cover - one layout rule for both
         return r
 
     def apply(self, torch: Any, prepared: Any, pad: Any) -> SendPlan | None:
@@ -569,20 +567,6 @@ class _SendRecipe:
         for i in self.singles:
             p2p.append(_flat_bytes(sources[i][1], uint8))
         return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes)
-
-
-def _placed(descs: list[Any], plan: list[int], code: int) -> tuple[list[tuple[int, int, int]], int]:
-    """``(offset, descriptor index, nbytes)`` of the descriptors planned ``code``, laid out
-    as ``pack_layout`` lays them (each at the next multiple of 64), and the end."""
-    out = []
-    end = 0
-    for i, c in enumerate(plan):
-        if c == code:
-            at = _align(end)
-            n = descs[i].nbytes
-            out.append((at, i, n))
-            end = at + n
-    return out, end
 
 
 def _plan_fresh(
@@ -809,18 +793,27 @@ def parse_meta(env: Envelope, header: blob.BlobHeader | None = None) -> blob.Blo
     return header
 
 
+def _placed(descs: list[Any], plan: list[int], code: int) -> tuple[list[tuple[int, int, int]], int]:
+    """``(offset, descriptor index, nbytes)`` of the descriptors planned ``code`` (PACK:
+    in the pack; BELL: in the region), in descriptor order, each at the next multiple of
+    64, and the buffer's size: the one layout of both ends."""
+    out = []
+    end = 0
+    for i, c in enumerate(plan):
+        if c == code:
+            at = _align(end)
+            n = descs[i].nbytes
+            out.append((at, i, n))
+            end = at + n
+    return out, end
+
+
 def pack_layout(header: blob.BlobHeader, plan: list[int], code: int = PACK) -> tuple[list[int], int]:
     """Offsets of the descriptors planned ``code`` (PACK: in the pack; BELL: in the
     doorbell's region) in descriptor order, each at the next multiple of 64, and the
     buffer's size."""
-    offsets: list[int] = []
-    end = 0
-    for c, d in zip(plan, header.tensors):
-        if c == code:
-            start = _align(end)
-            offsets.append(start)
-            end = start + d.nbytes
-    return offsets, end
+    placed, end = _placed(header.tensors, plan, code)
+    return [at for at, _i, _n in placed], end
 
 
 def bell_layout(header: blob.BlobHeader, plan: list[int]) -> tuple[list[int], int]:
@@ -928,7 +921,9 @@ def _plan_recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
     r.n = len(header.tensors)
     # per (code, dtype): [(index, start byte, nbytes, shape)]
     groups: dict[tuple[int, Any], list[tuple[int, int, int, tuple[int, ...]]]] = {}
-    ends = {PACK: 0, BELL: 0}
+    pack, r.pack_size = _placed(header.tensors, plan, PACK)
+    bell, r.bell_size = _placed(header.tensors, plan, BELL)
+    starts = {i: at for at, i, _n in pack + bell}
     for i, (code, d) in enumerate(zip(plan, header.tensors)):
         if d.kind != blob.KIND_TORCH:
             return None
@@ -941,8 +936,7 @@ def _plan_recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
         elif code == P2P:
             r.singles.append((i, dt, shape))
         elif code in (PACK, BELL):
-            start = _align(ends[code])
-            ends[code] = start + d.nbytes
+            start = starts[i]
             if start % dt.itemsize:
                 return None  # pragma: no cover - every start is a multiple of 64
             if d.dtype == bool_code:
@@ -950,8 +944,6 @@ def _plan_recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
             groups.setdefault((code, dt), []).append((i, start, d.nbytes, shape))
         else:
             return None  # INLINE / STAGED: host data, the slow path
-    r.pack_size = ends[PACK]
-    r.bell_size = ends[BELL]
     for (code, dt), members in groups.items():
         size = dt.itemsize
         sizes: list[int] = []

@@ -102,6 +102,11 @@ def _nixl_error(exc: BaseException, what: str) -> TransportError:
     return TransportError(text)
 
 
+def nvidia_gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU device node (no CUDA call, no torch)."""
+    return any(os.path.exists(f"/dev/nvidia{i}") for i in range(8))
+
+
 def _tls_hint() -> str:
     """Why NIXL may have refused UCX here: on a machine with an NVIDIA GPU, NIXL's UCX
     backend refuses a ``UCX_TLS`` that names no CUDA transport (its reason goes to the
@@ -109,7 +114,7 @@ def _tls_hint() -> str:
     tls = os.environ.get("UCX_TLS", "").strip()
     if not tls or tls.startswith("^") or "cuda" in tls or tls == "all":
         return ""
-    if not any(os.path.exists(f"/dev/nvidia{i}") for i in range(8)):
+    if not nvidia_gpu_present():
         return ""
     return (
         f"UCX_TLS={tls} names no CUDA transport, which NIXL refuses on a machine with an "
