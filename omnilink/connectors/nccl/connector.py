@@ -1723,52 +1723,46 @@ class NcclConnector(BaseConnector):
         region: Any = None
         works: list[Any] = []
         if self._is_nccl:
-            dev = self.device
-            idx = self._dev_index
-            # The stream of this payload's copies made current for this device with
-            # torch's internal call (its ``stream`` context manager costs more than a
-            # small payload's copy): its buffers are allocated on that stream.
-            C = torch._C
-            prev = C._cuda_getCurrentStream(idx)
-            if env.region:
-                # The region (nothing else goes by NCCL then): from the doorbell
-                # message's own bytes to the device on the region stream, where only
-                # such small copies run (a copy from pageable memory may wait for its
-                # stream, and returns once CUDA staged the bytes).
-                rid = self._region_ids
-                C._cuda_setStream(stream_id=rid[0], device_index=rid[1], device_type=rid[2])
+            if env.region or ann.sizes:
+                dev = self.device
+                idx = self._dev_index
+                # The region (then nothing else goes by NCCL) goes on the region stream,
+                # where only such small copies run (a copy from pageable memory may wait
+                # for its stream); bulk buffers on the receive stream, whose work waits
+                # for the receives. That stream is made current for this device with
+                # torch's internal call (its ``stream`` context manager costs more than
+                # a small payload's copy): the buffers are allocated on it.
+                ids, raw = (self._region_ids, self._region_raw) if env.region else (self._recv_ids, self._recv_raw)
+                C = torch._C
+                prev = C._cuda_getCurrentStream(idx)
+                C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
                 try:
-                    n = len(env.region)
-                    region = torch.empty(n, dtype=uint8, device=dev)
-                    self._ops.memcpy(region.data_ptr(), _address(env.region), n, self._region_raw)
-                    item.event = self._event_cls(idx).record(self._region_raw)
+                    if env.region:
+                        # From the doorbell message's own bytes: the copy returns once
+                        # CUDA staged them.
+                        n = len(env.region)
+                        region = torch.empty(n, dtype=uint8, device=dev)
+                        self._ops.memcpy(region.data_ptr(), _address(env.region), n, raw)
+                    else:
+                        bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
+                        for w in self._post(self._pgs[self._in], bufs, send=False):
+                            w.wait()  # the receive stream waits for the receives
+                        if wire.STAGED in env.plan:
+                            # Host data staged through the device: back to (pinned) host
+                            # memory on the receive stream, after the receives.
+                            host_bufs = []
+                            for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
+                                if staged:
+                                    h = torch.empty(buf.numel(), dtype=uint8, pin_memory=True)
+                                    h.copy_(buf, non_blocking=True)
+                                    buf = h
+                                host_bufs.append(buf)
+                            bufs = host_bufs
+                            item.host_wait = True
+                    item.event = self._event_cls(idx).record(raw)
                 finally:
                     C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-                item.device_tensors = [region]
-            elif ann.sizes:
-                # The receive stream: its work waits for the receives.
-                rid = self._recv_ids
-                C._cuda_setStream(stream_id=rid[0], device_index=rid[1], device_type=rid[2])
-                try:
-                    bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
-                    for w in self._post(self._pgs[self._in], bufs, send=False):
-                        w.wait()  # the receive stream waits for the receives
-                    if wire.STAGED in env.plan:
-                        # Host data staged through the device: back to (pinned) host
-                        # memory on the receive stream, after the receives.
-                        host_bufs = []
-                        for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
-                            if staged:
-                                h = torch.empty(buf.numel(), dtype=uint8, pin_memory=True)
-                                h.copy_(buf, non_blocking=True)
-                                buf = h
-                            host_bufs.append(buf)
-                        bufs = host_bufs
-                        item.host_wait = True
-                    item.event = self._event_cls(idx).record(self._recv_raw)
-                finally:
-                    C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-                item.device_tensors = [b for b in bufs if b.is_cuda]
+                item.device_tensors = [region] if region is not None else [b for b in bufs if b.is_cuda]
         elif ann.sizes:
             bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]
             works = self._post(self._pgs[self._in], bufs, send=False)

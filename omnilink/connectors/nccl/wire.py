@@ -127,7 +127,9 @@ class Envelope(msgspec.Struct, array_like=True, frozen=True):
     plan: list[int]
     inline: list[bytes]
     flags: int = 0
-    region: bytes = b""
+    #: decoded as a view of the received message (no copy: the receiver copies it to the
+    #: device straight from there)
+    region: memoryview = memoryview(b"")
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True):
