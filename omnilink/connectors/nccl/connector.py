@@ -1,19 +1,21 @@
 """The ``nccl`` backend: payloads between two processes through ``torch.distributed``.
 
 Protocol 5 (the device run, on two GPUs: ``benchmarks/gpu/run_nccl_device.sh``). Tensor bytes travel by point-to-point
-``send``/``recv`` of a process group (NCCL between GPUs, gloo between CPUs, so CI runs
-the same code), received straight into fresh tensors on the receiver's device. Each
+send/recv: between GPUs through NCCL's own library (``omnilink.cuda.nccl``: ``ncclSend``
+/ ``ncclRecv`` on the streams below, no process group and its per-operation cost),
+between CPUs through a gloo process group (so CI runs the same protocol), received
+straight into fresh tensors on the receiver's device. Each
 payload's header (its envelope, see ``omnilink.connectors.nccl.wire``) travels on a
 plain stream socket, the *doorbell* (``omnilink.connectors.nccl.bell``: no I/O thread
 between the two ends), sent once the payload's sends are queued; small payloads travel
 in that message whole. Credits come back, batched, on a ZeroMQ ``PAIR`` socket. The torch.distributed store (a ``TCPStore``) both ends share serves the
-rendezvous only: hellos, rank claims, the process groups' own setup and the two
-sockets' addresses, exchanged once. Nothing is pickled.
+rendezvous only: hellos, rank claims, the NCCL unique ids, the gloo groups' own setup
+and the two sockets' addresses, exchanged once. Nothing is pickled.
 
-One channel links exactly two ranks. Each connector builds its own process groups over
-the store (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` objects, never the global default
-group), so it never disturbs the application's own torch.distributed setup: per
-direction one *bulk* group (one communicator, matched in issue order), plus one gloo
+One channel links exactly two ranks. Each connector builds its own communicators over
+the store (NCCL communicators of two ranks, or ``ProcessGroupGloo`` objects; never the
+global default group), so it never disturbs the application's own torch.distributed
+setup: per direction one *bulk* communicator (matched in issue order), plus one gloo
 group for the goodbye::
 
     rank 0 (e.g. sender, cuda:0)                      rank 1 (e.g. receiver, cuda:1)
@@ -23,9 +25,9 @@ group for the goodbye::
         tensors, when nothing else needs NCCL,
         copied to pinned host (the put waits for
         its stream to reach them): the region
-      bulk: ONE coalesced group of sends (pack,
-        then large tensors; caller's stream
-        waits) ===== bulk group (NCCL) =========>     (posted on the bell, below)
+      bulk: ONE NCCL group of sends (pack, then
+        large tensors) on the caller's stream
+             ======= bulk communicator =========>     (posted on the bell, below)
       then the doorbell: envelope + inline data
         + region ----- stream socket ---------->     get(key) / get_nowait(key), itself:
                                                        poll the doorbell (deadline),
@@ -93,9 +95,11 @@ Semantics, chosen and tested:
 
 - ``put`` returns once the caller may reuse its tensors. CUDA tensors on the link's
   device are sent from the caller's own memory with no copy: the sends are ordered after
-  the caller's current stream, the caller's stream is made to wait for them, and the
-  process group keeps the tensors alive until they are sent (the CUDA stream contract,
-  as for ``tensor.to(..., non_blocking=True)``). A payload whose device tensors ride the
+  the caller's current stream, which goes on only once they are sent: free a tensor
+  after ``put`` as any tensor a stream still uses (the CUDA stream contract, as for
+  ``tensor.to(..., non_blocking=True)``: memory the caching allocator hands out again
+  on that stream is used after the sends; a tensor made on another stream needs
+  ``record_stream`` or a reference kept). A payload whose device tensors ride the
   doorbell (at most ``bell_bytes`` together, nothing else for NCCL) is copied to pinned
   host memory on the caller's stream and ``put`` waits for that copy: it returns once
   the caller's stream has reached it (``bell_bytes=0`` keeps every device tensor on
@@ -948,18 +952,16 @@ class NcclConnector(BaseConnector):
         for d in dirs:
             # One bulk group per direction: its operations match in issue order.
             if self._is_nccl:
-                self._pgs[d] = self._make_nccl(f"{self._sid}pg/{d}/bulk/")
+                with self._torch.cuda.device(self.device):
+                    self._pgs[d] = self._make_nccl(f"{self._sid}pg/{d}/bulk/", d)
             else:
                 self._pgs[d] = self._make_gloo(f"{self._sid}pg/{d}/bulk/", same_host)
         torch = self._torch
         if self._is_nccl:
-            # Create the NCCL communicators now (a tiny exchange per group) rather than
-            # inside the first put, whose wait could not then be bounded. A group has two:
-            # torch gives an unbatched send/recv a 2-rank communicator of its own and a
-            # coalesced group of them the group's main one, each created at first use by
-            # both ranks together. Left to the first coalesced put (several bulk
-            # tensors), the sender would block creating it while the receiver, not yet
-            # rung, could not join: a deadlock (2x H200, 64 MiB + 16 small tensors).
+            # Connect each communicator now (a tiny exchange, then a grouped pair: NCCL
+            # connects a pair of ranks at its first operation, both ranks together)
+            # rather than inside the first put, whose wait could not then be bounded
+            # and where the receiver, not yet rung, could not join: a deadlock.
             from omnilink.cuda import Event, cuda_ops
 
             self._event_cls = Event
@@ -975,15 +977,12 @@ class NcclConnector(BaseConnector):
                 self._region_raw = int(gs.cuda_stream)
                 self._sent_event = Event(self._dev_index)
                 self._sent_event.record(self._recv_raw)  # recorded once before close may query it
+                warm = [torch.zeros(1, dtype=torch.uint8, device=self.device) for _ in range(3)]
+                stream = int(torch.cuda.current_stream(self.device).cuda_stream)
                 for d in dirs:
-                    pg = self._pgs[d]
-                    t = torch.zeros(1, dtype=torch.uint8, device=self.device)
-                    w = pg.send([t], self.peer_rank, 0) if d == self._out else pg.recv([t], self.peer_rank, 0)
-                    w.wait()
+                    self._post(self._pgs[d], warm[:1], send=d == self._out, stream=stream)
                     if self.coalesce:
-                        pair = [torch.zeros(1, dtype=torch.uint8, device=self.device) for _ in range(2)]
-                        for w in self._post(pg, pair, send=d == self._out):
-                            w.wait()
+                        self._post(self._pgs[d], warm[1:], send=d == self._out, stream=stream)
                 torch.cuda.current_stream(self.device).synchronize()
             self._p2p_ops = 0
         peer_window = peer.send_window
@@ -1154,11 +1153,24 @@ class NcclConnector(BaseConnector):
         pg.set_timeout(_FOREVER)
         return pg
 
-    def _make_nccl(self, prefix: str) -> Any:
-        dist = self._dist
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _FOREVER
-        return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, self._st_main), self.rank, 2, opts)
+    def _make_nccl(self, prefix: str, direction: str) -> Any:
+        """One NCCL communicator for ``direction`` (``NcclComm``: the library's own
+        send/recv, no process group): the direction's sender draws the unique id and
+        publishes it in the store, both ranks join (the caller has made the link's
+        device current). Both ends create their communicators in the same order."""
+        from omnilink.cuda.nccl import nccl_library
+
+        lib = nccl_library()  # CudaError naming what to install
+        key = f"{prefix}uid"
+        try:
+            if direction == self._out:
+                uid = lib.unique_id()
+                self._st_main.set(key, uid)
+            else:
+                uid = bytes(self._st_main.get(key))
+        except RuntimeError as exc:
+            raise PeerLostError(f"nccl: the store of channel {self.channel!r} failed: {exc}") from exc
+        return lib.init_rank(uid, 2, self.rank)
 
     def wait_connected(self, timeout: float | None = None) -> None:
         """Wait until the link to the peer is built.
@@ -1255,10 +1267,7 @@ class NcclConnector(BaseConnector):
         will ever match is waited for 1 ms.
         """
         if self._is_nccl:
-            try:
-                pg.abort()
-            except RuntimeError as exc:
-                logger.debug("nccl: aborting a process group of %r: %r", self.channel, exc)
+            pg.abort()  # an NcclComm
             return
         torch = self._torch
         try:
@@ -1399,16 +1408,13 @@ class NcclConnector(BaseConnector):
             raise self._translate(exc, key) from exc
 
     def _send_nccl(self, bulk: list[Any]) -> None:
-        """Post one payload's bulk sends, one coalesced group; the caller's stream waits
-        for them (the caller may reuse its tensors: the stream contract)."""
-        for w in self._post(self._pgs[self._out], bulk, send=True):
-            try:
-                w.wait()  # the current stream of the tensors' device waits for the sends
-            except RuntimeError as exc:
-                raise self._translate(exc, None) from exc
+        """Post one payload's bulk sends, one NCCL group, on the caller's current stream
+        of the link's device: they follow what the caller queued there before, and what
+        it queues after follows them (it may reuse its tensors: the stream contract)."""
+        stream = int(self._torch._C._cuda_getCurrentRawStream(self._dev_index))
+        self._post(self._pgs[self._out], bulk, send=True, stream=stream)
         try:
-            # close waits for the last sends with it
-            self._sent_event.record(int(self._torch._C._cuda_getCurrentRawStream(self._dev_index)))
+            self._sent_event.record(stream)  # close waits for the last sends with it
         except CudaError as exc:
             raise self._translate(exc, None) from exc
 
@@ -1504,21 +1510,32 @@ class NcclConnector(BaseConnector):
             while inflight and inflight[0][0] <= seq:
                 self._inflight_bytes -= inflight.popleft()[1]
 
-    def _post(self, pg: Any, tensors: list[Any], *, send: bool) -> list[Any]:
-        """Post one send/recv per tensor, as one NCCL group where the backend can (the
-        caller has made the link's device current)."""
-        op = pg.send if send else pg.recv
+    def _post(self, pg: Any, tensors: list[Any], *, send: bool, stream: int = 0) -> list[Any]:
+        """Post one send/recv per tensor, as one NCCL group where the backend can.
+
+        NCCL: ``pg`` is the direction's ``NcclComm``; the operations are enqueued on the
+        raw ``stream`` and nothing is returned (that stream's later work follows them).
+        Gloo: ``pg`` is a process group; its works are returned."""
         peer = self.peer_rank
         self._p2p_ops += len(tensors)
-        try:
-            if self._is_nccl and self.coalesce and len(tensors) > 1:
-                pg._start_coalescing()
-                try:
+        if self._is_nccl:
+            op = pg.send if send else pg.recv
+            try:
+                if self.coalesce and len(tensors) > 1:
+                    pg.group_start()
+                    try:
+                        for t in tensors:
+                            op(t.data_ptr(), t.nbytes, peer, stream)
+                    finally:
+                        pg.group_end()
+                else:
                     for t in tensors:
-                        op([t], peer, 0)
-                finally:
-                    work = pg._end_coalescing()
-                return [work]
+                        op(t.data_ptr(), t.nbytes, peer, stream)
+            except TransportError as exc:
+                raise self._translate(exc, None) from exc
+            return []
+        op = pg.send if send else pg.recv
+        try:
             return [op([t], peer, 0) for t in tensors]
         except RuntimeError as exc:
             raise self._translate(exc, None) from exc
@@ -1745,8 +1762,7 @@ class NcclConnector(BaseConnector):
                         self._ops.memcpy(region.data_ptr(), _address(env.region), n, raw)
                     else:
                         bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
-                        for w in self._post(self._pgs[self._in], bufs, send=False):
-                            w.wait()  # the receive stream waits for the receives
+                        self._post(self._pgs[self._in], bufs, send=False, stream=raw)
                         if wire.STAGED in env.plan:
                             # Host data staged through the device: back to (pinned) host
                             # memory on the receive stream, after the receives.

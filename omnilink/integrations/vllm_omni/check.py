@@ -354,6 +354,13 @@ def _host(edge: EdgeReport, settings: Any, shm_arenas: list[tuple[EdgeReport, in
             if not have_cuda_ops():
                 edge.here.append(f"the nccl backend on GPUs needs cuda-python, which is not importable here: "
                                  f"{CUDA_INSTALL_HINT}")
+            from omnilink._errors import CudaError
+            from omnilink.cuda.nccl import nccl_library
+
+            try:
+                nccl_library()
+            except CudaError as exc:
+                edge.here.append(f"the nccl backend on GPUs calls NCCL's library, which does not load here: {exc}")
 
 
 def _check_shm_space(shm_arenas: list[tuple[EdgeReport, int | None]]) -> None:
