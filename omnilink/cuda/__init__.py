@@ -19,6 +19,8 @@ torch and cuda-python on first use.
 ``runtime``    ``HostRegistration`` (cudaHostRegister / Unregister), producer events,
                the ``OMNILINK_CUDA_SYNC=1`` debug switch
 ``device``     ``payload_to_device``: the plain synchronous ``.to(device)`` fallback
+``nccl``       ``NcclLibrary`` / ``NcclComm``: NCCL's point-to-point calls through its C
+               API (``ctypes``), the nccl backend's data path between GPUs
 =============  ==========================================================================
 
 The shm backend builds its GPU path from these: a sender's device tensors are copied by
@@ -33,6 +35,7 @@ from omnilink.cuda.d2h import AsyncD2HController, BatchPayloadFuture, BatchPaylo
 from omnilink.cuda.device import payload_to_device
 from omnilink.cuda.events import Completer
 from omnilink.cuda.h2d import AsyncH2DController, StagePayloadHandle
+from omnilink.cuda.nccl import NCCL_LIBRARY_ENV, NcclComm, NcclLibrary, nccl_library
 from omnilink.cuda.pool import PinnedRingPool, PoolSlot
 from omnilink.cuda.runtime import (
     CudaOps,
@@ -50,6 +53,10 @@ from omnilink.cuda.runtime import CUDA_INSTALL_HINT
 
 __all__ = [
     "CUDA_INSTALL_HINT",
+    "NCCL_LIBRARY_ENV",
+    "NcclComm",
+    "NcclLibrary",
+    "nccl_library",
     "AsyncD2HController",
     "CudaOps",
     "Event",

@@ -310,7 +310,6 @@ def test_nccl_on_gpus_without_nccls_library_is_a_problem_here(tmp_path, capsys, 
     """The nccl backend on GPUs calls NCCL's library itself: where it does not load, a
     problem here with the loader's reason; where it loads, none."""
     import omnilink.cuda as ocuda
-    import omnilink.cuda.nccl as onccl
     from omnilink._errors import CudaError
 
     def mutate(c):
@@ -324,11 +323,11 @@ def test_nccl_on_gpus_without_nccls_library_is_a_problem_here(tmp_path, capsys, 
     monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: True)
 
     def missing():
-        raise CudaError(f"no NCCL library could be loaded (tried libnccl.so.2): set {onccl.NCCL_LIBRARY_ENV}")
+        raise CudaError(f"no NCCL library could be loaded (tried libnccl.so.2): set {ocuda.NCCL_LIBRARY_ENV}")
 
-    monkeypatch.setattr(onccl, "nccl_library", missing)
+    monkeypatch.setattr(ocuda, "nccl_library", missing)
     rc, out, _ = _run(capsys, str(path))
-    assert rc == 1 and "calls NCCL's library" in out and onccl.NCCL_LIBRARY_ENV in out, out
-    monkeypatch.setattr(onccl, "nccl_library", lambda: object())
+    assert rc == 1 and "calls NCCL's library" in out and ocuda.NCCL_LIBRARY_ENV in out, out
+    monkeypatch.setattr(ocuda, "nccl_library", lambda: object())
     rc, out, _ = _run(capsys, str(path))
     assert "calls NCCL's library" not in out, out

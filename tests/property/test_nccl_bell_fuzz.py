@@ -337,3 +337,75 @@ def test_replayed_plan_recomputes_the_inline_bytes():
     assert recipe.apply(torch, prepared, None).inline[0] == torch.arange(16).numpy().tobytes()
     recipe.where[0] = 1  # as if the ids had been on the GPU when it was planned
     assert recipe.apply(torch, prepared, None) is None
+
+
+@fuzz(300)
+@given(payload=payloads, bell=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_buffers_allocated_as_their_tensors_are_handed_out_as_they_are(payload, bell, seed):
+    """Where ``receive_allocs`` says so the receiver allocates each P2P buffer (and a
+    region holding one tensor) with the tensor's dtype and shape: ``build_views`` then
+    hands out that very buffer (same address, no view), with the same values as the
+    one-by-one path reads from the same bytes; other buffers stay uint8."""
+    raw = _message(payload, bell=bell)
+    try:
+        ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=bell)
+    except (BlobDecodeError, CapacityError):
+        return
+    env, header = ann.env, ann.header
+    allocs, region_alloc = wire.receive_allocs(header, env.plan)
+    if allocs is None:
+        assert region_alloc is None
+        return
+    assert len(allocs) == len(ann.sizes)
+    g = torch.Generator().manual_seed(seed)
+    raw_bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in ann.sizes]
+    raw_region = torch.randint(0, 256, (len(env.region),), dtype=torch.uint8, generator=g) if env.region else None
+    if any(d.dtype == blob.DTYPE_CODES["bool"][0] for d in header.tensors):
+        # bool bytes must be 0/1 for the one-by-one path's check (host data)
+        raw_bufs = [b % 2 for b in raw_bufs]
+        raw_region = raw_region % 2 if raw_region is not None else None
+
+    def typed(shape_dt, src):
+        if shape_dt is None:
+            return src.clone()
+        t = torch.empty(shape_dt[0], dtype=shape_dt[1])
+        assert t.nbytes == src.numel()
+        t.reshape(-1).view(torch.uint8).copy_(src)
+        return t
+
+    bufs = [typed(a, b) for a, b in zip(allocs, raw_bufs)]
+    region = typed(region_alloc, raw_region) if raw_region is not None else None
+    views = wire.build_views(header, env.plan, env.inline, bufs, device=torch.device("cpu"), region=region)
+    slow = wire._slow_views(header, env.plan, env.inline, raw_bufs, raw_region)
+    assert len(views) == len(slow)
+    for v, s in zip(views, slow):
+        if isinstance(s, torch.Tensor):
+            assert v.dtype == s.dtype and v.shape == s.shape
+            assert torch.equal(v.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
+    singles = [i for i, code in enumerate(env.plan) if code == wire.P2P]
+    has_pack = bool(allocs) and allocs[0] is None
+    assert len(singles) == len(allocs) - has_pack
+    for i, buf in zip(singles, bufs[has_pack:]):
+        assert views[i] is buf  # the buffer itself, handed out
+    if region_alloc is not None:
+        (i,) = [i for i, code in enumerate(env.plan) if code == wire.BELL]
+        assert views[i] is region
+
+
+def test_a_hidden_state_is_received_into_itself():
+    """The common shapes take the typed allocation: a 2-D bf16 hidden state by NCCL (its
+    own buffer) beside packed small tensors, and a small one alone in the region."""
+    hidden = torch.arange(8192, dtype=torch.float32).to(torch.bfloat16).view(4, 2048)
+    payload = {"hidden": hidden, "ids": torch.arange(5), "pos": torch.arange(5), "meta": {"finished": False}}
+    sp = wire.plan_send(payload, device=torch.device("cpu"), nccl=False, inline_bytes=0,
+                        max_inline_total=1 << 20, key="k", pack_bytes=1024, pad=torch.zeros(64, dtype=torch.uint8))
+    raw = wire.encode_envelope(wire.Envelope(0, "k", sp.meta, sp.plan, sp.inline, 0, b""))
+    ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=True)
+    allocs, region_alloc = wire.receive_allocs(ann.header, ann.env.plan)
+    assert allocs == [None, ((4, 2048), torch.bfloat16)] and region_alloc is None
+    raw = _message({"hidden": hidden[:1, :64], "meta": {"finished": True}}, bell=True)
+    ann = wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=True)
+    assert wire.receive_allocs(ann.header, ann.env.plan) == ([], ((1, 64), torch.bfloat16))
+    region = torch.empty((1, 64), dtype=torch.bfloat16)
+    views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, [], device=torch.device("cpu"), region=region)
+    assert wire.decode_tree(ann.header, views)["hidden"] is region

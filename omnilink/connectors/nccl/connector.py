@@ -1158,7 +1158,7 @@ class NcclConnector(BaseConnector):
         send/recv, no process group): the direction's sender draws the unique id and
         publishes it in the store, both ranks join (the caller has made the link's
         device current). Both ends create their communicators in the same order."""
-        from omnilink.cuda.nccl import nccl_library
+        from omnilink.cuda import nccl_library
 
         lib = nccl_library()  # CudaError naming what to install
         key = f"{prefix}uid"
@@ -1510,27 +1510,34 @@ class NcclConnector(BaseConnector):
             while inflight and inflight[0][0] <= seq:
                 self._inflight_bytes -= inflight.popleft()[1]
 
-    def _post(self, pg: Any, tensors: list[Any], *, send: bool, stream: int = 0) -> list[Any]:
+    def _post(
+        self, pg: Any, tensors: list[Any], *, send: bool, stream: int = 0, sizes: list[int] | None = None,
+    ) -> list[Any]:
         """Post one send/recv per tensor, as one NCCL group where the backend can.
 
         NCCL: ``pg`` is the direction's ``NcclComm``; the operations are enqueued on the
-        raw ``stream`` and nothing is returned (that stream's later work follows them).
-        Gloo: ``pg`` is a process group; its works are returned."""
+        raw ``stream`` and nothing is returned (that stream's later work follows them);
+        ``sizes``, when known, are the tensors' byte counts. Gloo: ``pg`` is a process
+        group; its works are returned."""
         peer = self.peer_rank
         self._p2p_ops += len(tensors)
         if self._is_nccl:
             op = pg.send if send else pg.recv
+            if sizes is None:
+                sizes = [t.nbytes for t in tensors]
             try:
-                if self.coalesce and len(tensors) > 1:
+                if len(tensors) == 1:
+                    op(tensors[0].data_ptr(), sizes[0], peer, stream)
+                elif self.coalesce:
                     pg.group_start()
                     try:
-                        for t in tensors:
-                            op(t.data_ptr(), t.nbytes, peer, stream)
+                        for t, n in zip(tensors, sizes):
+                            op(t.data_ptr(), n, peer, stream)
                     finally:
                         pg.group_end()
                 else:
-                    for t in tensors:
-                        op(t.data_ptr(), t.nbytes, peer, stream)
+                    for t, n in zip(tensors, sizes):
+                        op(t.data_ptr(), n, peer, stream)
             except TransportError as exc:
                 raise self._translate(exc, None) from exc
             return []
@@ -1739,6 +1746,7 @@ class NcclConnector(BaseConnector):
         bufs: list[Any] = []
         region: Any = None
         works: list[Any] = []
+        allocs: Any = None
         if self._is_nccl:
             if env.region or ann.sizes:
                 dev = self.device
@@ -1754,15 +1762,30 @@ class NcclConnector(BaseConnector):
                 prev = C._cuda_getCurrentStream(idx)
                 C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
                 try:
+                    # Buffers allocated as the tensors they hold where the payload allows
+                    # (NCCL moves bytes): no view to build afterwards.
+                    allocs, region_alloc = wire.receive_allocs(header, env.plan)
                     if env.region:
                         # From the doorbell message's own bytes: the copy returns once
                         # CUDA staged them.
                         n = len(env.region)
-                        region = torch.empty(n, dtype=uint8, device=dev)
+                        if region_alloc is not None:
+                            region = torch.empty(region_alloc[0], dtype=region_alloc[1], device=dev)
+                            if region.nbytes != n:  # pragma: no cover - read_bell checked the region
+                                region = torch.empty(n, dtype=uint8, device=dev)
+                        else:
+                            region = torch.empty(n, dtype=uint8, device=dev)
                         self._ops.memcpy(region.data_ptr(), _address(env.region), n, raw)
                     else:
-                        bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
-                        self._post(self._pgs[self._in], bufs, send=False, stream=raw)
+                        if allocs is not None:
+                            bufs = [
+                                torch.empty(n, dtype=uint8, device=dev) if a is None
+                                else torch.empty(a[0], dtype=a[1], device=dev)
+                                for n, a in zip(ann.sizes, allocs)
+                            ]
+                        else:
+                            bufs = [torch.empty(n, dtype=uint8, device=dev) for n in ann.sizes]
+                        self._post(self._pgs[self._in], bufs, send=False, stream=raw, sizes=ann.sizes)
                         if wire.STAGED in env.plan:
                             # Host data staged through the device: back to (pinned) host
                             # memory on the receive stream, after the receives.
@@ -1783,7 +1806,8 @@ class NcclConnector(BaseConnector):
             bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]
             works = self._post(self._pgs[self._in], bufs, send=False)
             item.landed = False
-        if wire.early_ready(header, env.plan, nccl=self._is_nccl) or not works:
+        # A payload with a view recipe (``allocs``) has no STAGED data: ready at once.
+        if allocs is not None or not works or wire.early_ready(header, env.plan, nccl=self._is_nccl):
             try:
                 views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device, region=region)
                 item.payload = wire.decode_tree(header, views)
@@ -1939,6 +1963,11 @@ class NcclConnector(BaseConnector):
                             self._pending_bytes -= item.nbytes
                             self._held -= 1
                             self._consumed.add(key)
+                            # The application reads: the keeper stays away for its grace
+                            # (a stream of gets served from the index would otherwise
+                            # hand the doorbell to the keeper and back, a thread switch
+                            # each way, every 1 ms).
+                            self._pump_idle_since = time.monotonic()
                             if self._deferred:
                                 cast(_Waker, self._pump_waker).wake()  # room for what waits
                             return item

@@ -875,7 +875,18 @@ def build_views(
         views = _fast_views(fast, received, region)
         if views is not None:
             return views
+    # The one-by-one path reads bytes: buffers allocated typed (``receive_allocs``) as
+    # their uint8 views.
+    received = [_as_bytes(b) for b in received]
+    if region is not None:
+        region = _as_bytes(region)
     return _slow_views(header, plan, inline, received, region)
+
+
+def _as_bytes(t: Any) -> Any:
+    import torch
+
+    return t if t.dtype == torch.uint8 and t.dim() == 1 else t.reshape(-1).view(torch.uint8)
 
 
 #: header object id -> (header, plan, recipe or None): ``read_bell`` hands out one header
@@ -891,10 +902,15 @@ class _Recipe:
     its typed view per dtype, instead of one ``as_strided`` per tensor (a payload of
     many small tensors paid most of its receive time building views one by one)."""
 
-    __slots__ = ("n", "empties", "singles", "runs", "pack_size", "bell_size", "has_bool")
+    __slots__ = ("n", "empties", "singles", "runs", "pack_size", "bell_size", "has_bool", "allocs", "region_alloc")
 
     def __init__(self) -> None:
         self.n = 0
+        # What the receiver allocates, so that a buffer IS its tensor (no view to build):
+        # per bulk buffer in ``check_sizes`` order, ``(shape, dtype)`` for a P2P tensor
+        # or ``None`` (the pack: uint8); for a region holding one tensor exactly, that.
+        self.allocs: list[tuple[tuple[int, ...], Any] | None] = []
+        self.region_alloc: tuple[tuple[int, ...], Any] | None = None
         self.empties: list[tuple[int, Any, tuple[int, ...]]] = []  # (index, dtype, shape)
         self.singles: list[tuple[int, Any, tuple[int, ...]]] = []  # P2P: (index, dtype, shape), in order
         # (code, dtype, sizes in items incl. gaps, [(index, piece, shape or None: 1-D)])
@@ -946,6 +962,10 @@ def _plan_recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
             groups.setdefault((code, dt), []).append((i, start, d.nbytes, shape))
         else:
             return None  # INLINE / STAGED: host data, the slow path
+    r.allocs = ([None] if r.pack_size else []) + [(shape, dt) for _i, dt, shape in r.singles]
+    if len(bell) == 1 and bell[0][2] == r.bell_size:
+        i = bell[0][1]
+        r.region_alloc = (tuple(header.tensors[i].shape), torch_from[header.tensors[i].dtype])
     for (code, dt), members in groups.items():
         size = dt.itemsize
         sizes: list[int] = []
@@ -960,6 +980,20 @@ def _plan_recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
             at = first + nbytes // size
         r.runs.append((code, dt, sizes, picks))
     return r
+
+
+def receive_allocs(
+    header: blob.BlobHeader, plan: list[int],
+) -> tuple[list[tuple[tuple[int, ...], Any] | None] | None, tuple[tuple[int, ...], Any] | None]:
+    """How the receiver may allocate a payload's buffers so that each P2P buffer, and a
+    region holding one tensor exactly, is that tensor (its dtype and shape: NCCL moves
+    bytes, so no view is built afterwards): per bulk buffer (``check_sizes`` order)
+    ``(shape, dtype)`` or ``None`` for uint8, and the region's ``(shape, dtype)`` or
+    ``None``; ``(None, None)`` where the payload has no view recipe (allocate uint8)."""
+    r = _recipe(header, plan)
+    if r is None:
+        return None, None
+    return r.allocs, r.region_alloc
 
 
 def _fast_views(r: _Recipe, received: list[Any], region: Any) -> list[Any] | None:
@@ -978,11 +1012,14 @@ def _fast_views(r: _Recipe, received: list[Any], region: Any) -> list[Any] | Non
         k = 1
     if len(received) - k != len(r.singles):
         return None
-    if r.bell_size and (region is None or r.bell_size > int(region.numel())):
+    if r.bell_size and (region is None or r.bell_size > int(region.nbytes)):
         raise BlobDecodeError(f"BELL tensors of {r.bell_size} bytes do not fit the region")
     if r.has_bool and ((pack is not None and not pack.is_cuda) or (region is not None and not region.is_cuda)):
         return None  # host bool bytes are checked one by one (the slow path)
     for (i, dt, shape), buf in zip(r.singles, received[k:]):
+        if buf.dtype == dt and buf.shape == shape:
+            views[i] = buf  # allocated as the tensor itself (``receive_allocs``)
+            continue
         if buf.device.type == "cpu" and dt == torch.bool:
             return None
         views[i] = buf.view(dt).view(shape)
@@ -990,6 +1027,9 @@ def _fast_views(r: _Recipe, received: list[Any], region: Any) -> list[Any] | Non
         whole = pack if code == PACK else region
         if whole is None or whole.storage_offset():
             return None
+        if code == BELL and r.region_alloc is not None and whole.dtype == dt and whole.shape == r.region_alloc[0]:
+            views[picks[0][0]] = whole  # the region allocated as its one tensor (``receive_allocs``)
+            continue
         typed = _typed(whole, dt)
         rest = int(typed.numel()) - sum(sizes)
         if rest < 0:

@@ -355,7 +355,7 @@ def _host(edge: EdgeReport, settings: Any, shm_arenas: list[tuple[EdgeReport, in
                 edge.here.append(f"the nccl backend on GPUs needs cuda-python, which is not importable here: "
                                  f"{CUDA_INSTALL_HINT}")
             from omnilink._errors import CudaError
-            from omnilink.cuda.nccl import nccl_library
+            from omnilink.cuda import nccl_library
 
             try:
                 nccl_library()
