@@ -512,7 +512,8 @@ class _SendRecipe:
     next payload of that shape once its tensors are where they were (torch tensors on
     the link's device, or on the host) and contiguous as needed."""
 
-    __slots__ = ("plan", "where", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles", "index")
+    __slots__ = ("plan", "where", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles", "index",
+                 "gapless")
 
     @classmethod
     def of(cls, prepared: Any, sp: SendPlan, index: int) -> _SendRecipe | None:
@@ -534,6 +535,14 @@ class _SendRecipe:
         r.inline = [i for i, code in enumerate(plan) if code == INLINE]
         r.bell, r.region_bytes = _placed(descs, plan, BELL)
         r.pack, r.pack_bytes = _placed(descs, plan, PACK)
+        # The pack's tensors follow one another with no padding (each a multiple of 64
+        # bytes): then tensors of one dtype are packed by one typed ``cat``, no byte
+        # view of each first.
+        end = 0
+        r.gapless = bool(r.pack)
+        for at, _i, n in r.pack:
+            r.gapless = r.gapless and at == end
+            end = at + n
         r.singles = [i for i, code in enumerate(plan) if code == P2P]
         return r
 
@@ -557,7 +566,10 @@ class _SendRecipe:
             return SendPlan(prepared.meta, self.plan, inline, [], prepared.nbytes, bell, self.region_bytes)
         uint8 = torch.uint8
         p2p: list[Any] = []
-        if self.pack:
+        packed = self._cat_typed(torch, sources) if self.gapless else None
+        if packed is not None:
+            p2p.append(packed)
+        elif self.pack:
             parts: list[Any] = []
             end = 0
             for at, i, n in self.pack:
@@ -569,6 +581,29 @@ class _SendRecipe:
         for i in self.singles:
             p2p.append(_flat_bytes(sources[i][1], uint8))
         return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes)
+
+    def _cat_typed(self, torch: Any, sources: list[Any]) -> Any:
+        """The pack as one ``cat`` of the tensors themselves (then one byte view), when
+        they share a dtype ``cat`` handles, need no grad and lie contiguous; else
+        ``None`` (the byte-view path). ``self.gapless``: no padding between them."""
+        first = sources[self.pack[0][1]][1]
+        dt = first.dtype
+        if dt.itemsize == 1 and dt not in (torch.uint8, torch.int8, torch.bool):
+            return None  # float8 and the like: cat them as bytes
+        ts = []
+        for _at, i, _n in self.pack:
+            t = sources[i][1]
+            if t.dtype is not dt or t.requires_grad:
+                return None
+            if t.dim() == 1:
+                if t.stride(0) != 1:
+                    return None
+            elif t.is_contiguous():
+                t = t.view(-1)
+            else:
+                return None
+            ts.append(t)
+        return torch.cat(ts).view(torch.uint8)
 
 
 def _plan_fresh(
