@@ -490,3 +490,35 @@ def test_a_payload_shape_is_planned_once_and_replayed_exactly():
             other = {**payload, "ids": payload["ids"].to("cuda:1")}
             with pytest.raises(ConfigurationError, match="cuda:1"):
                 wire.plan_send(other, bell_bytes=bell_bytes, **opts)
+
+
+@pytest.mark.multigpu
+def test_a_receiver_killed_with_a_send_in_flight_frees_the_senders_stream(procs):
+    """The receiver is frozen (SIGSTOP) so it cannot post its receive, the sender puts a
+    64 MiB payload (its NCCL send queued on cuda:0's stream, waiting), then the receiver
+    is killed (SIGKILL). The sender's next put raises ``PeerLostError`` and, once closed,
+    cuda:0's stream finishes: the link's abort ended the send no peer will match."""
+    import os
+    import signal
+
+    port = workers.free_port()
+    q, go = CTX.Queue(), CTX.Queue()
+    tx = CTX.Process(target=workers.stuck_send_sender, args=(port, "gpu/killed", q, go), daemon=True)
+    rx = CTX.Process(target=workers.frozen_receiver, args=(port, "gpu/killed", q), daemon=True)
+    for p in (tx, rx):
+        p.start()
+        procs.append(p)
+    pids = {_next(q)[1] for _ in range(2)}
+    assert rx.pid in pids and tx.pid in pids
+    os.kill(rx.pid, signal.SIGSTOP)
+    go.put("frozen")
+    assert _next(q)[:2] == ("put", "big")
+    os.kill(rx.pid, signal.SIGKILL)
+    rx.join(WAIT)
+    go.put("dead")
+    msg = _next(q)
+    assert msg[0] == "result", msg
+    assert msg[1] is not None, "no PeerLostError within 30 s of the receiver's death"
+    assert msg[2], "cuda:0's stream still waits for a send to a dead receiver after close"
+    tx.join(WAIT)
+    assert tx.exitcode == 0

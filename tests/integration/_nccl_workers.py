@@ -138,3 +138,59 @@ def streaming_sender(port: int, channel: str, out: Any) -> None:
                 i += 1
     except Exception as exc:
         out.put(("error", type(exc).__name__, str(exc)))
+
+
+def stuck_send_sender(port: int, channel: str, out: Any, go: Any) -> None:
+    """Rank 0 on cuda:0 over NCCL: once told (the receiver is frozen), put a 64 MiB
+    payload whose NCCL send cannot complete, report, and wait for the receiver to be
+    killed; then report what ``put``/``close`` raised and whether cuda:0's stream, which
+    held the send, finished within 30 s (the link's abort must end the send)."""
+    _dump_if_hung()
+    import threading
+    import time
+
+    import torch
+
+    import omnilink
+    from omnilink import PeerLostError
+
+    try:
+        tx = omnilink.connect("nccl", channel=channel, role="sender", backend="nccl", device="cuda:0",
+                              master_port=port, timeout=WAIT, bell_bytes=0)
+        tx.wait_connected(WAIT)
+        out.put(("connected", os.getpid(), None))
+        go.get(timeout=WAIT)  # the receiver is frozen now
+        tx.put("big", {"t": torch.ones(32 << 20, dtype=torch.bfloat16, device="cuda:0")}, timeout=WAIT)
+        out.put(("put", "big", None))
+        go.get(timeout=WAIT)  # the receiver is dead now
+        t0 = time.monotonic()
+        lost = None
+        while time.monotonic() - t0 < 30:
+            try:
+                tx.put("next", {"t": torch.ones(8, device="cuda:0")}, timeout=5.0)
+            except PeerLostError as exc:
+                lost = str(exc)
+                break
+            except omnilink.TransferTimeout:
+                continue
+            time.sleep(0.05)
+        tx.close()
+        done = threading.Event()
+        threading.Thread(target=lambda: (torch.cuda.synchronize("cuda:0"), done.set()), daemon=True).start()
+        out.put(("result", lost, done.wait(30.0)))
+    except Exception as exc:  # reported to the test, which fails with it
+        out.put(("error", type(exc).__name__, str(exc)))
+
+
+def frozen_receiver(port: int, channel: str, out: Any) -> None:
+    """Rank 1 on cuda:1 over NCCL that connects, reports, and waits (the test stops it
+    with SIGSTOP, then kills it)."""
+    import threading
+
+    import omnilink
+
+    rx = omnilink.connect("nccl", channel=channel, role="receiver", backend="nccl", device="cuda:1",
+                          master_port=port, timeout=WAIT)
+    rx.wait_connected(WAIT)
+    out.put(("connected", os.getpid(), None))
+    threading.Event().wait(WAIT)
