@@ -46,7 +46,7 @@ from bench_nccl import free_port, join_pair  # noqa: E402  (the same pair of ran
 CONNECTOR_STEPS = (
     "_put", "_stage_region", "_ring_bell", "_send_nccl", "_send_gloo", "_wait_window", "_read_credits",
     "_await_credits", "_get", "_take", "_progress", "_pump", "_drain", "_announce", "_post_deferred", "_post_one",
-    "_post", "_hand_out", "_flush_credits", "_send_credit",
+    "_stage_post", "_list_posted", "_post", "_hand_out", "_flush_credits", "_send_credit",
 )
 WIRE_STEPS = ("plan_send", "encode_envelope", "read_bell", "build_views", "decode_tree")
 LATENCY_BYTES = 4096

@@ -1687,7 +1687,8 @@ class NcclConnector(BaseConnector):
                 return did
             for raw in messages:
                 self._announce(raw)
-                self._post_deferred()
+            # All that came at once, posted together (one NCCL launch for them).
+            self._post_deferred()
             did = True
 
     def _announce(self, raw: bytes) -> None:
@@ -1719,34 +1720,62 @@ class NcclConnector(BaseConnector):
         self._bell_seq += 1
 
     def _post_deferred(self) -> bool:
-        """Post the announced payloads in order while the receiver's budget allows."""
+        """Post the announced payloads in order while the receiver's budget allows. On
+        NCCL, the receives of several payloads read at once are posted as one NCCL group
+        (one launch for them all; a payload with STAGED data, whose copy back to host
+        must follow its receives on the stream, is posted alone)."""
         deferred = self._deferred
         did = False
-        while deferred:
-            ann = deferred[0]
-            if self._closing:
-                return did
+        while deferred and not self._closing:
+            run: list[wire.Announced] = []
             pending = self._pending_bytes
-            if pending and pending + ann.nbytes > self.max_pending_bytes:
-                return did  # backpressure: the application reads first
-            self._post_one(ann)
-            deferred.popleft()
+            for ann in deferred:
+                if pending and pending + ann.nbytes > self.max_pending_bytes:
+                    break  # backpressure: the application reads first
+                if run and (not self._is_nccl or wire.STAGED in ann.env.plan):
+                    break
+                run.append(ann)
+                pending += ann.nbytes
+                if wire.STAGED in ann.env.plan:
+                    break
+            if not run:
+                return did
+            if len(run) > 1:
+                comm = self._pgs[self._in]
+                staged = []
+                comm.group_start()
+                try:
+                    for ann in run:
+                        staged.append(self._stage_post(ann))
+                finally:
+                    comm.group_end()  # the launch: the events below come after it
+                for ann, st in zip(run, staged):
+                    self._list_posted(ann, *st)
+                    deferred.popleft()
+            else:
+                self._post_one(run[0])
+                deferred.popleft()
             did = True
         return did
 
     def _post_one(self, ann: wire.Announced) -> None:
-        """Allocate one payload's receive buffers, post its receives (one coalesced
-        group), copy its region to the device, build its views, and list it."""
+        """Post one payload (``_stage_post`` then ``_list_posted``)."""
+        self._list_posted(ann, *self._stage_post(ann))
+
+    def _stage_post(self, ann: wire.Announced) -> tuple[Any, list[Any], Any, list[Any], Any, int]:
+        """Allocate one payload's receive buffers and post its receives (one NCCL group,
+        or inside the caller's), or copy its region to the device; returns what
+        ``_list_posted`` needs: ``(item, bufs, region, works, allocs, stream)``."""
         torch = self._torch
         env = ann.env
         header = ann.header
         uint8 = torch.uint8
-        seq = env.seq
-        item = _Arrived(seq, env.key, ann.nbytes, ann.frame)
+        item = _Arrived(env.seq, env.key, ann.nbytes, ann.frame)
         bufs: list[Any] = []
         region: Any = None
         works: list[Any] = []
         allocs: Any = None
+        raw = 0
         if self._is_nccl:
             if env.region or ann.sizes:
                 dev = self.device
@@ -1788,7 +1817,9 @@ class NcclConnector(BaseConnector):
                         self._post(self._pgs[self._in], bufs, send=False, stream=raw, sizes=ann.sizes)
                         if wire.STAGED in env.plan:
                             # Host data staged through the device: back to (pinned) host
-                            # memory on the receive stream, after the receives.
+                            # memory on the receive stream, after the receives (never in
+                            # a group of several payloads: launched here, so the copies
+                            # follow them).
                             host_bufs = []
                             for buf, staged in zip(bufs, wire.staged_transfers(env.plan)):
                                 if staged:
@@ -1798,7 +1829,6 @@ class NcclConnector(BaseConnector):
                                 host_bufs.append(buf)
                             bufs = host_bufs
                             item.host_wait = True
-                    item.event = self._event_cls(idx).record(raw)
                 finally:
                     C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
                 item.device_tensors = [region] if region is not None else [b for b in bufs if b.is_cuda]
@@ -1806,6 +1836,19 @@ class NcclConnector(BaseConnector):
             bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]
             works = self._post(self._pgs[self._in], bufs, send=False)
             item.landed = False
+        return item, bufs, region, works, allocs, raw
+
+    def _list_posted(
+        self, ann: wire.Announced, item: _Arrived, bufs: list[Any], region: Any, works: list[Any], allocs: Any,
+        raw: int,
+    ) -> None:
+        """After its receives are launched: the payload's event (on ``raw``, its
+        stream), its views, its place in the index, and the credits owed."""
+        env = ann.env
+        header = ann.header
+        seq = env.seq
+        if raw:
+            item.event = self._event_cls(self._dev_index).record(raw)
         # A payload with a view recipe (``allocs``) has no STAGED data: ready at once.
         if allocs is not None or not works or wire.early_ready(header, env.plan, nccl=self._is_nccl):
             try:
