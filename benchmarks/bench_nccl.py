@@ -73,10 +73,17 @@ def iters_for(nbytes: int, backend: str) -> int:
     return max(10, min(400, budget // nbytes))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> tuple[int, ...]:
+    """``n`` distinct free TCP ports of this host: all bound at once, then let go (one
+    by one, two calls could hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return tuple(s.getsockname()[1] for s in socks)
+    finally:
+        for s in socks:
+            s.close()
 
 
 #: What ``--profile`` times in both processes, perf_counter_ns around each call: the
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = (free_port(), free_port())
+    ports = free_ports(2)
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()

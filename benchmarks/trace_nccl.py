@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_nccl import free_port, join_pair  # noqa: E402  (the same pair of ranks as the benchmark)
+from bench_nccl import free_ports, join_pair  # noqa: E402  (the same pair of ranks as the benchmark)
 
 #: Connector methods and wire functions timed (those a version lacks are skipped).
 CONNECTOR_STEPS = (
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     opts = {"backend": args.backend, "n": args.n, "pause_ms": args.pause_ms, "streams": parse_streams(args.streams),
             "stream_n": args.stream_n}
-    ports = (free_port(), free_port())
+    ports = free_ports(2)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]
