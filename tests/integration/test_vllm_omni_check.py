@@ -279,20 +279,27 @@ def test_nixl_named_on_one_edge(tmp_path, capsys):
     assert rc == 1 and "'pool_byte' (did you mean 'pool_bytes'?)" in out, out
 
 
+def _nccl_edge(c):
+    c["stages"][2]["input_connectors"]["from_stage_1"] = {
+        "name": "OmnilinkConnector",
+        "extra": {"backend": "nccl", "options": {"master_port": 29600}}}
+
+
+def _nccl_edge_on_gpus(tmp_path, monkeypatch):
+    """A file whose stage 2 reads an nccl edge, on a machine faked to have a GPU and
+    NCCL (so the edge would run on NCCL here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    return _write(tmp_path, _nccl_edge)
+
+
 def test_nccl_on_gpus_without_cuda_python_is_a_problem_here(tmp_path, capsys, monkeypatch):
     """An nccl edge that would run on NCCL here (a GPU and NCCL present) needs
     cuda-python for its per-message CUDA calls: without it, a problem here naming the
     extra; with it, or over gloo, none."""
     import omnilink.cuda as ocuda
 
-    def mutate(c):
-        c["stages"][2]["input_connectors"]["from_stage_1"] = {
-            "name": "OmnilinkConnector",
-            "extra": {"backend": "nccl", "options": {"master_port": 29600}}}
-
-    path = _write(tmp_path, mutate)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    path = _nccl_edge_on_gpus(tmp_path, monkeypatch)
     monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: False)
     rc, out, _ = _run(capsys, str(path))
     assert rc == 1 and "needs cuda-python" in out and "pyomnilink[cuda]" in out, out
@@ -300,7 +307,7 @@ def test_nccl_on_gpus_without_cuda_python_is_a_problem_here(tmp_path, capsys, mo
     rc, out, _ = _run(capsys, str(path))
     assert "needs cuda-python" not in out, out
     monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: False)
-    gloo = _write(tmp_path, lambda c: (mutate(c), c["stages"][2]["input_connectors"]["from_stage_1"]["extra"]
+    gloo = _write(tmp_path, lambda c: (_nccl_edge(c), c["stages"][2]["input_connectors"]["from_stage_1"]["extra"]
                                        ["options"].update(backend="gloo")))
     rc, out, _ = _run(capsys, str(gloo))
     assert "needs cuda-python" not in out, out
@@ -312,14 +319,7 @@ def test_nccl_on_gpus_without_nccls_library_is_a_problem_here(tmp_path, capsys, 
     import omnilink.cuda as ocuda
     from omnilink._errors import CudaError
 
-    def mutate(c):
-        c["stages"][2]["input_connectors"]["from_stage_1"] = {
-            "name": "OmnilinkConnector",
-            "extra": {"backend": "nccl", "options": {"master_port": 29600}}}
-
-    path = _write(tmp_path, mutate)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    path = _nccl_edge_on_gpus(tmp_path, monkeypatch)
     monkeypatch.setattr(ocuda, "have_cuda_ops", lambda: True)
 
     def missing():
