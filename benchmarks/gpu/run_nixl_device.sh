@@ -19,8 +19,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/omnilink-nixl-run}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+WHEELS=${WHEELS:-.whl}  # the directory of the device's wheels
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -29,8 +30,13 @@ export PYTHONUNBUFFERED=1 TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=f
 echo "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-unset}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "from omnilink.connectors import backend_unavailable as b; print('nixl:', b('nixl') or 'available')"
-timeout 420 python3 benchmarks/bench_nixl.py --device cuda --json "$OUT/nixl-gpu.jsonl" > "$OUT/bench.log" 2>&1
-echo "bench rc=$?"; grep -v -e "NIXL INFO" -e Warning "$OUT/bench.log" | tail -25
+# BENCH_ARGS / BENCH_S: a shorter benchmark where the run shares its call with others.
+timeout "${BENCH_S:-420}" python3 benchmarks/bench_nixl.py --device cuda ${BENCH_ARGS:-} --json "$OUT/nixl-gpu.jsonl" \
+  > "$OUT/bench.log" 2>&1
+bench_rc=$?
+echo "bench rc=$bench_rc"; grep -v -e "NIXL INFO" -e Warning -e "frame #" "$OUT/bench.log" | tail -25
 timeout 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
   tests/gpu/test_nixl_gpu.py tests/conformance/test_nixl.py > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?"; tail -8 "$OUT/gpu_tests.log"
+tests_rc=$?
+echo "gpu tests rc=$tests_rc"; tail -8 "$OUT/gpu_tests.log"
+[ "$bench_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ]
