@@ -121,6 +121,19 @@ def install_step_timers() -> dict[str, list[int]]:
     return acc
 
 
+def ping_pong(conn: Any, rank: int, sync: Any, ping: str, pong: str, payload: Any) -> None:
+    """One exchange of the 4 KiB latency: rank 0 puts ``ping`` and waits for ``pong``;
+    rank 1 gets ``ping``, synchronizes its device, and puts it back as ``pong``."""
+    if rank == 0:
+        conn.put(ping, payload)
+        conn.get(pong)
+        sync()
+    else:
+        got = conn.get(ping)
+        sync()
+        conn.put(pong, got)
+
+
 def join_pair(rank: int, port: int, backend: str) -> tuple[Any, Any, Any]:
     """This rank's default process group of two over ``tcp://127.0.0.1:port`` (NCCL with
     cuda:``rank`` as the device, or gloo on the CPU); returns ``(device, sync,
@@ -304,14 +317,8 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                         sync()
                         dist.send(buf, dst=0)
                     sync()
-                elif rank == 0:
-                    conn.put(f"ping{i}", payload)
-                    conn.get(f"pong{i}")
-                    sync()
                 else:
-                    got = conn.get(f"ping{i}")
-                    sync()
-                    conn.put(f"pong{i}", got)
+                    ping_pong(conn, rank, sync, f"ping{i}", f"pong{i}", payload)
                 if i >= 5:
                     one_way[name].append((time.perf_counter() - t0) / 2)
         return one_way

@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_nccl import free_ports, join_pair  # noqa: E402  (the same pair of ranks as the benchmark)
+from bench_nccl import free_ports, join_pair, ping_pong  # noqa: E402  (the same pair of ranks as the benchmark)
 
 #: Connector methods and wire functions timed (those a version lacks are skipped).
 CONNECTOR_STEPS = (
@@ -142,14 +142,7 @@ def _run_rank(rank: int, ports: tuple[int, int], opts: dict[str, Any]) -> dict[s
             if pause:
                 time.sleep(pause)
             mark(f"iter{i}")
-            if rank == 0:
-                conn.put(f"{phase}ping{i}", payload)
-                conn.get(f"{phase}pong{i}")
-                sync()
-            else:
-                got = conn.get(f"{phase}ping{i}")
-                sync()
-                conn.put(f"{phase}pong{i}", got)
+            ping_pong(conn, rank, sync, f"{phase}ping{i}", f"{phase}pong{i}", payload)
             mark(f"end{i}")
         rec["on"] = False
         phases[phase] = len(rec["ev"])

@@ -10,7 +10,7 @@ import time
 from typing import Any
 from collections import OrderedDict
 
-from omnilink._errors import ConfigurationError, DuplicateKeyError, KeyConsumedError
+from omnilink._errors import ConfigurationError, DuplicateKeyError, KeyConsumedError, TransferTimeout
 
 __all__ = [
     "CONSUMED_KEYS_REMEMBERED",
@@ -218,6 +218,20 @@ def duplicate_key(backend: str, channel: str, key: str) -> DuplicateKeyError:
         "consumed or discarded); a key can be put again only after it was consumed or discarded",
         channel=channel,
         key=key,
+    )
+
+
+def timed_out(backend: str, channel: str, op: str, key: str | None, peer: str | None,
+              waited: float | None) -> TransferTimeout:
+    """The one ``TransferTimeout`` of an operation (``op``, on ``key`` if any) that waited
+    ``waited`` seconds for ``peer`` (every backend's wording)."""
+    what = f"{op} of key {key!r}" if key is not None else op
+    return TransferTimeout(
+        f"{backend}: {what} on channel {channel!r} timed out after "
+        f"{waited if waited is not None else '?'} s waiting for {peer or 'the peer'}",
+        channel=channel,
+        key=key,
+        peer=peer,
     )
 
 

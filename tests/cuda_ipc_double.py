@@ -22,6 +22,7 @@ the route only for CUDA tensors, so tests call the route as that ``put`` would.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -215,3 +216,16 @@ def route_put(conn: Any, key: str, payload: Any, timeout: float = 5.0) -> int | 
     from omnilink._util import Deadline
 
     return conn._ipc.put(key, payload, prepare(payload), Deadline(timeout), None)
+
+
+@contextlib.contextmanager
+def host_pair(channel: str):
+    """A receiver (4 MiB pool, 4 event slots) and a sender of ``channel`` over the
+    host-memory double, closed on the way out: ``(tx, rx)``."""
+    rx = HostCudaIpc(channel=channel, role="receiver", pool_bytes=4 << 20, event_slots=4)
+    tx = HostCudaIpc(channel=channel, role="sender", linger=0)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()

@@ -54,7 +54,7 @@ from omnilink._errors import (
     TransferTimeout,
     WouldBlock,
 )
-from omnilink._util import MAX_KEY_BYTES, NO_WAIT, Deadline, validate_channel, validate_key
+from omnilink._util import MAX_KEY_BYTES, NO_WAIT, Deadline, timed_out, validate_channel, validate_key
 
 __all__ = ["BaseConnector", "Connector", "ConnectorStats", "Role"]
 
@@ -369,14 +369,7 @@ class BaseConnector:
     def _timeout(self, op: str, key: str | None, peer: str | None, waited: float | None) -> TransferTimeout:
         """Build (and count) the ``TransferTimeout`` for an operation that waited too long."""
         self._count(timeouts=1)
-        what = f"{op} of key {key!r}" if key is not None else op
-        return TransferTimeout(
-            f"{self.backend}: {what} on channel {self.channel!r} timed out after "
-            f"{waited if waited is not None else '?'} s waiting for {peer or 'the peer'}",
-            channel=self.channel,
-            key=key,
-            peer=peer,
-        )
+        return timed_out(self.backend, self.channel, op, key, peer, waited)
 
     def _deadline(self, timeout: float | None) -> Deadline:
         if timeout is None:

@@ -207,10 +207,6 @@ class NcclComm:
     def alive(self) -> bool:
         return not self._gone
 
-    def _checked(self, code: int, what: str) -> None:
-        if code != _SUCCESS:
-            raise TransportError(f"NCCL {what} failed: {self._lib.describe(code, self._handle)}")
-
     def send(self, ptr: int, nbytes: int, peer: int, stream: int) -> None:
         """Enqueue a send of ``nbytes`` at device address ``ptr`` to ``peer`` on ``stream``."""
         with self._lock:
@@ -218,7 +214,7 @@ class NcclComm:
                 raise TransportError("NCCL send on a communicator that was aborted or destroyed")
             code = self._send(ptr, nbytes, _INT8, peer, self._handle, stream)
         if code != _SUCCESS:
-            self._checked(code, "ncclSend")
+            self._lib.check(code, "ncclSend", self._handle)
 
     def recv(self, ptr: int, nbytes: int, peer: int, stream: int) -> None:
         """Enqueue a receive of ``nbytes`` into device address ``ptr`` from ``peer``."""
@@ -227,7 +223,7 @@ class NcclComm:
                 raise TransportError("NCCL receive on a communicator that was aborted or destroyed")
             code = self._recv(ptr, nbytes, _INT8, peer, self._handle, stream)
         if code != _SUCCESS:
-            self._checked(code, "ncclRecv")
+            self._lib.check(code, "ncclRecv", self._handle)
 
     def group_start(self) -> None:
         self._lib.check(self._lib._group_start(), "ncclGroupStart")
@@ -241,7 +237,7 @@ class NcclComm:
                 raise TransportError("NCCL group on a communicator that was aborted or destroyed")
             code = self._lib._group_end()
         if code != _SUCCESS:
-            self._checked(code, "ncclGroupEnd")
+            self._lib.check(code, "ncclGroupEnd", self._handle)
 
     def async_error(self) -> str | None:
         """The communicator's asynchronous error in NCCL's words, or ``None``."""
@@ -279,7 +275,7 @@ class NcclComm:
 
 
 _library: NcclLibrary | None = None
-_library_error: CudaError | None = None
+_library_error: str | None = None
 _library_lock = threading.Lock()
 
 
@@ -298,8 +294,7 @@ def nccl_library() -> NcclLibrary:
                 try:
                     _library = NcclLibrary()
                 except CudaError as exc:
-                    _library_error = exc
+                    _library_error = str(exc)
     if _library is None:
-        assert _library_error is not None
-        raise _library_error
+        raise CudaError(_library_error or f"no NCCL library could be loaded: {_HINT}")
     return _library

@@ -19,7 +19,7 @@ from omnilink.connectors import backend_unavailable
 from omnilink.connectors.shm import collect_garbage
 from omnilink.testing import CHECKS, check_connector
 from tests.gpu._cuda_ipc_workers import mixed_payload, receiver_holding, sender
-from tests.procs import start_process
+from tests.procs import start_process, wait_json
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -31,16 +31,6 @@ needs_backend = pytest.mark.skipif(_REASON is not None, reason=f"the cuda_ipc ba
 
 def _chan() -> str:
     return f"t/cipc-gpu-{uuid.uuid4().hex[:8]}"
-
-
-def _wait_json(path: str, proc, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert proc.is_alive() or os.path.exists(path), f"child exited with {proc.exitcode}"
-        assert time.monotonic() < deadline, "child never reported"
-        time.sleep(0.02)
-    with open(path) as f:
-        return json.load(f)
 
 
 def _expect_mixed(got: dict, seed: int, device: str, pool: tuple[int, int]) -> None:
@@ -70,7 +60,7 @@ def test_two_processes_round_trip_bf16_mixed_zero_copy(procs, tmp_path):
             got = rx.get(f"mixed-{seed}", timeout=120)
             _expect_mixed(got, seed, "cuda:0", _pool(rx))
             del got
-        _wait_json(out, p)
+        wait_json(out, p)
         p.join(60)
         assert p.exitcode == 0
         assert rx.stats().device_gets == 3
@@ -92,7 +82,7 @@ def test_put_and_get_do_not_block_the_host_and_sources_may_be_overwritten(procs,
         # The sender's producer kernel (~1 s) still runs: our stream waits on the copy's
         # event, the host did not.
         busy = not torch.cuda.current_stream().query()
-        rec = _wait_json(out, p)
+        rec = wait_json(out, p)
         assert rec["stream_busy_after_put"], "put blocked the host until the producer's kernel ended"
         assert busy, "get blocked the host until the copy was done"
         assert torch.equal(got["x"], torch.full((1 << 20,), 7.0, device="cuda:0")), \
@@ -112,7 +102,7 @@ def test_many_payloads_reuse_pool_blocks_and_slots(procs, tmp_path):
             n = 1 + (i * 7919) % (1 << 20)
             assert got["x"].shape == (n,) and bool((got["x"] == i % 100).all()), i
             del got
-        _wait_json(out, p)
+        wait_json(out, p)
         p.join(60)
         assert p.exitcode == 0
 
@@ -171,7 +161,7 @@ def test_sigkill_of_the_receiver_frees_its_pool(procs, tmp_path):
     p = start_process(procs, receiver_holding, ch, "cuda:0", pool_bytes, out)
     with omnilink.connect("cuda_ipc", channel=ch, role="sender", timeout=120.0, linger=0) as tx:
         tx.put("mixed-1", mixed_payload(1, "cuda:0"))
-        rec = _wait_json(out, p)
+        rec = wait_json(out, p)
         assert rec["ok"]
         assert torch.cuda.mem_get_info(0)[0] < free0 - pool_bytes // 2  # the pool is there
         os.kill(p.pid, signal.SIGKILL)
@@ -193,7 +183,7 @@ def test_sigkill_of_the_sender_leaves_the_pool_intact(procs, tmp_path):
     ch, out = _chan(), str(tmp_path / "out.json")
     with omnilink.connect("cuda_ipc", channel=ch, role="receiver", device="cuda:0", pool_bytes=64 << 20) as rx:
         p = start_process(procs, sender, ch, "kill_me", "cuda:0", out)
-        rec = _wait_json(out, p)
+        rec = wait_json(out, p)
         got = rx.get("mixed-1", timeout=60)
         torch.cuda.synchronize()
         os.kill(p.pid, signal.SIGKILL)
@@ -220,7 +210,7 @@ def test_sigkill_of_the_sender_leaves_the_pool_intact(procs, tmp_path):
             _expect_mixed(again, seed, "cuda:0", _pool(rx))
             del again
         _expect_mixed(got, 1, "cuda:0", _pool(rx))  # the new sender did not write over held blocks
-        _wait_json(out2, p2)
+        wait_json(out2, p2)
         p2.join(60)
         assert rec["pid"] == p.pid
     collect_garbage()
@@ -239,7 +229,7 @@ def test_cuda1_to_cuda0_with_peer_access_both_ways(procs, tmp_path):
         assert torch.equal(got["hidden"].cpu(), want["hidden"].cpu())
         lo, hi = _pool(rx)
         assert lo <= got["hidden"].data_ptr() < hi
-        rec = _wait_json(out, p)
+        rec = wait_json(out, p)
         if torch.cuda.can_device_access_peer(0, 1):
             assert rec["peers"] == [[0, 1], [1, 0]]
         p.join(60)

@@ -8,7 +8,6 @@ with a reason on a machine without CUDA (or without cuda-python)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -20,7 +19,7 @@ import omnilink
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.shm import collect_garbage
 from tests.gpu._devpool_growth_workers import MIB, big, growth_receiver, growth_sender
-from tests.procs import start_process
+from tests.procs import start_process, wait_json
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -31,16 +30,6 @@ needs_backend = pytest.mark.skipif(_REASON is not None, reason=f"the cuda_ipc ba
 
 def _chan() -> str:
     return f"t/grow-gpu-{uuid.uuid4().hex[:8]}"
-
-
-def _wait_json(path: str, proc, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert proc.is_alive() or os.path.exists(path), f"child exited with {proc.exitcode}"
-        assert time.monotonic() < deadline, "child never reported"
-        time.sleep(0.02)
-    with open(path) as f:
-        return json.load(f)
 
 
 def _in_segment(rx, t) -> bool:
@@ -59,7 +48,7 @@ def test_a_payload_larger_than_the_pool_and_three_times_the_pool_held(procs, tmp
             assert torch.equal(got["x"], big(8, i + 1, "cuda:0"))
         st = rx.stats()
         assert st.pool_segments >= 2 and st.pool_bytes_now >= 24 * MIB and st.device_gets == 3
-        rec = _wait_json(out, p)
+        rec = wait_json(out, p)
         assert rec["stats"] == 4
         rx.get("unread", timeout=60)
         del held, got
@@ -113,7 +102,7 @@ def test_sigkill_of_the_receiver_of_a_grown_pool(procs, tmp_path):
     p = start_process(procs, growth_receiver, ch, out, 4 * MIB, 16)
     with omnilink.connect("cuda_ipc", channel=ch, role="sender", linger=0) as tx:
         tx.put("k0", {"x": big(16, 1, "cuda:0")}, timeout=120)
-        rec = _wait_json(out, p)
+        rec = wait_json(out, p)
         assert rec["ok"] and rec["segments"] == 2
         assert len(tx._sender.tx.live) == 2
         os.kill(p.pid, signal.SIGKILL)
@@ -139,7 +128,7 @@ def test_sigkill_of_the_sender_of_a_grown_pool(procs, tmp_path):
     with omnilink.connect("cuda_ipc", channel=ch, role="receiver", device="cuda:0", pool_bytes=4 * MIB) as rx:
         p = start_process(procs, growth_sender, ch, out, 1, 16)
         got = rx.get("k0", timeout=120)
-        _wait_json(out, p)
+        wait_json(out, p)
         torch.cuda.synchronize()
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)

@@ -30,8 +30,8 @@ from omnilink.connectors import backend_unavailable
 from omnilink.connectors.devpool.blocks import BlockAllocator
 from omnilink.connectors.devpool.directory import find_directories
 from omnilink.connectors.shm import ShmConnector, collect_garbage, read_prefix, unlink_segment
-from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps
-from tests.procs import start_process
+from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps, host_pair
+from tests.procs import start_process, wait_file
 
 
 def _chan() -> str:
@@ -40,12 +40,8 @@ def _chan() -> str:
 
 @pytest.fixture
 def pair():
-    ch = _chan()
-    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
-    tx = HostCudaIpc(channel=ch, role="sender", linger=0)
-    yield tx, rx
-    tx.close()
-    rx.close()
+    with host_pair(_chan()) as tx_rx:
+        yield tx_rx
 
 
 def _pool_range(rx) -> tuple[int, int]:
@@ -441,21 +437,13 @@ def _child_sender(channel: str, ready: str) -> None:
     time.sleep(600)  # killed by the test
 
 
-def _wait_file(path: str, proc) -> None:
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path) or not open(path).read():
-        assert proc.is_alive(), "child died"
-        assert time.monotonic() < deadline, "child never got ready"
-        time.sleep(0.02)
-
-
 def test_sigkill_of_the_receiver(procs, tmp_path):
     ch = _chan()
     ready = str(tmp_path / "ready")
     p = start_process(procs, _child_receiver, ch, ready)
     with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
         tx.put("k", {"x": torch.arange(100)}, timeout=60)
-        _wait_file(ready, p)
+        wait_file(ready, p)
         assert tx._sender.tx is not None and tx._sender.tx.segs[0].opened
         ops: HostDeviceOps = tx._ops
         assert len(ops.opened) == 1
@@ -478,7 +466,7 @@ def test_sigkill_of_the_sender_leaves_the_pool_intact(procs, tmp_path):
     with HostCudaIpc(channel=ch, role="receiver", pool_bytes=2 << 20) as rx:
         p = start_process(procs, _child_sender, ch, ready)
         got = rx.get("k", timeout=60)
-        _wait_file(ready, p)
+        wait_file(ready, p)
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         assert torch.equal(got["x"], torch.arange(100))  # views of the receiver's own pool

@@ -21,7 +21,7 @@ from omnilink import CapacityError, PeerLostError
 from omnilink.connectors.devpool.directory import SEG_SHIFT, find_directories
 from omnilink.connectors.shm import collect_garbage, read_prefix
 from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps
-from tests.procs import start_process
+from tests.procs import start_process, wait_file
 
 MIB = 1 << 20
 
@@ -194,21 +194,13 @@ def _child_sender(channel: str, ready: str) -> None:
     time.sleep(600)  # killed by the test
 
 
-def _wait_file(path: str, proc) -> None:
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path) or not open(path).read():
-        assert proc.is_alive(), "child died"
-        assert time.monotonic() < deadline, "child never got ready"
-        time.sleep(0.02)
-
-
 def test_sigkill_of_the_receiver_of_a_grown_pool(procs, tmp_path):
     ch = _chan()
     ready = str(tmp_path / "ready")
     p = start_process(procs, _child_receiver, ch, ready)
     with HostCudaIpc(channel=ch, role="sender", linger=0) as tx:
         tx.put("big", {"x": _big(3, 7)}, timeout=60)  # larger than the child's pool
-        _wait_file(ready, p)
+        wait_file(ready, p)
         ops: HostDeviceOps = tx._ops
         assert len(ops.opened) == 2  # segment 0 and the new one, mapped from the child
         os.kill(p.pid, signal.SIGKILL)
@@ -230,7 +222,7 @@ def test_sigkill_of_the_sender_of_a_grown_pool_keeps_its_segments(procs, tmp_pat
     with HostCudaIpc(channel=ch, role="receiver", pool_bytes=MIB) as rx:
         p = start_process(procs, _child_sender, ch, ready)
         got = rx.get("big", timeout=60)
-        _wait_file(ready, p)
+        wait_file(ready, p)
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         assert rx.stats().pool_segments == 2
@@ -281,7 +273,7 @@ def test_the_sender_unmaps_a_segment_its_receiver_gives_back(procs, tmp_path):
         tx.put("big", {"x": _big(3, 6)}, timeout=60)
         ops: HostDeviceOps = tx._ops
         assert len(ops.opened) == 2
-        _wait_file(ready, p)
+        wait_file(ready, p)
         _until(lambda: len(ops.opened) == 1)  # the sender closed its mapping of segment 1...
         d = tx._sender.tx.dir
         _until(lambda: d.segment(1)[0] == SEG_NONE)  # ...and the receiver freed it

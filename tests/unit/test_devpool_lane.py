@@ -19,7 +19,7 @@ from omnilink import DuplicateKeyError, KeyConsumedError, TransferTimeout, Would
 from omnilink.connectors.devpool import lane as lane_mod
 from omnilink.connectors.devpool.directory import LANE_PUB, LANE_READ
 from omnilink.connectors.devpool.lane import BadRecord, NotPlain, decode_record, encode_record
-from tests.cuda_ipc_double import HostCudaIpc
+from tests.cuda_ipc_double import HostCudaIpc, host_pair
 
 
 def _chan() -> str:
@@ -28,12 +28,8 @@ def _chan() -> str:
 
 @pytest.fixture
 def pair():
-    ch = _chan()
-    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
-    tx = HostCudaIpc(channel=ch, role="sender", linger=0)
-    yield tx, rx
-    tx.close()
-    rx.close()
+    with host_pair(_chan()) as tx_rx:
+        yield tx_rx
 
 
 def _lane(rx):

@@ -17,7 +17,7 @@ from omnilink._errors import (
     PeerLostError,
     TransferTimeout,
 )
-from omnilink._util import Deadline, PeerWatch, plain_tensor
+from omnilink._util import Deadline, PeerWatch, plain_tensor, timed_out
 from omnilink.blob import encoded_size
 from omnilink.connectors.devpool.blocks import ALIGN, BlockAllocator
 from omnilink.connectors.devpool.directory import (
@@ -179,14 +179,7 @@ class PoolSender:
     def _timeout(self, op: str, key: str | None, peer: str, waited: float | None) -> TransferTimeout:
         """Build (and count) the ``TransferTimeout`` of a wait that ran out."""
         self.timeouts += 1
-        what = f"{op} of key {key!r}" if key is not None else op
-        return TransferTimeout(
-            f"cuda_ipc: {what} on channel {self.channel!r} timed out after "
-            f"{waited if waited is not None else '?'} s waiting for {peer}",
-            channel=self.channel,
-            key=key,
-            peer=peer,
-        )
+        return timed_out("cuda_ipc", self.channel, op, key, peer, waited)
 
     # --------------------------------------------------------------------- send
     def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,

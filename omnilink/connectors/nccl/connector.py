@@ -1732,11 +1732,12 @@ class NcclConnector(BaseConnector):
             for ann in deferred:
                 if pending and pending + ann.nbytes > self.max_pending_bytes:
                     break  # backpressure: the application reads first
-                if run and (not self._is_nccl or wire.STAGED in ann.env.plan):
+                alone = not self._is_nccl or wire.STAGED in ann.env.plan
+                if run and alone:
                     break
                 run.append(ann)
                 pending += ann.nbytes
-                if wire.STAGED in ann.env.plan:
+                if alone:
                     break
             if not run:
                 return did
