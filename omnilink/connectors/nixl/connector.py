@@ -437,13 +437,9 @@ class _Receiver:
         with self.cond:
             self.index[key] = (payload, total)
             self.consumed.forget(key)
-        del payload
-        # Indexed (a get_nowait after put finds it), acknowledged, and only then is a
-        # sleeping get woken: the ack goes out before that thread competes for the GIL
-        # (sent after the wake-up, it waited for it: ~60 us on a 2x H200 host).
-        ack(wire.ACK_OK)
-        with self.cond:
             self.cond.notify_all()
+        del payload
+        ack(wire.ACK_OK)
 
     def _unreserve(self, s: _Session, ext: int | None, offset: int) -> None:
         if ext is not None:
