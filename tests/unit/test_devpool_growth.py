@@ -335,3 +335,37 @@ def test_hostile_segment_table_and_growth_requests_are_checked():
             assert torch.equal(rx.get("k", timeout=10)["x"], torch.ones(4))
         d.set_segment(14, 0)
         d.set_segment(15, 0)
+
+
+def test_the_shm_route_finds_a_pool_opened_after_its_first_payload_at_the_next_one(monkeypatch):
+    """A receiver opens its pool at its first device get, often after the sender's
+    first payload went by the host: the next payload large enough for the route takes
+    it, with no quiet period on the host road, and a look for the pool lists nothing
+    (one stat per receiver of the channel)."""
+    from tests.cuda_ipc_double import host_route, route_put
+
+    import omnilink
+    from omnilink.connectors.devpool import directory
+
+    ch = _chan()
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
+    tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
+    try:
+        host_route(rx, mode="auto", pool_bytes=MIB)
+        host_route(tx, mode="auto", pool_bytes=MIB)
+
+        def no_listing(*a, **k):
+            raise AssertionError("a look for the pool listed /dev/shm")
+
+        with monkeypatch.context() as m:  # the sender's looks only
+            m.setattr(directory.os, "listdir", no_listing)
+            assert route_put(tx, "before", {"x": _big(1, 1)}) is None  # no pool yet: the host road
+        rx._ipc.open_pool(None)  # the receiver's first device get
+        assert rx._ipc._rx is not None
+        assert route_put(tx, "after", {"x": _big(1, 2)}) is not None  # at once (the attach lists, once)
+        st = tx.stats()
+        assert st.ipc_puts == 1 and st.ipc_fallbacks == 0
+        assert torch.equal(rx.get("after", timeout=10)["x"], _big(1, 2))
+    finally:
+        tx.close()
+        rx.close()

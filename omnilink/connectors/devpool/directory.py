@@ -306,13 +306,25 @@ class Directory:
             pass
 
 
-def live_pool_owner(channel: str) -> int | None:
+def live_pool_owner(channel: str, among: Any = None) -> int | None:
     """The pid of the live receiver whose open device pool serves ``channel``, or ``None``.
 
     A cheap look at ``/dev/shm`` (no CUDA call): what a transport that may send by device
-    IPC checks before it opens a sender.
+    IPC checks before it opens a sender. ``among``: the pids that may own it (the
+    channel's receivers, as the transport knows them): then one ``stat`` per pid instead
+    of a listing of ``/dev/shm``, cheap enough to look before every payload.
     """
-    for pid, name in find_directories(read_prefix(), channel):
+    prefix = read_prefix()
+    if among is None:
+        found = find_directories(prefix, channel)
+    else:
+        token = directory_token(channel)
+        found = []
+        for pid in among:
+            name = arena_name(prefix, pid, token)
+            if os.path.exists(SHM_DIR + name):
+                found.append((pid, name))
+    for pid, name in found:
         if not pid_alive(pid):
             continue
         try:

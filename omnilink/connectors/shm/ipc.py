@@ -77,8 +77,11 @@ IPC_MARK = "__omnilink_device_ipc__"
 MODES = ("auto", "on", "off")
 #: Seconds a route put waits for room in the receiver's pool before the host path.
 ROOM_WAIT_S = 0.002
-#: Seconds between looks for a receiver's pool while none was found.
-PROBE_EVERY_S = 0.25
+#: Seconds between looks for a receiver's pool while none was found. A look is one
+#: ``stat`` per receiver of the channel (their pids cached until the channel's
+#: participants change): a payload large enough for this route (``ipc_min_bytes``, 16
+#: MiB by default) looks again, so none takes the host road once the pool is open.
+PROBE_EVERY_S = 0.0005
 
 
 class DeviceIpcRoute:
@@ -121,6 +124,8 @@ class DeviceIpcRoute:
         #: why the last payload the route could not take went by the host path
         self.fallback_reason = ""
         self._next_probe = 0.0
+        #: (participants generation, the channel's receiver pids then)
+        self._recv_pids: tuple[int, frozenset[int]] | None = None
         self._peer_ok: dict[tuple[int, int], bool] = {}
         self._closed = False
         if mode == "on" and conn._recvs:
@@ -273,7 +278,10 @@ class DeviceIpcRoute:
         self._next_probe = now + PROBE_EVERY_S
         from omnilink.connectors.devpool import PoolSender, live_pool_owner
 
-        owner = live_pool_owner(self.conn.channel)
+        recv = self._receiver_pids()
+        if not recv:
+            return None
+        owner = live_pool_owner(self.conn.channel, recv)
         if owner is None or self._unavailable() is not None:
             return None
         with self._lock:
@@ -307,24 +315,38 @@ class DeviceIpcRoute:
             except Exception:  # pragma: no cover - best effort
                 logger.debug("shm: closing the device-IPC sender failed", exc_info=True)
 
-    def _only_receiver_owns_pool(self) -> bool:
-        """Whether the shm channel's receivers are exactly the pool's owner (a marker
-        claimed by any other receiver could not be opened)."""
+    def _receiver_pids(self) -> frozenset[int] | None:
+        """The pids of the shm channel's receivers (cached until the channel's
+        participants generation moves); ``None`` when the channel's lock was not had in
+        a short while."""
         from omnilink.connectors.shm.segments import ROLE_RECV
         from omnilink.connectors.shm.segments import _LockTimeout
 
-        conn = self.conn
-        chan = conn._chan
+        chan = self.conn._chan
         gen = chan.senders_gen()  # moves whenever a participant joins, leaves or is reaped
-        if gen == self._owner_ok_gen:
-            return True
+        cached = self._recv_pids
+        if cached is not None and cached[0] == gen:
+            return cached[1]
         try:
             with chan.locked(_short(None)):
                 gen = chan.senders_gen()
                 parts = chan.participants()
         except _LockTimeout:
+            return None
+        recv = frozenset(pid for pid, role, _ in parts if role & ROLE_RECV)
+        self._recv_pids = (gen, recv)
+        return recv
+
+    def _only_receiver_owns_pool(self) -> bool:
+        """Whether the shm channel's receivers are exactly the pool's owner (a marker
+        claimed by any other receiver could not be opened)."""
+        gen = self.conn._chan.senders_gen()
+        if gen == self._owner_ok_gen:
+            return True
+        recv = self._receiver_pids()
+        if recv is None:
             return False
-        recv = {pid for pid, role, _ in parts if role & ROLE_RECV}
+        gen = self._recv_pids[0]  # type: ignore[index]
         if recv == {self._owner}:
             self._owner_ok_gen = gen
             return True
