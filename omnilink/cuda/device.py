@@ -23,26 +23,25 @@ def payload_to_device(obj: Any, device: Any) -> Any:
     """
     import torch
 
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
-
+    dev, index = _target(device, torch)
     small: list[Any] = []  # [tensor, offset] of small CPU tensors, placed after the walk
     total = 0
+    Tensor = torch.Tensor
+    strided = torch.strided
 
     def move(x: Any) -> Any:
         nonlocal total
-        if isinstance(x, torch.Tensor):
-            if batch and x.device.type == "cpu" and x.layout is torch.strided:
-                n = x.numel() * x.element_size()
-                if n <= SMALL_BYTES:
-                    slot = [x, total]
-                    small.append(slot)
-                    total += (n + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
-                    return slot
+        if isinstance(x, Tensor):
+            if batch:
+                if x.is_cuda and x.get_device() == index:
+                    return x  # already there (a pool's view): no dispatch at all
+                if x.is_cpu and x.layout is strided:
+                    n = x.numel() * x.element_size()
+                    if n <= SMALL_BYTES:
+                        slot = [x, total]
+                        small.append(slot)
+                        total += (n + _ALIGN - 1) // _ALIGN * _ALIGN or _ALIGN
+                        return slot
             return x.to(dev, non_blocking=False)
         if isinstance(x, dict):
             return {k: move(v) for k, v in x.items()}
@@ -52,7 +51,7 @@ def payload_to_device(obj: Any, device: Any) -> Any:
             return tuple(move(v) for v in x)
         return x
 
-    batch = dev.type == "cuda"
+    batch = index is not None
     try:
         out = move(obj)
         if not small:
@@ -63,6 +62,38 @@ def payload_to_device(obj: Any, device: Any) -> Any:
         raise CudaError(f"moving payload to {device!r} failed: {exc}") from exc
 
 
+#: device argument -> (torch.device, CUDA index or None): checked once per argument
+_TARGETS: dict[Any, tuple[Any, int | None]] = {}
+
+
+def _target(device: Any, torch: Any) -> tuple[Any, int | None]:
+    """``(torch.device, index)`` of a ``device`` argument: the index is the CUDA device's
+    (its current one for a bare ``"cuda"``, looked up per call) or ``None`` for any
+    other device type."""
+    try:
+        hit = _TARGETS.get(device)
+    except TypeError:  # unhashable: checked every time
+        hit = None
+    if hit is None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
+        hit = (dev, dev.index if dev.type == "cuda" else None)
+        if dev.type == "cuda" and dev.index is None:
+            hit = (dev, -1)
+        try:
+            if len(_TARGETS) < 64:
+                _TARGETS[device] = hit
+        except TypeError:
+            pass
+    if hit[1] == -1:
+        return hit[0], torch.cuda.current_device()
+    return hit
+
+
 #: CPU tensors up to this size go to a CUDA device together: packed into one page-locked
 #: staging buffer, one asynchronous copy on the current stream (the host does not wait
 #: for the stream), views of one device buffer. Larger ones are copied one by one.
@@ -70,14 +101,18 @@ SMALL_BYTES = 64 << 10
 _ALIGN = 16
 
 
-def _one_copy(torch: Any, small: list[Any], total: int, dev: Any) -> list[Any]:
-    """Device tensors of the small CPU tensors ``small`` (``[tensor, offset]``): one
-    page-locked staging buffer from torch's caching host allocator (which keeps it until
-    the copy out of it has run), one ``non_blocking`` copy into one device buffer on the
-    current stream, a view per tensor."""
+def _one_copy(torch: Any, small: list[Any], total: int, dev: Any, *, pin: bool = True) -> list[Any]:
+    """Device tensors of the small CPU tensors ``small`` (``[tensor, offset]``, each
+    offset a multiple of 16): one page-locked staging buffer from torch's caching host
+    allocator (which keeps it until the copy out of it has run), one ``non_blocking``
+    copy into one device buffer on the current stream, then one view of that buffer per
+    dtype and one ``as_strided`` per tensor (a slice and two views each cost twice as
+    much). ``pin=False``: pageable staging (tests on a machine without CUDA)."""
     import ctypes
 
-    stage = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    from omnilink.blob import _contiguous_strides
+
+    stage = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     base = stage.data_ptr()
     memmove = ctypes.memmove
     for slot in small:
@@ -86,10 +121,15 @@ def _one_copy(torch: Any, small: list[Any], total: int, dev: Any) -> list[Any]:
         if n:
             memmove(base + slot[1], t.data_ptr(), n)
     buf = stage.to(dev, non_blocking=True)
+    typed: dict[Any, Any] = {}
     views = []
     for t, off in small:
-        n = t.numel() * t.element_size()
-        views.append(buf[off:off + n].view(t.dtype).view(t.shape))
+        dt = t.dtype
+        v = typed.get(dt)
+        if v is None:
+            v = typed[dt] = buf.view(dt)  # total is a multiple of 16: of every itemsize
+        shape = tuple(t.shape)
+        views.append(v.as_strided(shape, _contiguous_strides(shape), off // t.element_size()))
     return views
 
 
