@@ -310,6 +310,14 @@ BLOCKS = (
     Block("serial-gpu-cross-2xh200", ("serial-gpu-cross-2xh200.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --src cuda:0 --dst cuda:1 "
           "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
+    Block("serial-gpu-2xh200-mps-probe", ("serial-gpu-2xh200-mps-probe.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
+    Block("serial-gpu-2xh200-mps-before-probe", ("serial-gpu-2xh200-mps-before-probe.json",),
+          "the same, with the route's 250 ms look for the pool and the former payload_to_device", render_serial),
+    Block("serial-gpu-cross-2xh200-probe", ("serial-gpu-cross-2xh200-probe.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --roads raw,shm,cuda_ipc "
+          "--src cuda:0 --dst cuda:1 --lat-n 200 --json FILE", render_serial),
     Block("serial-gpu-2xh100", ("serial-gpu-2xh100.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,64MiB,256MiB --roads raw,shm,cuda_ipc,shm-ipc "
           "--lat-n 300 --json FILE", render_serial),
