@@ -66,3 +66,33 @@ def test_host_tensors_into_a_device_pool_in_one_process():
         got = rx.get("h")
         assert got["a"].device == torch.device(dev) and torch.equal(got["a"].cpu(), a)
         assert bool(got["b"].all())
+
+
+def test_large_cuda_tensors_are_written_from_their_own_memory(monkeypatch):
+    """A CUDA tensor of at least DIRECT_MIN_BYTES goes from its own memory (registered
+    for the WRITE): the staging buffer holds only the rest; a tensor held twice, small
+    GPU and CPU tensors and a strided large one (staged) arrive bit for bit, and the
+    next payload of the same shape too (the registrations were dropped)."""
+    from omnilink.connectors.nixl import connector as nx
+
+    monkeypatch.setattr(nx, "DIRECT_MIN_BYTES", 1 << 20)
+    src, dst = _devices()
+    channel = f"olnx/direct-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=64 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        for i in range(3):
+            big = torch.randn(1 << 20, device=src) + i  # 4 MiB
+            strided = torch.randn(1024, 1024, device=src).t()  # 4 MiB, not contiguous: staged
+            payload = {"big": big, "again": big, "small": torch.arange(300, device=src) + i,
+                       "ids": torch.arange(16) + i, "strided": strided, "meta": {"i": i}}
+            tx.put(f"d{i}", payload)
+            got = rx.get(f"d{i}")
+            for name in ("big", "again", "small", "strided"):
+                assert got[name].device == torch.device(dst), name
+                assert torch.equal(got[name].cpu(), payload[name].cpu()), name
+            assert torch.equal(got["ids"].cpu(), payload["ids"]) and got["meta"] == {"i": i}
+            del got
+        staging = tx._tx.dev_staging[torch.device(src).index]
+        assert staging.nbytes < 3 * big.nbytes  # only the small, strided and padding bytes
+        assert not tx._tx._kept_regs

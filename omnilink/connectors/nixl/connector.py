@@ -54,6 +54,7 @@ Topology and one ``put``::
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import secrets
@@ -92,6 +93,12 @@ DEFAULT_EXTENT_BYTES = 16 << 20
 _MON = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 #: Poll slice of a sender waiting for an answer (it also watches for disconnection).
 _SLICE_MS = 100
+#: A contiguous CUDA tensor of at least this many bytes is written from its own memory
+#: (registered with the agent for the WRITE, deregistered after it) instead of being
+#: copied into the device staging buffer first: registering costs 45-60 us and
+#: deregistering ~4 us (2x H100 / H200, ``benchmarks/gpu/nixl_write_floor.py``), a
+#: staging copy of 64 MiB about as much and of 256 MiB ~180 us, plus its wait.
+DIRECT_MIN_BYTES = 64 << 20
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> None:
@@ -600,6 +607,8 @@ class _Sender:
         self.puts_in_session = 0
         self._ops: Any = False  # cuda-python's CudaOps once looked up (None: not installed)
         self._fill_events: dict[int, Any] = {}  # device index -> reused raw Event (device staging)
+        #: registrations of direct WRITEs that NIXL could not release (kept until close)
+        self._kept_regs: list[Any] = []
 
     # ------------------------------------------------------------ session
     def _open_socket(self) -> str:
@@ -799,6 +808,9 @@ class _Sender:
     def _write(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline) -> str | None:
         n = prepared.data_len
         staging = self._staging_for(prepared, welcome)
+        direct = self._direct(prepared) if staging.mem == "VRAM" else []
+        if direct:
+            return self._write_direct(prepared, welcome, off, deadline, staging, direct)
         staging.ensure(prepared.nbytes if staging.mem == "DRAM" else n)
         if staging.mem == "DRAM":
             prepared.write_at(staging.view, 0, staging.addr)
@@ -807,8 +819,13 @@ class _Sender:
             self._fill_device(prepared, staging)
             local = (staging.addr, n, staging.dev)
         remote = (welcome.pool_addr + off, n, welcome.dev)
+        return self._post([local], staging.mem, [remote], welcome, deadline)
+
+    def _post(self, local: list[tuple[int, int, int]], local_mem: str, remote: list[tuple[int, int, int]],
+              welcome: wire.Welcome, deadline: Deadline) -> str | None:
+        """One WRITE of the ``local`` pieces into the ``remote`` ones, waited for."""
         try:
-            req = self.agent.write(local, staging.mem, remote, welcome.mem, self.peer)  # type: ignore[arg-type]
+            req = self.agent.write(local, local_mem, remote, welcome.mem, self.peer)  # type: ignore[arg-type]
             if req is None:
                 return None
             return self.agent.wait(req, deadline, self._check_lost)
@@ -817,6 +834,79 @@ class _Sender:
             if not self.lost:
                 self.lost = f"the receiver disconnected ({exc})"
             raise self._peer_lost("writing a payload") from exc
+
+    @staticmethod
+    def _direct(prepared: Any) -> list[tuple[int, int, Any]]:
+        """``(offset, nbytes, tensor)`` of the payload's tensors written from their own
+        memory: contiguous CUDA tensors of at least ``DIRECT_MIN_BYTES``."""
+        if not prepared.devices():
+            return []
+        out = []
+        for offset, nbytes, src in prepared.tensor_sources():
+            if (
+                nbytes >= DIRECT_MIN_BYTES and getattr(src, "is_cuda", False) and src.is_contiguous()
+                and not src.is_conj() and not src.is_neg()
+            ):
+                out.append((offset, nbytes, src))
+        return out
+
+    def _write_direct(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline, staging: Staging,
+                      direct: list[tuple[int, int, Any]]) -> str | None:
+        """A WRITE whose large CUDA tensors (``direct``) go from their own memory, each
+        registered for it, and whose other bytes (the runs of the data region between
+        them: smaller tensors, padding) from the device staging buffer, packed there
+        one run after the other: one request, a descriptor per piece."""
+        runs, where, sources, total = direct_layout(prepared.tensor_sources(), direct, prepared.data_len)
+        if total:
+            staging.ensure(total)
+            self._fill_device(prepared, staging, sources)
+        # The WRITE reads the tensors on UCX's own stream: the work queued on their
+        # devices' current streams (their producers) must be done first.
+        self._sync_devices({t.get_device() for _o, _nb, t in direct})
+        regs = []
+        try:
+            seen = set()
+            for _o, nb, t in direct:
+                piece = (t.data_ptr(), nb, t.get_device())
+                if piece not in seen:  # a tensor the payload holds twice: registered once
+                    seen.add(piece)
+                    regs.append(self.agent.register(piece[0], nb, "VRAM", piece[2]))
+            base = welcome.pool_addr + off
+            local = [(staging.addr + w, length, staging.dev) for w, (_o, length) in zip(where, runs)]
+            remote = [(base + o, length, welcome.dev) for o, length in runs]
+            for o, nb, t in direct:
+                local.append((t.data_ptr(), nb, t.get_device()))
+                remote.append((base + o, nb, welcome.dev))
+            why = self._post(local, "VRAM", remote, welcome, deadline)
+        except BaseException:
+            self._drop_regs(regs, still_read=bool(self.agent._stuck))
+            raise
+        self._drop_regs(regs, still_read=why is not None and bool(self.agent._stuck))
+        return why
+
+    def _drop_regs(self, regs: list[Any], *, still_read: bool) -> None:
+        """Deregister the memory of a direct WRITE; kept (until ``close``) while a
+        WRITE NIXL could not release may still read it."""
+        if still_read:
+            self._kept_regs.extend(regs)
+            return
+        for r in regs:
+            self.agent.deregister(r)
+
+    def _sync_devices(self, devices: set[int]) -> None:
+        """Wait for the work queued so far on each device's current stream."""
+        import torch
+
+        from omnilink.cuda import Event, current_raw_stream
+
+        for index in devices:
+            if self._cuda_ops() is None:
+                torch.cuda.current_stream(index).synchronize()
+                continue
+            event = self._fill_events.get(index)
+            if event is None:
+                event = self._fill_events[index] = Event(index)
+            event.record(current_raw_stream(index)).synchronize()
 
     def _staging_for(self, prepared: Any, welcome: wire.Welcome) -> Staging:
         """Host staging, except for a device pool when this process has CUDA: device
@@ -839,22 +929,25 @@ class _Sender:
             st = self.dev_staging[index] = Staging(self.agent, torch.device("cuda", index))
         return st
 
-    def _fill_device(self, prepared: Any, staging: Staging) -> None:
-        """Copy every tensor into the device staging buffer (on the current stream of
-        the staging device), then wait for the copies: the WRITE reads the buffer next.
-        With cuda-python, one ``cudaMemcpyAsync`` per tensor and one reused event (torch's
-        device, slicing and copy helpers cost several times more than a small copy);
-        tensors on another GPU, or strided, take torch's path."""
+    def _fill_device(self, prepared: Any, staging: Staging, sources: list[Any] | None = None) -> None:
+        """Copy every tensor (``sources``: ``(offset in the staging buffer, nbytes,
+        tensor)``, default the payload's at their data-region offsets) into the device
+        staging buffer (on the current stream of the staging device), then wait for the
+        copies: the WRITE reads the buffer next. With cuda-python, one
+        ``cudaMemcpyAsync`` per tensor and one reused event (torch's device, slicing and
+        copy helpers cost several times more than a small copy); tensors on another GPU,
+        or strided, take torch's path."""
         import numpy as np
         import torch
 
-        sources = prepared.tensor_sources()
+        if sources is None:
+            sources = prepared.tensor_sources()
         fast = self._fill_raw(sources, staging, torch, np)
         if fast:
             return
         dst = staging.tensor
         with torch.cuda.device(staging.device):
-            for offset, nbytes, src in prepared.tensor_sources():
+            for offset, nbytes, src in sources:
                 if not nbytes:
                     continue
                 if isinstance(src, torch.Tensor):
@@ -926,6 +1019,9 @@ class _Sender:
                 # keep it (and the agent) for the life of the process.
                 _RETAINED.append((self.agent, self.host_staging, self.dev_staging))
                 return
+            for r in self._kept_regs:
+                self.agent.deregister(r)
+            self._kept_regs.clear()
             self.host_staging.close()
             for st in self.dev_staging.values():
                 st.close()
@@ -933,6 +1029,44 @@ class _Sender:
 
 
 _RETAINED: list[Any] = []
+
+
+def direct_layout(
+    sources: list[tuple[int, int, Any]], direct: list[tuple[int, int, Any]], n: int,
+) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int, Any]], int]:
+    """How a WRITE with tensors written from their own memory lays out the rest.
+
+    ``sources``: every tensor's ``(offset in the data region, nbytes, source)``;
+    ``direct``: those written from their own memory (by offset, in order); ``n``: the
+    data region's length. Returns ``(runs, where, staged, total)``: the runs of the
+    data region the direct tensors leave (``(offset, length)``, in order), each run's
+    offset in the staging buffer (packed one after the other), the other tensors as
+    ``(offset in the staging buffer, nbytes, source)``, and the staging bytes used."""
+    runs: list[tuple[int, int]] = []
+    at = 0
+    for o, nb, _t in direct:
+        if o > at:
+            runs.append((at, o - at))
+        at = o + nb
+    if at < n:
+        runs.append((at, n - at))
+    starts = [r[0] for r in runs]
+    where: list[int] = []
+    total = 0
+    for _o, length in runs:
+        where.append(total)
+        total += length
+    skip = {id(t) for _o, _nb, t in direct}
+    staged = []
+    for o, nb, src in sources:
+        if id(src) in skip:
+            continue
+        if not nb:  # nothing to copy (it may sit where no run is)
+            staged.append((0, 0, src))
+            continue
+        k = bisect.bisect_right(starts, o) - 1
+        staged.append((where[k] + o - runs[k][0], nb, src))
+    return runs, where, staged, total
 
 
 class NixlConnector(BaseConnector):
