@@ -642,6 +642,8 @@ class _Sender:
         """Read the connection's events; why the session ended, or ``None``."""
         mon = self.mon
         while mon is not None:
+            if not mon.get(zmq.EVENTS) & zmq.POLLIN:  # nothing: no raised Again per look
+                break
             try:
                 msg = mon.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -690,10 +692,12 @@ class _Sender:
         sock = self._open_sock(what)
         spin_end = time.perf_counter_ns() + self.spin_ns
         while True:
-            try:
-                raw = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                raw = None
+            raw = None
+            if sock.get(zmq.EVENTS) & zmq.POLLIN:  # a look that finds nothing raises nothing
+                try:
+                    raw = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
             if raw is not None:
                 msg = wire.decode_from_receiver(raw)
                 self._apply(msg)
