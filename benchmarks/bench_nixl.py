@@ -8,8 +8,11 @@ transport), re-run before quoting, and quote the machine record.
 
 What it measures: per size, ROUNDS messages one after the other (after WARMUP). A
 message's time runs from the sender's ``put`` until the receiver's answer on a pipe
-says it holds the payload (``get`` returned, first bytes checked on the first message
-of each size): put + transport + get + one pipe hop, the same hop for every row.
+says it holds the payload (``get`` returned and, for a GPU tensor, the receiver's
+current stream synchronized: a road that lands asynchronously, as the nccl connector's
+receive on its stream, is timed until the bytes are there; first bytes checked on the
+first message of each size): put + transport + get + one pipe hop, the same for every
+row.
 
 - ``omnilink-nixl``    ``omnilink.connect("nixl")``: the receiver's pool registered once,
                        sender-side allocation, the receiver blocks in ``get``
@@ -198,6 +201,8 @@ def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
                 hidden = conn.get(key, timeout=WAIT, device=dev)["hidden"]  # the host bounce, landed on the GPU
             else:
                 hidden = conn.get(key, timeout=WAIT)["hidden"]
+            if hidden.is_cuda:  # the bytes are there, not only queued (see the docstring)
+                torch.cuda.current_stream(hidden.device).synchronize()
             if i == 0 and not torch.equal(hidden[:64].cpu(), expect):
                 raise RuntimeError(f"{name}: the first {format_size(size)} payload arrived with other bytes")
             if i == 0 and name == "omnilink-nixl" and dev != "cpu" and hidden.device != torch.device(dev):

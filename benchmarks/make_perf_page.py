@@ -336,6 +336,10 @@ BLOCKS = (
           render_nixl),
     Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --json FILE",
           render_nixl),
+    Block("nixl-gpu-2xh200-direct", ("nixl-gpu-2xh200-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE",
+          render_nixl),
+    Block("nixl-gpu-2xh200-before-direct", ("nixl-gpu-2xh200-before-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE",
+          render_nixl),
     Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --json FILE",
           render_pivot),
 )
