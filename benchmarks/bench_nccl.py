@@ -183,10 +183,15 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     backend = opts["backend"]
     nccl = backend == "nccl"
     dev, sync, barrier = join_pair(rank, ports[0], backend)
+    # The connector's store port, chosen by rank 0 now and sent over the group: a port
+    # chosen before the group formed could since have been taken by one of the group's
+    # own connections (ephemeral ports: EADDRINUSE seen on the CPU machine).
+    pick = torch.tensor([free_ports(1)[0] if rank == 0 else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(pick, src=0)
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"],
+        master_port=int(pick.item()), timeout=120.0, bell_bytes=opts["bell_bytes"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
