@@ -78,11 +78,25 @@ class HostDeviceOps:
     def __init__(self) -> None:
         self.opened: dict[int, tuple[mmap.mmap, Any]] = {}
         self.copies = 0
+        self.staged = 0
         self.waits: list[HostEvent] = []
         self.after_use_calls = 0
 
     def is_device_tensor(self, t: Any) -> bool:
         return True
+
+    def is_small_host_tensor(self, t: Any, most: int) -> bool:
+        return False  # every tensor is a "device" tensor here (HostOnlyOps below says otherwise)
+
+    def new_stage(self, nbytes: int) -> Any:
+        return bytearray(nbytes)
+
+    @staticmethod
+    def stage_bytes(stage: Any) -> int:
+        return len(stage)
+
+    def settle(self, event: Any) -> None:
+        pass
 
     def device_index(self, device: Any) -> int:
         return 0
@@ -143,11 +157,23 @@ class HostDeviceOps:
     def producer_events(self, payload: Any) -> Any:
         return None
 
-    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None) -> None:
+    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None, *,
+                hosted: Any = None) -> None:
         for dst, t in items:
             n = t.numel() * t.element_size()
             if n:
                 ctypes.memmove(dst, t.data_ptr(), n)
+        if hosted is not None:  # as the real one: gathered in the stage, then one copy
+            dst, parts, span, stage = hosted
+            assert len(stage) >= span
+            view = (ctypes.c_char * len(stage)).from_buffer(stage)
+            for o, t in parts:
+                n = t.numel() * t.element_size()
+                if n:
+                    ctypes.memmove(ctypes.addressof(view) + o, t.data_ptr(), n)
+            ctypes.memmove(dst, ctypes.addressof(view), span)
+            del view
+            self.staged += 1
         event.records += 1
         self.copies += 1
 

@@ -105,6 +105,18 @@ class CudaDeviceOps:
     def is_device_tensor(self, t: Any) -> bool:
         return bool(t.is_cuda)
 
+    def is_small_host_tensor(self, t: Any, most: int) -> bool:
+        """A strided CPU tensor of at most ``most`` bytes (``send``'s ``host_to_pool``)."""
+        return bool(t.is_cpu) and t.layout is self._torch.strided and t.numel() * t.element_size() <= most
+
+    def new_stage(self, nbytes: int) -> Any:
+        """A page-locked host buffer of ``nbytes`` for host tensors copied into the pool."""
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def stage_bytes(stage: Any) -> int:
+        return int(stage.numel())
+
     def device_index(self, device: Any) -> int:
         """The CUDA device index of ``device`` (``None``: the current device)."""
         torch = self._torch
@@ -258,7 +270,8 @@ class CudaDeviceOps:
         devices = cuda_devices_of(payload)
         return record_producer_events(devices) if devices else None
 
-    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None) -> None:
+    def copy_in(self, index: int, items: list[tuple[int, Any]], event: Any, after: Any = None, *,
+                hosted: Any = None) -> None:
         """Copy each ``(dst pointer, contiguous tensor)`` into the pool after everything
         the caller queued on the tensors' current streams (or after the
         ``producer_events`` in ``after``) and record ``event`` (the slot's interprocess
@@ -267,8 +280,17 @@ class CudaDeviceOps:
         (and no ``after``): on the caller's current stream itself. Otherwise on the copy
         stream of device ``index`` (a peer copy from another GPU; an interprocess event
         must be recorded on a stream of the device that owns the memory), the tensors
-        kept alive until the copies are done. The host does not block."""
+        kept alive until the copies are done. The host does not block.
+
+        ``hosted``: ``(dst pointer, [(offset, contiguous host tensor)], span, stage)``:
+        host tensors for the pool too, at ``dst + offset``; their bytes are gathered in
+        ``stage`` (page-locked, at least ``span`` bytes; reused by the caller with the
+        same ``event``, so the copy out of it that ``event`` follows is waited for
+        first: long done in practice) and copied with one ``cudaMemcpyAsync`` on the
+        same stream before ``event`` is recorded."""
         ops = self._ops
+        if hosted is not None:
+            self._stage(hosted, event)
         devices = sorted({t.device.index for _, t in items})
         if after is None and devices == [index]:
             # The tensors live on the pool's device: copy on the caller's current stream
@@ -276,7 +298,7 @@ class CudaDeviceOps:
             # caching allocator keeps their memory for that stream's later work) and
             # record the slot's event there: one cudaMemcpyAsync per tensor and one
             # cudaEventRecord, the hardware's floor, nothing kept alive on the host.
-            self._copy_and_record(index, items, event, current_raw_stream(index))
+            self._copy_and_record(index, items, event, current_raw_stream(index), hosted)
             return
         completer = self._completer_get()
         completer.reap()  # frees and releases whose copies are done: here, no hand-off
@@ -290,7 +312,7 @@ class CudaDeviceOps:
         else:
             for d in devices:
                 ops.wait(stream, ops.ordering_event(d).record(current_raw_stream(d)))
-        self._copy_and_record(index, items, event, stream)
+        self._copy_and_record(index, items, event, stream, hosted)
         done = Event(index).record(stream)
         for d in devices:
             ops.wait(current_raw_stream(d), done)
@@ -299,9 +321,25 @@ class CudaDeviceOps:
             keep.append(after)  # the producer events live until the copy is done
         completer.submit(done, keep.clear)
 
-    def _copy_and_record(self, index: int, items: list[tuple[int, Any]], event: Any, stream: int) -> None:
+    def _stage(self, hosted: Any, event: Any) -> None:
+        """Gather the host tensors of ``hosted`` in its page-locked stage, once the copy
+        out of the stage that ``event`` last followed is done."""
+        import ctypes
+
+        _dst, parts, _span, stage = hosted
+        self._check(self.rt.cudaEventSynchronize(event), "cudaEventSynchronize")
+        base = stage.data_ptr()
+        memmove = ctypes.memmove
+        for o, t in parts:
+            n = t.numel() * t.element_size()
+            if n:
+                memmove(base + o, t.data_ptr(), n)
+
+    def _copy_and_record(self, index: int, items: list[tuple[int, Any]], event: Any, stream: int,
+                         hosted: Any = None) -> None:
         """One ``cudaMemcpyAsync`` per non-empty tensor into the pool on ``stream`` (of
-        device ``index``, made current meanwhile), then ``event`` recorded there."""
+        device ``index``, made current meanwhile), one for the staged host tensors of
+        ``hosted``, then ``event`` recorded there."""
         ops = self._ops
         prev = self._on(index)
         try:
@@ -309,9 +347,16 @@ class CudaDeviceOps:
                 n = t.numel() * t.element_size()
                 if n:
                     ops.memcpy_d2d(dst, t.data_ptr(), n, stream)
+            if hosted is not None and hosted[2]:
+                ops.memcpy(hosted[0], hosted[3].data_ptr(), hosted[2], stream)
             self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
         finally:
             ops.restore_device(prev)
+
+    def settle(self, event: Any) -> None:
+        """Block until the work ``event`` last followed is done (a sender that lets go of
+        a stage its copies read)."""
+        self._check(self.rt.cudaEventSynchronize(event), "cudaEventSynchronize")
 
     def wait(self, index: int, event: Any) -> None:
         """Receiver: the caller's current stream on ``index`` waits for ``event``."""

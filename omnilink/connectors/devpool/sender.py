@@ -90,7 +90,7 @@ class _Attachment:
     allocator, the slots in use."""
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
-                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane")
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -126,6 +126,9 @@ class _Attachment:
         self.retiring = []
         self.seg_gen = -1
         self.refused = None
+        #: per event slot: the page-locked buffer its host tensors were staged in (``send``
+        #: with ``host_to_pool``), reused once the slot's last copy is done
+        self.stages: dict[int, Any] = {}
 
     def free(self, addr: int) -> None:
         """Give the block at address ``addr`` back to its segment's allocator."""
@@ -183,7 +186,7 @@ class PoolSender:
 
     # --------------------------------------------------------------------- send
     def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
-             size: int | None = None, room: Deadline | None = None) -> int:
+             size: int | None = None, room: Deadline | None = None, host_to_pool: int = 0) -> int:
         """Copy the device tensors of ``payload`` into a block of the receiver's pool and
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
         part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
@@ -191,7 +194,11 @@ class PoolSender:
         block and its event slot are taken back and the error goes on. ``ctx``: the
         producer's events of a ``put_async`` (``ops.producer_events``); ``size``: the
         payload's tensor_blob size when the caller knows it; ``room``: the deadline of
-        the wait for room in the pool (default ``deadline``). Returns ``size``.
+        the wait for room in the pool (default ``deadline``); ``host_to_pool``: host
+        tensors of at most this many bytes each go into the block too (after the device
+        tensors, staged in page-locked memory and copied with them), so that they arrive
+        as views of the pool: for a receiver that lands every payload on its device (the
+        shm route); 0 leaves them in the host part. Returns ``size``.
 
         Raises
         ------
@@ -213,24 +220,44 @@ class PoolSender:
         # What put returns (the Connector contract): the payload's tensor_blob size.
         if size is None:
             size = encoded_size(payload)
-        host, chosen = split(payload, ops.is_device_tensor, tensor_type())
+        is_dev = ops.is_device_tensor
+        if host_to_pool:
+            def pick(t: Any) -> bool:
+                return is_dev(t) or ops.is_small_host_tensor(t, host_to_pool)
+
+            host, chosen = split(payload, pick, tensor_type())
+        else:
+            host, chosen = split(payload, is_dev, tensor_type())
         if not chosen:
             publish({"d": None, "h": host, "n": size})
             return size
         by_dtype, _ = dtypes()
         entries: list[list[Any]] = []
         items: list[tuple[int, Any]] = []
+        hosted: list[tuple[int, Any]] = []  # host tensors for the block: after the device ones
         off = 0
         for path, t in chosen:
             code = by_dtype.get(t.dtype)
             if code is None:
                 raise BlobEncodeError(f"cuda_ipc: the tensor at {list(path)} has dtype {t.dtype}, which omnilink "
                                       "cannot carry")
+            if host_to_pool and not is_dev(t):
+                hosted.append((len(entries), t))
+                entries.append([code, 0, 0, list(t.shape), list(path)])
+                continue
             t = plain_tensor(t)
             n = t.numel() * t.element_size()
             off = (off + ALIGN - 1) & -ALIGN
             entries.append([code, off, n, list(t.shape), list(path)])
             items.append((off, t))
+            off += n
+        host_items: list[tuple[int, Any]] = []
+        for i, t in hosted:
+            t = plain_tensor(t)
+            n = t.numel() * t.element_size()
+            off = (off + ALIGN - 1) & -ALIGN
+            entries[i][1], entries[i][2] = off, n
+            host_items.append((off, t))
             off += n
         total = max((off + ALIGN - 1) & -ALIGN, ALIGN)
         with self.lock:
@@ -242,7 +269,17 @@ class PoolSender:
             seq = tx.seq
             base = tx.segs[blk >> SEG_SHIFT].ptr + (blk & SEG_MASK)  # type: ignore[union-attr]
             try:
-                ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx)
+                hosted_arg = None
+                if host_items:
+                    first = host_items[0][0]
+                    span = off - first
+                    stage = tx.stages.get(slot)
+                    if stage is None or ops.stage_bytes(stage) < span:
+                        if stage is not None:  # its last copy must be done before it goes back
+                            ops.settle(tx.events[slot])
+                        stage = tx.stages[slot] = ops.new_stage(max(span, 64 << 10))
+                    hosted_arg = (base + first, [(o - first, t) for o, t in host_items], span, stage)
+                ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx, hosted=hosted_arg)
             except BaseException:
                 tx.free(blk)
                 raise
@@ -675,6 +712,12 @@ class PoolSender:
         except OmnilinkError:
             logger.warning("cuda_ipc: closing the pool handle failed", exc_info=True)
         finally:
+            for slot in tx.stages:  # no copy may still read a stage that goes back
+                try:
+                    ops.settle(tx.events[slot])
+                except OmnilinkError:  # pragma: no cover - a broken device
+                    logger.warning("cuda_ipc: waiting for a staged copy failed", exc_info=True)
+            tx.stages.clear()
             with local_lock:
                 LOCAL_EVENTS.pop((d.name, tx.gen), None)
             ops.destroy_events(tx.index, tx.events)

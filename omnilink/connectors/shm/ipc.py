@@ -77,6 +77,11 @@ IPC_MARK = "__omnilink_device_ipc__"
 MODES = ("auto", "on", "off")
 #: Seconds a route put waits for room in the receiver's pool before the host path.
 ROOM_WAIT_S = 0.002
+#: Host tensors of at most this many bytes each ride in the pool block with the CUDA
+#: tensors (staged in page-locked memory, copied with them): the receiver of a routed
+#: payload lands it on its device anyway, and moving them there one by one after the
+#: landing cost it more than the rest of the landing (a trace on an H200).
+HOST_TO_POOL_BYTES = 64 << 10
 #: Seconds between looks for a receiver's pool while none was found. A look is one
 #: ``stat`` per receiver of the channel (their pids cached until the channel's
 #: participants change): a payload large enough for this route (``ipc_min_bytes``, 16
@@ -249,7 +254,8 @@ class DeviceIpcRoute:
                 raise _NotPublished(exc) from exc
 
         try:
-            tx.send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline))
+            tx.send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline),
+                    host_to_pool=HOST_TO_POOL_BYTES)
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
