@@ -106,7 +106,7 @@ def parse_streams(text: str) -> list[tuple[int, bool]]:
     return out
 
 
-def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], q: Any) -> None:
+def _worker(rank: int, ports: tuple[int, ...], opts: dict[str, Any], q: Any) -> None:
     try:
         q.put(("done", rank, _run_rank(rank, ports, opts)))
     except BaseException as exc:  # report, then let the parent fail the run
