@@ -609,6 +609,7 @@ class _Sender:
         self._fill_events: dict[int, Any] = {}  # device index -> reused raw Event (device staging)
         #: registrations of direct WRITEs that NIXL could not release (kept until close)
         self._kept_regs: list[Any] = []
+        self._kept_tensors: list[Any] = []
 
     # ------------------------------------------------------------ session
     def _open_socket(self) -> str:
@@ -883,16 +884,17 @@ class _Sender:
                 remote.append((base + o, nb, welcome.dev))
             why = self._post(local, "VRAM", remote, welcome, deadline)
         except BaseException:
-            self._drop_regs(regs, still_read=bool(self.agent._stuck))
+            self._drop_regs(regs, direct, still_read=bool(self.agent._stuck))
             raise
-        self._drop_regs(regs, still_read=why is not None and bool(self.agent._stuck))
+        self._drop_regs(regs, direct, still_read=why is not None and bool(self.agent._stuck))
         return why
 
-    def _drop_regs(self, regs: list[Any], *, still_read: bool) -> None:
+    def _drop_regs(self, regs: list[Any], direct: list[tuple[int, int, Any]], *, still_read: bool) -> None:
         """Deregister the memory of a direct WRITE; kept (until ``close``) while a
         WRITE NIXL could not release may still read it."""
         if still_read:
             self._kept_regs.extend(regs)
+            self._kept_tensors.extend(t for _o, _nb, t in direct)  # their memory too
             return
         for r in regs:
             self.agent.deregister(r)
@@ -1019,13 +1021,15 @@ class _Sender:
                     pass
             self._drop_session(linger=200)
             if self.agent._stuck:
-                # A transfer NIXL could not cancel may still read the staging memory:
-                # keep it (and the agent) for the life of the process.
-                _RETAINED.append((self.agent, self.host_staging, self.dev_staging))
+                # A transfer NIXL could not cancel may still read the staging memory (or
+                # a directly written tensor): keep it (and the agent) for the life of the
+                # process.
+                _RETAINED.append((self.agent, self.host_staging, self.dev_staging, self._kept_tensors))
                 return
             for r in self._kept_regs:
                 self.agent.deregister(r)
             self._kept_regs.clear()
+            self._kept_tensors.clear()
             self.host_staging.close()
             for st in self.dev_staging.values():
                 st.close()
