@@ -93,6 +93,11 @@ DEFAULT_EXTENT_BYTES = 16 << 20
 _MON = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 #: Poll slice of a sender waiting for an answer (it also watches for disconnection).
 _SLICE_MS = 100
+#: What a spinning thread calls between looks: ``sched_yield`` releases the GIL (for this
+#: process's loop thread) and lets a thread ready to run on this core (UCX's progress
+#: thread, zmq's I/O threads, the peer process) go first; ``time.sleep(0)`` released
+#: the GIL only.
+_yield = os.sched_yield
 #: A contiguous CUDA tensor of at least this many bytes is written from its own memory
 #: (registered with the agent for the WRITE, deregistered after it) instead of being
 #: copied into the device staging buffer first: registering costs 45-60 us and
@@ -509,7 +514,7 @@ class _Receiver:
                     self.cond.release()
                     try:
                         while key not in index and time.perf_counter_ns() < spin_end:
-                            time.sleep(0)  # lets the loop thread have the GIL
+                            _yield()  # the GIL to the loop thread, the core to whoever is ready
                     finally:
                         self.cond.acquire()
                     continue
@@ -710,7 +715,7 @@ class _Sender:
             if deadline.expired():
                 raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
             if time.perf_counter_ns() < spin_end:
-                time.sleep(0)  # the GIL for any other thread of this process
+                _yield()  # the GIL to this process's threads, the core to whoever is ready
                 continue
             sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
 
