@@ -52,12 +52,12 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
+from omnilink._bench.ports import free_ports  # noqa: F401  (trace_nccl imports it from here)
 from omnilink._bench.units import format_size, parse_sizes
 
 COLS = 4096  # bf16 columns: a hidden state of width 4096
@@ -73,17 +73,6 @@ def iters_for(nbytes: int, backend: str) -> int:
     return max(10, min(400, budget // nbytes))
 
 
-def free_ports(n: int) -> tuple[int, ...]:
-    """``n`` distinct free TCP ports of this host: all bound at once, then let go (one
-    by one, two calls could hand out the same port twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return tuple(s.getsockname()[1] for s in socks)
-    finally:
-        for s in socks:
-            s.close()
 
 
 #: What ``--profile`` times in both processes, perf_counter_ns around each call: the
