@@ -44,7 +44,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -63,9 +62,9 @@ def iters_for(nbytes: int, quick: bool) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from omnilink._bench.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 def _connect(backend: str, role: str, channel: str, dev: str, opts: dict[str, Any]) -> Any:

@@ -52,12 +52,12 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
+from omnilink._bench.ports import free_ports  # noqa: F401  (trace_nccl imports it from here)
 from omnilink._bench.units import format_size, parse_sizes
 
 COLS = 4096  # bf16 columns: a hidden state of width 4096
@@ -73,17 +73,6 @@ def iters_for(nbytes: int, backend: str) -> int:
     return max(10, min(400, budget // nbytes))
 
 
-def free_ports(n: int) -> tuple[int, ...]:
-    """``n`` distinct free TCP ports of this host: all bound at once, then let go (one
-    by one, two calls could hand out the same port twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return tuple(s.getsockname()[1] for s in socks)
-    finally:
-        for s in socks:
-            s.close()
 
 
 #: What ``--profile`` times in both processes, perf_counter_ns around each call: the
@@ -167,7 +156,20 @@ def join_pair(rank: int, port: int, backend: str) -> tuple[Any, Any, Any]:
     return dev, sync, barrier
 
 
-def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
+def store_port(rank: int, dev: Any) -> int:
+    """The connector's store port, chosen by rank 0 once the process group of
+    ``join_pair`` formed and sent to rank 1 over it: a port chosen before the group
+    formed could since have been taken by one of the group's own connections (they use
+    ephemeral ports; EADDRINUSE seen on the CPU machine)."""
+    import torch
+    import torch.distributed as dist
+
+    pick = torch.tensor([free_ports(1)[0] if rank == 0 else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(pick, src=0)
+    return int(pick.item())
+
+
+def _worker(rank: int, ports: tuple[int, ...], opts: dict[str, Any], out: Any) -> None:
     import faulthandler
 
     # A hang ends this process with every thread's Python stack on stderr, before the
@@ -183,15 +185,10 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     backend = opts["backend"]
     nccl = backend == "nccl"
     dev, sync, barrier = join_pair(rank, ports[0], backend)
-    # The connector's store port, chosen by rank 0 now and sent over the group: a port
-    # chosen before the group formed could since have been taken by one of the group's
-    # own connections (ephemeral ports: EADDRINUSE seen on the CPU machine).
-    pick = torch.tensor([free_ports(1)[0] if rank == 0 else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(pick, src=0)
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=int(pick.item()), timeout=120.0, bell_bytes=opts["bell_bytes"],
+        master_port=store_port(rank, dev), timeout=120.0, bell_bytes=opts["bell_bytes"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -443,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = free_ports(2)
+    ports = free_ports(1)  # the process group's; the connector's comes later (store_port)
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -48,7 +48,6 @@ import json
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import statistics
 import sys
 import time
@@ -74,9 +73,9 @@ def _payload(size: int, dev: str) -> dict[str, Any]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from omnilink._bench.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 def _setup_process(opts: dict[str, Any]) -> None:

@@ -314,7 +314,8 @@ BLOCKS = (
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
     Block("serial-gpu-2xh200-mps-before-probe", ("serial-gpu-2xh200-mps-before-probe.json",),
-          "the same, with the route's 250 ms look for the pool and the former payload_to_device", render_serial),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE, with the library at commit 14d9c9d", render_serial),
     Block("serial-gpu-cross-2xh200-probe", ("serial-gpu-cross-2xh200-probe.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --roads raw,shm,cuda_ipc "
           "--src cuda:0 --dst cuda:1 --lat-n 200 --json FILE", render_serial),
@@ -338,7 +339,7 @@ BLOCKS = (
           render_nixl),
     Block("nixl-gpu-2xh200-direct", ("nixl-gpu-2xh200-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE",
           render_nixl),
-    Block("nixl-gpu-2xh200-before-direct", ("nixl-gpu-2xh200-before-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE",
+    Block("nixl-gpu-2xh200-before-direct", ("nixl-gpu-2xh200-before-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE, with omnilink/connectors/nixl at commit 14d9c9d",
           render_nixl),
     Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --json FILE",
           render_pivot),

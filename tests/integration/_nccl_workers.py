@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from typing import Any
 
 WAIT = 60.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a TCPStore, below the ephemeral range (``omnilink._bench.ports``)."""
+    from omnilink._bench.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 def make_payload(i: int, nbytes: int, device: str = "cpu") -> dict[str, Any]:

@@ -46,3 +46,114 @@ def test_staged_runs_and_direct_tensors_tile_the_data_region(specs, tail):
         ro, ln = runs[k]
         assert o + nb <= ro + ln  # the tensor lies inside its run
         assert so == where[k] + (o - ro) and so + nb <= total
+
+
+# ------------------------------------------------------------ the direct WRITE's bookkeeping
+class _Agent:
+    def __init__(self, stuck=False):
+        self._stuck = [object()] if stuck else []
+        self.registered = []
+        self.deregistered = []
+
+    def register(self, addr, nbytes, mem, dev):
+        self.registered.append((addr, nbytes, mem, dev))
+        return ("reg", addr)
+
+    def deregister(self, reg):
+        self.deregistered.append(reg)
+
+
+class _Dev:
+    """A stand-in CUDA tensor: an address and a device."""
+
+    def __init__(self, ptr, dev=0):
+        self.ptr, self.dev = ptr, dev
+
+    def data_ptr(self):
+        return self.ptr
+
+    def get_device(self):
+        return self.dev
+
+
+class _Prepared:
+    def __init__(self, sources, n):
+        self._sources, self.data_len = sources, n
+
+    def tensor_sources(self):
+        return list(self._sources)
+
+
+class _Staging:
+    addr, dev = 0x5000_0000, 0
+
+    def __init__(self):
+        self.ensured = 0
+
+    def ensure(self, n):
+        self.ensured = n
+
+
+def _sender(agent, post):
+    from omnilink.connectors.nixl.connector import _Sender
+
+    s = object.__new__(_Sender)
+    s.agent = agent
+    s._kept_regs, s._kept_tensors = [], []
+    s.filled, s.synced = [], []
+    s._fill_device = lambda prepared, staging, sources: s.filled.append(sources)
+    s._sync_devices = lambda devs: s.synced.append(devs)
+    s._post = post
+    return s
+
+
+class _Welcome:
+    pool_addr, dev = 0x9000_0000, 1
+
+
+def _case():
+    big = _Dev(0x1000_0000)
+    small = _Dev(0x2000_0000)
+    sources = [(0, 128, small), (128, 1 << 20, big), (128 + (1 << 20), 1 << 20, big), (128 + (2 << 20), 64, "host")]
+    direct = [(128, 1 << 20, big), (128 + (1 << 20), 1 << 20, big)]
+    return big, _Prepared(sources, 128 + (2 << 20) + 64), direct
+
+
+def test_a_direct_write_registers_each_tensor_once_and_lets_go_after():
+    big, prepared, direct = _case()
+    posted = []
+    agent = _Agent()
+    s = _sender(agent, lambda local, mem, remote, welcome, deadline: posted.append((local, remote)))
+    staging = _Staging()
+    assert s._write_direct(prepared, _Welcome(), 4096, None, staging, direct) is None
+    assert agent.registered == [(big.ptr, 1 << 20, "VRAM", 0)]  # held twice: registered once
+    assert agent.deregistered == [("reg", big.ptr)] and not s._kept_regs and not s._kept_tensors
+    assert staging.ensured == 128 + 64 and s.synced == [{0}]
+    (local, remote), = posted
+    assert sorted(r[0] - _Welcome.pool_addr - 4096 for r in remote) == [0, 128, 128 + (1 << 20), 128 + (2 << 20)]
+    assert sum(p[1] for p in local) == prepared.data_len == sum(p[1] for p in remote)
+
+
+def test_a_direct_write_nixl_cannot_release_keeps_its_memory_registered_and_alive():
+    big, prepared, direct = _case()
+    agent = _Agent(stuck=True)
+    s = _sender(agent, lambda *a: "timeout")
+    assert s._write_direct(prepared, _Welcome(), 0, None, _Staging(), direct) == "timeout"
+    assert not agent.deregistered and s._kept_regs == [("reg", big.ptr)] and big in s._kept_tensors
+
+
+def test_a_direct_write_that_fails_lets_go_of_what_it_registered():
+    big, prepared, direct = _case()
+    agent = _Agent()
+
+    def boom(*a):
+        raise RuntimeError("post failed")
+
+    s = _sender(agent, boom)
+    try:
+        s._write_direct(prepared, _Welcome(), 0, None, _Staging(), direct)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the failure was swallowed")
+    assert agent.deregistered == [("reg", big.ptr)] and not s._kept_regs

@@ -93,6 +93,11 @@ DEFAULT_EXTENT_BYTES = 16 << 20
 _MON = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 #: Poll slice of a sender waiting for an answer (it also watches for disconnection).
 _SLICE_MS = 100
+#: What a spinning thread calls between looks: ``sched_yield`` releases the GIL (for this
+#: process's loop thread) and lets a thread ready to run on this core (UCX's progress
+#: thread, zmq's I/O threads, the peer process) go first; ``time.sleep(0)`` released
+#: the GIL only.
+_yield = os.sched_yield
 #: A contiguous CUDA tensor of at least this many bytes is written from its own memory
 #: (registered with the agent for the WRITE, deregistered after it) instead of being
 #: copied into the device staging buffer first: registering costs 45-60 us and
@@ -509,7 +514,7 @@ class _Receiver:
                     self.cond.release()
                     try:
                         while key not in index and time.perf_counter_ns() < spin_end:
-                            time.sleep(0)  # lets the loop thread have the GIL
+                            _yield()  # the GIL to the loop thread, the core to whoever is ready
                     finally:
                         self.cond.acquire()
                     continue
@@ -609,6 +614,7 @@ class _Sender:
         self._fill_events: dict[int, Any] = {}  # device index -> reused raw Event (device staging)
         #: registrations of direct WRITEs that NIXL could not release (kept until close)
         self._kept_regs: list[Any] = []
+        self._kept_tensors: list[Any] = []
 
     # ------------------------------------------------------------ session
     def _open_socket(self) -> str:
@@ -709,7 +715,7 @@ class _Sender:
             if deadline.expired():
                 raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} ({what})", deadline.timeout)
             if time.perf_counter_ns() < spin_end:
-                time.sleep(0)  # the GIL for any other thread of this process
+                _yield()  # the GIL to this process's threads, the core to whoever is ready
                 continue
             sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
 
@@ -883,16 +889,17 @@ class _Sender:
                 remote.append((base + o, nb, welcome.dev))
             why = self._post(local, "VRAM", remote, welcome, deadline)
         except BaseException:
-            self._drop_regs(regs, still_read=bool(self.agent._stuck))
+            self._drop_regs(regs, direct, still_read=bool(self.agent._stuck))
             raise
-        self._drop_regs(regs, still_read=why is not None and bool(self.agent._stuck))
+        self._drop_regs(regs, direct, still_read=why is not None and bool(self.agent._stuck))
         return why
 
-    def _drop_regs(self, regs: list[Any], *, still_read: bool) -> None:
+    def _drop_regs(self, regs: list[Any], direct: list[tuple[int, int, Any]], *, still_read: bool) -> None:
         """Deregister the memory of a direct WRITE; kept (until ``close``) while a
         WRITE NIXL could not release may still read it."""
         if still_read:
             self._kept_regs.extend(regs)
+            self._kept_tensors.extend(t for _o, _nb, t in direct)  # their memory too
             return
         for r in regs:
             self.agent.deregister(r)
@@ -1019,13 +1026,15 @@ class _Sender:
                     pass
             self._drop_session(linger=200)
             if self.agent._stuck:
-                # A transfer NIXL could not cancel may still read the staging memory:
-                # keep it (and the agent) for the life of the process.
-                _RETAINED.append((self.agent, self.host_staging, self.dev_staging))
+                # A transfer NIXL could not cancel may still read the staging memory (or
+                # a directly written tensor): keep it (and the agent) for the life of the
+                # process.
+                _RETAINED.append((self.agent, self.host_staging, self.dev_staging, self._kept_tensors))
                 return
             for r in self._kept_regs:
                 self.agent.deregister(r)
             self._kept_regs.clear()
+            self._kept_tensors.clear()
             self.host_staging.close()
             for st in self.dev_staging.values():
                 st.close()
