@@ -57,7 +57,7 @@ import sys
 import time
 from typing import Any
 
-from omnilink._bench.ports import free_ports  # noqa: F401  (trace_nccl imports it from here)
+from omnilink._bench.ports import free_ports
 from omnilink._bench.units import format_size, parse_sizes
 
 COLS = 4096  # bf16 columns: a hidden state of width 4096
@@ -156,20 +156,7 @@ def join_pair(rank: int, port: int, backend: str) -> tuple[Any, Any, Any]:
     return dev, sync, barrier
 
 
-def store_port(rank: int, dev: Any) -> int:
-    """The connector's store port, chosen by rank 0 once the process group of
-    ``join_pair`` formed and sent to rank 1 over it: a port chosen before the group
-    formed could since have been taken by one of the group's own connections (they use
-    ephemeral ports; EADDRINUSE seen on the CPU machine)."""
-    import torch
-    import torch.distributed as dist
-
-    pick = torch.tensor([free_ports(1)[0] if rank == 0 else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(pick, src=0)
-    return int(pick.item())
-
-
-def _worker(rank: int, ports: tuple[int, ...], opts: dict[str, Any], out: Any) -> None:
+def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -> None:
     import faulthandler
 
     # A hang ends this process with every thread's Python stack on stderr, before the
@@ -188,7 +175,7 @@ def _worker(rank: int, ports: tuple[int, ...], opts: dict[str, Any], out: Any) -
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=store_port(rank, dev), timeout=120.0, bell_bytes=opts["bell_bytes"],
+        master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -440,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = free_ports(1)  # the process group's; the connector's comes later (store_port)
+    ports = free_ports(2)  # the process group's and the connector's store
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()

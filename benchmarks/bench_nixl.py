@@ -256,8 +256,16 @@ def _raw_write(agent: Any, md: Any, src: Any, remote: Any, key: str) -> None:
         peer = agent._peers[md] = agent.add_remote(md)
     t, mem, index = src
     addr, rmem, rindex = remote
-    ld = b.nixlXferDList(agent._mems[mem], [(t.data_ptr(), t.numel(), index)])
-    rd = b.nixlXferDList(agent._mems[rmem], [(addr, t.numel(), rindex)])
+    raw_write_pieces(agent, peer, mem, [(t.data_ptr(), t.numel(), index)], rmem, [(addr, t.numel(), rindex)], key)
+
+
+def raw_write_pieces(agent: Any, peer: str, mem: str, local: list[tuple[int, int, int]], rmem: str,
+                     remote: list[tuple[int, int, int]], key: str) -> None:
+    """One raw NIXL WRITE of the ``local`` pieces into the peer's ``remote`` ones with the
+    notification ``key``, spun on until complete (the floor: no header, no allocation)."""
+    b = agent._b
+    ld = b.nixlXferDList(agent._mems[mem], local)
+    rd = b.nixlXferDList(agent._mems[rmem], remote)
     req = agent._agent.createXferReq(b.NIXL_WRITE, ld, rd, peer, key.encode(), [agent._ucx])
     status = agent._agent.postXferReq(req, key.encode())
     while status == b.NIXL_IN_PROG:

@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_nccl import free_ports, join_pair, ping_pong, store_port  # noqa: E402  (the same pair of ranks as the benchmark)
+from bench_nccl import free_ports, join_pair, ping_pong  # noqa: E402  (the same pair of ranks as the benchmark)
 
 #: Connector methods and wire functions timed (those a version lacks are skipped).
 CONNECTOR_STEPS = (
@@ -106,14 +106,14 @@ def parse_streams(text: str) -> list[tuple[int, bool]]:
     return out
 
 
-def _worker(rank: int, ports: tuple[int, ...], opts: dict[str, Any], q: Any) -> None:
+def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], q: Any) -> None:
     try:
         q.put(("done", rank, _run_rank(rank, ports, opts)))
     except BaseException as exc:  # report, then let the parent fail the run
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _run_rank(rank: int, ports: tuple[int, ...], opts: dict[str, Any]) -> dict[str, Any]:
+def _run_rank(rank: int, ports: tuple[int, int], opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -123,7 +123,7 @@ def _run_rank(rank: int, ports: tuple[int, ...], opts: dict[str, Any]) -> dict[s
 
     dev, sync, barrier = join_pair(rank, ports[0], opts["backend"])
     conn = omnilink.connect("nccl", channel="trace/nccl", role="dual", rank=rank, backend=opts["backend"],
-                            device=str(dev), master_port=store_port(rank, dev), timeout=120.0)
+                            device=str(dev), master_port=ports[1], timeout=120.0)
     conn.wait_connected(120.0)
 
     def mark(name: str) -> None:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     opts = {"backend": args.backend, "n": args.n, "pause_ms": args.pause_ms, "streams": parse_streams(args.streams),
             "stream_n": args.stream_n}
-    ports = free_ports(1)  # the process group's; the connector's comes later (store_port)
+    ports = free_ports(2)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]

@@ -31,7 +31,9 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_nixl import raw_write_pieces  # noqa: E402  (the benchmark's raw floor, split into pieces)
 from omnilink._bench.units import parse_size  # noqa: E402
 
 WARM = 3
@@ -65,16 +67,7 @@ def _receiver(size: int, pipe: Any) -> None:
 
 def _write(agent: Any, peer: str, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]],
            key: str) -> None:
-    b = agent._b
-    ld = b.nixlXferDList(agent._mems["VRAM"], local)
-    rd = b.nixlXferDList(agent._mems["VRAM"], remote)
-    req = agent._agent.createXferReq(b.NIXL_WRITE, ld, rd, peer, key.encode(), [agent._ucx])
-    status = agent._agent.postXferReq(req, key.encode())
-    while status == b.NIXL_IN_PROG:
-        status = agent._agent.getXferStatus(req)
-    agent._agent.releaseXferReq(req)
-    if status != b.NIXL_SUCCESS:
-        raise RuntimeError(f"NIXL WRITE failed: {status}")
+    raw_write_pieces(agent, peer, "VRAM", local, "VRAM", remote, key)
 
 
 def _p50(xs: list[float]) -> float:

@@ -23,7 +23,8 @@ def payload_to_device(obj: Any, device: Any) -> Any:
     """
     import torch
 
-    dev, index = _target(device, torch)
+    dev = _checked(device, torch)
+    index = None if dev.type != "cuda" else dev.index if dev.index is not None else torch.cuda.current_device()
     small: list[Any] = []  # [tensor, offset] of small CPU tensors, placed after the walk
     total = 0
     Tensor = torch.Tensor
@@ -62,36 +63,29 @@ def payload_to_device(obj: Any, device: Any) -> Any:
         raise CudaError(f"moving payload to {device!r} failed: {exc}") from exc
 
 
-#: device argument -> (torch.device, CUDA index or None): checked once per argument
-_TARGETS: dict[Any, tuple[Any, int | None]] = {}
+#: device argument -> its torch.device, checked once per argument
+_TARGETS: dict[Any, Any] = {}
 
 
-def _target(device: Any, torch: Any) -> tuple[Any, int | None]:
-    """``(torch.device, index)`` of a ``device`` argument: the index is the CUDA device's
-    (its current one for a bare ``"cuda"``, looked up per call) or ``None`` for any
-    other device type."""
+def _checked(device: Any, torch: Any) -> Any:
+    """The ``torch.device`` of a ``device`` argument, parsed and checked once per value."""
     try:
-        hit = _TARGETS.get(device)
+        dev = _TARGETS.get(device)
     except TypeError:  # unhashable: checked every time
-        hit = None
-    if hit is None:
+        dev = None
+    if dev is None:
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ConfigurationError(f"invalid device {device!r}: {exc}") from exc
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise CudaError(f"device {device!r} requested but CUDA is not available in this process")
-        hit = (dev, dev.index if dev.type == "cuda" else None)
-        if dev.type == "cuda" and dev.index is None:
-            hit = (dev, -1)
         try:
             if len(_TARGETS) < 64:
-                _TARGETS[device] = hit
+                _TARGETS[device] = dev
         except TypeError:
             pass
-    if hit[1] == -1:
-        return hit[0], torch.cuda.current_device()
-    return hit
+    return dev
 
 
 #: CPU tensors up to this size go to a CUDA device together: packed into one page-locked

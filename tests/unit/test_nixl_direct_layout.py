@@ -125,7 +125,7 @@ def test_a_direct_write_registers_each_tensor_once_and_lets_go_after():
     agent = _Agent()
     s = _sender(agent, lambda local, mem, remote, welcome, deadline: posted.append((local, remote)))
     staging = _Staging()
-    assert s._write_direct(prepared, _Welcome(), 4096, None, staging, direct) is None
+    assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 4096, None, staging, direct) is None
     assert agent.registered == [(big.ptr, 1 << 20, "VRAM", 0)]  # held twice: registered once
     assert agent.deregistered == [("reg", big.ptr)] and not s._kept_regs and not s._kept_tensors
     assert staging.ensured == 128 + 64 and s.synced == [{0}]
@@ -138,7 +138,7 @@ def test_a_direct_write_nixl_cannot_release_keeps_its_memory_registered_and_aliv
     big, prepared, direct = _case()
     agent = _Agent(stuck=True)
     s = _sender(agent, lambda *a: "timeout")
-    assert s._write_direct(prepared, _Welcome(), 0, None, _Staging(), direct) == "timeout"
+    assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) == "timeout"
     assert not agent.deregistered and s._kept_regs == [("reg", big.ptr)] and big in s._kept_tensors
 
 
@@ -151,7 +151,7 @@ def test_a_direct_write_that_fails_lets_go_of_what_it_registered():
 
     s = _sender(agent, boom)
     try:
-        s._write_direct(prepared, _Welcome(), 0, None, _Staging(), direct)
+        s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct)
     except RuntimeError:
         pass
     else:

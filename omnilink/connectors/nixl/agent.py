@@ -93,9 +93,9 @@ def nixl_unavailable() -> str | None:
     return None
 
 
-def _nbytes(piece: Any) -> int:
-    """Bytes of a WRITE's ``(address, length, device)`` piece or list of them."""
-    return sum(p[1] for p in piece) if isinstance(piece, list) else piece[1]
+def _nbytes(pieces: list[tuple[int, int, int]]) -> int:
+    """Bytes of a WRITE's ``(address, length, device)`` pieces."""
+    return sum(p[1] for p in pieces)
 
 
 def _nixl_error(exc: BaseException, what: str) -> TransportError:
@@ -214,16 +214,15 @@ class Agent:
             logger.debug("nixl: removing remote agent %r failed", name, exc_info=True)
 
     # ----------------------------------------------------------- transfers
-    def write(self, local: Any, local_mem: str, remote: Any, remote_mem: str, peer: str) -> Any:
-        """Post one WRITE of ``local`` into the peer's ``remote`` (each an ``(address,
-        length, device)`` or a list of them, piece by piece); returns the request
-        (``None`` when it completed while being posted)."""
+    def write(self, local: list[tuple[int, int, int]], local_mem: str, remote: list[tuple[int, int, int]],
+              remote_mem: str, peer: str) -> Any:
+        """Post one WRITE of the ``local`` pieces (``(address, length, device)``) into the
+        peer's ``remote`` ones, piece by piece; returns the request (``None`` when it
+        completed while being posted)."""
         b = self._b
         try:
-            locals_ = local if isinstance(local, list) else [local]
-            remotes = remote if isinstance(remote, list) else [remote]
-            ld = b.nixlXferDList(self._mems[local_mem], locals_)
-            rd = b.nixlXferDList(self._mems[remote_mem], remotes)
+            ld = b.nixlXferDList(self._mems[local_mem], local)
+            rd = b.nixlXferDList(self._mems[remote_mem], remote)
             req = self._agent.createXferReq(b.NIXL_WRITE, ld, rd, peer, b"", [self._ucx])
         except Exception as exc:
             raise _nixl_error(exc, f"preparing a WRITE of {_nbytes(local)} bytes to {peer}") from exc

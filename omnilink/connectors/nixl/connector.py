@@ -818,15 +818,17 @@ class _Sender:
     def _write(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline) -> str | None:
         n = prepared.data_len
         staging = self._staging_for(prepared, welcome)
-        direct = self._direct(prepared) if staging.mem == "VRAM" else []
-        if direct:
-            return self._write_direct(prepared, welcome, off, deadline, staging, direct)
-        staging.ensure(prepared.nbytes if staging.mem == "DRAM" else n)
         if staging.mem == "DRAM":
+            staging.ensure(prepared.nbytes)
             prepared.write_at(staging.view, 0, staging.addr)
             local = (staging.addr + prepared.data_offset, n, 0)
         else:
-            self._fill_device(prepared, staging)
+            sources = prepared.tensor_sources()
+            direct = self._direct(prepared, sources)
+            if direct:
+                return self._write_direct(prepared, sources, welcome, off, deadline, staging, direct)
+            staging.ensure(n)
+            self._fill_device(prepared, staging, sources)
             local = (staging.addr, n, staging.dev)
         remote = (welcome.pool_addr + off, n, welcome.dev)
         return self._post([local], staging.mem, [remote], welcome, deadline)
@@ -835,7 +837,7 @@ class _Sender:
               welcome: wire.Welcome, deadline: Deadline) -> str | None:
         """One WRITE of the ``local`` pieces into the ``remote`` ones, waited for."""
         try:
-            req = self.agent.write(local, local_mem, remote, welcome.mem, self.peer)  # type: ignore[arg-type]
+            req = self.agent.write(local, local_mem, remote, welcome.mem, self.peer)
             if req is None:
                 return None
             return self.agent.wait(req, deadline, self._check_lost)
@@ -846,13 +848,14 @@ class _Sender:
             raise self._peer_lost("writing a payload") from exc
 
     @staticmethod
-    def _direct(prepared: Any) -> list[tuple[int, int, Any]]:
-        """``(offset, nbytes, tensor)`` of the payload's tensors written from their own
-        memory: contiguous CUDA tensors of at least ``DIRECT_MIN_BYTES``."""
+    def _direct(prepared: Any, sources: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
+        """``(offset, nbytes, tensor)`` of the payload's tensors (``sources``: its
+        ``tensor_sources()``) written from their own memory: contiguous CUDA tensors of
+        at least ``DIRECT_MIN_BYTES``."""
         if not prepared.devices():
             return []
         out = []
-        for offset, nbytes, src in prepared.tensor_sources():
+        for offset, nbytes, src in sources:
             if (
                 nbytes >= DIRECT_MIN_BYTES and getattr(src, "is_cuda", False) and src.is_contiguous()
                 and not src.is_conj() and not src.is_neg()
@@ -860,16 +863,16 @@ class _Sender:
                 out.append((offset, nbytes, src))
         return out
 
-    def _write_direct(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline, staging: Staging,
-                      direct: list[tuple[int, int, Any]]) -> str | None:
+    def _write_direct(self, prepared: Any, sources: list[tuple[int, int, Any]], welcome: wire.Welcome, off: int,
+                      deadline: Deadline, staging: Staging, direct: list[tuple[int, int, Any]]) -> str | None:
         """A WRITE whose large CUDA tensors (``direct``) go from their own memory, each
         registered for it, and whose other bytes (the runs of the data region between
         them: smaller tensors, padding) from the device staging buffer, packed there
         one run after the other: one request, a descriptor per piece."""
-        runs, where, sources, total = direct_layout(prepared.tensor_sources(), direct, prepared.data_len)
+        runs, where, staged, total = direct_layout(sources, direct, prepared.data_len)
         if total:
             staging.ensure(total)
-            self._fill_device(prepared, staging, sources)
+            self._fill_device(prepared, staging, staged)
         # The WRITE reads the tensors on UCX's own stream: the work queued on their
         # devices' current streams (their producers) must be done first.
         self._sync_devices({t.get_device() for _o, _nb, t in direct})
@@ -908,16 +911,22 @@ class _Sender:
         """Wait for the work queued so far on each device's current stream."""
         import torch
 
-        from omnilink.cuda import Event, current_raw_stream
+        from omnilink.cuda import current_raw_stream
 
         for index in devices:
             if self._cuda_ops() is None:
                 torch.cuda.current_stream(index).synchronize()
                 continue
-            event = self._fill_events.get(index)
-            if event is None:
-                event = self._fill_events[index] = Event(index)
-            event.record(current_raw_stream(index)).synchronize()
+            self._fill_event(index).record(current_raw_stream(index)).synchronize()
+
+    def _fill_event(self, index: int) -> Any:
+        """The reused raw event of device ``index`` a fill or sync waits on."""
+        event = self._fill_events.get(index)
+        if event is None:
+            from omnilink.cuda import Event
+
+            event = self._fill_events[index] = Event(index)
+        return event
 
     def _staging_for(self, prepared: Any, welcome: wire.Welcome) -> Staging:
         """Host staging, except for a device pool when this process has CUDA: device
@@ -990,11 +999,9 @@ class _Sender:
         ops = self._cuda_ops()
         if ops is None:
             return False
-        from omnilink.cuda import Event, current_raw_stream
+        from omnilink.cuda import current_raw_stream
 
-        event = self._fill_events.get(index)
-        if event is None:
-            event = self._fill_events[index] = Event(index)
+        event = self._fill_event(index)
         stream = current_raw_stream(index)
         base = staging.addr
         prev = ops.swap_device(index)

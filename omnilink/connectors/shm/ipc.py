@@ -284,10 +284,10 @@ class DeviceIpcRoute:
         self._next_probe = now + PROBE_EVERY_S
         from omnilink.connectors.devpool import PoolSender, live_pool_owner
 
-        recv = self._receiver_pids()
-        if not recv:
+        known = self._receivers()
+        if known is None or not known[1]:
             return None
-        owner = live_pool_owner(self.conn.channel, recv)
+        owner = live_pool_owner(self.conn.channel, known[1])
         if owner is None or self._unavailable() is not None:
             return None
         with self._lock:
@@ -321,10 +321,10 @@ class DeviceIpcRoute:
             except Exception:  # pragma: no cover - best effort
                 logger.debug("shm: closing the device-IPC sender failed", exc_info=True)
 
-    def _receiver_pids(self) -> frozenset[int] | None:
-        """The pids of the shm channel's receivers (cached until the channel's
-        participants generation moves); ``None`` when the channel's lock was not had in
-        a short while."""
+    def _receivers(self) -> tuple[int, frozenset[int]] | None:
+        """``(participants generation, pids)`` of the shm channel's receivers (cached
+        until the generation moves); ``None`` when the channel's lock was not had in a
+        short while."""
         from omnilink.connectors.shm.segments import ROLE_RECV
         from omnilink.connectors.shm.segments import _LockTimeout
 
@@ -332,16 +332,15 @@ class DeviceIpcRoute:
         gen = chan.senders_gen()  # moves whenever a participant joins, leaves or is reaped
         cached = self._recv_pids
         if cached is not None and cached[0] == gen:
-            return cached[1]
+            return cached
         try:
             with chan.locked(_short(None)):
                 gen = chan.senders_gen()
                 parts = chan.participants()
         except _LockTimeout:
             return None
-        recv = frozenset(pid for pid, role, _ in parts if role & ROLE_RECV)
-        self._recv_pids = (gen, recv)
-        return recv
+        self._recv_pids = (gen, frozenset(pid for pid, role, _ in parts if role & ROLE_RECV))
+        return self._recv_pids
 
     def _only_receiver_owns_pool(self) -> bool:
         """Whether the shm channel's receivers are exactly the pool's owner (a marker
@@ -349,10 +348,10 @@ class DeviceIpcRoute:
         gen = self.conn._chan.senders_gen()
         if gen == self._owner_ok_gen:
             return True
-        recv = self._receiver_pids()
-        if recv is None:
+        known = self._receivers()
+        if known is None:
             return False
-        gen = self._recv_pids[0]  # type: ignore[index]
+        gen, recv = known
         if recv == {self._owner}:
             self._owner_ok_gen = gen
             return True
