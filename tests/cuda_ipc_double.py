@@ -88,6 +88,10 @@ class HostDeviceOps:
     def is_small_host_tensor(self, t: Any, most: int) -> bool:
         return False  # every tensor is a "device" tensor here (HostOnlyOps below says otherwise)
 
+    @staticmethod
+    def to_host(t: Any) -> Any:
+        return t.clone()  # a copy of its own, out of the pool, as the real one's .cpu()
+
     def new_stage(self, nbytes: int) -> Any:
         return bytearray(nbytes)
 

@@ -299,7 +299,7 @@ def test_repeated_tensor_entries_are_checked_against_each_block():
             # Floats equal to the remembered ints compare equal: the checked ints are used.
             again = rx._receiver.parse("k2", _m(1, 3, 0, 0, 512, [[9.0, 0, 512.0, [128.0], ["x"]]]))
             assert again[5] is rx._receiver.parsed[2]
-            dt, off, nbytes, shape, _stride, _first, path = again[5][0]
+            dt, off, nbytes, shape, _stride, _first, path, _hosted = again[5][0]
             assert type(off) is int and type(nbytes) is int and all(type(s) is int for s in shape)
             assert path == ("x",)
             gc.collect()

@@ -61,7 +61,18 @@ def test_the_largest_empty_shapes_that_fit_are_views(rx_raw):
     rx, _raw = rx_raw
     for shape in ([0, 2**30, 2**30], [2**60, 0], [0]):
         out = rx._receiver.parse("ok", _m([[9, 0, 0, shape, ["x"]]]))
-        (_dt, _off, _n, got_shape, stride, _first, _path) = out[5][0]
+        (_dt, _off, _n, got_shape, stride, _first, _path, hosted) = out[5][0]
+        assert hosted is False
         assert got_shape == tuple(shape) and all(0 <= s <= (1 << 63) - 1 for s in stride)
         t = torch.empty(64, dtype=torch.float32).as_strided(got_shape, stride, 0)
         assert t.numel() == 0 and tuple(t.shape) == tuple(shape)
+
+
+@pytest.mark.parametrize("mark", [0, 2, True, "1", None])
+def test_a_host_mark_other_than_1_is_refused(rx_raw, mark):
+    rx, raw = rx_raw
+    raw.put("bad", {"d": _m([[9, 0, 16, [4], ["x"], mark]]), "h": {"x": None}, "n": 1}, timeout=5)
+    with pytest.raises(BlobDecodeError, match="host mark"):
+        rx.get("bad", timeout=5)
+    gc.collect()
+    assert rx.stats().blocks_in_use == 0

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from omnilink._util import Deadline  # noqa: E402
 from omnilink.connectors.devpool import PoolReceiver, PoolSender  # noqa: E402
-from tests.cuda_ipc_double import HostDeviceOps  # noqa: E402
+from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps  # noqa: E402
 
 HOSTLIKE = (torch.int64, torch.bool)
 
@@ -77,6 +77,86 @@ def test_small_host_tensors_ride_in_the_block_after_the_device_ones(most):
             del got, small
         assert ops.staged == (6 if most else 0)
         assert len(tx.tx.stages) == (min(6, 4) if most else 0)  # one stage per slot used, reused
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_landing_send_carries_host_tensors_only_while_the_receiver_lands_on_device():
+    ops, tx, rx = _pair()
+    try:
+        for i, landing in enumerate([False, True, False, True]):
+            rx.set_landing(landing)
+            payload = {"hidden": torch.randn(64), "ids": torch.arange(16) + i}
+            sent = []
+            tx.send(f"k{i}", payload, Deadline(5.0), None, sent.append, host_to_pool=1 << 10, landing=True)
+            (msg,) = sent
+            assert (msg["h"]["ids"] is None) == landing
+            assert [len(e) for e in msg["d"][5]] == ([5, 6] if landing else [5])  # the host mark
+            got = rx.land(f"k{i}", msg)
+            assert torch.equal(got["ids"], payload["ids"]) and torch.equal(got["hidden"], payload["hidden"])
+            del got
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_land_to_host_gives_carried_host_tensors_back_as_host_copies():
+    ops, tx, rx = _pair()
+    try:
+        rx.set_landing(True)
+        payload = {"hidden": torch.randn(64), "ids": torch.arange(16), "meta": {"done": torch.tensor(True)}}
+        sent = []
+        tx.send("k", payload, Deadline(5.0), None, sent.append, host_to_pool=1 << 10, landing=True)
+        (msg,) = sent
+        assert msg["h"]["ids"] is None and msg["h"]["meta"]["done"] is None
+        got = rx.land("k", msg, to_host=True)
+        lo, hi = rx.pool.ptr, rx.pool.ptr + rx.pool.nbytes
+        assert lo <= got["hidden"].data_ptr() < hi  # device tensors stay views of the pool
+        for t in (got["ids"], got["meta"]["done"]):
+            assert not lo <= t.data_ptr() < hi  # copies of their own
+        assert torch.equal(got["ids"], payload["ids"]) and bool(got["meta"]["done"])
+        assert got["meta"]["done"].shape == () and got["ids"].dtype == torch.int64
+        del got
+    finally:
+        tx.close()
+        rx.close()
+
+
+class _HostOnlyCudaIpc(HostCudaIpc):
+    @staticmethod
+    def _make_ops():
+        return HostOnlyOps()
+
+
+def test_cuda_ipc_get_with_a_device_makes_the_sender_carry_host_tensors_and_get_without_gives_host_ones():
+    ch = f"h2p-c-{uuid.uuid4().hex[:8]}"
+    rx = _HostOnlyCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
+    tx = _HostOnlyCudaIpc(channel=ch, role="sender", linger=0)
+    try:
+        def payload(i):
+            return {"hidden": torch.randn(64) + i, "ids": torch.arange(16) + i}
+
+        def in_pool(t):
+            pool = rx._receiver.pool
+            return pool.ptr <= t.data_ptr() < pool.ptr + pool.nbytes
+
+        sent = {i: payload(i) for i in range(4)}
+        tx.put("k0", sent[0], timeout=5)  # sent before the receiver said anything
+        got = rx.get("k0", timeout=5, device="cpu")  # landing from now on
+        assert not in_pool(got["ids"]) and tx._ops.staged == 0
+        tx.put("k1", sent[1], timeout=5)
+        got = rx.get("k1", timeout=5, device="cpu")
+        assert in_pool(got["ids"]) and in_pool(got["hidden"]) and tx._ops.staged == 1
+        tx.put("k2", sent[2], timeout=5)  # still carried: the receiver's last get landed
+        got2 = rx.get("k2", timeout=5)  # no device: the carried host tensor comes back a host copy
+        assert not in_pool(got2["ids"]) and in_pool(got2["hidden"]) and tx._ops.staged == 2
+        tx.put("k3", sent[3], timeout=5)
+        got3 = rx.get("k3", timeout=5)
+        assert not in_pool(got3["ids"]) and tx._ops.staged == 2  # not carried any more
+        for i, g in ((1, got), (2, got2), (3, got3)):
+            assert torch.equal(g["ids"], sent[i]["ids"]) and torch.equal(g["hidden"], sent[i]["hidden"])
+        del got, got2, got3
     finally:
         tx.close()
         rx.close()

@@ -33,6 +33,11 @@ _T = TypeVar("_T")
 
 #: The inner shm connector carries descriptors and CPU parts only: a small arena.
 DEFAULT_ARENA_BYTES = 16 << 20
+#: While the receiver's gets land on its device, host tensors of at most this many
+#: bytes each ride in the pool block with the CUDA tensors (staged in page-locked
+#: memory, copied with them) instead of being moved to the device one by one after the
+#: landing.
+HOST_TO_POOL_BYTES = 64 << 10
 
 _Inner = ShmConnector
 
@@ -217,7 +222,7 @@ class CudaIpcConnector(BaseConnector):
         return self._open(self._sender).attach(self._deadline(timeout))
 
     # ---------------------------------------------------------------- receiver
-    def _get(self, key: str, deadline: Deadline, block: bool) -> Any:
+    def _get(self, key: str, deadline: Deadline, block: bool, to_host: bool = True) -> Any:
         if not self._recvs:
             raise ConfigurationError(
                 f"cuda_ipc connector on channel {self.channel!r} was opened with role='sender' and cannot get"
@@ -228,12 +233,29 @@ class CudaIpcConnector(BaseConnector):
             obj = inner._get(key, deadline, True) if block else inner.get_nowait(key)
         except TransferTimeout:
             raise self._timeout("get", key, "a sender", deadline.timeout) from None
-        return self._land_message(key, obj)
+        return self._land_message(key, obj, to_host)
 
-    def _land_message(self, key: str, obj: Any) -> Any:
+    def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
+        """``get``: the payload, its tensors moved to ``device``. A receiver whose gets
+        land on a device says so in its pool's directory: the sender then carries the
+        payload's small host tensors in the pool block with the device tensors, and they
+        arrive as views of the pool instead of being copied to the device one by one
+        here (a get without ``device`` turns those back into host tensors)."""
+        rx = self._receiver
+        if rx is not None and rx.landing != (device is not None):
+            rx.set_landing(device is not None)
+        obj = self._get(key, deadline, block, device is None)
+        if device is not None:
+            from omnilink.cuda import payload_to_device
+
+            obj = payload_to_device(obj, device)
+        return obj
+
+    def _land_message(self, key: str, obj: Any, to_host: bool = True) -> Any:
         """The payload of a message received on the inner channel under ``key``: views of
-        the pool put where the manifest's paths say (``PoolReceiver.land``), counted."""
-        out = self._open(self._receiver).land(key, obj)
+        the pool put where the manifest's paths say (``PoolReceiver.land``; ``to_host``:
+        host tensors the sender carried in the block come back as host tensors), counted."""
+        out = self._open(self._receiver).land(key, obj, to_host=to_host)
         if obj["d"] is None:
             self._count(bytes_got=obj["n"])
         else:
@@ -295,7 +317,7 @@ class CudaIpcConnector(BaseConnector):
             else:  # not plain, too large, lane full: a message of the inner channel
                 inner.put(key, msg, timeout=deadline.remaining())
 
-        return tx.send(key, payload, deadline, ctx, publish)
+        return tx.send(key, payload, deadline, ctx, publish, host_to_pool=HOST_TO_POOL_BYTES, landing=True)
 
     def _async_context(self, payload: Any) -> Any:
         """``put_async``: the producer's events, recorded in the caller's thread (the put

@@ -33,7 +33,9 @@ Byte layout (little-endian, every field 8-byte aligned)::
     288  lane read                         receiver: records read from the lane
     296  lane slots                        receiver writes once (0: no lane)
     304  lane record bytes                 receiver writes once
-    312  (reserved)
+    312  lands on device                   receiver: 1 while its gets land payloads on its
+                                       device (the sender may then carry small host
+                                       tensors in the pool block), else 0
     320  segments: MAX_SEGMENTS x [state u64 | bytes u64 | IPC handle 64 | released u64]
          state, bytes, handle: receiver (0 none, 1 live, 2 retiring); released: sender
     ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
@@ -104,6 +106,7 @@ RING_HEAD, RING_TAIL, MEM_HANDLE, EVENTS_GEN, UUID = 112, 120, 128, 192, 200
 SEG_GEN, GROW_REQ, GROW_BYTES, GROW_ACK, GROW_ERR, POOL_MAX, POOL_NOW = 216, 224, 232, 240, 248, 256, 264
 HELD_BYTES = 272
 LANE_PUB, LANE_READ, LANE_SLOTS, LANE_REC = 280, 288, 296, 304
+LANDS = 312
 #: Bounds of a lane a directory may declare (checked when it is opened).
 MAX_LANE_SLOTS = 4096
 MAX_LANE_RECORD = 1 << 16

@@ -109,6 +109,12 @@ class CudaDeviceOps:
         """A strided CPU tensor of at most ``most`` bytes (``send``'s ``host_to_pool``)."""
         return bool(t.is_cpu) and t.layout is self._torch.strided and t.numel() * t.element_size() <= most
 
+    @staticmethod
+    def to_host(t: Any) -> Any:
+        """A host copy of the pool view ``t`` (after the current stream's work: a
+        synchronous copy on it)."""
+        return t.cpu()
+
     def new_stage(self, nbytes: int) -> Any:
         """A page-locked host buffer of ``nbytes`` for host tensors copied into the pool."""
         return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)

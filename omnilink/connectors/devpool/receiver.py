@@ -27,6 +27,7 @@ from omnilink.connectors.devpool.directory import (
     GROW_PAST_BOUND,
     GROW_REQ,
     HELD_BYTES,
+    LANDS,
     MAX_SEGMENTS,
     POOL_NOW,
     RING_HEAD,
@@ -213,6 +214,8 @@ class PoolReceiver:
         self._events_lock = threading.Lock()
         #: (tensor entries, their end, parsed) of the last valid manifest (``parse``)
         self.parsed: tuple[list[Any], int, list[Any]] | None = None
+        #: whether this receiver's gets land payloads on its device (``set_landing``)
+        self.landing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pool: _Pool | None = None
@@ -405,9 +408,10 @@ class PoolReceiver:
         make the receiver read outside its pool or build a view that lies about its size).
 
         ``m`` is ``[gen, seq, slot, block, total, tensors]``, each tensor ``[dtype code,
-        offset in block, nbytes, shape, path]``. Returns ``(gen, seq, slot, block, total,
+        offset in block, nbytes, shape, path]``, or with a sixth item ``1`` for a host
+        tensor the sender carried in the block. Returns ``(gen, seq, slot, block, total,
         tensors)``, each tensor ``(dtype, offset, nbytes, shape, contiguous strides,
-        offset in elements, path)``. The tensor list of the last valid manifest is
+        offset in elements, path, host)``. The tensor list of the last valid manifest is
         remembered: a stream of same-shaped payloads checks only its extent again.
 
         Raises
@@ -453,9 +457,12 @@ class PoolReceiver:
         out = []
         end = 0
         for i, e in enumerate(entries):
-            if type(e) is not list or len(e) != 5:
-                raise bad(f"tensor {i} is not [dtype, offset, nbytes, shape, path]")
-            code, off, nbytes, shape, path = e
+            if type(e) is not list or not 5 <= len(e) <= 6:
+                raise bad(f"tensor {i} is not [dtype, offset, nbytes, shape, path(, host)]")
+            code, off, nbytes, shape, path = e[:5]
+            hosted = len(e) == 6
+            if hosted and (type(e[5]) is not int or e[5] != 1):
+                raise bad(f"tensor {i}: host mark {e[5]!r} is not 1")
             dt = by_code.get(code) if type(code) is int else None
             if dt is None:
                 raise bad(f"tensor {i}: unknown dtype code {code!r}")
@@ -486,17 +493,20 @@ class PoolReceiver:
                 raise bad(f"tensor {i}: {nbytes} bytes for shape {shape} of {dt}")
             if off % itemsize:
                 raise bad(f"tensor {i}: offset {off} not aligned to its dtype")
-            out.append((dt, off, nbytes, shape, _contiguous_strides(shape), off // itemsize, tuple(path)))
+            out.append((dt, off, nbytes, shape, _contiguous_strides(shape), off // itemsize, tuple(path), hosted))
             end = max(end, off + nbytes)
         if len(out) > 1 and any(not t[6] for t in out):
             raise bad("the payload itself is a tensor, yet the manifest names more than one")
         self.parsed = (entries, end, out)
         return gen, seq, slot, block, total, out
 
-    def land(self, key: str, obj: Any) -> Any:
+    def land(self, key: str, obj: Any, *, to_host: bool = False) -> Any:
         """The payload of a message the pool's sender made (``PoolSender.send``),
         received under ``key``: views of the pool put where the manifest's paths say, the
-        current stream ordered after the sender's copy (host not blocked).
+        current stream ordered after the sender's copy (host not blocked). ``to_host``:
+        the host tensors the sender carried in the block come back as host tensors
+        (copied after the stream's wait), as they were sent; otherwise they stay views
+        of the pool like the device tensors.
 
         Raises
         ------
@@ -525,7 +535,7 @@ class PoolReceiver:
             base, lease = self.ops.view(seg[0] + (blk & SEG_MASK), total, pool.index)
             views = []
             typed: dict[Any, Any] = {}
-            for dt, off, nbytes, shape, stride, first, path in entries:
+            for dt, off, nbytes, shape, stride, first, path, _ in entries:
                 # One view of the block per dtype, one as_strided per tensor (a slice and
                 # two views per tensor cost twice as much).
                 tv = typed.get(dt)
@@ -541,8 +551,13 @@ class PoolReceiver:
             pool.release(None, blk, total)
             raise
         try:
+            if to_host and any(e[7] for e in entries):
+                # The copies read the block after the stream's wait for the sender's copy.
+                self.ops.wait(pool.index, self._wait_event(key, d, gen, seq, slot))
+                convert = self.ops.to_host
+                views = [convert(v) if e[7] else v for e, v in zip(entries, views)]
             try:
-                for (*_, path), v in zip(entries, views):
+                for (*_, path, _), v in zip(entries, views):
                     if not path:
                         if out is not None:
                             raise BadPath
@@ -554,14 +569,9 @@ class PoolReceiver:
                                       "place of the payload") from None
             finally:
                 del views
-            if d.get(CLEAN_GEN) != gen:  # the sender's copies may still run: order after them
-                sp = d.get(SENDER_PID)
-                if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
-                    raise PeerLostError(
-                        f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
-                        "its device copy could be confirmed; the payload is lost"
-                    )
-                self.ops.wait(pool.index, self._slot_events(gen)[slot])
+            ev = self._wait_event(key, d, gen, seq, slot)
+            if ev is not None:
+                self.ops.wait(pool.index, ev)
                 if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
                     d.set_done_seq(slot, seq)
         except BaseException:
@@ -569,6 +579,33 @@ class PoolReceiver:
             fin()  # no view was handed out: free the block now (after this stream)
             raise
         return out
+
+    def _wait_event(self, key: str, d: Any, gen: int, seq: int, slot: int) -> Any:
+        """The event of ``slot`` that a reader of sequence ``seq`` waits for, or
+        ``None`` when the sender's close already waited for every copy of ``gen``.
+
+        Raises
+        ------
+        PeerLostError
+            The sender died before its copy could be confirmed.
+        """
+        if d.get(CLEAN_GEN) == gen:
+            return None
+        sp = d.get(SENDER_PID)
+        if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
+            raise PeerLostError(
+                f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
+                "its device copy could be confirmed; the payload is lost"
+            )
+        return self._slot_events(gen)[slot]
+
+    def set_landing(self, on: bool) -> None:
+        """Tell the sender whether this receiver's gets land payloads on its device
+        (it may then carry small host tensors in the pool block)."""
+        pool = self.pool
+        if pool is not None:
+            pool.dir.set(LANDS, 1 if on else 0)
+        self.landing = on
 
     def drop(self, key: str, obj: Any) -> None:
         """A message of the pool's sender, received under ``key``, discarded unread: its

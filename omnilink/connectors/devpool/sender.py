@@ -33,6 +33,7 @@ from omnilink.connectors.devpool.directory import (
     GROW_NO_ENTRY,
     GROW_REQ,
     HELD_BYTES,
+    LANDS,
     MAX_SEGMENTS,
     POOL_MAX,
     POOL_NOW,
@@ -186,7 +187,8 @@ class PoolSender:
 
     # --------------------------------------------------------------------- send
     def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
-             size: int | None = None, room: Deadline | None = None, host_to_pool: int = 0) -> int:
+             size: int | None = None, room: Deadline | None = None, host_to_pool: int = 0,
+             landing: bool = False) -> int:
         """Copy the device tensors of ``payload`` into a block of the receiver's pool and
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
         part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
@@ -196,9 +198,11 @@ class PoolSender:
         payload's tensor_blob size when the caller knows it; ``room``: the deadline of
         the wait for room in the pool (default ``deadline``); ``host_to_pool``: host
         tensors of at most this many bytes each go into the block too (after the device
-        tensors, staged in page-locked memory and copied with them), so that they arrive
-        as views of the pool: for a receiver that lands every payload on its device (the
-        shm route); 0 leaves them in the host part. Returns ``size``.
+        tensors, staged in page-locked memory and copied with them, their manifest
+        entries marked as host tensors), so that they arrive as views of the pool: for a
+        receiver that lands its payloads on its device (the shm route; ``cuda_ipc`` while
+        its receiver says so, ``landing``); 0 leaves them in the host part. ``landing``:
+        only while the receiver's last get landed on its device. Returns ``size``.
 
         Raises
         ------
@@ -221,6 +225,14 @@ class PoolSender:
         if size is None:
             size = encoded_size(payload)
         is_dev = ops.is_device_tensor
+        if landing and host_to_pool:
+            tx = self.tx
+            if tx is None:  # the first send: the receiver's word is in its directory
+                with self.lock:
+                    self._check_open()
+                    tx = self._attached(deadline)
+            if not tx.dir.get(LANDS):
+                host_to_pool = 0
         if host_to_pool:
             def pick(t: Any) -> bool:
                 return is_dev(t) or ops.is_small_host_tensor(t, host_to_pool)
@@ -243,7 +255,7 @@ class PoolSender:
                                       "cannot carry")
             if host_to_pool and not is_dev(t):
                 hosted.append((len(entries), t))
-                entries.append([code, 0, 0, list(t.shape), list(path)])
+                entries.append([code, 0, 0, list(t.shape), list(path), 1])
                 continue
             t = plain_tensor(t)
             n = t.numel() * t.element_size()
