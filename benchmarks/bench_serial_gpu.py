@@ -91,6 +91,9 @@ TRACED = (
     "omnilink.connectors.devpool.manifest",
     "omnilink.cuda.runtime", "omnilink.cuda.events", "omnilink.cuda.h2d", "omnilink.cuda.d2h",
     "omnilink.cuda.device", "omnilink.cuda.pool",
+    # no functions of its own: listed so that its re-exports (``from omnilink.cuda import
+    # payload_to_device`` at call time) are rebound to the traced ones
+    "omnilink.cuda",
 )
 
 

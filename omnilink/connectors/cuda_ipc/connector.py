@@ -168,6 +168,8 @@ class CudaIpcConnector(BaseConnector):
         self._ops = self._make_ops()
         #: the two ends of the device pool (``devpool``) this connector is
         self._sender: PoolSender | None = PoolSender(self._ops, channel) if self._sends else None
+        if self._sender is not None:
+            self._sender.withdraw = self._withdraw_lane
         self._receiver: PoolReceiver | None = None
         self._inner: _Inner | None = None
         try:
@@ -233,7 +235,7 @@ class CudaIpcConnector(BaseConnector):
             obj = inner._get(key, deadline, True) if block else inner.get_nowait(key)
         except TransferTimeout:
             raise self._timeout("get", key, "a sender", deadline.timeout) from None
-        return self._land_message(key, obj, to_host)
+        return self._land_message(key, obj, to_host, deadline)
 
     def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
         """``get``: the payload, its tensors moved to ``device``. A receiver whose gets
@@ -251,11 +253,11 @@ class CudaIpcConnector(BaseConnector):
             obj = payload_to_device(obj, device)
         return obj
 
-    def _land_message(self, key: str, obj: Any, to_host: bool = True) -> Any:
+    def _land_message(self, key: str, obj: Any, to_host: bool = True, deadline: Deadline | None = None) -> Any:
         """The payload of a message received on the inner channel under ``key``: views of
         the pool put where the manifest's paths say (``PoolReceiver.land``; ``to_host``:
         host tensors the sender carried in the block come back as host tensors), counted."""
-        out = self._open(self._receiver).land(key, obj, to_host=to_host)
+        out = self._open(self._receiver).land(key, obj, to_host=to_host, deadline=deadline)
         if obj["d"] is None:
             self._count(bytes_got=obj["n"])
         else:
@@ -282,6 +284,15 @@ class CudaIpcConnector(BaseConnector):
             return False
         self._open(self._receiver).drop(key, obj)
         return True
+
+    def _withdraw_lane(self, key: str) -> bool:
+        """The sender's hook: withdraw ``key``'s unclaimed lane record (its block freed);
+        whether it was there unclaimed."""
+        inner, tx = self._inner, self._sender
+        if inner is None or tx is None:
+            return False
+        with inner._chan.locked():  # the receiver claims a lane record under it too
+            return tx.lane_withdraw(key)
 
     def release(self, key: str, /) -> bool:
         """Hand the pool blocks (and shm blocks) of a payload received under ``key`` back

@@ -57,6 +57,14 @@ Design
   handles with a per-slot ``rec_seq`` (sender) / ``done_seq`` (receiver), the released
   ring (receiver pushes freed blocks, the sender drains them when it allocates) and the
   held list. ``live_pool_owner(channel)`` reads it without a CUDA call.
+- **Publish, then copy.** ``PoolSender.send`` publishes a payload's message (block, slot,
+  sequence) before it queues the copy and records the slot's event, then stores the
+  sequence in the slot's ``rec_seq``; the receiver claims, checks and views the block in
+  the meantime and makes its stream wait on the event only once ``rec_seq`` has reached
+  that sequence (a serial consumer's landing overlaps the sender's copy calls). A copy
+  that fails after its message was claimed marks ``rec_seq`` with ``COPY_FAILED`` (the
+  reader raises ``TransportError``) and the sender attaches again as a new generation;
+  one that fails before is withdrawn.
 - **Event slots.** Interprocess events (``cudaEventInterprocess``) must live on the
   device that owns the memory, so the sender's copy stream is on the pool's device and a
   copy from another GPU pulls over peer access, enabled both ways in the sender (imported

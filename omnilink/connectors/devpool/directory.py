@@ -98,6 +98,9 @@ GROW_NO_ENTRY = 3
 
 STATE_OPEN = 1
 STATE_CLOSED = 2
+#: A slot's ``rec_seq`` with this bit: the copy of that sequence failed after its message
+#: was published (the sender gave the pool up; its reader raises).
+COPY_FAILED = 1 << 63
 
 # field offsets
 RECV_PID, STATE, DEVICE, POOL_BYTES, NSLOTS, RING_CAP = 8, 16, 24, 32, 40, 48

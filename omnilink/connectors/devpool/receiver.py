@@ -9,13 +9,14 @@ import time
 import weakref
 from typing import Any
 
-from omnilink._errors import BlobDecodeError, ClosedError, ConfigurationError, PeerLostError
-from omnilink._util import PeerWatch
+from omnilink._errors import BlobDecodeError, ClosedError, ConfigurationError, PeerLostError, TransportError
+from omnilink._util import PeerWatch, timed_out
 from omnilink.blob import MAX_TREE_DEPTH, MAX_TREE_ITEMS, _contiguous_strides
 from omnilink.connectors.devpool.blocks import ALIGN, round_up
 from omnilink.connectors.devpool.directory import (
     ACK_GEN,
     CLEAN_GEN,
+    COPY_FAILED,
     EVENTS_GEN,
     GEN,
     GROW_ACK,
@@ -500,7 +501,7 @@ class PoolReceiver:
         self.parsed = (entries, end, out)
         return gen, seq, slot, block, total, out
 
-    def land(self, key: str, obj: Any, *, to_host: bool = False) -> Any:
+    def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None) -> Any:
         """The payload of a message the pool's sender made (``PoolSender.send``),
         received under ``key``: views of the pool put where the manifest's paths say, the
         current stream ordered after the sender's copy (host not blocked). ``to_host``:
@@ -553,7 +554,7 @@ class PoolReceiver:
         try:
             if to_host and any(e[7] for e in entries):
                 # The copies read the block after the stream's wait for the sender's copy.
-                self.ops.wait(pool.index, self._wait_event(key, d, gen, seq, slot))
+                self.ops.wait(pool.index, self._wait_event(key, d, gen, seq, slot, deadline))
                 convert = self.ops.to_host
                 views = [convert(v) if e[7] else v for e, v in zip(entries, views)]
             try:
@@ -569,7 +570,7 @@ class PoolReceiver:
                                       "place of the payload") from None
             finally:
                 del views
-            ev = self._wait_event(key, d, gen, seq, slot)
+            ev = self._wait_event(key, d, gen, seq, slot, deadline)
             if ev is not None:
                 self.ops.wait(pool.index, ev)
                 if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
@@ -580,24 +581,48 @@ class PoolReceiver:
             raise
         return out
 
-    def _wait_event(self, key: str, d: Any, gen: int, seq: int, slot: int) -> Any:
-        """The event of ``slot`` that a reader of sequence ``seq`` waits for, or
-        ``None`` when the sender's close already waited for every copy of ``gen``.
+    def _wait_event(self, key: str, d: Any, gen: int, seq: int, slot: int, deadline: Any = None) -> Any:
+        """The event of ``slot`` that a reader of sequence ``seq`` waits for, once the
+        sender has recorded it (it publishes first), or ``None`` when the sender's close
+        already waited for every copy of ``gen``.
 
         Raises
         ------
         PeerLostError
             The sender died before its copy could be confirmed.
+        TransportError
+            The sender could not queue the copy (``COPY_FAILED``).
+        TransferTimeout
+            The copy was not queued before ``deadline``.
         """
         if d.get(CLEAN_GEN) == gen:
             return None
-        sp = d.get(SENDER_PID)
-        if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
-            raise PeerLostError(
-                f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
-                "its device copy could be confirmed; the payload is lost"
-            )
-        return self._slot_events(gen)[slot]
+        rounds = 0
+        while True:
+            # The sender publishes a message before it queues its copy, then stores the
+            # sequence in the slot's ``rec_seq``: that store (or a later one) means the
+            # event follows this copy. Read before the sender's liveness: a sender that
+            # gave the pool up after a failed copy marked the slot first.
+            rec = d.rec_seq(slot)
+            if rec & COPY_FAILED and rec & ~COPY_FAILED == seq:
+                raise TransportError(f"cuda_ipc: the sender could not copy key {key!r} on channel "
+                                     f"{self.channel!r} into the pool; the payload is lost")
+            sp = d.get(SENDER_PID)
+            if d.get(GEN) != gen or (sp != self._pid and (sp == 0 or not self._peers.alive(sp))):
+                raise PeerLostError(
+                    f"cuda_ipc: the sender that put key {key!r} on channel {self.channel!r} died before "
+                    "its device copy could be confirmed; the payload is lost"
+                )
+            if not rec & COPY_FAILED and rec >= seq:
+                return self._slot_events(gen)[slot]
+            if deadline is not None and deadline.expired():
+                raise timed_out("cuda_ipc", self.channel, "get (waiting for the sender to queue its copy)", key,
+                                "the sender", deadline.timeout)
+            rounds += 1
+            if rounds < 2000:
+                os.sched_yield()  # queued within microseconds of the message: spin
+            else:
+                time.sleep(0.0001)
 
     def set_landing(self, on: bool) -> None:
         """Tell the sender whether this receiver's gets land payloads on its device

@@ -23,6 +23,7 @@ from omnilink.connectors.devpool.blocks import ALIGN, BlockAllocator
 from omnilink.connectors.devpool.directory import (
     ACK_GEN,
     CLEAN_GEN,
+    COPY_FAILED,
     DEVICE,
     EVENTS_GEN,
     GEN,
@@ -174,6 +175,9 @@ class PoolSender:
         self.timeouts = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: ``withdraw(key) -> bool``: the transport's withdrawal of a published, unclaimed
+        #: message (it frees the block through ``withdrawn``); set by the connector
+        self.withdraw: Any = None
 
     # ------------------------------------------------------------------ helpers
     def _check_open(self) -> None:
@@ -280,6 +284,17 @@ class PoolSender:
             tx.seq += 1
             seq = tx.seq
             base = tx.segs[blk >> SEG_SHIFT].ptr + (blk & SEG_MASK)  # type: ignore[union-attr]
+            # Published before the copy is queued: the receiver claims, checks and views
+            # the block while this process queues the copy, and waits for the slot's
+            # record (``rec_seq``) before its stream waits on the event.
+            try:
+                publish({"d": [tx.gen, seq, slot, blk, total, entries], "h": host, "n": size})
+            except BaseException:
+                # Never published: nobody will wait on the slot or read the block.
+                tx.free(blk)
+                raise
+            tx.sent[key] = (blk, slot, seq)
+            tx.by_block[blk] = key
             try:
                 hosted_arg = None
                 if host_items:
@@ -292,23 +307,38 @@ class PoolSender:
                         stage = tx.stages[slot] = ops.new_stage(max(span, 64 << 10))
                     hosted_arg = (base + first, [(o - first, t) for o, t in host_items], span, stage)
                 ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx, hosted=hosted_arg)
-            except BaseException:
-                tx.free(blk)
+            except BaseException as exc:
+                self._copy_failed(tx, key, slot, seq, exc)
                 raise
             tx.rec[slot] = seq
-            tx.dir.set_rec_seq(slot, seq)
-            try:
-                publish({"d": [tx.gen, seq, slot, blk, total, entries], "h": host, "n": size})
-            except BaseException:
-                # Never published: nobody will wait on the slot or read the block; a later
-                # copy into it runs after this one (same copy stream).
-                tx.dir.set_done_seq(slot, seq)
-                tx.free(blk)
-                raise
-            tx.sent[key] = (blk, slot, seq)
-            tx.by_block[blk] = key
+            tx.dir.set_rec_seq(slot, seq)  # the copy and the slot's event are queued
             self.device_puts += 1
         return size
+
+    def _copy_failed(self, tx: _Attachment, key: str, slot: int, seq: int, exc: BaseException) -> None:
+        """The copy of ``key``, already published, could not be queued: withdraw its
+        message if nobody claimed it yet; else tell its reader (the slot's ``rec_seq``
+        marked ``COPY_FAILED``) and let the pool go (the next send attaches as a new
+        sender generation, so no later record of the slot is taken for this one)."""
+        withdrawn = False
+        try:
+            withdrawn = self._withdraw_published(key)
+        except Exception:  # pragma: no cover - a broken transport
+            logger.debug("cuda_ipc: withdrawing %r after its copy failed", key, exc_info=True)
+        if withdrawn:
+            return
+        tx.dir.set_rec_seq(slot, seq | COPY_FAILED)
+        logger.error("cuda_ipc: the copy of key %r into the pool failed after its message was read (%s); "
+                     "its reader gets a TransportError, this sender attaches again", key, exc)
+        self.tx = None
+        self._detach(tx, clean=False)
+
+    def _withdraw_published(self, key: str) -> bool:
+        """Withdraw the published, unclaimed message of ``key`` (its block freed):
+        the transport's hook (``withdraw``), set by the connector; ``False`` without one
+        or when the message was claimed."""
+        hook = self.withdraw
+        return bool(hook is not None and hook(key))
 
     def lane_write(self, key: str, message: Any) -> bool:
         """Put ``message`` (what ``send`` hands its ``publish``) in the pool's lane, for

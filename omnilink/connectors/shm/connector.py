@@ -1299,7 +1299,7 @@ class ShmConnector(BaseConnector):
         if deadline is None:
             deadline = Deadline.after(self.timeout)
         if IPC_MARK in marker:
-            return self._take_ipc(key, marker, None)
+            return self._take_ipc(key, marker, None, deadline)
         return self._gpu_path().gather(marker, deadline, None).synchronize()
 
     def _get_many(self, keys: list[str], deadline: Deadline, device: Any) -> dict[str, Any]:
@@ -1402,7 +1402,7 @@ class ShmConnector(BaseConnector):
             from omnilink.cuda import Event, current_raw_stream
 
             dev = self._gpu_path().device_of(device)
-            out = self._take_ipc(key, payload, dev)
+            out = self._take_ipc(key, payload, dev, deadline)
             if now:  # get: the current stream already waits for the sender's copy
                 return StagePayloadHandle(out, None, dev, [])
             # The current stream waits for the sender's copy (and any move): a handle
@@ -1458,15 +1458,16 @@ class ShmConnector(BaseConnector):
         self._count_op("gets", "bytes_got", length)
         return landed
 
-    def _take_ipc(self, key: str, marker: dict, device: Any) -> Any:
-        """The payload of the device-IPC message ``marker`` claimed under ``key``."""
+    def _take_ipc(self, key: str, marker: dict, device: Any, deadline: Deadline | None = None) -> Any:
+        """The payload of the device-IPC message ``marker`` claimed under ``key`` (its
+        copy waited for until ``deadline``)."""
         ipc = self._ipc
         if ipc is None:
             raise TransportError(
                 f"shm: key {key!r} on channel {self.channel!r} was sent by device IPC, but this "
                 "receiver was opened with device_ipc='off'"
             )
-        out = ipc.take(key, marker, device)
+        out = ipc.take(key, marker, device, deadline)
         self._count(ipc_gets=1)
         return out
 

@@ -201,12 +201,13 @@ class DeviceIpcRoute:
     def wants_pool(self) -> bool:
         return self.mode == "auto" and not self._rx_tried and self.conn._recvs
 
-    def take(self, key: str, marker: dict, device: Any) -> Any:
+    def take(self, key: str, marker: dict, device: Any, deadline: Any = None) -> Any:
         """The payload of the device-IPC message ``marker`` claimed under ``key``: views
         of the pool on its device (the current stream ordered after the sender's copy),
         moved to ``device`` (a ``torch.device`` with an index) if it is another one, and
         the payload's CPU tensors moved there too; host tensors when ``device`` is
-        ``None``."""
+        ``None``. ``deadline``: of the wait for the sender to queue its copy (it
+        publishes first)."""
         rx = self._rx
         if rx is None:
             raise TransportError(
@@ -214,7 +215,7 @@ class DeviceIpcRoute:
                 "receiver that owns the channel's device pool; this receiver has none (one receiver "
                 "per channel when senders use device_ipc)"
             )
-        got = rx.land(key, marker[IPC_MARK])
+        got = rx.land(key, marker[IPC_MARK], deadline=deadline)
         from omnilink.cuda import map_tensors, payload_to_device
 
         if device is None:
@@ -296,6 +297,7 @@ class DeviceIpcRoute:
             tx = None
             try:
                 tx = PoolSender(self._device_ops(), self.conn.channel)
+                tx.withdraw = self._withdraw_lane
                 index = tx.attach(Deadline(1.0))
             except (OmnilinkError, RuntimeError) as exc:
                 if tx is not None:
@@ -392,6 +394,12 @@ class DeviceIpcRoute:
         block (the caller holds the channel mutex); whether it was there unclaimed."""
         tx = self._tx
         return tx is not None and tx.lane_withdraw(key)
+
+    def _withdraw_lane(self, key: str) -> bool:
+        """The pool sender's hook: withdraw ``key``'s unclaimed lane record under the
+        channel mutex (its block freed); whether it was there unclaimed."""
+        with self.conn._chan.locked():
+            return self.lane_withdraw(key)
 
     def lane_reclaim(self, older_than: float, now: float) -> list[tuple[str, float, int]]:
         """Sender: withdraw lane records unclaimed for more than ``older_than`` seconds

@@ -1,0 +1,154 @@
+"""The pool's sender publishes a message before it queues the copy (the receiver claims,
+checks and views the block meanwhile) and stores the slot's ``rec_seq`` once the copy
+and its event are queued; the receiver's stream waits on the event only after that.
+Over the host double, whose copy is a ``memmove`` at ``copy_in``: a receiver that did
+not wait for ``rec_seq`` would read the block before the bytes are there."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from omnilink import TransportError, WouldBlock  # noqa: E402
+from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps  # noqa: E402
+
+
+class GatedOps(HostDeviceOps):
+    """``copy_in`` waits for ``go`` (or raises ``fail``) before it copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.go.set()
+        self.entered = threading.Event()
+        self.fail: BaseException | None = None
+
+    def copy_in(self, *a, **k):
+        self.entered.set()
+        assert self.go.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        return super().copy_in(*a, **k)
+
+
+class _Gated(HostCudaIpc):
+    @staticmethod
+    def _make_ops():
+        return GatedOps()
+
+
+@pytest.fixture
+def pair():
+    ch = f"pub1-{uuid.uuid4().hex[:8]}"
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
+    tx = _Gated(channel=ch, role="sender", linger=0)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _payload(i):
+    return {"hidden": torch.arange(1024, dtype=torch.float32) + i, "meta": {"i": i}}
+
+
+def test_the_receiver_waits_for_the_queued_copy_of_a_message_published_first(pair):
+    tx, rx = pair
+    ops = tx._ops
+    tx.put("warm", _payload(0), timeout=5)  # attached: the next send goes straight on
+    del rx.get("warm", timeout=5)["hidden"]
+    ops.go.clear()
+    ops.entered.clear()
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(tx.put("k", _payload(7), timeout=5)))
+    t.start()
+    try:
+        assert ops.entered.wait(5)  # the message is published, its copy not yet made
+        assert tx._sender.lane_pending("k")
+        got = {}
+        r = threading.Thread(target=lambda: got.update(rx.get("k", timeout=10)))
+        r.start()
+        time.sleep(0.3)
+        assert r.is_alive() and not got  # claimed, viewed, waiting for the slot's record
+        assert not tx._sender.lane_pending("k")
+        ops.go.set()
+        r.join(10)
+        t.join(10)
+        assert torch.equal(got["hidden"], _payload(7)["hidden"]) and got["meta"] == {"i": 7}
+    finally:
+        ops.go.set()
+        t.join(10)
+    assert errors and isinstance(errors[0], int)
+
+
+def test_a_copy_that_fails_before_the_claim_withdraws_its_message(pair):
+    tx, rx = pair
+    ops = tx._ops
+    tx.put("warm", _payload(0), timeout=5)
+    del rx.get("warm", timeout=5)["hidden"]
+    gc.collect()
+    ops.fail = RuntimeError("copy engine on fire")
+    with pytest.raises(RuntimeError, match="on fire"):
+        tx.put("k", _payload(1), timeout=5)
+    with pytest.raises(WouldBlock):
+        rx.get_nowait("k")  # withdrawn: never arrives
+    assert tx.stats().blocks_in_use == 0  # its block went back
+    ops.fail = None
+    tx.put("k", _payload(2), timeout=5)  # the key is free again
+    got = rx.get("k", timeout=5)
+    assert torch.equal(got["hidden"], _payload(2)["hidden"])
+
+
+def test_a_copy_that_fails_after_the_claim_is_a_transport_error_for_its_reader(pair):
+    tx, rx = pair
+    ops = tx._ops
+    tx.put("warm", _payload(0), timeout=5)
+    del rx.get("warm", timeout=5)["hidden"]
+    ops.go.clear()
+    ops.entered.clear()
+    ops.fail = RuntimeError("copy engine on fire")
+    raised = []
+
+    def put():
+        try:
+            tx.put("k", _payload(1), timeout=5)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=put)
+    t.start()
+    outcome = []
+
+    def get():
+        try:
+            rx.get("k", timeout=10)
+        except TransportError as exc:
+            outcome.append(exc)
+
+    r = threading.Thread(target=get)
+    try:
+        assert ops.entered.wait(5)
+        r.start()
+        deadline = time.monotonic() + 5
+        while tx._sender.lane_pending("k") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not tx._sender.lane_pending("k")  # claimed
+        ops.go.set()  # the copy fails now
+        r.join(10)
+        t.join(10)
+    finally:
+        ops.go.set()
+        t.join(10)
+    assert raised and "on fire" in str(raised[0])
+    assert outcome and "could not copy key 'k'" in str(outcome[0])
+    ops.fail = None
+    tx.put("k2", _payload(3), timeout=5)  # the sender attached again (a new generation)
+    got = rx.get("k2", timeout=5)
+    assert torch.equal(got["hidden"], _payload(3)["hidden"])
