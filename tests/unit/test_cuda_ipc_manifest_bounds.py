@@ -76,3 +76,13 @@ def test_a_host_mark_other_than_1_is_refused(rx_raw, mark):
         rx.get("bad", timeout=5)
     gc.collect()
     assert rx.stats().blocks_in_use == 0
+
+
+@pytest.mark.parametrize("mark", [0, 2, True, "1", None])
+def test_an_all_in_block_mark_other_than_1_is_refused(rx_raw, mark):
+    rx, raw = rx_raw
+    raw.put("bad", {"d": _m([[9, 0, 16, [4], ["x"]]]) + [mark], "h": {"x": None}, "n": 1}, timeout=5)
+    with pytest.raises(BlobDecodeError, match="all-in-block mark"):
+        rx.get("bad", timeout=5)
+    gc.collect()
+    assert rx.stats().blocks_in_use == 0

@@ -160,3 +160,53 @@ def test_cuda_ipc_get_with_a_device_makes_the_sender_carry_host_tensors_and_get_
     finally:
         tx.close()
         rx.close()
+
+
+def test_the_all_in_block_mark_says_whether_the_host_part_kept_a_tensor():
+    ops, tx, rx = _pair()
+    try:
+        for i, (payload, most, mark) in enumerate([
+            ({"hidden": torch.randn(64), "ids": torch.arange(16)}, 1 << 10, True),  # ids carried
+            ({"hidden": torch.randn(64), "ids": torch.arange(16)}, 0, False),  # ids left behind
+            ({"hidden": torch.randn(64), "meta": {"n": 3, "s": "x"}}, 0, True),  # no host tensor
+            ({"hidden": torch.randn(64), "big": torch.arange(4096)}, 1 << 10, False),  # over the bound
+        ]):
+            sent = []
+            tx.send(f"k{i}", payload, Deadline(5.0), None, sent.append, host_to_pool=most)
+            (msg,) = sent
+            assert (len(msg["d"]) == 7) == mark
+            pooled = [None]
+            got = rx.land(f"k{i}", msg, pooled=pooled)
+            assert pooled == [mark]
+            del got
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_cuda_ipc_skips_the_move_to_the_pool_device_when_every_tensor_is_in_the_block(monkeypatch):
+    import omnilink.cuda
+
+    moved = []
+    monkeypatch.setattr(omnilink.cuda, "payload_to_device", lambda obj, device: moved.append(device) or obj)
+    ch = f"h2p-p-{uuid.uuid4().hex[:8]}"
+    rx = _HostOnlyCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
+    tx = _HostOnlyCudaIpc(channel=ch, role="sender", linger=0)
+    try:
+        assert [rx._is_pool_device(d) for d in ("cuda:0", "cuda:1", "cuda", "cpu", torch.device("cuda", 0))] == \
+            [True, False, False, False, True]
+        tx.put("k0", {"hidden": torch.randn(64), "ids": torch.arange(16)}, timeout=5)
+        rx.get("k0", timeout=5, device="cuda:0")  # sent before it said so: ids in the host part
+        assert moved == ["cuda:0"]
+        tx.put("k1", {"hidden": torch.randn(64), "ids": torch.arange(16)}, timeout=5)
+        got = rx.get("k1", timeout=5, device="cuda:0")  # all in the block, on the pool's device
+        assert moved == ["cuda:0"] and torch.equal(got["ids"], torch.arange(16))
+        tx.put("k2", {"hidden": torch.randn(64), "big": torch.arange(1 << 14)}, timeout=5)
+        rx.get("k2", timeout=5, device="cuda:0")  # a host tensor too large for the block
+        tx.put("k3", {"hidden": torch.randn(64)}, timeout=5)
+        rx.get("k3", timeout=5, device="cuda:1")  # another device
+        assert moved == ["cuda:0", "cuda:0", "cuda:1"]
+        del got
+    finally:
+        tx.close()
+        rx.close()

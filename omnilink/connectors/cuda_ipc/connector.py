@@ -163,6 +163,8 @@ class CudaIpcConnector(BaseConnector):
         self.pool_bytes = round_up(pool_bytes)
         self.event_slots = event_slots
         self.max_blocks = max_blocks
+        #: device argument of a get -> whether it names the pool's device
+        self._pool_devices: dict[Any, bool] = {}
         self._sends = role in ("sender", "dual")
         self._recvs = role in ("receiver", "dual")
         self._ops = self._make_ops()
@@ -224,7 +226,8 @@ class CudaIpcConnector(BaseConnector):
         return self._open(self._sender).attach(self._deadline(timeout))
 
     # ---------------------------------------------------------------- receiver
-    def _get(self, key: str, deadline: Deadline, block: bool, to_host: bool = True) -> Any:
+    def _get(self, key: str, deadline: Deadline, block: bool, to_host: bool = True,
+             pooled: list[bool] | None = None) -> Any:
         if not self._recvs:
             raise ConfigurationError(
                 f"cuda_ipc connector on channel {self.channel!r} was opened with role='sender' and cannot get"
@@ -235,7 +238,7 @@ class CudaIpcConnector(BaseConnector):
             obj = inner._get(key, deadline, True) if block else inner.get_nowait(key)
         except TransferTimeout:
             raise self._timeout("get", key, "a sender", deadline.timeout) from None
-        return self._land_message(key, obj, to_host, deadline)
+        return self._land_message(key, obj, to_host, deadline, pooled)
 
     def _receive(self, key: str, deadline: Deadline, block: bool, device: Any) -> Any:
         """``get``: the payload, its tensors moved to ``device``. A receiver whose gets
@@ -244,20 +247,44 @@ class CudaIpcConnector(BaseConnector):
         arrive as views of the pool instead of being copied to the device one by one
         here (a get without ``device`` turns those back into host tensors)."""
         rx = self._receiver
-        if rx is not None and rx.landing != (device is not None):
-            rx.set_landing(device is not None)
-        obj = self._get(key, deadline, block, device is None)
-        if device is not None:
+        landing = device is not None
+        if rx is not None and rx.landing != landing:
+            rx.set_landing(landing)
+        pooled = [False]
+        obj = self._get(key, deadline, block, not landing, pooled)
+        if landing and not (pooled[0] and self._is_pool_device(device)):
+            # (every tensor a view of the pool on that very device: nothing to move)
             from omnilink.cuda import payload_to_device
 
             obj = payload_to_device(obj, device)
         return obj
 
-    def _land_message(self, key: str, obj: Any, to_host: bool = True, deadline: Deadline | None = None) -> Any:
+    def _is_pool_device(self, device: Any) -> bool:
+        """Whether the ``device`` argument of a get names the pool's device with an index
+        (looked up once per argument value)."""
+        try:
+            hit = self._pool_devices.get(device)
+        except TypeError:  # unhashable: payload_to_device checks it
+            return False
+        if hit is None:
+            rx = self._receiver
+            try:
+                import torch
+
+                dev = torch.device(device)
+            except (RuntimeError, TypeError, ValueError):
+                return False  # payload_to_device names what is wrong with it
+            hit = rx is not None and dev.type == "cuda" and dev.index is not None and dev.index == rx.index
+            if len(self._pool_devices) < 16:
+                self._pool_devices[device] = hit
+        return hit
+
+    def _land_message(self, key: str, obj: Any, to_host: bool = True, deadline: Deadline | None = None,
+                      pooled: list[bool] | None = None) -> Any:
         """The payload of a message received on the inner channel under ``key``: views of
         the pool put where the manifest's paths say (``PoolReceiver.land``; ``to_host``:
         host tensors the sender carried in the block come back as host tensors), counted."""
-        out = self._open(self._receiver).land(key, obj, to_host=to_host, deadline=deadline)
+        out = self._open(self._receiver).land(key, obj, to_host=to_host, deadline=deadline, pooled=pooled)
         if obj["d"] is None:
             self._count(bytes_got=obj["n"])
         else:

@@ -56,10 +56,12 @@ def tensor_type() -> Any:
     return torch.Tensor
 
 
-def split(payload: Any, is_device: Any, tensor_type: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+def split(payload: Any, is_device: Any, tensor_type: Any,
+          kept: list[int] | None = None) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
     """One walk of ``payload``: the host part (each device tensor replaced by ``None``)
     and ``[(path, tensor)]`` of the device tensors, ``path`` the dict keys and list or
-    tuple indices that lead to it (``()``: the payload is the tensor)."""
+    tuple indices that lead to it (``()``: the payload is the tensor). ``kept``: a list
+    whose first item counts the tensors left in the host part."""
     found: list[tuple[tuple[Any, ...], Any]] = []
 
     def walk(x: Any, path: tuple[Any, ...]) -> Any:
@@ -67,6 +69,8 @@ def split(payload: Any, is_device: Any, tensor_type: Any) -> tuple[Any, list[tup
             if is_device(x):
                 found.append((path, x))
                 return None
+            if kept is not None:
+                kept[0] += 1
             return x
         if isinstance(x, dict):
             out = {}

@@ -408,7 +408,8 @@ class PoolReceiver:
         """Validate a manifest before anything of it is used (a hostile sender cannot
         make the receiver read outside its pool or build a view that lies about its size).
 
-        ``m`` is ``[gen, seq, slot, block, total, tensors]``, each tensor ``[dtype code,
+        ``m`` is ``[gen, seq, slot, block, total, tensors]`` (or with a seventh item
+        ``1``: every tensor of the payload is in the block), each tensor ``[dtype code,
         offset in block, nbytes, shape, path]``, or with a sixth item ``1`` for a host
         tensor the sender carried in the block. Returns ``(gen, seq, slot, block, total,
         tensors)``, each tensor ``(dtype, offset, nbytes, shape, contiguous strides,
@@ -430,9 +431,11 @@ class PoolReceiver:
         def is_int(x: Any, lo: int = 0, hi: int = INT64_MAX) -> bool:
             return type(x) is int and lo <= x <= hi
 
-        if type(m) is not list or len(m) != 6:
-            raise bad("not [generation, sequence, slot, block, size, tensors]")
-        gen, seq, slot, block, total, entries = m
+        if type(m) is not list or not 6 <= len(m) <= 7:
+            raise bad("not [generation, sequence, slot, block, size, tensors(, all in block)]")
+        gen, seq, slot, block, total, entries = m[:6]
+        if len(m) == 7 and (type(m[6]) is not int or m[6] != 1):
+            raise bad(f"the all-in-block mark {m[6]!r} is not 1")
         if not (is_int(gen, 1) and is_int(seq, 1) and is_int(slot, 0, pool.dir.nslots - 1)):
             raise bad("generation, sequence or event slot out of range")
         if not (is_int(block) and is_int(total, 1) and block % ALIGN == 0):
@@ -501,13 +504,17 @@ class PoolReceiver:
         self.parsed = (entries, end, out)
         return gen, seq, slot, block, total, out
 
-    def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None) -> Any:
+    def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None,
+             pooled: list[bool] | None = None) -> Any:
         """The payload of a message the pool's sender made (``PoolSender.send``),
         received under ``key``: views of the pool put where the manifest's paths say, the
         current stream ordered after the sender's copy (host not blocked). ``to_host``:
         the host tensors the sender carried in the block come back as host tensors
         (copied after the stream's wait), as they were sent; otherwise they stay views
-        of the pool like the device tensors.
+        of the pool like the device tensors. ``pooled``: a list whose first item is set
+        to whether every tensor of the payload is a view of the pool (the sender's mark;
+        not with ``to_host``), so that a caller landing on the pool's device has nothing
+        left to move.
 
         Raises
         ------
@@ -525,6 +532,8 @@ class PoolReceiver:
             return out
         pool = self._open()
         gen, seq, slot, blk, total, entries = self.parse(key, m)
+        if pooled is not None:
+            pooled[0] = len(m) == 7 and not to_host
         d = pool.dir
         pool.hold(blk, total)
         try:

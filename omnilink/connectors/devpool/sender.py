@@ -237,13 +237,14 @@ class PoolSender:
                     tx = self._attached(deadline)
             if not tx.dir.get(LANDS):
                 host_to_pool = 0
+        kept = [0]  # tensors left in the host part
         if host_to_pool:
             def pick(t: Any) -> bool:
                 return is_dev(t) or ops.is_small_host_tensor(t, host_to_pool)
 
-            host, chosen = split(payload, pick, tensor_type())
+            host, chosen = split(payload, pick, tensor_type(), kept)
         else:
-            host, chosen = split(payload, is_dev, tensor_type())
+            host, chosen = split(payload, is_dev, tensor_type(), kept)
         if not chosen:
             publish({"d": None, "h": host, "n": size})
             return size
@@ -288,7 +289,12 @@ class PoolSender:
             # the block while this process queues the copy, and waits for the slot's
             # record (``rec_seq``) before its stream waits on the event.
             try:
-                publish({"d": [tx.gen, seq, slot, blk, total, entries], "h": host, "n": size})
+                # A seventh item 1: every tensor is in the block (nothing left to move to
+                # the receiver's device when the block is on it).
+                manifest = [tx.gen, seq, slot, blk, total, entries]
+                if not kept[0]:
+                    manifest.append(1)
+                publish({"d": manifest, "h": host, "n": size})
             except BaseException:
                 # Never published: nobody will wait on the slot or read the block.
                 tx.free(blk)

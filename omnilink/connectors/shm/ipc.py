@@ -215,9 +215,12 @@ class DeviceIpcRoute:
                 "receiver that owns the channel's device pool; this receiver has none (one receiver "
                 "per channel when senders use device_ipc)"
             )
-        got = rx.land(key, marker[IPC_MARK], deadline=deadline)
+        pooled = [False]
+        got = rx.land(key, marker[IPC_MARK], deadline=deadline, pooled=pooled)
         from omnilink.cuda import map_tensors, payload_to_device
 
+        if pooled[0] and device is not None and device.index == rx.index:
+            return got  # every tensor a view of the pool, on that device already
         if device is None:
             return map_tensors(got, lambda t: t.cpu() if t.is_cuda else t)
         if device.index != rx.index:
