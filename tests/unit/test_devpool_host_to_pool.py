@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from omnilink import encoded_size  # noqa: E402
 from omnilink._util import Deadline  # noqa: E402
 from omnilink.connectors.devpool import PoolReceiver, PoolSender  # noqa: E402
 from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps  # noqa: E402
@@ -175,9 +176,9 @@ def test_the_all_in_block_mark_says_whether_the_host_part_kept_a_tensor():
             tx.send(f"k{i}", payload, Deadline(5.0), None, sent.append, host_to_pool=most)
             (msg,) = sent
             assert (len(msg["d"]) == 7) == mark
-            pooled = [None]
+            pooled = [None, None]
             got = rx.land(f"k{i}", msg, pooled=pooled)
-            assert pooled == [mark]
+            assert pooled[0] == mark and pooled[1] == encoded_size(payload)
             del got
     finally:
         tx.close()

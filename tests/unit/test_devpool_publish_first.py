@@ -152,3 +152,44 @@ def test_a_copy_that_fails_after_the_claim_is_a_transport_error_for_its_reader(p
     tx.put("k2", _payload(3), timeout=5)  # the sender attached again (a new generation)
     got = rx.get("k2", timeout=5)
     assert torch.equal(got["hidden"], _payload(3)["hidden"])
+
+
+def test_a_size_computed_after_publishing_reaches_the_reader_even_when_its_slot_was_recorded_again():
+    # cuda_ipc computes put's size after publishing and stores it with the slot's record;
+    # a slot recorded again by a later payload (more unread payloads than slots) leaves
+    # the reader to size the payload itself: bytes_got is exact either way.
+    from omnilink import encoded_size
+
+    ch = f"pub1-n-{uuid.uuid4().hex[:8]}"
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=2)
+    tx = HostCudaIpc(channel=ch, role="sender", linger=0)
+    try:
+        payloads = [{"hidden": torch.arange(64 * (i + 1), dtype=torch.float32), "meta": {"s": "x" * i}}
+                    for i in range(5)]
+        sizes = [tx.put(f"k{i}", p, timeout=5) for i, p in enumerate(payloads)]
+        assert sizes == [encoded_size(p) for p in payloads]
+        for i, p in enumerate(payloads):
+            before = rx.stats().bytes_got
+            got = rx.get(f"k{i}", timeout=5)
+            assert rx.stats().bytes_got - before == sizes[i]
+            assert torch.equal(got["hidden"], p["hidden"])
+            del got
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("n, manifest", [(-2, True), (-1, False), (-(1 << 40), True)])
+def test_a_negative_size_other_than_the_marked_one_is_refused(n, manifest):
+    from omnilink import BlobDecodeError
+    from omnilink.connectors.shm import ShmConnector
+
+    ch = f"pub1-h-{uuid.uuid4().hex[:8]}"
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx, \
+            ShmConnector(channel=f"{ch}/cuda-ipc", role="sender", arena_bytes=1 << 20, linger=0) as raw:
+        d = [1, 1, 0, 0, 256, [[9, 0, 16, [4], ["x"]]]] if manifest else None
+        raw.put("bad", {"d": d, "h": {"x": None}, "n": n}, timeout=5)
+        with pytest.raises(BlobDecodeError, match="invalid payload size"):
+            rx.get("bad", timeout=5)
+        gc.collect()
+        assert rx.stats().blocks_in_use == 0

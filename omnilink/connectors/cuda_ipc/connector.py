@@ -227,7 +227,7 @@ class CudaIpcConnector(BaseConnector):
 
     # ---------------------------------------------------------------- receiver
     def _get(self, key: str, deadline: Deadline, block: bool, to_host: bool = True,
-             pooled: list[bool] | None = None) -> Any:
+             pooled: list[Any] | None = None) -> Any:
         if not self._recvs:
             raise ConfigurationError(
                 f"cuda_ipc connector on channel {self.channel!r} was opened with role='sender' and cannot get"
@@ -250,7 +250,7 @@ class CudaIpcConnector(BaseConnector):
         landing = device is not None
         if rx is not None and rx.landing != landing:
             rx.set_landing(landing)
-        pooled = [False]
+        pooled: list[Any] = [False, 0]
         obj = self._get(key, deadline, block, not landing, pooled)
         if landing and not (pooled[0] and self._is_pool_device(device)):
             # (every tensor a view of the pool on that very device: nothing to move)
@@ -280,15 +280,17 @@ class CudaIpcConnector(BaseConnector):
         return hit
 
     def _land_message(self, key: str, obj: Any, to_host: bool = True, deadline: Deadline | None = None,
-                      pooled: list[bool] | None = None) -> Any:
+                      pooled: list[Any] | None = None) -> Any:
         """The payload of a message received on the inner channel under ``key``: views of
         the pool put where the manifest's paths say (``PoolReceiver.land``; ``to_host``:
         host tensors the sender carried in the block come back as host tensors), counted."""
+        if pooled is None:
+            pooled = [False, 0]
         out = self._open(self._receiver).land(key, obj, to_host=to_host, deadline=deadline, pooled=pooled)
         if obj["d"] is None:
-            self._count(bytes_got=obj["n"])
+            self._count(bytes_got=pooled[1])
         else:
-            self._count(bytes_got=obj["n"], device_gets=1)
+            self._count(bytes_got=pooled[1], device_gets=1)
         return out
 
     def _arrivals(self, known: set[str], timeout: float) -> set[str]:

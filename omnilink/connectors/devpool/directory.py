@@ -2,7 +2,7 @@
 
 Byte layout (little-endian, every field 8-byte aligned)::
 
-    0    magic "OLCIPC03"
+    0    magic "OLCIPC04"
     8    receiver pid                      receiver writes once
     16   state (1 open, 2 closed)          receiver
     24   pool device index (receiver's numbering)
@@ -38,7 +38,9 @@ Byte layout (little-endian, every field 8-byte aligned)::
                                        tensors in the pool block), else 0
     320  segments: MAX_SEGMENTS x [state u64 | bytes u64 | IPC handle 64 | released u64]
          state, bytes, handle: receiver (0 none, 1 live, 2 retiring); released: sender
-    ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64]
+    ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64 | rec_size u64]
+         (rec_size: the tensor_blob size of the payload recorded as rec_seq, stored
+         before it)
     ...  released ring: capacity x [offset u64 | length u64]
     ...  held list:     capacity x [offset u64 | length u64]
     ...  lane: lane slots x lane record bytes (``lane``: the pool's messages), then its
@@ -70,7 +72,7 @@ from omnilink.connectors.shmem import SHM_DIR, arena_name, create_segment, open_
 
 __all__ = ["Directory", "directory_token", "find_directories", "live_pool_owner"]
 
-MAGIC = b"OLCIPC03"
+MAGIC = b"OLCIPC04"
 HANDLE_BYTES = 64
 _U64 = struct.Struct("<Q")
 _PAIR = struct.Struct("<QQ")
@@ -82,7 +84,7 @@ SEG_MASK = (1 << SEG_SHIFT) - 1
 _SEGS = 320
 _SEG = 16 + HANDLE_BYTES + 8
 _HEADER = _SEGS + MAX_SEGMENTS * _SEG
-_SLOT = HANDLE_BYTES + 16
+_SLOT = HANDLE_BYTES + 24
 
 SEG_NONE = 0
 SEG_LIVE = 1
@@ -258,6 +260,12 @@ class Directory:
 
     def set_rec_seq(self, i: int, seq: int) -> None:
         self._q[(self._slots + i * _SLOT + HANDLE_BYTES) >> 3] = seq
+
+    def rec_size(self, i: int) -> int:
+        return self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 16) >> 3]
+
+    def set_rec_size(self, i: int, size: int) -> None:
+        self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 16) >> 3] = size
 
     def done_seq(self, i: int) -> int:
         return self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 8) >> 3]

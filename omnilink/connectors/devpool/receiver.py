@@ -11,7 +11,7 @@ from typing import Any
 
 from omnilink._errors import BlobDecodeError, ClosedError, ConfigurationError, PeerLostError, TransportError
 from omnilink._util import PeerWatch, timed_out
-from omnilink.blob import MAX_TREE_DEPTH, MAX_TREE_ITEMS, _contiguous_strides
+from omnilink.blob import MAX_TREE_DEPTH, MAX_TREE_ITEMS, _contiguous_strides, encoded_size
 from omnilink.connectors.devpool.blocks import ALIGN, round_up
 from omnilink.connectors.devpool.directory import (
     ACK_GEN,
@@ -505,16 +505,16 @@ class PoolReceiver:
         return gen, seq, slot, block, total, out
 
     def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None,
-             pooled: list[bool] | None = None) -> Any:
+             pooled: list[Any] | None = None) -> Any:
         """The payload of a message the pool's sender made (``PoolSender.send``),
         received under ``key``: views of the pool put where the manifest's paths say, the
         current stream ordered after the sender's copy (host not blocked). ``to_host``:
         the host tensors the sender carried in the block come back as host tensors
         (copied after the stream's wait), as they were sent; otherwise they stay views
-        of the pool like the device tensors. ``pooled``: a list whose first item is set
-        to whether every tensor of the payload is a view of the pool (the sender's mark;
-        not with ``to_host``), so that a caller landing on the pool's device has nothing
-        left to move.
+        of the pool like the device tensors. ``pooled``: a list of two whose first item is
+        set to whether every tensor of the payload is a view of the pool (the sender's
+        mark; not with ``to_host``), so that a caller landing on the pool's device has
+        nothing left to move, and whose second to the payload's tensor_blob size.
 
         Raises
         ------
@@ -527,8 +527,12 @@ class PoolReceiver:
         """
         if type(obj) is not dict or len(obj) != 3 or type(obj.get("n")) is not int or "d" not in obj or "h" not in obj:
             raise BlobDecodeError(f"cuda_ipc: key {key!r}: not a cuda_ipc message")
-        m, out = obj["d"], obj["h"]
+        m, out, n = obj["d"], obj["h"], obj["n"]
+        if n < 0 and (n != -1 or m is None):
+            raise BlobDecodeError(f"cuda_ipc: key {key!r}: invalid payload size {n}")
         if m is None:
+            if pooled is not None:
+                pooled[1] = n
             return out
         pool = self._open()
         gen, seq, slot, blk, total, entries = self.parse(key, m)
@@ -580,10 +584,16 @@ class PoolReceiver:
             finally:
                 del views
             ev = self._wait_event(key, d, gen, seq, slot, deadline)
+            if n == -1:  # stored with the record (see ``PoolSender.send``)
+                n = d.rec_size(slot) if d.rec_seq(slot) == seq else -1
             if ev is not None:
                 self.ops.wait(pool.index, ev)
                 if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
                     d.set_done_seq(slot, seq)
+            if n < 0:  # the slot was recorded again meanwhile: the payload's own size
+                n = encoded_size(out)
+            if pooled is not None:
+                pooled[1] = n
         except BaseException:
             out = None
             fin()  # no view was handed out: free the block now (after this stream)

@@ -18,7 +18,7 @@ from omnilink._errors import (
     TransferTimeout,
 )
 from omnilink._util import Deadline, PeerWatch, plain_tensor, timed_out
-from omnilink.blob import encoded_size
+from omnilink.blob import MAX_TENSORS, encoded_size
 from omnilink.connectors.devpool.blocks import ALIGN, BlockAllocator
 from omnilink.connectors.devpool.directory import (
     ACK_GEN,
@@ -196,8 +196,10 @@ class PoolSender:
         """Copy the device tensors of ``payload`` into a block of the receiver's pool and
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
         part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
-        payload with ``None`` where each device tensor was). If ``publish`` raises, the
-        block and its event slot are taken back and the error goes on. ``ctx``: the
+        payload with ``None`` where each device tensor was; ``n`` is -1 when the size is
+        computed after publishing, and then stored in the slot's ``rec_size``). The
+        message is published before the copy is queued; if ``publish`` raises, the
+        block is taken back and the error goes on. ``ctx``: the
         producer's events of a ``put_async`` (``ops.producer_events``); ``size``: the
         payload's tensor_blob size when the caller knows it; ``room``: the deadline of
         the wait for room in the pool (default ``deadline``); ``host_to_pool``: host
@@ -225,9 +227,6 @@ class PoolSender:
             The sender was closed.
         """
         ops = self.ops
-        # What put returns (the Connector contract): the payload's tensor_blob size.
-        if size is None:
-            size = encoded_size(payload)
         is_dev = ops.is_device_tensor
         if landing and host_to_pool:
             tx = self.tx
@@ -245,9 +244,16 @@ class PoolSender:
             host, chosen = split(payload, pick, tensor_type(), kept)
         else:
             host, chosen = split(payload, is_dev, tensor_type(), kept)
+        # What put returns (the Connector contract): the payload's tensor_blob size. With
+        # a device part it is computed after the message is published (the reader finds
+        # it in the slot's ``rec_size``, stored before ``rec_seq``), off the reader's
+        # path, unless the payload holds more tensors than a tensor_blob may (so that
+        # encoding cannot fail after publishing).
+        if size is None and (not chosen or len(chosen) + kept[0] > MAX_TENSORS):
+            size = encoded_size(payload)
         if not chosen:
             publish({"d": None, "h": host, "n": size})
-            return size
+            return size  # type: ignore[return-value]
         by_dtype, _ = dtypes()
         entries: list[list[Any]] = []
         items: list[tuple[int, Any]] = []
@@ -279,7 +285,9 @@ class PoolSender:
         total = max((off + ALIGN - 1) & -ALIGN, ALIGN)
         with self.lock:
             self._check_open()
-            tx = self._attached(deadline)
+            tx = self.tx
+            if tx is None:
+                tx = self._attach(deadline)  # (the receiver's liveness is checked below)
             blk = self._alloc(tx, key, total, room or deadline, deadline)
             slot = self._take_slot(tx)
             tx.seq += 1
@@ -294,13 +302,16 @@ class PoolSender:
                 manifest = [tx.gen, seq, slot, blk, total, entries]
                 if not kept[0]:
                     manifest.append(1)
-                publish({"d": manifest, "h": host, "n": size})
+                publish({"d": manifest, "h": host, "n": -1 if size is None else size})
             except BaseException:
                 # Never published: nobody will wait on the slot or read the block.
                 tx.free(blk)
                 raise
             tx.sent[key] = (blk, slot, seq)
             tx.by_block[blk] = key
+            why = self._lost(tx)  # before any copy into its pool
+            if why is not None:
+                raise self._peer_lost(why, key)
             try:
                 hosted_arg = None
                 if host_items:
@@ -313,12 +324,16 @@ class PoolSender:
                         stage = tx.stages[slot] = ops.new_stage(max(span, 64 << 10))
                     hosted_arg = (base + first, [(o - first, t) for o, t in host_items], span, stage)
                 ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx, hosted=hosted_arg)
+                if size is None:
+                    size = encoded_size(payload)
             except BaseException as exc:
                 self._copy_failed(tx, key, slot, seq, exc)
                 raise
             tx.rec[slot] = seq
+            tx.dir.set_rec_size(slot, size)
             tx.dir.set_rec_seq(slot, seq)  # the copy and the slot's event are queued
             self.device_puts += 1
+            self._drain(tx)  # the blocks freed meanwhile, off the next put's path
         return size
 
     def _copy_failed(self, tx: _Attachment, key: str, slot: int, seq: int, exc: BaseException) -> None:
@@ -408,10 +423,16 @@ class PoolSender:
                 tx.dir.set_done_seq(slot, seq)
 
     def in_use(self) -> tuple[int, int]:
-        """(blocks, bytes) of the pool this sender has out."""
-        tx = self.tx
-        if tx is None:
-            return 0, 0
+        """(blocks, bytes) of the pool this sender has out (the receiver's frees drained
+        first: a send drains them only after its copy)."""
+        with self.lock:
+            tx = self.tx
+            if tx is None:
+                return 0, 0
+            try:
+                self._drain(tx)
+            except ConfigurationError:  # pragma: no cover - a corrupt ring: the next send says so
+                pass
         segs = [seg for seg in tx.segs if seg is not None]
         return sum(seg.alloc.blocks for seg in segs), sum(seg.alloc.used_bytes for seg in segs)
 
@@ -585,8 +606,10 @@ class PoolSender:
         segment from the receiver; else wait for frees until ``room``."""
         rounds = 0
         since = 0.0
+        first = True
         while True:
-            self._drain(tx)
+            if not first:  # (the last send drained after its copy: try without a look first)
+                self._drain(tx)
             live = tx.live
             if len(live) == 1:  # the common case: one segment, as before growth
                 seg = live[0]
@@ -599,6 +622,9 @@ class PoolSender:
                     off = seg.alloc.alloc(total)
                     if off is not None:
                         return seg.index << SEG_SHIFT | off
+            if first:
+                first = False
+                continue  # frees the receiver pushed since: drained, then tried again
             too_large = all(seg.nbytes < total for seg in live)
             now = time.monotonic()
             if not since:

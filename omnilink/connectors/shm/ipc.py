@@ -215,7 +215,7 @@ class DeviceIpcRoute:
                 "receiver that owns the channel's device pool; this receiver has none (one receiver "
                 "per channel when senders use device_ipc)"
             )
-        pooled = [False]
+        pooled: list[Any] = [False, 0]
         got = rx.land(key, marker[IPC_MARK], deadline=deadline, pooled=pooled)
         from omnilink.cuda import map_tensors, payload_to_device
 
