@@ -230,7 +230,7 @@ class HostDeviceIpcRoute(DeviceIpcRoute):
         return None
 
 
-def host_route(conn: Any, *, mode: str = "on", pool_bytes: int = 4 << 20, min_bytes: int = 0,
+def host_route(conn: Any, *, mode: str = "on", pool_bytes: int = 4 << 20, min_bytes: int | None = 0,
                pool_max_bytes: int | None = None) -> HostDeviceIpcRoute:
     """Give the shm connector ``conn`` (opened with ``device_ipc="off"``) a device-IPC
     route over the host double (its ``"on"`` receiver opens its pool now); ``conn.close()``

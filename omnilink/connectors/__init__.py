@@ -210,7 +210,7 @@ def connect(
     slice_bytes: int = ...,
     device_ipc: Literal["auto", "on", "off"] = "auto",
     ipc_pool_bytes: int = ...,
-    ipc_min_bytes: int = ...,
+    ipc_min_bytes: int | None = ...,
     ipc_device: Any = None,
     ipc_pool_max_bytes: int | None = None,
 ) -> ShmConnector: ...

@@ -28,7 +28,10 @@ def _wait_probe() -> None:
     time.sleep(PROBE_EVERY_S + 0.05)  # the sender looks for a pool at most this often
 
 
-def test_auto_opens_a_pool_at_the_first_device_get_and_routes_large_payloads():
+def test_auto_opens_a_pool_at_the_first_device_get_and_routes_large_payloads(monkeypatch):
+    from omnilink.connectors.shm import ipc
+
+    monkeypatch.setattr(ipc, "mps_serving", lambda: False)  # the 16 MiB threshold, MPS or not
     ch = _chan()
     with omnilink.connect("shm", channel=ch, role="receiver") as rx, \
             omnilink.connect("shm", channel=ch, role="sender", arena_bytes=128 * MiB, linger=0) as tx:
@@ -230,3 +233,20 @@ def test_dual_connector_routes_to_its_own_pool():
         assert torch.equal(got["x"], x)
         s = c.stats()
         assert s.ipc_puts == 1 and s.ipc_gets == 1
+
+
+def test_auto_routes_small_payloads_while_an_mps_server_serves_the_host(monkeypatch):
+    from omnilink.connectors.shm import ipc
+
+    monkeypatch.setattr(ipc, "mps_serving", lambda: True)
+    ch = _chan()
+    with omnilink.connect("shm", channel=ch, role="receiver") as rx, \
+            omnilink.connect("shm", channel=ch, role="sender", linger=0) as tx:
+        small = torch.arange(64, device="cuda")
+        tx.put("k0", {"ids": small}, timeout=30)  # no pool yet: the host path
+        assert torch.equal(rx.get("k0", timeout=30, device="cuda:0")["ids"], small)  # opens the pool
+        _wait_probe()
+        tx.put("k1", {"ids": small, "cpu": torch.ones(3)}, timeout=30)
+        assert tx.stats().ipc_puts == 1, tx.stats()
+        got = rx.get("k1", timeout=30, device="cuda:0")
+        assert torch.equal(got["ids"], small) and got["cpu"].is_cuda and torch.equal(got["cpu"].cpu(), torch.ones(3))

@@ -362,10 +362,48 @@ def test_the_shm_route_finds_a_pool_opened_after_its_first_payload_at_the_next_o
             assert route_put(tx, "before", {"x": _big(1, 1)}) is None  # no pool yet: the host road
         rx._ipc.open_pool(None)  # the receiver's first device get
         assert rx._ipc._rx is not None
+        from omnilink.connectors.shm.ipc import PROBE_EVERY_S
+
+        time.sleep(2 * PROBE_EVERY_S)  # looks are at most this often (a put right after the
+        # last look would have gone by the host: flaky when the machine is fast)
         assert route_put(tx, "after", {"x": _big(1, 2)}) is not None  # at once (the attach lists, once)
         st = tx.stats()
         assert st.ipc_puts == 1 and st.ipc_fallbacks == 0
         assert torch.equal(rx.get("after", timeout=10)["x"], _big(1, 2))
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("mps", [False, True])
+def test_auto_routes_every_size_only_under_mps(monkeypatch, tmp_path, mps):
+    """``ipc_min_bytes=None`` (the default): under an MPS server (its pid file in the
+    pipe directory) a payload of any size takes the route, without one the 16 MiB
+    threshold holds; a threshold given is kept either way."""
+    from tests.cuda_ipc_double import host_route, route_put
+
+    import omnilink
+    from omnilink.connectors.shm import ipc
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    if mps:
+        (tmp_path / "nvidia-cuda-mps-control.pid").write_text("4242")
+    assert ipc.mps_serving() is mps
+    ch = _chan()
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
+    tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
+    try:
+        host_route(rx, mode="on", pool_bytes=MIB)
+        route = host_route(tx, mode="auto", pool_bytes=MIB, min_bytes=None)
+        small = {"x": torch.arange(16)}
+        # (the double's tensors live on the host: a payload of 0 CUDA bytes is the smallest)
+        assert route.min_bytes_for(omnilink.blob.prepare(small)) == (0 if mps else ipc.IPC_MIN_BYTES)
+        sent = route_put(tx, "k", small)
+        assert (sent is not None) is mps
+        if mps:
+            assert torch.equal(rx.get("k", timeout=10)["x"], torch.arange(16))
+        route.min_bytes = 1 << 10  # given: kept
+        assert route.min_bytes_for(omnilink.blob.prepare(small)) == 1 << 10
     finally:
         tx.close()
         rx.close()

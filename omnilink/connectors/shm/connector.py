@@ -67,7 +67,7 @@ from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text, check_constructor_options
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
-from omnilink.connectors.shm.ipc import IPC_MARK, DeviceIpcRoute
+from omnilink.connectors.shm.ipc import IPC_MARK, IPC_MIN_BYTES, DeviceIpcRoute
 from omnilink.connectors.shm.ipc import MODES as IPC_MODES
 from omnilink.connectors.shm.slices import SLICED_MARK
 from omnilink.connectors.shm.segments import (
@@ -116,12 +116,13 @@ SPIN_GROWTH = 10
 DEFAULT_PIPELINE_BYTES = 16 << 20
 DEFAULT_SLICE_BYTES = 16 << 20
 #: Device IPC (ipc.py): the receiver's device pool, and the least CUDA bytes of a
-#: payload that take that route in "auto". Below it the host path was faster on one
-#: H100 shared by two processes (8 MiB: 32.5 GB/s host-staged, 23.4 by device IPC;
-#: 16 MiB: 27.5 against 45.4; each device-IPC message makes both processes' contexts
-#: take a turn on the GPU).
+#: payload that take that route in "auto" where device IPC is not faster at every size
+#: (``ipc_min_bytes=None``, the default, picks it or 0: see ``DeviceIpcRoute.min_bytes_for``).
+#: Below it the host path was faster on one H100 shared by two processes without MPS
+#: (8 MiB: 32.5 GB/s host-staged, 23.4 by device IPC; 16 MiB: 27.5 against 45.4; each
+#: device-IPC message makes both processes' contexts take a turn on the GPU).
 DEFAULT_IPC_POOL_BYTES = 256 << 20
-DEFAULT_IPC_MIN_BYTES = 16 << 20
+DEFAULT_IPC_MIN_BYTES = IPC_MIN_BYTES
 #: A device-IPC message's frame names IPC_MARK in its header, within this many bytes.
 _IPC_PEEK = 512
 _IPC_MARK_BYTES = IPC_MARK.encode("ascii")
@@ -371,6 +372,8 @@ def _check_values(
     if device_ipc not in IPC_MODES:
         raise ConfigurationError(f"device_ipc must be one of {IPC_MODES}, got {device_ipc!r}")
     for name, value, lo in (("ipc_pool_bytes", ipc_pool_bytes, 1 << 20), ("ipc_min_bytes", ipc_min_bytes, 0)):
+        if name == "ipc_min_bytes" and value is None:
+            continue  # automatic (see DeviceIpcRoute.min_bytes_for)
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ConfigurationError(f"{name} must be an int >= {lo}, got {value!r}")
     if ipc_pool_max_bytes is not None and (isinstance(ipc_pool_max_bytes, bool)
@@ -469,9 +472,11 @@ class ShmConnector(BaseConnector):
         ``ipc_pool_bytes`` plus 3/4 of the GPU memory free when it opens). A payload that
         would need more takes the host path (``stats().ipc_fallbacks``, with the sizes in
         ``ipc_fallback_reason``).
-    ipc_min_bytes : int
-        Sender, ``"auto"``: least CUDA bytes of a payload for device IPC (default 16 MiB:
-        below it the host path was faster on one GPU shared by two processes).
+    ipc_min_bytes : int, optional
+        Sender, ``"auto"``: least CUDA bytes of a payload for device IPC. Default
+        ``None``: every size while an MPS server serves the host and the payload is on
+        the pool's GPU (device IPC is faster there), else 16 MiB (below it the host path
+        was faster on one GPU that two processes time-slice, and across two GPUs).
     ipc_device : str, optional
         Receiver, ``"on"``: the pool's device (default: the current CUDA device).
     pipeline_bytes : int
@@ -578,7 +583,7 @@ class ShmConnector(BaseConnector):
         reclaim_after: float | None = None,
         device_ipc: str = "auto",
         ipc_pool_bytes: int = DEFAULT_IPC_POOL_BYTES,
-        ipc_min_bytes: int = DEFAULT_IPC_MIN_BYTES,
+        ipc_min_bytes: int | None = None,
         ipc_device: Any = None,
         ipc_pool_max_bytes: int | None = None,
     ) -> None:
