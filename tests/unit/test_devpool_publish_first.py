@@ -193,3 +193,22 @@ def test_a_negative_size_other_than_the_marked_one_is_refused(n, manifest):
             rx.get("bad", timeout=5)
         gc.collect()
         assert rx.stats().blocks_in_use == 0
+
+
+def test_get_nowait_of_a_message_whose_copy_is_being_queued_waits_for_it_instead_of_losing_it(pair):
+    tx, rx = pair
+    ops = tx._ops
+    tx.put("warm", _payload(0), timeout=5)
+    del rx.get("warm", timeout=5)["hidden"]
+    ops.go.clear()
+    ops.entered.clear()
+    t = threading.Thread(target=lambda: tx.put("k", _payload(5), timeout=5))
+    t.start()
+    try:
+        assert ops.entered.wait(5)  # published, copy not queued
+        threading.Timer(0.2, ops.go.set).start()
+        got = rx.get_nowait("k")  # claimed at once: waits the 0.2 s for the record
+        assert torch.equal(got["hidden"], _payload(5)["hidden"])
+    finally:
+        ops.go.set()
+        t.join(10)

@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between looks for a new sender asking what this receiver holds.
 ANSWER_EVERY_S = 0.02
+#: Seconds a reader waits at least for the sender to queue the copy of a message it
+#: claimed (the sender publishes first and queues the copy right after; only a sender
+#: stuck while alive takes this long: a dead one is noticed at once).
+RECORD_GRACE_S = 10.0
 #: Seconds a grown segment stays without a block this receiver holds before it is
 #: given back (``PoolReceiver.idle_s``).
 IDLE_S = 2.0
@@ -612,11 +616,21 @@ class PoolReceiver:
         TransportError
             The sender could not queue the copy (``COPY_FAILED``).
         TransferTimeout
-            The copy was not queued before ``deadline``.
+            The copy was not queued within ``RECORD_GRACE_S`` (or before ``deadline``,
+            if that is later) while the sender lived on.
+
+        The message is claimed already (consumed): a get that cannot wait any more (a
+        ``get_nowait``, a deadline just past) still waits the moment the sender needs
+        to queue the copy, which it does right after publishing, rather than lose it.
         """
         if d.get(CLEAN_GEN) == gen:
             return None
         rounds = 0
+        grace = RECORD_GRACE_S
+        if deadline is not None:
+            left = deadline.remaining()
+            grace = None if left is None else max(grace, left)
+        until = None if grace is None else time.monotonic() + grace
         while True:
             # The sender publishes a message before it queues its copy, then stores the
             # sequence in the slot's ``rec_seq``: that store (or a later one) means the
@@ -634,10 +648,10 @@ class PoolReceiver:
                 )
             if not rec & COPY_FAILED and rec >= seq:
                 return self._slot_events(gen)[slot]
-            if deadline is not None and deadline.expired():
-                raise timed_out("cuda_ipc", self.channel, "get (waiting for the sender to queue its copy)", key,
-                                "the sender", deadline.timeout)
             rounds += 1
+            if until is not None and rounds > 2000 and time.monotonic() > until:
+                raise timed_out("cuda_ipc", self.channel, "get (waiting for the sender to queue its copy)", key,
+                                "the sender", grace)
             if rounds < 2000:
                 os.sched_yield()  # queued within microseconds of the message: spin
             else:
