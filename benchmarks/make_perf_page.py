@@ -279,6 +279,12 @@ BLOCKS = (
     Block("pipeline-cuda-h100-mps", ("pipeline-cuda-h100-mps.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --prompt-tokens 4096 --requests 4 "
           "--rounds 2 --json FILE", render_pipeline),
+    Block("pipeline-cuda-h100-mps-c1", ("pipeline-cuda-h100-mps-c1.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
+          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 1 --json FILE", render_pipeline),
+    Block("pipeline-cuda-h100-mps-c8", ("pipeline-cuda-h100-mps-c8.json",),
+          "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
+          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 8 --json FILE", render_pipeline),
     Block("pipeline-cuda-2xh100-mps-c1", ("pipeline-cuda-2xh100-mps-c1.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
           "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 1 --json FILE", render_pipeline),
@@ -296,11 +302,17 @@ BLOCKS = (
     Block("gpu-shm-h100-mps", ("gpu-shm-h100-mps.jsonl",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_gpu.py --skip-overlap --json FILE", render_bench_gpu),
     Block("serial-gpu-h100", ("serial-gpu-h100.json",),
-          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --json FILE "
-          "(benchmarks/gpu/run_serial_device.sh)", render_serial),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
     Block("serial-gpu-h100-mps", ("serial-gpu-h100-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
-          "--json FILE (benchmarks/gpu/run_serial_device.sh)", render_serial),
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
+    Block("serial-gpu-cross-2xh200-publish", ("serial-gpu-cross-2xh200-publish.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --src cuda:0 --dst cuda:1 --json FILE", render_serial),
+    Block("serial-gpu-cross-2xh200-publish-mps", ("serial-gpu-cross-2xh200-publish-mps.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --src cuda:0 --dst cuda:1 --json FILE", render_serial),
     Block("serial-gpu-2xh200", ("serial-gpu-2xh200.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --json FILE "
           "(benchmarks/gpu/run_serial_device.sh)", render_serial),
