@@ -475,12 +475,18 @@ def road_rows(road: str, src: str, dst: str, sizes: list[int], n: int, lat_n: in
                                                               "ipc_fallback_reason")})
         proc.join(60)
     finally:
-        if tx is not None:
-            tx.close()
-        if proc.is_alive():
-            proc.kill()
-        ack.unlink()
+        finish(tx, proc, ack)
     return out, tl, rstats
+
+
+def finish(tx: Any, proc: Any, ack: Any) -> None:
+    """Close the sender, kill a receiver process still running, unlink the ack
+    semaphore (a road's teardown, whatever happened)."""
+    if tx is not None:
+        tx.close()
+    if proc.is_alive():
+        proc.kill()
+    ack.unlink()
 
 
 # ------------------------------------------------------------------ main

@@ -249,11 +249,12 @@ def route_put(conn: Any, key: str, payload: Any, timeout: float = 5.0) -> int | 
 
 
 @contextlib.contextmanager
-def host_pair(channel: str):
-    """A receiver (4 MiB pool, 4 event slots) and a sender of ``channel`` over the
-    host-memory double, closed on the way out: ``(tx, rx)``."""
+def host_pair(channel: str, sender: type = HostCudaIpc):
+    """A receiver (4 MiB pool, 4 event slots) and a sender (of class ``sender``, a
+    ``HostCudaIpc``) of ``channel`` over the host-memory double, closed on the way out:
+    ``(tx, rx)``."""
     rx = HostCudaIpc(channel=channel, role="receiver", pool_bytes=4 << 20, event_slots=4)
-    tx = HostCudaIpc(channel=channel, role="sender", linger=0)
+    tx = sender(channel=channel, role="sender", linger=0)
     try:
         yield tx, rx
     finally:

@@ -122,11 +122,7 @@ def main() -> None:
         parent.recv()
         proc.join(60)
     finally:
-        if tx is not None:
-            tx.close()
-        if proc.is_alive():
-            proc.kill()
-        ack.unlink()
+        B.finish(tx, proc, ack)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from omnilink import TransportError, WouldBlock  # noqa: E402
-from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps  # noqa: E402
+from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps, host_pair  # noqa: E402
 
 
 class GatedOps(HostDeviceOps):
@@ -45,27 +45,29 @@ class _Gated(HostCudaIpc):
 
 @pytest.fixture
 def pair():
-    ch = f"pub1-{uuid.uuid4().hex[:8]}"
-    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
-    tx = _Gated(channel=ch, role="sender", linger=0)
-    try:
+    with host_pair(f"pub1-{uuid.uuid4().hex[:8]}", sender=_Gated) as (tx, rx):
         yield tx, rx
-    finally:
-        tx.close()
-        rx.close()
 
 
 def _payload(i):
     return {"hidden": torch.arange(1024, dtype=torch.float32) + i, "meta": {"i": i}}
 
 
-def test_the_receiver_waits_for_the_queued_copy_of_a_message_published_first(pair):
-    tx, rx = pair
+def _hold_the_next_copy(tx, rx, fail=None):
+    """Attach with one payload (read and dropped), then make the next copy wait for
+    ``ops.go`` (and raise ``fail`` then, if given): the sender's ops."""
     ops = tx._ops
-    tx.put("warm", _payload(0), timeout=5)  # attached: the next send goes straight on
+    tx.put("warm", _payload(0), timeout=5)
     del rx.get("warm", timeout=5)["hidden"]
     ops.go.clear()
     ops.entered.clear()
+    ops.fail = fail
+    return ops
+
+
+def test_the_receiver_waits_for_the_queued_copy_of_a_message_published_first(pair):
+    tx, rx = pair
+    ops = _hold_the_next_copy(tx, rx)  # attached: the next send goes straight on
     errors = []
     t = threading.Thread(target=lambda: errors.append(tx.put("k", _payload(7), timeout=5)))
     t.start()
@@ -108,12 +110,7 @@ def test_a_copy_that_fails_before_the_claim_withdraws_its_message(pair):
 
 def test_a_copy_that_fails_after_the_claim_is_a_transport_error_for_its_reader(pair):
     tx, rx = pair
-    ops = tx._ops
-    tx.put("warm", _payload(0), timeout=5)
-    del rx.get("warm", timeout=5)["hidden"]
-    ops.go.clear()
-    ops.entered.clear()
-    ops.fail = RuntimeError("copy engine on fire")
+    ops = _hold_the_next_copy(tx, rx, RuntimeError("copy engine on fire"))
     raised = []
 
     def put():
@@ -197,11 +194,7 @@ def test_a_negative_size_other_than_the_marked_one_is_refused(n, manifest):
 
 def test_get_nowait_of_a_message_whose_copy_is_being_queued_waits_for_it_instead_of_losing_it(pair):
     tx, rx = pair
-    ops = tx._ops
-    tx.put("warm", _payload(0), timeout=5)
-    del rx.get("warm", timeout=5)["hidden"]
-    ops.go.clear()
-    ops.entered.clear()
+    ops = _hold_the_next_copy(tx, rx)
     t = threading.Thread(target=lambda: tx.put("k", _payload(5), timeout=5))
     t.start()
     try:
