@@ -283,10 +283,12 @@ class CudaDeviceOps:
         ``producer_events`` in ``after``) and record ``event`` (the slot's interprocess
         event) after the copies; this thread's current streams are ordered after them
         (the caller may overwrite its tensors at once). Tensors on the pool's device
-        (and no ``after``): on the caller's current stream itself. Otherwise on the copy
-        stream of device ``index`` (a peer copy from another GPU; an interprocess event
-        must be recorded on a stream of the device that owns the memory), the tensors
-        kept alive until the copies are done. The host does not block.
+        (and no ``after``): on the caller's current stream itself. All on one other
+        device (and no ``after``): on that device's current stream, the slot's event on
+        the pool device's copy stream after it (``_copy_from_peer``). Otherwise on the
+        copy stream of device ``index`` (an interprocess event must be recorded on a
+        stream of the device that owns the memory), the tensors kept alive until the
+        copies are done. The host does not block.
 
         ``hosted``: ``(dst pointer, [(offset, contiguous host tensor)], span, stage)``:
         host tensors for the pool too, at ``dst + offset``; their bytes are gathered in
@@ -305,6 +307,9 @@ class CudaDeviceOps:
             # record the slot's event there: one cudaMemcpyAsync per tensor and one
             # cudaEventRecord, the hardware's floor, nothing kept alive on the host.
             self._copy_and_record(index, items, event, current_raw_stream(index), hosted)
+            return
+        if after is None and len(devices) == 1:
+            self._copy_from_peer(index, devices[0], items, event, hosted)
             return
         completer = self._completer_get()
         completer.reap()  # frees and releases whose copies are done: here, no hand-off
@@ -326,6 +331,33 @@ class CudaDeviceOps:
         if after is not None:
             keep.append(after)  # the producer events live until the copy is done
         completer.submit(done, keep.clear)
+
+    def _copy_from_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any,
+                        hosted: Any) -> None:
+        """``copy_in`` of tensors that all live on another device ``src``: the peer copies
+        go on ``src``'s current stream (the one that produced the tensors: no ordering
+        event before them, and torch's caching allocator keeps their memory for that
+        stream's later work, so nothing is kept alive on the host), then the pool
+        device's copy stream waits for them and records the slot's event there (an
+        interprocess event must be recorded on a stream of the device that owns the
+        memory), after the staged host tensors' copy if any. No new event, no
+        completion thread: a new event and a hand-off per payload cost a cross-GPU
+        put twice a one-GPU one."""
+        ops = self._ops
+        if (index, src) not in self._peers:
+            self._enable_peer(index, src)
+        s_src = current_raw_stream(src)
+        prev = self._on(src)
+        try:
+            for dst, t in items:
+                n = t.numel() * t.element_size()
+                if n:
+                    ops.memcpy_d2d(dst, t.data_ptr(), n, s_src)
+        finally:
+            ops.restore_device(prev)
+        stream = self._copy_stream(index)
+        ops.wait(stream, ops.ordering_event(src).record(s_src))
+        self._copy_and_record(index, [], event, stream, hosted)
 
     def _stage(self, hosted: Any, event: Any) -> None:
         """Gather the host tensors of ``hosted`` in its page-locked stage, once the copy

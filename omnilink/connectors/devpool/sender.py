@@ -769,6 +769,10 @@ class PoolSender:
         try:
             if clean:
                 ops.synchronize(tx.index)
+                # Copies on the caller's stream (one GPU) or a peer's are not on the copy
+                # stream: every slot's event follows the copies recorded before it.
+                for ev in tx.events:
+                    ops.settle(ev)
                 if d.get(GEN) == tx.gen:
                     d.set(CLEAN_GEN, tx.gen)
             ops.drain()
