@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from omnilink import BlobDecodeError, CapacityError, blob
@@ -349,6 +349,9 @@ def test_replayed_plan_recomputes_the_inline_bytes():
 
 @fuzz(300)
 @given(payload=payloads, bell=st.booleans(), seed=st.integers(0, 2**31 - 1))
+# A host region holding one bool tensor, allocated as it: handed out as it is (it once
+# took the checked one-by-one path, which builds a view instead; found by this test).
+@example(payload=[torch.zeros((2, 3, 3, 4), dtype=torch.bool)], bell=True, seed=0)
 def test_buffers_allocated_as_their_tensors_are_handed_out_as_they_are(payload, bell, seed):
     """Where ``receive_allocs`` says so the receiver allocates each P2P buffer (and a
     region holding one tensor) with the tensor's dtype and shape: ``build_views`` then

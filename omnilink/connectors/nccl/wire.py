@@ -937,7 +937,7 @@ class _Recipe:
     its typed view per dtype, instead of one ``as_strided`` per tensor (a payload of
     many small tensors paid most of its receive time building views one by one)."""
 
-    __slots__ = ("n", "empties", "singles", "runs", "pack_size", "bell_size", "has_bool", "allocs", "region_alloc")
+    __slots__ = ("n", "empties", "singles", "runs", "pack_size", "bell_size", "bool_in", "allocs", "region_alloc")
 
     def __init__(self) -> None:
         self.n = 0
@@ -952,7 +952,8 @@ class _Recipe:
         self.runs: list[tuple[int, Any, list[int], list[tuple[int, int, Any]]]] = []
         self.pack_size = 0
         self.bell_size = 0
-        self.has_bool = False
+        #: the plan codes (PACK, BELL) whose buffer holds a bool tensor
+        self.bool_in: set[int] = set()
 
 
 def _recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
@@ -993,7 +994,7 @@ def _plan_recipe(header: blob.BlobHeader, plan: list[int]) -> _Recipe | None:
             if start % dt.itemsize:
                 return None  # pragma: no cover - every start is a multiple of 64
             if d.dtype == bool_code:
-                r.has_bool = True
+                r.bool_in.add(code)
             groups.setdefault((code, dt), []).append((i, start, d.nbytes, shape))
         else:
             return None  # INLINE / STAGED: host data, the slow path
@@ -1031,6 +1032,12 @@ def receive_allocs(
     return r.allocs, r.region_alloc
 
 
+def _region_is_its_tensor(r: _Recipe, region: Any) -> bool:
+    """Whether ``region`` was allocated as the one tensor it holds (``receive_allocs``)."""
+    alloc = r.region_alloc
+    return alloc is not None and region.dtype == alloc[1] and region.shape == alloc[0]
+
+
 def _fast_views(r: _Recipe, received: list[Any], region: Any) -> list[Any] | None:
     """The views of ``_Recipe`` ``r`` over the received buffers (the pack first, then
     one per P2P descriptor) and the region; ``None`` when the buffers are not as the
@@ -1049,8 +1056,12 @@ def _fast_views(r: _Recipe, received: list[Any], region: Any) -> list[Any] | Non
         return None
     if r.bell_size and (region is None or r.bell_size > int(region.nbytes)):
         raise BlobDecodeError(f"BELL tensors of {r.bell_size} bytes do not fit the region")
-    if r.has_bool and ((pack is not None and not pack.is_cuda) or (region is not None and not region.is_cuda)):
-        return None  # host bool bytes are checked one by one (the slow path)
+    if r.bool_in and ((PACK in r.bool_in and pack is not None and not pack.is_cuda)
+                      or (BELL in r.bool_in and region is not None and not region.is_cuda
+                          and not _region_is_its_tensor(r, region))):
+        # Host bool bytes are checked one by one (the slow path), except in a buffer
+        # allocated as the bool tensor itself (handed out as it is, as a P2P one is).
+        return None
     for (i, dt, shape), buf in zip(r.singles, received[k:]):
         if buf.dtype == dt and buf.shape == shape:
             views[i] = buf  # allocated as the tensor itself (``receive_allocs``)
@@ -1062,7 +1073,7 @@ def _fast_views(r: _Recipe, received: list[Any], region: Any) -> list[Any] | Non
         whole = pack if code == PACK else region
         if whole is None or whole.storage_offset():
             return None
-        if code == BELL and r.region_alloc is not None and whole.dtype == dt and whole.shape == r.region_alloc[0]:
+        if code == BELL and _region_is_its_tensor(r, whole):
             views[picks[0][0]] = whole  # the region allocated as its one tensor (``receive_allocs``)
             continue
         typed = _typed(whole, dt)
