@@ -15,6 +15,20 @@ import tempfile
 
 import pytest
 
+# Property tests: ``make test`` (and so ``.ci/run``) draws the same examples every run
+# (``derandomize``: a seed from each test's name), so a change that breaks one fails
+# every time and an unchanged tree never fails by the draw; ``HYPOTHESIS_PROFILE=explore``
+# draws new examples each run, to go looking for bugs (a failure found that way is kept
+# as an ``@example``).
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("gate", derandomize=True)
+    _hypothesis_settings.register_profile("explore", derandomize=False)
+    _hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gate"))
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    pass
+
 os.environ.setdefault("OMNILINK_SHM_PREFIX", f"omnilink-t{os.getpid()}")
 SHM_PREFIX = os.environ["OMNILINK_SHM_PREFIX"]
 SHM_DIR = "/dev/shm"
