@@ -205,3 +205,40 @@ def test_get_nowait_of_a_message_whose_copy_is_being_queued_waits_for_it_instead
     finally:
         ops.go.set()
         t.join(10)
+
+
+def test_a_clean_close_waits_for_every_slots_event_before_it_marks_the_copies_done():
+    # Copies on the caller's stream (one GPU) or a peer's are not on the sender's copy
+    # stream: a close that only synchronized that stream could tell readers "done"
+    # (CLEAN_GEN) while a copy still ran. Every slot's event follows the copies recorded
+    # before it: a clean close settles them all first.
+    from omnilink.connectors.devpool.directory import CLEAN_GEN
+
+    class Settles(HostDeviceOps):
+        def __init__(self):
+            super().__init__()
+            self.settled = []
+            self.dir = None
+
+        def settle(self, event):
+            self.settled.append((event, self.dir.get(CLEAN_GEN) if self.dir is not None else None))
+
+    class _S(HostCudaIpc):
+        @staticmethod
+        def _make_ops():
+            return Settles()
+
+    with host_pair(f"pub1-c-{uuid.uuid4().hex[:8]}", sender=_S) as (tx, rx):
+        for i in range(3):
+            tx.put(f"k{i}", _payload(i), timeout=5)
+        att = tx._sender.tx
+        ops = tx._ops
+        ops.dir = att.dir
+        gen = att.gen
+        events = list(att.events)
+        tx.close()
+        assert [e for e, _ in ops.settled] == events  # every slot's event, once
+        assert all(clean != gen for _, clean in ops.settled)  # before the copies are called done
+        assert rx._receiver.pool.dir.get(CLEAN_GEN) == gen
+        for i in range(3):
+            assert torch.equal(rx.get(f"k{i}", timeout=5)["hidden"], _payload(i)["hidden"])
