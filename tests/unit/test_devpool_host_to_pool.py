@@ -211,3 +211,25 @@ def test_cuda_ipc_skips_the_move_to_the_pool_device_when_every_tensor_is_in_the_
     finally:
         tx.close()
         rx.close()
+
+
+def test_carried_host_tensors_come_back_as_host_copies_after_the_sender_closed_cleanly():
+    # A clean close tells readers the copies are done (no event to wait on): the host
+    # copies of carried tensors are made without one (they once asked the stream to wait
+    # on a missing event).
+    ops, tx, rx = _pair()
+    try:
+        rx.set_landing(True)
+        payload = {"hidden": torch.randn(64), "ids": torch.arange(16)}
+        sent = []
+        tx.send("k", payload, Deadline(5.0), None, sent.append, host_to_pool=1 << 10, landing=True)
+        (msg,) = sent
+        tx.close()
+        got = rx.land("k", msg, to_host=True)
+        lo, hi = rx.pool.ptr, rx.pool.ptr + rx.pool.nbytes
+        assert not lo <= got["ids"].data_ptr() < hi and torch.equal(got["ids"], payload["ids"])
+        assert torch.equal(got["hidden"], payload["hidden"])
+        del got
+    finally:
+        tx.close()
+        rx.close()

@@ -542,7 +542,6 @@ class PoolReceiver:
         gen, seq, slot, blk, total, entries = self.parse(key, m)
         if pooled is not None:
             pooled[0] = len(m) == 7 and not to_host
-        d = pool.dir
         pool.hold(blk, total)
         try:
             # Held now: its segment cannot be given back meanwhile; check it again (it may
@@ -569,9 +568,10 @@ class PoolReceiver:
             pool.release(None, blk, total)
             raise
         try:
-            if to_host and any(e[7] for e in entries):
-                # The copies read the block after the stream's wait for the sender's copy.
-                self.ops.wait(pool.index, self._wait_event(key, d, gen, seq, slot, deadline))
+            ordered = to_host and any(e[7] for e in entries)
+            if ordered:
+                # The host copies read the block after the stream's wait for the sender's copy.
+                n = self._order_after_copy(key, pool, gen, seq, slot, deadline, n)
                 convert = self.ops.to_host
                 views = [convert(v) if e[7] else v for e, v in zip(entries, views)]
             try:
@@ -587,13 +587,8 @@ class PoolReceiver:
                                       "place of the payload") from None
             finally:
                 del views
-            ev = self._wait_event(key, d, gen, seq, slot, deadline)
-            if n == -1:  # stored with the record (see ``PoolSender.send``)
-                n = d.rec_size(slot) if d.rec_seq(slot) == seq else -1
-            if ev is not None:
-                self.ops.wait(pool.index, ev)
-                if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
-                    d.set_done_seq(slot, seq)
+            if not ordered:
+                n = self._order_after_copy(key, pool, gen, seq, slot, deadline, n)
             if n < 0:  # the slot was recorded again meanwhile: the payload's own size
                 n = encoded_size(out)
             if pooled is not None:
@@ -603,6 +598,22 @@ class PoolReceiver:
             fin()  # no view was handed out: free the block now (after this stream)
             raise
         return out
+
+    def _order_after_copy(self, key: str, pool: Any, gen: int, seq: int, slot: int, deadline: Any,
+                          n: int) -> int:
+        """Order the current stream after the sender's copy of sequence ``seq`` (once it
+        is recorded: ``_wait_event``) and let the sender record the slot again; return
+        the payload's size ``n``, or, when the message said ``-1``, the one stored with
+        the record (``-1`` if the slot was recorded again meanwhile)."""
+        d = pool.dir
+        ev = self._wait_event(key, d, gen, seq, slot, deadline)
+        if n == -1:  # stored with the record (see ``PoolSender.send``)
+            n = d.rec_size(slot) if d.rec_seq(slot) == seq else -1
+        if ev is not None:
+            self.ops.wait(pool.index, ev)
+            if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
+                d.set_done_seq(slot, seq)
+        return n
 
     def _wait_event(self, key: str, d: Any, gen: int, seq: int, slot: int, deadline: Any = None) -> Any:
         """The event of ``slot`` that a reader of sequence ``seq`` waits for, once the
