@@ -24,6 +24,7 @@ from omnilink.connectors.devpool import (
     live_pool_owner,
     round_up,
 )
+from omnilink.connectors.devpool.sender import HOST_TO_POOL_BYTES
 from omnilink.connectors.shm import ShmConnector
 
 __all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector", "live_pool_owner"]
@@ -33,11 +34,6 @@ _T = TypeVar("_T")
 
 #: The inner shm connector carries descriptors and CPU parts only: a small arena.
 DEFAULT_ARENA_BYTES = 16 << 20
-#: While the receiver's gets land on its device, host tensors of at most this many
-#: bytes each ride in the pool block with the CUDA tensors (staged in page-locked
-#: memory, copied with them) instead of being moved to the device one by one after the
-#: landing.
-HOST_TO_POOL_BYTES = 64 << 10
 
 _Inner = ShmConnector
 

@@ -349,10 +349,7 @@ class CudaDeviceOps:
         s_src = current_raw_stream(src)
         prev = self._on(src)
         try:
-            for dst, t in items:
-                n = t.numel() * t.element_size()
-                if n:
-                    ops.memcpy_d2d(dst, t.data_ptr(), n, s_src)
+            self._copy_items(items, s_src)
         finally:
             ops.restore_device(prev)
         stream = self._copy_stream(index)
@@ -365,7 +362,7 @@ class CudaDeviceOps:
         import ctypes
 
         _dst, parts, _span, stage = hosted
-        self._check(self.rt.cudaEventSynchronize(event), "cudaEventSynchronize")
+        self.settle(event)
         base = stage.data_ptr()
         memmove = ctypes.memmove
         for o, t in parts:
@@ -381,15 +378,21 @@ class CudaDeviceOps:
         ops = self._ops
         prev = self._on(index)
         try:
-            for dst, t in items:
-                n = t.numel() * t.element_size()
-                if n:
-                    ops.memcpy_d2d(dst, t.data_ptr(), n, stream)
+            self._copy_items(items, stream)
             if hosted is not None and hosted[2]:
                 ops.memcpy(hosted[0], hosted[3].data_ptr(), hosted[2], stream)
             self._check(self.rt.cudaEventRecord(event, stream), "cudaEventRecord")
         finally:
             ops.restore_device(prev)
+
+    def _copy_items(self, items: list[tuple[int, Any]], stream: int) -> None:
+        """One ``cudaMemcpyAsync`` per non-empty ``(dst pointer, contiguous tensor)`` on
+        ``stream`` (its device current)."""
+        memcpy = self._ops.memcpy_d2d
+        for dst, t in items:
+            n = t.numel() * t.element_size()
+            if n:
+                memcpy(dst, t.data_ptr(), n, stream)
 
     def settle(self, event: Any) -> None:
         """Block until the work ``event`` last followed is done (a sender that lets go of

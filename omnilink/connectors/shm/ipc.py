@@ -81,11 +81,6 @@ MODES = ("auto", "on", "off")
 IPC_MIN_BYTES = 16 << 20
 #: Seconds a route put waits for room in the receiver's pool before the host path.
 ROOM_WAIT_S = 0.002
-#: Host tensors of at most this many bytes each ride in the pool block with the CUDA
-#: tensors (staged in page-locked memory, copied with them): the receiver of a routed
-#: payload lands it on its device anyway, and moving them there one by one after the
-#: landing cost it more than the rest of the landing (a trace on an H200).
-HOST_TO_POOL_BYTES = 64 << 10
 #: Seconds between looks for a receiver's pool while none was found. A look is one
 #: ``stat`` per receiver of the channel (their pids cached until the channel's
 #: participants change): a payload large enough for this route (``ipc_min_bytes``, 16
@@ -285,7 +280,11 @@ class DeviceIpcRoute:
             except BaseException as exc:
                 raise _NotPublished(exc) from exc
 
+        from omnilink.connectors.devpool.sender import HOST_TO_POOL_BYTES  # (loaded with the sender)
+
         try:
+            # The receiver of a routed payload lands it on its device: small host tensors
+            # ride in the block.
             tx.send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline),
                     host_to_pool=HOST_TO_POOL_BYTES)
         except _NotPublished as exc:
