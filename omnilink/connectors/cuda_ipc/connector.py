@@ -18,13 +18,13 @@ from omnilink.connectors.devpool import (
     DEFAULT_EVENT_SLOTS,
     DEFAULT_MAX_BLOCKS,
     DEFAULT_POOL_BYTES,
+    HOST_TO_POOL_BYTES,
     PoolReceiver,
     PoolSender,
     cuda_ipc_unavailable,
     live_pool_owner,
     round_up,
 )
-from omnilink.connectors.devpool.sender import HOST_TO_POOL_BYTES
 from omnilink.connectors.shm import ShmConnector
 
 __all__ = ["DEFAULT_POOL_BYTES", "CudaIpcConnector", "live_pool_owner"]

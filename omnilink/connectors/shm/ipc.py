@@ -280,7 +280,7 @@ class DeviceIpcRoute:
             except BaseException as exc:
                 raise _NotPublished(exc) from exc
 
-        from omnilink.connectors.devpool.sender import HOST_TO_POOL_BYTES  # (loaded with the sender)
+        from omnilink.connectors.devpool import HOST_TO_POOL_BYTES  # (loaded with the sender)
 
         try:
             # The receiver of a routed payload lands it on its device: small host tensors
