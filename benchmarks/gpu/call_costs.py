@@ -48,12 +48,21 @@ def measure(number: int = 2000) -> list[dict[str, Any]]:
     done_event = ops.check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "event")
     rt.cudaEventRecord(done_event, stream)
     sem = posix_ipc.Semaphore(f"/omnilink-call-costs-{os.getpid()}", posix_ipc.O_CREX, mode=0o600)
+    from omnilink._util import PeerWatch
+    from omnilink.connectors.devpool import CudaDeviceOps
+    from omnilink.connectors.devpool.manifest import split
+
+    dops = CudaDeviceOps()
+    pinned = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    peers = PeerWatch()
+    parent = os.getppid()
     d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
     dev = torch.device("cuda", 0)
     env = {"torch": torch, "prepare": prepare, "encoded_size": encoded_size, "payload": payload,
            "message": message, "rt": rt, "ops": ops, "pool": pool, "h": h, "stream": stream, "d2d": d2d,
            "ipc_event": ipc_event, "done_event": done_event, "_Lease": _Lease, "dev": dev, "weakref": weakref,
-           "sem": sem}
+           "sem": sem, "dops": dops, "pinned": pinned, "split": split, "peers": peers, "parent": parent,
+           "os": os}
     cases = [
         ("python: sum(range(1000))", "sum(range(1000))"),
         ("tensor_blob prepare of the payload (CUDA hidden state, CPU ids and flag, metadata)", "prepare(payload)"),
@@ -65,6 +74,15 @@ def measure(number: int = 2000) -> list[dict[str, Any]]:
         ("cudaEventRecord (interprocess event)", "rt.cudaEventRecord(ipc_event, stream)"),
         ("cudaStreamWaitEvent", "rt.cudaStreamWaitEvent(stream, ipc_event, 0)"),
         ("cudaEventQuery (completed)", "rt.cudaEventQuery(done_event)"),
+        ("cudaEventSynchronize (completed)", "rt.cudaEventSynchronize(done_event)"),
+        ("cudaStreamQuery (idle stream)", "rt.cudaStreamQuery(stream)"),
+        ("cudaMemcpyAsync 256 B page-locked host to device",
+         "rt.cudaMemcpyAsync(pool.data_ptr(), pinned.data_ptr(), 256, ops.kind_default, stream)"),
+        ("swap_device + restore_device (already current)", "ops.restore_device(ops.swap_device(0))"),
+        ("CudaDeviceOps.view (a pool block as a uint8 tensor + its lease)", "dops.view(pool.data_ptr(), 4096, 0)"),
+        ("devpool split of the payload (host part, device tensors)", "split(payload, dops.is_device_tensor, torch.Tensor)"),
+        ("PeerWatch.alive (pidfd poll)", "peers.alive(parent)"),
+        ("os.sched_yield", "os.sched_yield()"),
         ("torch.cuda.Event() + record", "torch.cuda.Event().record()"),
         ("torch.as_tensor over foreign device memory (__cuda_array_interface__)",
          "torch.as_tensor(_Lease(pool.data_ptr(), 4096), device=dev)"),

@@ -176,6 +176,64 @@ def test_a_size_computed_after_publishing_reaches_the_reader_even_when_its_slot_
         rx.close()
 
 
+def test_the_reader_does_not_wait_for_a_size_stored_late(monkeypatch):
+    # The sender stores put's size after it recorded the copy; a reader that finds no
+    # size for its sequence after a few looks computes it itself: same bytes_got, and
+    # its get does not wait for the sender's store.
+    from omnilink import encoded_size
+    from omnilink.connectors.devpool import sender as sender_mod
+
+    ch = f"pub1-late-{uuid.uuid4().hex[:8]}"
+    rx = HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4)
+    tx = HostCudaIpc(channel=ch, role="sender", linger=0)
+    go, entered = threading.Event(), threading.Event()
+    real = sender_mod.PoolSender._size_after
+
+    def late(payload, key, total):
+        entered.set()
+        assert go.wait(10)
+        return real(payload, key, total)
+
+    try:
+        tx.put("warm", _payload(0), timeout=5)
+        rx.get("warm", timeout=5)
+        monkeypatch.setattr(sender_mod.PoolSender, "_size_after", staticmethod(late))
+        sizes = []
+        t = threading.Thread(target=lambda: sizes.append(tx.put("k", _payload(7), timeout=5)))
+        t.start()
+        try:
+            assert entered.wait(5)  # the copy is recorded, the size not stored yet
+            before = rx.stats().bytes_got
+            got = rx.get("k", timeout=5)
+            assert rx.stats().bytes_got - before == encoded_size(_payload(7))
+            assert torch.equal(got["hidden"], _payload(7)["hidden"])
+            assert t.is_alive()  # the sender was still held: the reader sized it itself
+        finally:
+            go.set()
+            t.join(10)
+        assert sizes == [encoded_size(_payload(7))]
+        del got
+    finally:
+        go.set()
+        tx.close()
+        rx.close()
+
+
+def test_a_slot_size_belongs_to_one_sequence():
+    from omnilink.connectors.devpool.directory import SIZE_BITS, Directory
+
+    d = Directory.__new__(Directory)
+    d._slots, d._q = 0, [0] * 64
+    d.set_rec_size(1, 5, 1234)
+    assert d.rec_size(1, 5) == 1234
+    assert d.rec_size(1, 6) == -1 and d.rec_size(1, 5 + (1 << (64 - SIZE_BITS))) == 1234
+    assert d.rec_size(0, 5) == -1  # another slot: nothing stored for 5
+    d.set_rec_size(1, 6, 1 << SIZE_BITS)  # past the field: stored as unknown
+    assert d.rec_size(1, 6) == -1
+    d.set_rec_size(1, 7, -1)
+    assert d.rec_size(1, 7) == -1
+
+
 @pytest.mark.parametrize("n, manifest", [(-2, True), (-1, False), (-(1 << 40), True)])
 def test_a_negative_size_other_than_the_marked_one_is_refused(n, manifest):
     from omnilink import BlobDecodeError

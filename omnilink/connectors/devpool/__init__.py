@@ -63,9 +63,10 @@ Design
   the meantime and makes its stream wait on the event only once ``rec_seq`` has reached
   that sequence (a serial consumer's landing overlaps the sender's copy calls). What
   the reader does not need to land the payload also comes after publishing: the
-  payload's tensor_blob size (``cuda_ipc``'s ``put`` returns it; stored in the slot's
-  ``rec_size`` before ``rec_seq``, the message says ``n = -1``; a reader whose slot was
-  recorded again meanwhile sizes the payload itself), the receiver's liveness check
+  payload's tensor_blob size (``cuda_ipc``'s ``put`` returns it; the message says ``n =
+  -1`` and the sender stores it in the slot's ``rec_size``, tagged with the sequence,
+  right after ``rec_seq``: the reader looks for it last, and sizes the payload itself
+  if it does not come at once), the receiver's liveness check
   (still before the copy) and the drain of the blocks it freed. A copy
   that fails after its message was claimed marks ``rec_seq`` with ``COPY_FAILED`` (the
   reader raises ``TransportError``) and the sender attaches again as a new generation;

@@ -2,7 +2,7 @@
 
 Byte layout (little-endian, every field 8-byte aligned)::
 
-    0    magic "OLCIPC04"
+    0    magic "OLCIPC05"
     8    receiver pid                      receiver writes once
     16   state (1 open, 2 closed)          receiver
     24   pool device index (receiver's numbering)
@@ -39,8 +39,9 @@ Byte layout (little-endian, every field 8-byte aligned)::
     320  segments: MAX_SEGMENTS x [state u64 | bytes u64 | IPC handle 64 | released u64]
          state, bytes, handle: receiver (0 none, 1 live, 2 retiring); released: sender
     ...  slots: nslots x [event IPC handle 64 | rec_seq u64 | done_seq u64 | rec_size u64]
-         (rec_size: the tensor_blob size of the payload recorded as rec_seq, stored
-         before it)
+         (rec_size: the tensor_blob size of a payload recorded in the slot, in its low
+         SIZE_BITS bits, the low bits of that payload's sequence above them; stored
+         after its rec_seq)
     ...  released ring: capacity x [offset u64 | length u64]
     ...  held list:     capacity x [offset u64 | length u64]
     ...  lane: lane slots x lane record bytes (``lane``: the pool's messages), then its
@@ -72,7 +73,7 @@ from omnilink.connectors.shmem import SHM_DIR, arena_name, create_segment, open_
 
 __all__ = ["Directory", "directory_token", "find_directories", "live_pool_owner"]
 
-MAGIC = b"OLCIPC04"
+MAGIC = b"OLCIPC05"
 HANDLE_BYTES = 64
 _U64 = struct.Struct("<Q")
 _PAIR = struct.Struct("<QQ")
@@ -103,6 +104,11 @@ STATE_CLOSED = 2
 #: A slot's ``rec_seq`` with this bit: the copy of that sequence failed after its message
 #: was published (the sender gave the pool up; its reader raises).
 COPY_FAILED = 1 << 63
+#: A slot's ``rec_size``: the size in its low ``SIZE_BITS`` bits, the low bits of the
+#: sequence it belongs to above them (the sender stores it after ``rec_seq``).
+SIZE_BITS = 44
+_SIZE_MASK = (1 << SIZE_BITS) - 1
+_SIZE_TAG = (1 << (64 - SIZE_BITS)) - 1
 
 # field offsets
 RECV_PID, STATE, DEVICE, POOL_BYTES, NSLOTS, RING_CAP = 8, 16, 24, 32, 40, 48
@@ -261,11 +267,18 @@ class Directory:
     def set_rec_seq(self, i: int, seq: int) -> None:
         self._q[(self._slots + i * _SLOT + HANDLE_BYTES) >> 3] = seq
 
-    def rec_size(self, i: int) -> int:
-        return self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 16) >> 3]
+    def rec_size(self, i: int, seq: int) -> int:
+        """The size stored for sequence ``seq`` in slot ``i``; -1 while none is (not yet,
+        or the slot was recorded again since, or too large to store)."""
+        w = self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 16) >> 3]
+        n = w & _SIZE_MASK
+        return n if w >> SIZE_BITS == seq & _SIZE_TAG and n != _SIZE_MASK else -1
 
-    def set_rec_size(self, i: int, size: int) -> None:
-        self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 16) >> 3] = size
+    def set_rec_size(self, i: int, seq: int, size: int) -> None:
+        """Store ``size`` for sequence ``seq`` in slot ``i`` (a size past ``SIZE_BITS``
+        bits, or a negative one, is stored as unknown)."""
+        n = size if 0 <= size < _SIZE_MASK else _SIZE_MASK
+        self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 16) >> 3] = (seq & _SIZE_TAG) << SIZE_BITS | n
 
     def done_seq(self, i: int) -> int:
         return self._q[(self._slots + i * _SLOT + HANDLE_BYTES + 8) >> 3]

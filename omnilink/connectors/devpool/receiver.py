@@ -69,6 +69,10 @@ ANSWER_EVERY_S = 0.02
 #: claimed (the sender publishes first and queues the copy right after; only a sender
 #: stuck while alive takes this long: a dead one is noticed at once).
 RECORD_GRACE_S = 10.0
+#: How many looks (``sched_yield`` between them) a reader takes for the size its sender
+#: stores after recording the copy before it computes the size itself: the sender
+#: stores it microseconds after the record the reader waited for.
+SIZE_LOOKS = 200
 #: Seconds a grown segment stays without a block this receiver holds before it is
 #: given back (``PoolReceiver.idle_s``).
 IDLE_S = 2.0
@@ -571,7 +575,7 @@ class PoolReceiver:
             ordered = to_host and any(e[7] for e in entries)
             if ordered:
                 # The host copies read the block after the stream's wait for the sender's copy.
-                n = self._order_after_copy(key, pool, gen, seq, slot, deadline, n)
+                self._order_after_copy(key, pool, gen, seq, slot, deadline)
                 convert = self.ops.to_host
                 views = [convert(v) if e[7] else v for e, v in zip(entries, views)]
             try:
@@ -588,32 +592,39 @@ class PoolReceiver:
             finally:
                 del views
             if not ordered:
-                n = self._order_after_copy(key, pool, gen, seq, slot, deadline, n)
-            if n < 0:  # the slot was recorded again meanwhile: the payload's own size
-                n = encoded_size(out)
+                self._order_after_copy(key, pool, gen, seq, slot, deadline)
             if pooled is not None:
-                pooled[1] = n
+                pooled[1] = n if n >= 0 else self._recorded_size(pool.dir, seq, slot, out)
         except BaseException:
             out = None
             fin()  # no view was handed out: free the block now (after this stream)
             raise
         return out
 
-    def _order_after_copy(self, key: str, pool: Any, gen: int, seq: int, slot: int, deadline: Any,
-                          n: int) -> int:
+    def _order_after_copy(self, key: str, pool: Any, gen: int, seq: int, slot: int, deadline: Any) -> None:
         """Order the current stream after the sender's copy of sequence ``seq`` (once it
-        is recorded: ``_wait_event``) and let the sender record the slot again; return
-        the payload's size ``n``, or, when the message said ``-1``, the one stored with
-        the record (``-1`` if the slot was recorded again meanwhile)."""
+        is recorded: ``_wait_event``) and let the sender record the slot again."""
         d = pool.dir
         ev = self._wait_event(key, d, gen, seq, slot, deadline)
-        if n == -1:  # stored with the record (see ``PoolSender.send``)
-            n = d.rec_size(slot) if d.rec_seq(slot) == seq else -1
         if ev is not None:
             self.ops.wait(pool.index, ev)
             if seq > d.done_seq(slot):  # the wait is queued: the sender may record the slot again
                 d.set_done_seq(slot, seq)
-        return n
+
+    @staticmethod
+    def _recorded_size(d: Any, seq: int, slot: int, out: Any) -> int:
+        """The tensor_blob size of the payload ``out`` of sequence ``seq`` whose message
+        said ``-1``: the one its sender stores in the slot's ``rec_size`` right after
+        recording the copy (``PoolSender.send``), looked for while ``SIZE_LOOKS`` last,
+        else (the slot recorded again since, or the sender late or gone) computed here."""
+        for _ in range(SIZE_LOOKS):
+            n = d.rec_size(slot, seq)
+            if n >= 0:
+                return n
+            if d.rec_seq(slot) != seq:  # recorded again (its size with it) or failed
+                break
+            os.sched_yield()
+        return encoded_size(out)
 
     def _wait_event(self, key: str, d: Any, gen: int, seq: int, slot: int, deadline: Any = None) -> Any:
         """The event of ``slot`` that a reader of sequence ``seq`` waits for, once the

@@ -203,7 +203,8 @@ class PoolSender:
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
         part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
         payload with ``None`` where each device tensor was; ``n`` is -1 when the size is
-        computed after publishing, and then stored in the slot's ``rec_size``). The
+        computed after the copy is recorded, and then stored in the slot's
+        ``rec_size``). The
         message is published before the copy is queued; if ``publish`` raises, the
         block is taken back and the error goes on. ``ctx``: the
         producer's events of a ``put_async`` (``ops.producer_events``); ``size``: the
@@ -251,10 +252,9 @@ class PoolSender:
         else:
             host, chosen = split(payload, is_dev, tensor_type(), kept)
         # What put returns (the Connector contract): the payload's tensor_blob size. With
-        # a device part it is computed after the message is published (the reader finds
-        # it in the slot's ``rec_size``, stored before ``rec_seq``), off the reader's
-        # path, unless the payload holds more tensors than a tensor_blob may (so that
-        # encoding cannot fail after publishing).
+        # a device part it is computed after the copy is recorded (the reader finds it in
+        # the slot's ``rec_size``), off the reader's path, unless the payload holds more
+        # tensors than a tensor_blob may (so that encoding cannot fail after publishing).
         if size is None and (not chosen or len(chosen) + kept[0] > MAX_TENSORS):
             size = encoded_size(payload)
         if not chosen:
@@ -330,17 +330,32 @@ class PoolSender:
                         stage = tx.stages[slot] = ops.new_stage(max(span, 64 << 10))
                     hosted_arg = (base + first, [(o - first, t) for o, t in host_items], span, stage)
                 ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx, hosted=hosted_arg)
-                if size is None:
-                    size = encoded_size(payload)
             except BaseException as exc:
                 self._copy_failed(tx, key, slot, seq, exc)
                 raise
             tx.rec[slot] = seq
-            tx.dir.set_rec_size(slot, size)
             tx.dir.set_rec_seq(slot, seq)  # the copy and the slot's event are queued
             self.device_puts += 1
+            if size is None:
+                # Off the reader's path: it lands the payload meanwhile and reads the size
+                # last (or sizes the payload itself if this store comes late).
+                size = self._size_after(payload, key, total)
+                tx.dir.set_rec_size(slot, seq, size)
             self._drain(tx)  # the blocks freed meanwhile, off the next put's path
         return size
+
+    @staticmethod
+    def _size_after(payload: Any, key: str, total: int) -> int:
+        """The tensor_blob size of ``payload``, already sent. Its published message
+        passed the limits a tensor_blob header has (and ``send`` counted its tensors
+        first), so encoding cannot fail here; if it does, the payload is delivered all
+        the same, and ``put`` returns the bytes of its pool block instead."""
+        try:
+            return encoded_size(payload)
+        except BlobEncodeError as exc:  # pragma: no cover - see above
+            logger.warning("cuda_ipc: key %r was sent, but its tensor_blob size could not be computed "
+                           "(%s); put returns its pool block's bytes", key, exc)
+            return total
 
     def _copy_failed(self, tx: _Attachment, key: str, slot: int, seq: int, exc: BaseException) -> None:
         """The copy of ``key``, already published, could not be queued: withdraw its
