@@ -461,7 +461,12 @@ class _Walker:
         if t is list:
             if _SCALARS.issuperset(map(type, obj)):
                 return obj
-            return [v if type(v) in _SCALARS else self.fast(v, depth + 1) for v in obj]
+            tensor = self.tensor
+            # A list of tensors (small ones beside a hidden state): each one's reference
+            # in one call, as in a dict.
+            return [v if type(v) in _SCALARS
+                    else ((_plain_ref(self, v) or self.fast(v, depth + 1)) if type(v) is tensor
+                          else self.fast(v, depth + 1)) for v in obj]
         if t is tuple:
             items = [v if type(v) in _SCALARS else self.fast(v, depth + 1) for v in obj]
             return msgspec.msgpack.Ext(_EXT_TUPLE, _ENCODER.encode(items))
@@ -1386,9 +1391,17 @@ def _resolve(obj: Any, views: list[Any], refs: list[Any] | None) -> Any:
                 elif tv is dict or tv is list:
                     push((v, path + (k,)))
         else:
+            nviews = len(views)
             for i, v in enumerate(o):
                 tv = type(v)
                 if tv is _Ext:
+                    if refs is None and v.code == _EXT_TENSOR and len(v.data) == 4:
+                        # A list of tensor references (small tensors beside a hidden
+                        # state): each one inline, no call and no path per item.
+                        (index,) = _U32.unpack(v.data)
+                        if index < nviews:
+                            o[i] = views[index]
+                            continue
                     o[i] = _resolve_ext(v, views, refs, path + (i,))
                 elif tv is dict or tv is list:
                     push((v, path + (i,)))

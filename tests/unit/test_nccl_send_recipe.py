@@ -30,11 +30,17 @@ CASES = {
     # gapless, one dtype, 1-D and 2-D: one typed cat
     "same dtype": (lambda s: {"h": _bf16(4096, s).view(8, 512), "small": [_bf16(2048, s + i) for i in range(16)]}, True),
     # gapless but two dtypes: byte views
-    "mixed dtypes": (lambda s: {"a": _bf16(64, s), "ids": torch.arange(s, s + 32, dtype=torch.int64)}, True),
-    # 3 bf16 items = 6 bytes: padding between the pack's tensors
+    "mixed dtypes": (lambda s: {"a": _bf16(64, s), "ids": torch.arange(s, s + 32, dtype=torch.int64)}, False),
+    # 3 bf16 items = 6 bytes: padding between the pack's tensors: byte views
     "with gaps": (lambda s: {"a": _bf16(3, s), "b": _bf16(3, s + 1), "c": _bf16(64, s + 2)}, False),
-    # a strided member: the byte-view path copies it
+    # a strided 2-D member: flattened (a copy) for the typed cat
     "strided": (lambda s: {"a": _bf16(4096, s).view(64, 64).t(), "b": _bf16(64, s + 1)}, True),
+    # a strided 1-D member: the typed cat takes it as it is
+    "strided 1-D": (lambda s: {"a": _bf16(4096, s)[::2], "b": _bf16(64, s + 1)}, True),
+    # a 0-d member (2 bytes, padded): byte views
+    "0-d": (lambda s: {"a": _bf16(32, s)[3], "b": _bf16(32, s + 1)}, False),
+    # a 3-D member: flattened for the typed cat
+    "3-D": (lambda s: {"a": _bf16(2048, s).view(4, 8, 64), "b": _bf16(32, s + 1)}, True),
     # prepare detaches a tensor that needs grad: packed like any other
     "needs grad": (lambda s: {"a": torch.randn(64, requires_grad=True), "b": torch.randn(64)}, True),
     "bool": (lambda s: {"a": torch.arange(64) % (s % 3 + 2) == 0, "b": torch.ones(64, dtype=torch.bool)}, True),
@@ -43,10 +49,10 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_replay_packs_what_planning_afresh_packs(name):
-    make, gapless = CASES[name]
+    make, typed = CASES[name]
     prepared, sp = _fresh(make(1))
     recipe = wire._SendRecipe.of(prepared, sp, 0)
-    assert recipe is not None and recipe.gapless is gapless
+    assert recipe is not None and bool(recipe.cat) is typed
     for seed in (2, 3):
         payload = make(seed)
         prepared, sp = _fresh(payload)
@@ -58,17 +64,39 @@ def test_replay_packs_what_planning_afresh_packs(name):
             assert torch.equal(got, want)
 
 
-def test_the_typed_cat_is_taken_where_it_can_be_and_left_where_it_cannot():
+def test_a_float8_pack_is_catted_as_bytes():
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8 dtypes")
+    payload = {"a": torch.zeros(64, dtype=torch.float8_e4m3fn), "b": torch.zeros(64, dtype=torch.float8_e4m3fn)}
+    prepared, sp = _fresh(payload)
+    recipe = wire._SendRecipe.of(prepared, sp, 0)
+    assert recipe.cat == 0
+    assert torch.equal(recipe.apply(torch, prepared, PAD).p2p[0], sp.p2p[0])
+
+
+def test_a_pack_whose_tensors_moved_is_planned_afresh():
+    # A replay skips the per-tensor checks of the typed cat's tensors: cat itself
+    # refuses tensors of two devices, and the pack's device is checked once.
     make, _ = CASES["same dtype"]
     prepared, sp = _fresh(make(1))
     recipe = wire._SendRecipe.of(prepared, sp, 0)
-    assert recipe._cat_typed(torch, prepared._sources) is not None
-    for name in ("strided", "mixed dtypes"):
-        prepared, sp = _fresh(CASES[name][0](1))
-        assert wire._SendRecipe.of(prepared, sp, 0)._cat_typed(torch, prepared._sources) is None, name
-    if hasattr(torch, "float8_e4m3fn"):
-        payload = {"a": torch.zeros(64, dtype=torch.float8_e4m3fn), "b": torch.zeros(64, dtype=torch.float8_e4m3fn)}
-        prepared, sp = _fresh(payload)
-        recipe = wire._SendRecipe.of(prepared, sp, 0)
-        assert recipe.gapless and recipe._cat_typed(torch, prepared._sources) is None
-        assert torch.equal(recipe.apply(torch, prepared, PAD).p2p[0], sp.p2p[0])
+    assert recipe.cat == 2  # host stand-ins
+    recipe.cat = 1  # as if they had been on the link's GPU: a host pack is not where they were
+    assert recipe.apply(torch, blob.prepare(make(2)), PAD) is None
+
+
+def test_the_recipe_key_is_the_descriptors_themselves():
+    # plan_send keys its recipes by the ids of prepare's cached descriptors: one payload
+    # shape gives the same descriptor objects; another dtype of the same byte size, or
+    # another shape of the same bytes, gives others (a recipe never replays for them).
+    def ids(payload):
+        return [id(d) for d in blob.prepare(payload)._descs]
+
+    def make(dt, shape):
+        return {"h": torch.zeros(shape, dtype=dt), "small": [torch.zeros(64, dtype=dt) for _ in range(3)]}
+
+    base = ids(make(torch.bfloat16, (8, 512)))
+    assert ids(make(torch.bfloat16, (8, 512))) == base
+    assert ids(make(torch.float16, (8, 512)))[0] != base[0]
+    assert ids(make(torch.bfloat16, (512, 8)))[0] != base[0]
+    assert ids(make(torch.float16, (8, 512)))[1:] != base[1:]

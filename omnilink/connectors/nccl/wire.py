@@ -479,10 +479,12 @@ def plan_send(
         return _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
                            max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
                            bell_bytes=bell_bytes)
-    # What the decisions depend on: each tensor's kind and size (not the tree's values,
-    # which change from payload to payload), the device and the options.
-    ck = (tuple([(d.kind, d.nbytes) for d in prepared._descs]), device.index, inline_bytes, max_inline_total,
-          pack_bytes, bell_bytes)
+    # What the decisions depend on: each tensor's descriptor (not the tree's values,
+    # which change from payload to payload), the device and the options. ``prepare``
+    # hands out one descriptor object per (dtype, shape, offset) from its cache, and a
+    # recipe keeps the descriptors it was made for alive: the same ids are the same
+    # descriptors (kind, dtype, shape, bytes), so a hit checks no tensor's shape again.
+    ck = (tuple(map(id, prepared._descs)), device.index, inline_bytes, max_inline_total, pack_bytes, bell_bytes)
     cached = _SEND_PLANS.get(ck)
     if cached is not None:
         sp = cached.apply(torch, prepared, pad)
@@ -509,20 +511,24 @@ _SEND_PLANS_MAX = 256
 
 class _SendRecipe:
     """What ``plan_send`` decided for a payload shape on an NCCL link, replayed for the
-    next payload of that shape once its tensors are where they were (torch tensors on
-    the link's device, or on the host) and contiguous as needed."""
+    next payload of that shape (the same descriptors: dtypes and shapes) once its
+    tensors are where they were (torch tensors on the link's device, or on the host)
+    and contiguous as needed."""
 
-    __slots__ = ("plan", "where", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles", "index",
-                 "gapless")
+    __slots__ = ("plan", "where", "checked", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles",
+                 "index", "descs", "cat", "pack_idx", "pack_nd")
 
     @classmethod
     def of(cls, prepared: Any, sp: SendPlan, index: int) -> _SendRecipe | None:
+        import torch
+
         plan = sp.plan
         if STAGED in plan:
             return None
         r = cls()
         r.plan = plan
         r.index = index
+        r.descs = prepared._descs  # kept alive: their ids key the recipe (``plan_send``)
         r.where = []  # per descriptor: 1 on the link's GPU, 0 on the host (torch), -1 not torch
         for kind, src in prepared._sources:
             if kind != blob.KIND_TORCH:
@@ -536,14 +542,28 @@ class _SendRecipe:
         r.bell, r.region_bytes = _placed(descs, plan, BELL)
         r.pack, r.pack_bytes = _placed(descs, plan, PACK)
         # The pack's tensors follow one another with no padding (each a multiple of 64
-        # bytes): then tensors of one dtype are packed by one typed ``cat``, no byte
-        # view of each first.
+        # bytes) and share a dtype ``cat`` handles (not a float8: those go as bytes):
+        # then the pack is one typed ``cat`` of the tensors themselves (it takes any
+        # strides; a tensor of other than one dimension is flattened first), no byte
+        # view of each, and no per-tensor check (``cat`` refuses tensors on different
+        # devices; the pack's device is checked once).
         end = 0
-        r.gapless = bool(r.pack)
+        gapless = bool(r.pack)
         for at, _i, n in r.pack:
-            r.gapless = r.gapless and at == end
+            gapless = gapless and at == end
             end = at + n
+        r.pack_idx = [i for _at, i, _n in r.pack]
+        r.cat = 0  # 0: no typed cat; 1: of device tensors; 2: of host ones
+        wheres = {r.where[i] for i in r.pack_idx}
+        if gapless and len(wheres) == 1 and -1 not in wheres:
+            dts = {prepared._sources[i][1].dtype for i in r.pack_idx}
+            dt = next(iter(dts))
+            if len(dts) == 1 and not (dt.itemsize == 1 and dt not in (torch.uint8, torch.int8, torch.bool)):
+                r.cat = 1 if 1 in wheres else 2
+        r.pack_nd = [j for j, i in enumerate(r.pack_idx) if len(descs[i].shape) != 1]
         r.singles = [i for i, code in enumerate(plan) if code == P2P]
+        skip = set(r.pack_idx) if r.cat else set()
+        r.checked = [i for i, w in enumerate(r.where) if w >= 0 and i not in skip]
         return r
 
     def apply(self, torch: Any, prepared: Any, pad: Any) -> SendPlan | None:
@@ -551,11 +571,13 @@ class _SendRecipe:
         not where it was (``plan_send`` plans afresh and names what is wrong)."""
         sources = prepared._sources
         index = self.index
-        for w, (kind, src) in zip(self.where, sources):
-            if w == 1:
+        where = self.where
+        for i in self.checked:
+            src = sources[i][1]
+            if where[i] == 1:
                 if not src.is_cuda or src.get_device() != index:
                     return None
-            elif w == 0 and not src.is_cpu:
+            elif not src.is_cpu:
                 return None
         inline = [_host_bytes(*sources[i]) for i in self.inline]
         if self.bell:
@@ -566,9 +588,19 @@ class _SendRecipe:
             return SendPlan(prepared.meta, self.plan, inline, [], prepared.nbytes, bell, self.region_bytes)
         uint8 = torch.uint8
         p2p: list[Any] = []
-        packed = self._cat_typed(torch, sources) if self.gapless else None
-        if packed is not None:
-            p2p.append(packed)
+        if self.cat:
+            ts = [sources[i][1] for i in self.pack_idx]
+            for j in self.pack_nd:
+                ts[j] = ts[j].reshape(-1)
+            try:
+                packed = torch.cat(ts)
+            except RuntimeError:  # tensors on different devices: planned afresh, named there
+                return None
+            if (packed.get_device() != index) if self.cat == 1 else not packed.is_cpu:
+                return None
+            if packed.requires_grad:
+                packed = packed.detach()
+            p2p.append(packed.view(uint8))
         elif self.pack:
             parts: list[Any] = []
             end = 0
@@ -581,29 +613,6 @@ class _SendRecipe:
         for i in self.singles:
             p2p.append(_flat_bytes(sources[i][1], uint8))
         return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes)
-
-    def _cat_typed(self, torch: Any, sources: list[Any]) -> Any:
-        """The pack as one ``cat`` of the tensors themselves (then one byte view), when
-        they share a dtype ``cat`` handles, need no grad and lie contiguous; else
-        ``None`` (the byte-view path). ``self.gapless``: no padding between them."""
-        first = sources[self.pack[0][1]][1]
-        dt = first.dtype
-        if dt.itemsize == 1 and dt not in (torch.uint8, torch.int8, torch.bool):
-            return None  # float8 and the like: cat them as bytes
-        ts = []
-        for _at, i, _n in self.pack:
-            t = sources[i][1]
-            if t.dtype is not dt or t.requires_grad:
-                return None
-            if t.dim() == 1:
-                if t.stride(0) != 1:
-                    return None
-            elif t.is_contiguous():
-                t = t.view(-1)
-            else:
-                return None
-            ts.append(t)
-        return torch.cat(ts).view(torch.uint8)
 
 
 def _plan_fresh(
