@@ -89,6 +89,10 @@ class HostDeviceOps:
         return False  # every tensor is a "device" tensor here (HostOnlyOps below says otherwise)
 
     @staticmethod
+    def tensor_device(t: Any) -> int:
+        return 0  # every tensor is on "device" 0
+
+    @staticmethod
     def to_host(t: Any) -> Any:
         return t.clone()  # a copy of its own, out of the pool, as the real one's .cpu()
 

@@ -158,3 +158,54 @@ def test_device_ipc_route_falls_back_and_says_why(monkeypatch):
         tx.close()
         rx.close()
 
+
+
+def test_a_put_takes_the_route_before_preparing_the_payload(monkeypatch):
+    # Where every size goes by device IPC (ipc_min_bytes 0, or MPS), put offers the
+    # payload to the route first: one walk picks the block's tensors, the size comes
+    # after the copy is queued, and no tensor_blob walk runs unless the route declines.
+    torch = pytest.importorskip("torch")
+    from omnilink.connectors.shm import connector as shm_connector
+    from tests.cuda_ipc_double import route_put
+
+    tx, rx = _routed(_chan())
+    try:
+        assert not tx._ipc.routes_first()  # no pool sender attached yet
+        assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
+        rx.get("warm", timeout=5)
+        assert tx._ipc.routes_first()
+        prepared = []
+        real = shm_connector._prepare
+        monkeypatch.setattr(shm_connector, "_prepare", lambda p: prepared.append(p) or real(p))
+        payload = {"hidden": torch.randn(300), "ids": torch.arange(16), "meta": {"s": "x", "i": 3}}
+        assert tx.put("k", payload, timeout=5) == omnilink.encoded_size(payload)
+        assert prepared == [] and tx.stats().ipc_puts == 2
+        got = rx.get("k", timeout=5)
+        assert torch.equal(got["hidden"], payload["hidden"]) and torch.equal(got["ids"], payload["ids"])
+        assert got["meta"] == payload["meta"] and rx.stats().ipc_gets == 2
+        # No tensor at all: not the route's; the arena, as before.
+        assert tx.put("plain", {"m": 1}, timeout=5) > 0
+        assert len(prepared) == 1 and tx.stats().ipc_puts == 2
+        assert rx.get("plain", timeout=5) == {"m": 1}
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_payload_the_route_cannot_take_first_goes_by_the_host_path_once(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from tests.cuda_ipc_double import HostDeviceOps, route_put
+
+    monkeypatch.setattr(HostDeviceOps, "FREE_BYTES", 0)  # the pool may not grow
+    tx, rx = _routed(_chan(), pool_bytes=1 << 20)
+    try:
+        assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
+        rx.get("warm", timeout=5)
+        big = {"x": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB > the 1 MiB pool
+        assert tx.put("big", big, timeout=5) == omnilink.encoded_size(big)
+        st = tx.stats()
+        assert st.ipc_fallbacks == 1 and st.ipc_puts == 1 and "CapacityError" in st.ipc_fallback_reason
+        assert torch.equal(rx.get("big", timeout=5)["x"], big["x"])
+    finally:
+        tx.close()
+        rx.close()

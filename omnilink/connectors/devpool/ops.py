@@ -105,6 +105,11 @@ class CudaDeviceOps:
     def is_device_tensor(self, t: Any) -> bool:
         return bool(t.is_cuda)
 
+    @staticmethod
+    def tensor_device(t: Any) -> int:
+        """The CUDA device index of tensor ``t`` (-1: a host tensor)."""
+        return int(t.get_device())
+
     def is_small_host_tensor(self, t: Any, most: int) -> bool:
         """A strided CPU tensor of at most ``most`` bytes (``send``'s ``host_to_pool``)."""
         return bool(t.is_cpu) and t.layout is self._torch.strided and t.numel() * t.element_size() <= most

@@ -513,7 +513,7 @@ class PoolReceiver:
         return gen, seq, slot, block, total, out
 
     def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None,
-             pooled: list[Any] | None = None) -> Any:
+             pooled: list[Any] | None = None, sized: bool = True) -> Any:
         """The payload of a message the pool's sender made (``PoolSender.send``),
         received under ``key``: views of the pool put where the manifest's paths say, the
         current stream ordered after the sender's copy (host not blocked). ``to_host``:
@@ -522,7 +522,8 @@ class PoolReceiver:
         of the pool like the device tensors. ``pooled``: a list of two whose first item is
         set to whether every tensor of the payload is a view of the pool (the sender's
         mark; not with ``to_host``), so that a caller landing on the pool's device has
-        nothing left to move, and whose second to the payload's tensor_blob size.
+        nothing left to move, and whose second to the payload's tensor_blob size (not
+        looked for when the message left it to the slot and ``sized`` is false: -1).
 
         Raises
         ------
@@ -594,7 +595,7 @@ class PoolReceiver:
             if not ordered:
                 self._order_after_copy(key, pool, gen, seq, slot, deadline)
             if pooled is not None:
-                pooled[1] = n if n >= 0 else self._recorded_size(pool.dir, seq, slot, out)
+                pooled[1] = n if n >= 0 or not sized else self._recorded_size(pool.dir, seq, slot, out)
         except BaseException:
             out = None
             fin()  # no view was handed out: free the block now (after this stream)

@@ -198,7 +198,7 @@ class PoolSender:
     # --------------------------------------------------------------------- send
     def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
              size: int | None = None, room: Deadline | None = None, host_to_pool: int = 0,
-             landing: bool = False) -> int:
+             landing: bool = False, accept: Any = None) -> int | None:
         """Copy the device tensors of ``payload`` into a block of the receiver's pool and
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
         part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
@@ -215,7 +215,11 @@ class PoolSender:
         entries marked as host tensors), so that they arrive as views of the pool: for a
         receiver that lands its payloads on its device (the shm route; ``cuda_ipc`` while
         its receiver says so, ``landing``); 0 leaves them in the host part. ``landing``:
-        only while the receiver's last get landed on its device. Returns ``size``.
+        only while the receiver's last get landed on its device. ``accept``: called with
+        the ``[(path, tensor)]`` the block would carry before anything else is done; if
+        it returns false, nothing is sent and ``send`` returns ``None`` (a transport that
+        routes a payload by where its tensors are, without walking it twice). Returns
+        ``size``.
 
         Raises
         ------
@@ -251,6 +255,8 @@ class PoolSender:
             host, chosen = split(payload, pick, tensor_type(), kept)
         else:
             host, chosen = split(payload, is_dev, tensor_type(), kept)
+        if accept is not None and not accept(chosen):
+            return None
         # What put returns (the Connector contract): the payload's tensor_blob size. With
         # a device part it is computed after the copy is recorded (the reader finds it in
         # the slot's ``rec_size``), off the reader's path, unless the payload holds more

@@ -67,7 +67,7 @@ from omnilink.blob import prepare as _prepare
 from omnilink.connectors.base import BaseConnector, Role, _keys_text, check_constructor_options
 from omnilink.connectors.shm.gc import collect_garbage
 from omnilink.connectors.shm.gpu import SMALL_DEVICE_BYTES
-from omnilink.connectors.shm.ipc import IPC_MARK, IPC_MIN_BYTES, DeviceIpcRoute
+from omnilink.connectors.shm.ipc import FELL_BACK, IPC_MARK, IPC_MIN_BYTES, DeviceIpcRoute
 from omnilink.connectors.shm.ipc import MODES as IPC_MODES
 from omnilink.connectors.shm.slices import SLICED_MARK
 from omnilink.connectors.shm.segments import (
@@ -699,26 +699,40 @@ class ShmConnector(BaseConnector):
         w = self._writer
         if w is None:
             raise self._cannot_put()
+        ipc = self._ipc
+        host_only = False
+        if ipc is not None and ipc.routes_first():
+            # Device IPC takes every payload on its pool's device: it walks the payload
+            # once and sizes it after the copy is queued, no tensor_blob walk first.
+            if deadline is None:
+                deadline = Deadline.after(self.timeout)
+            sent = ipc.put_first(key, payload, deadline, events)
+            if sent is not None and sent is not FELL_BACK:
+                if count:
+                    self._count_op("puts", "bytes_put", sent)
+                return sent
+            host_only = sent is FELL_BACK
         blob = _prepare(payload)
         n = blob.nbytes
         if blob._on_device or self._gpu is not None or n > w.data_bytes:
             if deadline is None:
                 deadline = Deadline.after(self.timeout)
-            n = self._put_other(key, payload, blob, deadline, events)
+            n = self._put_other(key, payload, blob, deadline, events, host_only)
             if count:
                 self._count_op("puts", "bytes_put", n)
             return n
         return self._put_arena(key, key.encode("utf-8"), blob, deadline, count=count)
 
-    def _put_other(self, key: str, payload: Any, blob: Any, deadline: Deadline, events: Any) -> int:
+    def _put_other(self, key: str, payload: Any, blob: Any, deadline: Deadline, events: Any,
+                   host_only: bool = False) -> int:
         """``_put`` of a payload holding CUDA tensors (the GPU path), or larger than the
-        arena (an overflow segment)."""
+        arena (an overflow segment). ``host_only``: device IPC already could not take it."""
         w = self._writer
         n = blob.nbytes
         dev_bytes = blob.device_bytes()
         if (dev_bytes and _gpu_path_available()) or (self._gpu is not None and self._gpu.cpu_mode):
             ipc = self._ipc
-            if ipc is not None and dev_bytes:
+            if ipc is not None and dev_bytes and not host_only:
                 # Both ends GPU processes of this host: device to device, if it can.
                 sent = ipc.put(key, payload, blob, deadline, events)
                 if sent is not None:

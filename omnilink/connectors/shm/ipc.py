@@ -219,7 +219,7 @@ class DeviceIpcRoute:
                 "per channel when senders use device_ipc)"
             )
         pooled: list[Any] = [False, 0]
-        got = rx.land(key, marker[IPC_MARK], deadline=deadline, pooled=pooled)
+        got = rx.land(key, marker[IPC_MARK], deadline=deadline, pooled=pooled, sized=False)
         from omnilink.cuda import map_tensors, payload_to_device
 
         if pooled[0] and device is not None and device.index == rx.index:
@@ -253,6 +253,47 @@ class DeviceIpcRoute:
             return 0
         return 0 if all(dev.index == pool for dev in blob.devices()) else IPC_MIN_BYTES
 
+    def routes_first(self) -> bool:
+        """Whether a put tries this route before it prepares the payload's tensor_blob:
+        a pool sender is attached, and every size goes by device IPC when the payload is
+        on the pool's device (``min_bytes`` 0, or under MPS: ``min_bytes_for``), so the
+        route needs no size to decide."""
+        if self._tx is None or self._closed:
+            return False
+        if self.min_bytes is not None:
+            return self.min_bytes == 0
+        if self._mps is None:
+            self._mps = mps_serving()
+        return bool(self._mps)
+
+    def put_first(self, key: str, payload: Any, deadline: Any, events: Any) -> int | None:
+        """``put`` before any tensor_blob walk (``routes_first``): one walk of the payload
+        picks its tensors for the pool block, and the route takes it if it holds CUDA
+        tensors, all on the pool's device (its size is computed after the copy is
+        queued). ``None``: the payload is not for this route, try it the general way;
+        ``FELL_BACK``: the route could not take it, send it by the host path."""
+        tx = self._tx
+        if tx is None or not self._only_receiver_owns_pool():
+            return None
+        pool = self._tx_device
+        ops = tx.ops
+        is_dev, device_of = ops.is_device_tensor, ops.tensor_device
+
+        def accept(chosen: list[Any]) -> bool:
+            found = False
+            for _path, t in chosen:
+                if is_dev(t):
+                    if device_of(t) != pool:
+                        return False  # another GPU: the general way (peer access, sizes)
+                    found = True
+            return found
+
+        sent = self._send(tx, key, payload, deadline, events, None, accept)
+        if sent is FELL_BACK or sent is None:
+            return sent
+        self.conn._count(ipc_puts=1)
+        return sent
+
     def put(self, key: str, payload: Any, blob: Any, deadline: Any, events: Any) -> int | None:
         """Send ``payload`` by device IPC; ``None`` when it must take the host path."""
         if self._closed or blob.device_bytes() < self.min_bytes_for(blob):
@@ -262,6 +303,17 @@ class DeviceIpcRoute:
             return None
         if not self._reachable(blob):
             return None
+        sent = self._send(tx, key, payload, deadline, events, blob.nbytes, None)
+        if sent is FELL_BACK:
+            return None
+        self.conn._count(ipc_puts=1)
+        return blob.nbytes
+
+    def _send(self, tx: Any, key: str, payload: Any, deadline: Any, events: Any, size: int | None,
+              accept: Any) -> Any:
+        """``PoolSender.send`` of ``payload`` with this route's publishing: its size, or
+        ``None`` (not accepted), or ``FELL_BACK`` (the route could not take it; the
+        reason is kept)."""
         conn = self.conn
 
         def publish(msg: dict) -> None:
@@ -285,19 +337,17 @@ class DeviceIpcRoute:
         try:
             # The receiver of a routed payload lands it on its device: small host tensors
             # ride in the block.
-            tx.send(key, payload, deadline, events, publish, size=blob.nbytes, room=_short(deadline),
-                    host_to_pool=HOST_TO_POOL_BYTES)
+            return tx.send(key, payload, deadline, events, publish, size=size, room=_short(deadline),
+                           host_to_pool=HOST_TO_POOL_BYTES, accept=accept)
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
             self._fell_back(key, f"{type(exc).__name__}: {exc}")
-            return None
+            return FELL_BACK
         except (PeerLostError, ConfigurationError, CudaError) as exc:
             self._fell_back(key, f"{type(exc).__name__}: {exc}")
             self._drop_sender(f"{type(exc).__name__}: {exc}")
-            return None
-        conn._count(ipc_puts=1)
-        return blob.nbytes
+            return FELL_BACK
 
     def _fell_back(self, key: str, why: str) -> None:
         """Count a payload that the route could not take (``stats().ipc_fallbacks``)."""
@@ -459,6 +509,10 @@ class DeviceIpcRoute:
                     part.close()
                 except Exception:  # pragma: no cover - best effort at close
                     logger.debug("shm: closing a device-IPC part failed", exc_info=True)
+
+
+#: ``put_first``: the route could not take the payload (send it by the host path).
+FELL_BACK = object()
 
 
 class _NotPublished(Exception):
