@@ -209,3 +209,22 @@ def test_a_payload_the_route_cannot_take_first_goes_by_the_host_path_once(monkey
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_payload_tensor_blob_cannot_carry_is_named_by_its_own_path_when_routed_first():
+    torch = pytest.importorskip("torch")
+    from tests.cuda_ipc_double import route_put
+
+    tx, rx = _routed(_chan())
+    try:
+        assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
+        rx.get("warm", timeout=5)
+        with pytest.raises(omnilink.BlobEncodeError) as err:
+            tx.put("bad", {"hidden": torch.ones(4), "meta": {"tags": {1, 2}}}, timeout=5)
+        assert str(err.value).startswith("payload['meta']['tags']: type builtins.set")
+        assert tx._ipc._tx.in_use() == (0, 0)  # its block went back; nothing was published
+        tx.put("bad", {"hidden": torch.ones(4), "meta": {"tags": [1, 2]}}, timeout=5)  # the key is free
+        assert rx.get("bad", timeout=5)["meta"] == {"tags": [1, 2]}
+    finally:
+        tx.close()
+        rx.close()

@@ -55,6 +55,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from omnilink._errors import (
+    BlobEncodeError,
     CapacityError,
     ConfigurationError,
     CudaError,
@@ -288,7 +289,14 @@ class DeviceIpcRoute:
                     found = True
             return found
 
-        sent = self._send(tx, key, payload, deadline, events, None, accept)
+        try:
+            sent = self._send(tx, key, payload, deadline, events, None, accept)
+        except BlobEncodeError:
+            # Something in the payload tensor_blob cannot carry (its message went
+            # nowhere): the error names its place in the payload, not in the route's
+            # message.
+            prepare(payload)
+            raise
         if sent is FELL_BACK or sent is None:
             return sent
         self.conn._count(ipc_puts=1)
