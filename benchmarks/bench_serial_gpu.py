@@ -39,7 +39,12 @@ Usage (GPU machine, repository root)::
 
     python3 benchmarks/bench_serial_gpu.py [--sizes 4KiB,1MiB,64MiB,256MiB]
         [--roads raw,shm,cuda_ipc,shm-host] [--src cuda:0] [--dst cuda:0] [--n 8]
-        [--lat-n 400] [--json FILE] [--trace ROAD] [--trace-json FILE]
+        [--lat-n 400] [--pairs K] [--json FILE] [--trace ROAD] [--trace-json FILE]
+
+``--pairs K`` runs each omnilink road in K process pairs (fresh processes each): the rows
+pool their payloads, and each pair's p50 is printed, since one pair can run slower as a
+whole than the next (seen on H100 VMs with MPS: the same code at 111 us in one pair and
+178 us in the next).
 
 Benchmarks are hard: two processes on one GPU time-slice it unless an MPS server runs
 (``nvidia-cuda-mps-control -d``); every run records which.
@@ -77,6 +82,14 @@ def _count(nbytes: int, n: int, lat_n: int) -> int:
 def _stats(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
     return {"p50_us": statistics.median(s) * 1e6, "p90_us": s[int(len(s) * 0.9)] * 1e6, "n": len(s)}
+
+
+def pool_pairs(runs: list[tuple[dict[int, dict[str, float]], dict[int, list[float]]]],
+               sizes: list[int]) -> dict[int, dict[str, Any]]:
+    """The rows of a road run in several process pairs (``--pairs``): per size the stats
+    of every pair's payloads together, and each pair's own p50 (``pair_p50_us``)."""
+    return {nb: {**_stats([x for _, smp in runs for x in smp[nb]]),
+                 "pair_p50_us": [out[nb]["p50_us"] for out, _ in runs]} for nb in sizes}
 
 
 # ------------------------------------------------------------------ tracing
@@ -422,7 +435,11 @@ def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: s
 
 
 def road_rows(road: str, src: str, dst: str, sizes: list[int], n: int, lat_n: int,
-              trace: bool, only: tuple[str, ...] = ()) -> tuple[dict[int, dict[str, float]], dict[int, list], dict[str, Any]]:
+              trace: bool, only: tuple[str, ...] = (),
+              samples: dict[int, list[float]] | None = None,
+              ) -> tuple[dict[int, dict[str, float]], dict[int, list], dict[str, Any]]:
+    """One process pair's run of ``road``: per size its stats, the timeline (``trace``)
+    and the receiver's stats; ``samples``: filled with each size's one-way seconds."""
     import posix_ipc
     import torch
 
@@ -463,6 +480,8 @@ def road_rows(road: str, src: str, dst: str, sizes: list[int], n: int, lat_n: in
             t1s, rspans = parent.recv()
             lat = [b - a for a, b in zip(t0s, t1s)][3:]
             out[nbytes] = _stats(lat)
+            if samples is not None:
+                samples[nbytes] = lat
             if trace:
                 ns0 = [int(t * 1e9) for t in t0s[3:]]
                 ns1 = [int(t * 1e9) for t in t1s[3:]]
@@ -498,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dst", default="cuda:0")
     ap.add_argument("--n", type=int, default=8, help="payloads per size over 64 KiB (after 3 warm-ups)")
     ap.add_argument("--lat-n", type=int, default=400, help="payloads per size up to 64 KiB")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="process pairs per omnilink road: the rows pool every pair's payloads, and each "
+                         "pair's p50 is printed (a pair can run slower as a whole than the next)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default=None, help="a road whose two processes are traced (a second run)")
     ap.add_argument("--trace-sizes", default="4KiB")
@@ -520,8 +542,16 @@ def main(argv: list[str] | None = None) -> int:
     for road in roads:
         if road == "raw":
             results["raw"] = raw_rows(args.src, args.dst, sorted(set(sizes) | {4096}), args.n, args.lat_n)
-        else:
+        elif args.pairs <= 1:
             results[road], _, extra[road] = road_rows(road, args.src, args.dst, sizes, args.n, args.lat_n, False)
+        else:
+            runs = []
+            for _ in range(args.pairs):
+                samples: dict[int, list[float]] = {}
+                out, _, extra[road] = road_rows(road, args.src, args.dst, sizes, args.n, args.lat_n, False,
+                                                samples=samples)
+                runs.append((out, samples))
+            results[road] = pool_pairs(runs, sizes)
     floor = results.get("raw", {}).get(4096, {}).get("p50_us")
     print(f"\nserial consumer, {args.src} -> {args.dst}, MPS {'on' if machine['mps'] else 'off'}; "
           f"p50 us per payload (p90); target = copy + 2 x raw 4 KiB ({floor and round(floor, 1)} us)")
@@ -544,6 +574,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"road": r, "size": nbytes, **x, "copy_us": c, "target_us": target})
         line += f" {target:>9.1f}  " + ", ".join(verdicts) if target else ""
         print(line, flush=True)
+    if args.pairs > 1:
+        for r in roads:
+            for nbytes in sizes:
+                pp = results[r].get(nbytes, {}).get("pair_p50_us")
+                if pp:
+                    print(f"# pairs {r} {format_size(nbytes)}: p50 per pair " + " / ".join(f"{x:.1f}" for x in pp))
     for r, st in extra.items():
         keep = {k: v for k, v in st.items() if v and any(w in k for w in ("ipc", "device", "fallback", "host"))}
         print(f"# stats {r}: {keep}")

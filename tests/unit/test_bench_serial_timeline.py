@@ -1,6 +1,7 @@
-"""``benchmarks/bench_serial_gpu.py``'s two-process timeline (pure functions, no GPU):
-spans are assigned to the payload whose [t0, t1] holds their start, offsets are taken
-from that payload's t0, and functions that only some payloads ran say so."""
+"""``benchmarks/bench_serial_gpu.py``'s pure functions (no GPU): the two-process timeline
+(spans are assigned to the payload whose [t0, t1] holds their start, offsets are taken
+from that payload's t0, and functions that only some payloads ran say so), and the rows
+of a road run in several process pairs."""
 
 from __future__ import annotations
 
@@ -68,3 +69,13 @@ def test_tracer_records_spans_of_omnilink_functions_and_only_those_asked_for(ben
     # Nothing stays wrapped for the rest of the process.
     assert not hasattr(shm_connector.ShmConnector.put, "__wrapped__")
     assert not hasattr(shm_connector._prepare, "__wrapped__")
+
+
+def test_pairs_pool_every_payload_and_keep_each_pairs_p50(bench):
+    fast = [100e-6 + i * 1e-7 for i in range(11)]  # p50 100.5 us
+    slow = [180e-6 + i * 1e-7 for i in range(11)]  # p50 180.5 us
+    runs = [({4096: bench._stats(fast)}, {4096: fast}), ({4096: bench._stats(slow)}, {4096: slow})]
+    row = bench.pool_pairs(runs, [4096])[4096]
+    assert row["n"] == 22
+    assert row["pair_p50_us"] == pytest.approx([100.5, 180.5])
+    assert row["p50_us"] == pytest.approx((101e-6 + 180e-6) / 2 * 1e6)
