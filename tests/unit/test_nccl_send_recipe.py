@@ -85,18 +85,32 @@ def test_a_pack_whose_tensors_moved_is_planned_afresh():
     assert recipe.apply(torch, blob.prepare(make(2)), PAD) is None
 
 
-def test_the_recipe_key_is_the_descriptors_themselves():
-    # plan_send keys its recipes by the ids of prepare's cached descriptors: one payload
-    # shape gives the same descriptor objects; another dtype of the same byte size, or
-    # another shape of the same bytes, gives others (a recipe never replays for them).
-    def ids(payload):
-        return [id(d) for d in blob.prepare(payload)._descs]
+def test_recipes_are_found_by_descriptor_ids_then_by_their_fields(monkeypatch):
+    # plan_send looks a payload shape up by the ids of prepare's cached descriptors, then
+    # by each descriptor's kind, dtype, bytes and dimensions: a stream of one shape hits
+    # by id; descriptors made afresh per payload (numpy data) hit by fields; another
+    # dtype of the same bytes is another shape. Host tensors inline on an NCCL link here.
+    np = pytest.importorskip("numpy")
+    monkeypatch.setattr(wire, "_SEND_PLANS", {})
+    monkeypatch.setattr(wire, "_SEND_PLANS_BY_ID", {})
+    cuda0 = torch.device("cuda", 0)
 
-    def make(dt, shape):
-        return {"h": torch.zeros(shape, dtype=dt), "small": [torch.zeros(64, dtype=dt) for _ in range(3)]}
+    def plan(payload):
+        return wire.plan_send(payload, device=cuda0, nccl=True, inline_bytes=1 << 16, max_inline_total=1 << 20,
+                              key="k", pack_bytes=1 << 16, pad=PAD, bell_bytes=0)
 
-    base = ids(make(torch.bfloat16, (8, 512)))
-    assert ids(make(torch.bfloat16, (8, 512))) == base
-    assert ids(make(torch.float16, (8, 512)))[0] != base[0]
-    assert ids(make(torch.bfloat16, (512, 8)))[0] != base[0]
-    assert ids(make(torch.float16, (8, 512)))[1:] != base[1:]
+    def tensors(dt, shape, i):
+        return {"h": torch.full(shape, i, dtype=dt), "ids": torch.arange(16) + i}
+
+    for i in range(3):
+        sp = plan(tensors(torch.bfloat16, (8, 64), i))
+        assert sp.plan == [wire.INLINE, wire.INLINE]
+    assert len(wire._SEND_PLANS) == 1 and len(wire._SEND_PLANS_BY_ID) == 1
+    plan(tensors(torch.bfloat16, (64, 8), 3))  # same fields, other descriptors: found by fields
+    assert len(wire._SEND_PLANS) == 1 and len(wire._SEND_PLANS_BY_ID) == 2
+    plan(tensors(torch.float16, (8, 64), 4))  # another dtype of the same bytes: another shape
+    assert len(wire._SEND_PLANS) == 2
+    for i in range(3):  # numpy data: fresh descriptors each payload, one recipe
+        sp = plan({"a": np.full(8, i, dtype=np.int32), "ids": torch.arange(16) + i})
+        assert sp.inline[0] == np.full(8, i, dtype=np.int32).tobytes()
+    assert len(wire._SEND_PLANS) == 3

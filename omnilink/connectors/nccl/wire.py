@@ -479,13 +479,25 @@ def plan_send(
         return _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
                            max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
                            bell_bytes=bell_bytes)
-    # What the decisions depend on: each tensor's descriptor (not the tree's values,
-    # which change from payload to payload), the device and the options. ``prepare``
-    # hands out one descriptor object per (dtype, shape, offset) from its cache, and a
-    # recipe keeps the descriptors it was made for alive: the same ids are the same
-    # descriptors (kind, dtype, shape, bytes), so a hit checks no tensor's shape again.
-    ck = (tuple(map(id, prepared._descs)), device.index, inline_bytes, max_inline_total, pack_bytes, bell_bytes)
-    cached = _SEND_PLANS.get(ck)
+    # What the decisions depend on: each tensor's kind, dtype, byte size and number of
+    # dimensions (not the tree's values, which change from payload to payload), the
+    # device and the options. Looked up first by the descriptors' ids: ``prepare`` hands
+    # out one descriptor object per (dtype, shape, offset) from its cache, so a stream of
+    # one shape finds its recipe without reading each descriptor (the entry keeps the
+    # descriptors alive, so their ids stay theirs); descriptors made afresh (numpy data,
+    # a tensor that needs grad) miss there and are looked up by their fields.
+    descs = prepared._descs
+    opts = (device.index, inline_bytes, max_inline_total, pack_bytes, bell_bytes)
+    ik = (tuple(map(id, descs)), opts)
+    hit = _SEND_PLANS_BY_ID.get(ik)
+    sk = None
+    if hit is not None:
+        cached = hit[1]
+    else:
+        sk = (tuple([(d.kind, d.dtype, d.nbytes, len(d.shape)) for d in descs]), opts)
+        cached = _SEND_PLANS.get(sk)
+        if cached is not None:
+            _remember(_SEND_PLANS_BY_ID, ik, (descs, cached))
     if cached is not None:
         sp = cached.apply(torch, prepared, pad)
         if sp is not None:
@@ -496,27 +508,36 @@ def plan_send(
     if cached is None:
         recipe = _SendRecipe.of(prepared, sp, device.index)
         if recipe is not None:
-            if len(_SEND_PLANS) >= _SEND_PLANS_MAX:
-                _SEND_PLANS.clear()
-            _SEND_PLANS[ck] = recipe
+            _remember(_SEND_PLANS, sk, recipe)
+            _remember(_SEND_PLANS_BY_ID, ik, (descs, recipe))
     return sp
 
 
-#: (each tensor's kind and size, device index, the planning options) -> ``_SendRecipe``:
-#: the decisions of ``plan_send`` for a payload shape (a stream of payloads of one shape
-#: on an NCCL link plans once; where each tensor lives is checked per payload).
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(cache) >= _SEND_PLANS_MAX:
+        cache.clear()
+    cache[key] = value
+
+
+#: (each tensor's kind, dtype code, byte size and number of dimensions; the device
+#: index and the planning options) -> ``_SendRecipe``: the decisions of ``plan_send`` for
+#: a payload shape (a stream of payloads of one shape on an NCCL link plans once; where
+#: each tensor lives is checked per payload). ``_SEND_PLANS_BY_ID``: the same recipes by
+#: the ids of the descriptor objects of a payload that used them, with those objects
+#: (which keeps the ids theirs).
 _SEND_PLANS: dict[tuple[Any, ...], _SendRecipe] = {}
+_SEND_PLANS_BY_ID: dict[tuple[Any, ...], tuple[list[Any], _SendRecipe]] = {}
 _SEND_PLANS_MAX = 256
 
 
 class _SendRecipe:
     """What ``plan_send`` decided for a payload shape on an NCCL link, replayed for the
-    next payload of that shape (the same descriptors: dtypes and shapes) once its
-    tensors are where they were (torch tensors on the link's device, or on the host)
-    and contiguous as needed."""
+    next payload of that shape (each tensor's kind, dtype, byte size and number of
+    dimensions) once its tensors are where they were (torch tensors on the link's
+    device, or on the host) and contiguous as needed."""
 
     __slots__ = ("plan", "where", "checked", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles",
-                 "index", "descs", "cat", "pack_idx", "pack_nd")
+                 "index", "cat", "pack_idx", "pack_nd")
 
     @classmethod
     def of(cls, prepared: Any, sp: SendPlan, index: int) -> _SendRecipe | None:
@@ -528,7 +549,6 @@ class _SendRecipe:
         r = cls()
         r.plan = plan
         r.index = index
-        r.descs = prepared._descs  # kept alive: their ids key the recipe (``plan_send``)
         r.where = []  # per descriptor: 1 on the link's GPU, 0 on the host (torch), -1 not torch
         for kind, src in prepared._sources:
             if kind != blob.KIND_TORCH:
