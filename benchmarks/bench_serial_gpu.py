@@ -53,8 +53,10 @@ Benchmarks are hard: two processes on one GPU time-slice it unless an MPS server
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import datetime
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -90,6 +92,38 @@ def pool_pairs(runs: list[tuple[dict[int, dict[str, float]], dict[int, list[floa
     of every pair's payloads together, and each pair's own p50 (``pair_p50_us``)."""
     return {nb: {**_stats([x for _, smp in runs for x in smp[nb]]),
                  "pair_p50_us": [out[nb]["p50_us"] for out, _ in runs]} for nb in sizes}
+
+
+def resolve_ref(ref: str) -> object:
+    """A knob value: ``@module:a.b`` is that object; anything else a Python literal."""
+    if not ref.startswith("@"):
+        return ast.literal_eval(ref)
+    mod, qual = ref[1:].split(":")
+    obj: object = importlib.import_module(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_knob(spec: str) -> tuple[object, str, list[object]]:
+    """``(owner, attribute, values)`` of a knob ``MODULE:ATTR=V1,V2`` (``ATTR`` may be
+    dotted, ``PoolSender.send``; values as ``resolve_ref``), every reference resolved."""
+    target, vals = spec.split("=", 1)
+    mod, attr = target.split(":")
+    owner: object = importlib.import_module(mod)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name, [resolve_ref(v) for v in vals.split(",")]
+
+
+def set_knobs(knobs: list[tuple[object, str, list[object]]], i: int, per: int) -> int:
+    """Set every knob to its value for payload ``i`` (blocks of ``per`` payloads take
+    the values in turn); returns the value's index."""
+    k = (i // per) % len(knobs[0][2])
+    for owner, name, vals in knobs:
+        setattr(owner, name, vals[k])
+    return k
 
 
 # ------------------------------------------------------------------ tracing
@@ -393,9 +427,14 @@ def _payload(hidden: Any, i: int) -> dict[str, Any]:
 
 
 def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: str, conn: Any,
-                 trace: bool, only: tuple[str, ...] = ()) -> None:
+                 trace: bool, only: tuple[str, ...] = (), knobs: tuple[str, ...] = (), per: int = 25) -> None:
+    """The receiving process of an omnilink road. ``knobs``: receiver-side settings
+    (``resolve_knob`` specs) switched in blocks of ``per`` payloads, as
+    ``benchmarks/gpu/ab_serial.py`` switches the sender's."""
     import posix_ipc
     import torch
+
+    rknobs = [resolve_knob(k) for k in knobs]
 
     torch.cuda.set_device(torch.device(dst))
     spans: list = []
@@ -415,6 +454,8 @@ def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: s
             spans.clear()
             stream = int(torch.cuda.current_stream().cuda_stream)
             for i in range(count):
+                if rknobs:
+                    set_knobs(rknobs, i, per)
                 got = rx.get(f"{prefix}{i}", timeout=60.0, device=dst)
                 h = got["hidden_states.output"]
                 if not h.is_cuda or got["meta"]["chunk_id"] != i:

@@ -1,10 +1,11 @@
-"""In-run A/B of a sender-side setting on one road of ``bench_serial_gpu.py``.
+"""In-run A/B of a sender- or receiver-side setting on one road of ``bench_serial_gpu.py``.
 
 The same code timed twice moves up to 2x between runs (process pairs, MPS, the VM's
 idle states), more than most changes worth measuring. This script keeps one process
-pair and alternates a sender-side module attribute between values in blocks of
-payloads (``--blocks`` x ``--per``), so both values see the same pair and the same
-drift; it prints the p50 of each (the first 3 payloads of every block dropped).
+pair and alternates a module attribute of the sender (``--knob``) and/or the receiver
+(``--rknob``) between values in blocks of payloads (``--blocks`` x ``--per``), so both
+values see the same pair and the same drift; it prints the p50 of each (the first 3
+payloads of every block dropped).
 
 Usage (GPU machine, repository root)::
 
@@ -14,14 +15,13 @@ Usage (GPU machine, repository root)::
 ``--knob MODULE:ATTR=V1,V2`` (repeatable; all knobs switch together): the values are
 Python literals, or ``@MODULE:QUALNAME`` for an object (a function of an older version
 of a module, kept in a scratch module, to A/B a code change); ``ATTR`` may be dotted
-(``PoolSender.send``). Set in the sender before each payload.
+(``PoolSender.send``). ``--knob`` is set in the sender before each put, ``--rknob`` in
+the receiver before each get (the same schedule; they switch together).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import multiprocessing as mp
 import os
 import statistics
@@ -37,33 +37,12 @@ import bench_serial_gpu as B  # noqa: E402
 
 from omnilink._bench.units import parse_sizes  # noqa: E402
 
-def _resolve(ref: str) -> object:
-    """``@module:a.b``: the object; anything else: a Python literal."""
-    if not ref.startswith("@"):
-        return ast.literal_eval(ref)
-    mod, qual = ref[1:].split(":")
-    obj: object = importlib.import_module(mod)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _knob(spec: str) -> tuple[object, str, list[object]]:
-    """``(owner, attribute, values)`` of one ``--knob``."""
-    target, vals = spec.split("=", 1)
-    mod, attr = target.split(":")
-    owner: object = importlib.import_module(mod)
-    *path, name = attr.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name, [_resolve(v) for v in vals.split(",")]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--road", default="shm-ipc")
     ap.add_argument("--sizes", default="4KiB")
-    ap.add_argument("--knob", action="append", required=True, help="MODULE:ATTR=V1,V2 (repeatable)")
+    ap.add_argument("--knob", action="append", default=[], help="sender: MODULE:ATTR=V1,V2 (repeatable)")
+    ap.add_argument("--rknob", action="append", default=[], help="receiver: MODULE:ATTR=V1,V2 (repeatable)")
     ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--per", type=int, default=25)
     ap.add_argument("--src", default="cuda:0")
@@ -72,11 +51,14 @@ def main() -> None:
     import posix_ipc
     import torch
 
-    knobs = [_knob(k) for k in a.knob]  # every reference resolved before anything is set
-    nvals = len(knobs[0][2])
-    if any(len(v) != nvals for _, _, v in knobs):
-        raise SystemExit("every --knob needs as many values")
-    labels = [",".join(a.knob[j].split("=", 1)[1].split(",")[k] for j in range(len(knobs))) for k in range(nvals)]
+    specs = a.knob + a.rknob
+    if not specs:
+        raise SystemExit("give at least one --knob or --rknob")
+    knobs = [B.resolve_knob(k) for k in a.knob]  # every reference resolved before anything is set
+    nvals = len(B.resolve_knob(specs[0])[2])
+    if any(len(spec.split("=", 1)[1].split(",")) != nvals for spec in specs):
+        raise SystemExit("every --knob and --rknob needs as many values")
+    labels = [",".join(spec.split("=", 1)[1].split(",")[k] for spec in specs) for k in range(nvals)]
     torch.cuda.set_device(torch.device(a.src))
     tag = uuid.uuid4().hex[:8]
     channel, ack_name = f"ab-{tag}", f"/omnilink-ab-{tag}"
@@ -85,8 +67,8 @@ def main() -> None:
     pool_bytes = max(256 << 20, 2 * max(sizes) + (16 << 20))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=B._ol_receiver, args=(a.road, channel, a.dst, pool_bytes, ack_name, child, False),
-                       daemon=True)
+    proc = ctx.Process(target=B._ol_receiver, args=(a.road, channel, a.dst, pool_bytes, ack_name, child, False,
+                                                    (), tuple(a.rknob), a.per), daemon=True)
     proc.start()
     tx = None
     try:
@@ -101,9 +83,7 @@ def main() -> None:
             parent.send(("go", prefix, count))
             t0s, which = [], []
             for i in range(count):
-                k = (i // a.per) % nvals
-                for owner, name, vals in knobs:
-                    setattr(owner, name, vals[k])
+                k = B.set_knobs(knobs, i, a.per) if knobs else (i // a.per) % nvals
                 p = B._payload(hidden, i)
                 t0s.append(time.perf_counter())
                 which.append((k, i % a.per))

@@ -79,3 +79,21 @@ def test_pairs_pool_every_payload_and_keep_each_pairs_p50(bench):
     assert row["n"] == 22
     assert row["pair_p50_us"] == pytest.approx([100.5, 180.5])
     assert row["p50_us"] == pytest.approx((101e-6 + 180e-6) / 2 * 1e6)
+
+
+class _Holder:
+    value = 0
+
+    class Inner:
+        fn = None
+
+
+def test_knobs_resolve_and_switch_in_blocks(bench):
+    mod = __name__
+    owner, name, vals = bench.resolve_knob(f"{mod}:_Holder.value=1,2")
+    assert owner is _Holder and name == "value" and vals == [1, 2]
+    owner, name, vals = bench.resolve_knob(f"{mod}:_Holder.Inner.fn=@{mod}:_Holder,None")
+    assert owner is _Holder.Inner and name == "fn" and vals == [_Holder, None]
+    knobs = [bench.resolve_knob(f"{mod}:_Holder.value=10,20,30")]
+    seen = [(bench.set_knobs(knobs, i, 2), _Holder.value) for i in range(7)]
+    assert seen == [(0, 10), (0, 10), (1, 20), (1, 20), (2, 30), (2, 30), (0, 10)]
