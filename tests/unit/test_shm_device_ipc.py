@@ -160,19 +160,26 @@ def test_device_ipc_route_falls_back_and_says_why(monkeypatch):
 
 
 
+def _warm(tx, rx):
+    """Attach the sender's end of the route (one payload sent by it and read)."""
+    torch = pytest.importorskip("torch")
+    from tests.cuda_ipc_double import route_put
+
+    assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
+    rx.get("warm", timeout=5)
+
+
 def test_a_put_takes_the_route_before_preparing_the_payload(monkeypatch):
     # Where every size goes by device IPC (ipc_min_bytes 0, or MPS), put offers the
     # payload to the route first: one walk picks the block's tensors, the size comes
     # after the copy is queued, and no tensor_blob walk runs unless the route declines.
     torch = pytest.importorskip("torch")
     from omnilink.connectors.shm import connector as shm_connector
-    from tests.cuda_ipc_double import route_put
 
     tx, rx = _routed(_chan())
     try:
         assert not tx._ipc.routes_first()  # no pool sender attached yet
-        assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
-        rx.get("warm", timeout=5)
+        _warm(tx, rx)
         assert tx._ipc.routes_first()
         prepared = []
         real = shm_connector._prepare
@@ -194,13 +201,12 @@ def test_a_put_takes_the_route_before_preparing_the_payload(monkeypatch):
 
 def test_a_payload_the_route_cannot_take_first_goes_by_the_host_path_once(monkeypatch):
     torch = pytest.importorskip("torch")
-    from tests.cuda_ipc_double import HostDeviceOps, route_put
+    from tests.cuda_ipc_double import HostDeviceOps
 
     monkeypatch.setattr(HostDeviceOps, "FREE_BYTES", 0)  # the pool may not grow
     tx, rx = _routed(_chan(), pool_bytes=1 << 20)
     try:
-        assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
-        rx.get("warm", timeout=5)
+        _warm(tx, rx)
         big = {"x": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB > the 1 MiB pool
         assert tx.put("big", big, timeout=5) == omnilink.encoded_size(big)
         st = tx.stats()
@@ -213,12 +219,10 @@ def test_a_payload_the_route_cannot_take_first_goes_by_the_host_path_once(monkey
 
 def test_a_payload_tensor_blob_cannot_carry_is_named_by_its_own_path_when_routed_first():
     torch = pytest.importorskip("torch")
-    from tests.cuda_ipc_double import route_put
 
     tx, rx = _routed(_chan())
     try:
-        assert route_put(tx, "warm", {"x": torch.ones(8)}) is not None
-        rx.get("warm", timeout=5)
+        _warm(tx, rx)
         with pytest.raises(omnilink.BlobEncodeError) as err:
             tx.put("bad", {"hidden": torch.ones(4), "meta": {"tags": {1, 2}}}, timeout=5)
         assert str(err.value).startswith("payload['meta']['tags']: type builtins.set")
