@@ -547,7 +547,7 @@ def main() -> int:
     import torch
 
     from omnilink._bench import parse_sizes
-    from omnilink._bench.machine import mps_running
+    from omnilink.cuda import mps_serving
 
     if not torch.cuda.is_available():
         print("bench_gpu: needs a CUDA device; none is present", file=sys.stderr)
@@ -559,7 +559,7 @@ def main() -> int:
         SENDER_OPTS["slice_bytes"] = parse_sizes(args.slice_bytes)[0]
     big = [s for s in sizes if s >= MiB]
     machine = {"gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(), "mps": mps_running()}
+               "torch": torch.__version__, "host": platform.node(), "cpus": os.cpu_count(), "mps": mps_serving()}
     print(f"# bench_gpu on {machine}", flush=True)
     ceil = ceilings(sizes, 10)
     ctl = d2h_controller([s for s in big if s >= 16 * MiB] or big, 10)

@@ -73,8 +73,6 @@ def iters_for(nbytes: int, backend: str) -> int:
     return max(10, min(400, budget // nbytes))
 
 
-
-
 #: What ``--profile`` times in both processes, perf_counter_ns around each call: the
 #: sender's put, its plan, its copy of small device tensors to host and its sends; the
 #: receiver's doorbell check (``read_bell``), its posting of one payload (``_post_one``:

@@ -69,7 +69,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from omnilink._bench.machine import mps_running  # noqa: E402
+from omnilink.cuda import mps_serving  # noqa: E402
 from omnilink._bench.units import format_size, parse_sizes  # noqa: E402
 
 builtins_setattr = builtins.setattr
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     roads = [r for r in args.roads.split(",") if r]
     machine = {"gpu_src": torch.cuda.get_device_name(torch.device(args.src)),
                "gpu_dst": torch.cuda.get_device_name(torch.device(args.dst)),
-               "src": args.src, "dst": args.dst, "mps": mps_running(), "torch": torch.__version__,
+               "src": args.src, "dst": args.dst, "mps": mps_serving(), "torch": torch.__version__,
                "host": platform.node(), "cpus": os.cpu_count(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"# bench_serial_gpu {json.dumps(machine)}", flush=True)

@@ -10,7 +10,7 @@ payloads of every block dropped).
 Usage (GPU machine, repository root)::
 
     python3 benchmarks/gpu/ab_serial.py --road cuda_ipc --sizes 4KiB,1MiB \
-        --knob omnilink.connectors.cuda_ipc.connector:HOST_TO_POOL_BYTES=0,65536
+        --knob omnilink.connectors.devpool.sender:HOST_TO_POOL_BYTES=0,65536
 
 ``--knob MODULE:ATTR=V1,V2`` (repeatable; all knobs switch together): the values are
 Python literals, or ``@MODULE:QUALNAME`` for an object (a function of an older version

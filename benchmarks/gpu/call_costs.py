@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     rows = measure(args.number)
-    from omnilink._bench.machine import mps_running
+    from omnilink.cuda import mps_serving
 
-    mps = mps_running()
+    mps = mps_serving()
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, MPS {'on' if mps else 'off'}")
     for r in rows:
         print(f"{r['us']:9.2f} us  {r['op']}")

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 from typing import Any
 
-__all__ = ["cpu_model", "cuda_devices", "machine_record", "mps_running", "shm_usage", "versions"]
+__all__ = ["cpu_model", "cuda_devices", "machine_record", "shm_usage", "versions"]
 
 SHM_DIR = "/dev/shm"
 
@@ -101,19 +101,6 @@ def cuda_devices() -> list[dict[str, Any]]:
             }
         )
     return devices
-
-
-def mps_running() -> bool:
-    """Whether an MPS server runs on this host (processes then share a GPU without
-    switching contexts: two-process GPU figures differ a lot, so a run says which)."""
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:  # comm is cut at 15 characters
-                if b"nvidia-cuda-mps-server" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def machine_record(*, include_cuda: bool = False) -> dict[str, Any]:

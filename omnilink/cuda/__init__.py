@@ -46,6 +46,7 @@ from omnilink.cuda.runtime import (
     current_raw_stream,
     have_cuda_ops,
     cuda_devices_of,
+    mps_serving,
     record_producer_events,
     sync_debug,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "current_raw_stream",
     "have_cuda_ops",
     "map_tensors",
+    "mps_serving",
     "payload_to_device",
     "record_producer_events",
     "sync_debug",

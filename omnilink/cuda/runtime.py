@@ -35,6 +35,7 @@ __all__ = [
     "resolve_device",
     "cuda_available",
     "cuda_devices_of",
+    "mps_serving",
     "record_producer_events",
     "sync_debug",
 ]
@@ -48,6 +49,14 @@ _REGISTER_PORTABLE = 1
 _ALREADY_REGISTERED = 712
 
 SYNC_ENV = "OMNILINK_CUDA_SYNC"
+
+
+def mps_serving() -> bool:
+    """Whether an MPS control daemon serves this host's CUDA processes: its pid file is
+    in the MPS pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``)
+    while it runs (the daemon removes it when it quits; its sockets stay). No CUDA call."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    return os.path.exists(os.path.join(pipes, "nvidia-cuda-mps-control.pid"))
 
 
 def sync_debug() -> bool:

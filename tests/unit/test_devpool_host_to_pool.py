@@ -37,9 +37,9 @@ def _pair():
     return ops, tx, rx
 
 
-def _send(tx, key, payload, most):
+def _send(tx, key, payload, most, landing=False):
     sent = []
-    tx.send(key, payload, Deadline(5.0), None, sent.append, host_to_pool=most)
+    tx.send(key, payload, Deadline(5.0), None, sent.append, host_to_pool=most, landing=landing)
     (msg,) = sent
     return msg
 
@@ -89,9 +89,7 @@ def test_landing_send_carries_host_tensors_only_while_the_receiver_lands_on_devi
         for i, landing in enumerate([False, True, False, True]):
             rx.set_landing(landing)
             payload = {"hidden": torch.randn(64), "ids": torch.arange(16) + i}
-            sent = []
-            tx.send(f"k{i}", payload, Deadline(5.0), None, sent.append, host_to_pool=1 << 10, landing=True)
-            (msg,) = sent
+            msg = _send(tx, f"k{i}", payload, 1 << 10, landing=True)
             assert (msg["h"]["ids"] is None) == landing
             assert [len(e) for e in msg["d"][5]] == ([5, 6] if landing else [5])  # the host mark
             got = rx.land(f"k{i}", msg)
@@ -107,9 +105,7 @@ def test_land_to_host_gives_carried_host_tensors_back_as_host_copies():
     try:
         rx.set_landing(True)
         payload = {"hidden": torch.randn(64), "ids": torch.arange(16), "meta": {"done": torch.tensor(True)}}
-        sent = []
-        tx.send("k", payload, Deadline(5.0), None, sent.append, host_to_pool=1 << 10, landing=True)
-        (msg,) = sent
+        msg = _send(tx, "k", payload, 1 << 10, landing=True)
         assert msg["h"]["ids"] is None and msg["h"]["meta"]["done"] is None
         got = rx.land("k", msg, to_host=True)
         lo, hi = rx.pool.ptr, rx.pool.ptr + rx.pool.nbytes
@@ -172,9 +168,7 @@ def test_the_all_in_block_mark_says_whether_the_host_part_kept_a_tensor():
             ({"hidden": torch.randn(64), "meta": {"n": 3, "s": "x"}}, 0, True),  # no host tensor
             ({"hidden": torch.randn(64), "big": torch.arange(4096)}, 1 << 10, False),  # over the bound
         ]):
-            sent = []
-            tx.send(f"k{i}", payload, Deadline(5.0), None, sent.append, host_to_pool=most)
-            (msg,) = sent
+            msg = _send(tx, f"k{i}", payload, most)
             assert (len(msg["d"]) == 7) == mark
             pooled = [None, None]
             got = rx.land(f"k{i}", msg, pooled=pooled)
@@ -221,9 +215,7 @@ def test_carried_host_tensors_come_back_as_host_copies_after_the_sender_closed_c
     try:
         rx.set_landing(True)
         payload = {"hidden": torch.randn(64), "ids": torch.arange(16)}
-        sent = []
-        tx.send("k", payload, Deadline(5.0), None, sent.append, host_to_pool=1 << 10, landing=True)
-        (msg,) = sent
+        msg = _send(tx, "k", payload, 1 << 10, landing=True)
         tx.close()
         got = rx.land("k", msg, to_host=True)
         lo, hi = rx.pool.ptr, rx.pool.ptr + rx.pool.nbytes

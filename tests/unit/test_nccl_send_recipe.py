@@ -70,7 +70,7 @@ def test_a_float8_pack_is_catted_as_bytes():
     payload = {"a": torch.zeros(64, dtype=torch.float8_e4m3fn), "b": torch.zeros(64, dtype=torch.float8_e4m3fn)}
     prepared, sp = _fresh(payload)
     recipe = wire._SendRecipe.of(prepared, sp, 0)
-    assert recipe.cat == 0
+    assert not recipe.cat
     assert torch.equal(recipe.apply(torch, prepared, PAD).p2p[0], sp.p2p[0])
 
 
@@ -80,8 +80,8 @@ def test_a_pack_whose_tensors_moved_is_planned_afresh():
     make, _ = CASES["same dtype"]
     prepared, sp = _fresh(make(1))
     recipe = wire._SendRecipe.of(prepared, sp, 0)
-    assert recipe.cat == 2  # host stand-ins
-    recipe.cat = 1  # as if they had been on the link's GPU: a host pack is not where they were
+    assert recipe.cat and recipe.pack_device == -1  # host stand-ins
+    recipe.pack_device = 0  # as if they had been on the link's GPU: a host pack is not where they were
     assert recipe.apply(torch, blob.prepare(make(2)), PAD) is None
 
 

@@ -18,7 +18,6 @@ from omnilink.connectors.devpool import (
     DEFAULT_EVENT_SLOTS,
     DEFAULT_MAX_BLOCKS,
     DEFAULT_POOL_BYTES,
-    HOST_TO_POOL_BYTES,
     PoolReceiver,
     PoolSender,
     cuda_ipc_unavailable,
@@ -353,7 +352,7 @@ class CudaIpcConnector(BaseConnector):
             else:  # not plain, too large, lane full: a message of the inner channel
                 inner.put(key, msg, timeout=deadline.remaining())
 
-        return tx.send(key, payload, deadline, ctx, publish, host_to_pool=HOST_TO_POOL_BYTES, landing=True)
+        return tx.send(key, payload, deadline, ctx, publish, landing=True)
 
     def _async_context(self, payload: Any) -> Any:
         """``put_async``: the producer's events, recorded in the caller's thread (the put

@@ -154,13 +154,12 @@ from omnilink.connectors.devpool.blocks import round_up
 from omnilink.connectors.devpool.directory import live_pool_owner
 from omnilink.connectors.devpool.ops import CudaDeviceOps, cuda_ipc_unavailable
 from omnilink.connectors.devpool.receiver import PoolReceiver
-from omnilink.connectors.devpool.sender import HOST_TO_POOL_BYTES, PoolSender
+from omnilink.connectors.devpool.sender import PoolSender
 
 __all__ = [
     "DEFAULT_EVENT_SLOTS",
     "DEFAULT_MAX_BLOCKS",
     "DEFAULT_POOL_BYTES",
-    "HOST_TO_POOL_BYTES",
     "CudaDeviceOps",
     "PoolReceiver",
     "PoolSender",

@@ -10,6 +10,7 @@ their 64 raw bytes.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any, Callable
@@ -364,8 +365,6 @@ class CudaDeviceOps:
     def _stage(self, hosted: Any, event: Any) -> None:
         """Gather the host tensors of ``hosted`` in its page-locked stage, once the copy
         out of the stage that ``event`` last followed is done."""
-        import ctypes
-
         _dst, parts, _span, stage = hosted
         self.settle(event)
         base = stage.data_ptr()

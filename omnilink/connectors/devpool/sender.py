@@ -64,7 +64,7 @@ __all__ = ["PoolSender"]
 
 logger = logging.getLogger(__name__)
 
-#: ``send``'s ``host_to_pool`` as both transports pass it: host tensors of at most this
+#: ``send``'s default ``host_to_pool``, what both transports use: host tensors of at most this
 #: many bytes each ride in the pool block with the CUDA tensors (staged in page-locked
 #: memory, copied with them) when the receiver lands its payloads on its device; moving
 #: them there one by one after the landing cost it more than the rest of the landing (a
@@ -197,7 +197,7 @@ class PoolSender:
 
     # --------------------------------------------------------------------- send
     def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
-             size: int | None = None, room: Deadline | None = None, host_to_pool: int = 0,
+             size: int | None = None, room: Deadline | None = None, host_to_pool: int | None = None,
              landing: bool = False, accept: Any = None) -> int | None:
         """Copy the device tensors of ``payload`` into a block of the receiver's pool and
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
@@ -214,7 +214,8 @@ class PoolSender:
         tensors, staged in page-locked memory and copied with them, their manifest
         entries marked as host tensors), so that they arrive as views of the pool: for a
         receiver that lands its payloads on its device (the shm route; ``cuda_ipc`` while
-        its receiver says so, ``landing``); 0 leaves them in the host part. ``landing``:
+        its receiver says so, ``landing``); 0 leaves them in the host part; ``None``:
+        ``HOST_TO_POOL_BYTES``. ``landing``:
         only while the receiver's last get landed on its device. ``accept``: called with
         the ``[(path, tensor)]`` the block would carry before anything else is done; if
         it returns false, nothing is sent and ``send`` returns ``None`` (a transport that
@@ -239,6 +240,8 @@ class PoolSender:
         """
         ops = self.ops
         is_dev = ops.is_device_tensor
+        if host_to_pool is None:
+            host_to_pool = HOST_TO_POOL_BYTES
         if landing and host_to_pool:
             tx = self.tx
             if tx is None:  # the first send: the receiver's word is in its directory

@@ -537,7 +537,7 @@ class _SendRecipe:
     device, or on the host) and contiguous as needed."""
 
     __slots__ = ("plan", "where", "checked", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles",
-                 "index", "cat", "pack_idx", "pack_nd")
+                 "index", "cat", "pack_device", "pack_idx", "pack_nd")
 
     @classmethod
     def of(cls, prepared: Any, sp: SendPlan, index: int) -> _SendRecipe | None:
@@ -573,13 +573,15 @@ class _SendRecipe:
             gapless = gapless and at == end
             end = at + n
         r.pack_idx = [i for _at, i, _n in r.pack]
-        r.cat = 0  # 0: no typed cat; 1: of device tensors; 2: of host ones
+        r.cat = False
         wheres = {r.where[i] for i in r.pack_idx}
+        # Where the pack must come out (``get_device()``: the link's GPU, or -1 for host
+        # stand-ins), all of its tensors having been there.
+        r.pack_device = index if wheres == {1} else -1
         if gapless and len(wheres) == 1 and -1 not in wheres:
             dts = {prepared._sources[i][1].dtype for i in r.pack_idx}
             dt = next(iter(dts))
-            if len(dts) == 1 and not (dt.itemsize == 1 and dt not in (torch.uint8, torch.int8, torch.bool)):
-                r.cat = 1 if 1 in wheres else 2
+            r.cat = len(dts) == 1 and not (dt.itemsize == 1 and dt not in (torch.uint8, torch.int8, torch.bool))
         r.pack_nd = [j for j, i in enumerate(r.pack_idx) if len(descs[i].shape) != 1]
         r.singles = [i for i, code in enumerate(plan) if code == P2P]
         skip = set(r.pack_idx) if r.cat else set()
@@ -616,7 +618,7 @@ class _SendRecipe:
                 packed = torch.cat(ts)
             except RuntimeError:  # tensors on different devices: planned afresh, named there
                 return None
-            if (packed.get_device() != index) if self.cat == 1 else not packed.is_cpu:
+            if packed.get_device() != self.pack_device:
                 return None
             if packed.requires_grad:
                 packed = packed.detach()

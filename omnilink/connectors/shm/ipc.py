@@ -48,7 +48,6 @@ moves); a second sender falls back to the host path.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -66,6 +65,7 @@ from omnilink._errors import (
 )
 from omnilink._util import Deadline, duplicate_key
 from omnilink.blob import prepare
+from omnilink.cuda import mps_serving
 
 if TYPE_CHECKING:  # the device pool loads at the route's first use: shm's import stays cheap
     from omnilink.connectors.devpool import PoolReceiver, PoolSender
@@ -245,9 +245,7 @@ class DeviceIpcRoute:
         Across two GPUs the host path stays ahead below 16 MiB with MPS too."""
         if self.min_bytes is not None:
             return self.min_bytes
-        if self._mps is None:
-            self._mps = mps_serving()
-        if not self._mps:
+        if not self._mps_on():
             return IPC_MIN_BYTES
         pool = self._tx_device
         if pool is None:
@@ -263,9 +261,13 @@ class DeviceIpcRoute:
             return False
         if self.min_bytes is not None:
             return self.min_bytes == 0
+        return self._mps_on()
+
+    def _mps_on(self) -> bool:
+        """``mps_serving()``, looked up at the first payload."""
         if self._mps is None:
             self._mps = mps_serving()
-        return bool(self._mps)
+        return self._mps
 
     def put_first(self, key: str, payload: Any, deadline: Any, events: Any) -> int | None:
         """``put`` before any tensor_blob walk (``routes_first``): one walk of the payload
@@ -340,13 +342,11 @@ class DeviceIpcRoute:
             except BaseException as exc:
                 raise _NotPublished(exc) from exc
 
-        from omnilink.connectors.devpool import HOST_TO_POOL_BYTES  # (loaded with the sender)
-
         try:
             # The receiver of a routed payload lands it on its device: small host tensors
-            # ride in the block.
+            # ride in the block (``send``'s default).
             return tx.send(key, payload, deadline, events, publish, size=size, room=_short(deadline),
-                           host_to_pool=HOST_TO_POOL_BYTES, accept=accept)
+                           accept=accept)
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
@@ -530,14 +530,6 @@ class _NotPublished(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def mps_serving() -> bool:
-    """Whether an MPS control daemon serves this host's CUDA processes: its pid file is
-    in the MPS pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default ``/tmp/nvidia-mps``)
-    while it runs (the daemon removes it when it quits; its sockets stay)."""
-    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    return os.path.exists(os.path.join(pipes, "nvidia-cuda-mps-control.pid"))
 
 
 def _short(deadline: Any) -> Any:
