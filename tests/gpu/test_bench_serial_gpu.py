@@ -42,5 +42,7 @@ def test_call_costs_times_every_operation(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 16 and all(row["us"] > 0 for row in rows)
-    assert any("cudaMemcpyAsync" in row["op"] for row in rows)
+    assert len(rows) == 24 and all(row["us"] > 0 for row in rows)
+    ops = " | ".join(row["op"] for row in rows)
+    for name in ("cudaMemcpyAsync 4 KiB", "cudaEventRecord", "CudaDeviceOps.view", "devpool split", "encoded_size"):
+        assert name in ops, (name, ops)
