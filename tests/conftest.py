@@ -112,3 +112,32 @@ def pytest_collection_modifyitems(config, items):
         # Markers, not keywords: a keyword match would also catch a directory named "gpu".
         if item.get_closest_marker("gpu") is not None or item.get_closest_marker("multigpu") is not None:
             item.add_marker(skip)
+
+
+def _current_cuda_device() -> int | None:
+    """This thread's current CUDA device, or None where CUDA was not started (a CPU test
+    never starts it here)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
+@pytest.fixture(autouse=True)
+def cuda_device_given_back():
+    """omnilink gives the caller's current CUDA device back after every call (it makes a
+    link's device current only for its own CUDA calls): a test that ends with another
+    device current than it began with fails, and the device is restored so later tests
+    (which default to the current device) are not misled."""
+    before = _current_cuda_device()
+    yield
+    after = _current_cuda_device()
+    if before is None:
+        before = 0  # CUDA started during the test: a fresh process has cuda:0 current
+    if after is not None and after != before:
+        import torch
+
+        torch.cuda.set_device(before)
+        pytest.fail(f"the test ended with cuda:{after} current, not cuda:{before}")

@@ -238,6 +238,7 @@ class CudaOps:
 
         # torch's binding of cudaGetDevice: a plain int, no enum to build.
         self._get_device = torch._C._cuda_getDevice
+        self._current_stream = torch._C._cuda_getCurrentRawStream
         self._local = threading.local()
 
     def ordering_event(self, index: int) -> Event:
@@ -282,7 +283,24 @@ class CudaOps:
         self.check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.kind_d2d, stream), "cudaMemcpyAsync")
 
     def wait(self, stream: int, event: Event) -> None:
+        """``stream`` waits for ``event`` (a stream of the current device: the legacy
+        default stream, 0, is the current device's; ``wait_current`` for another's)."""
         self.check(self.rt.cudaStreamWaitEvent(stream, event.handle, 0), "cudaStreamWaitEvent")
+
+    def wait_current(self, index: int, event: Any) -> None:
+        """Device ``index``'s current stream (torch's, this thread) waits for ``event`` (an
+        ``Event`` or a raw event, an interprocess one included), whichever device the
+        caller has current: that stream may be the legacy default stream (handle 0), which
+        CUDA takes as the current device's, so ``index`` is made current for the call (a
+        receiver on cuda:0 whose thread had cuda:1 current ordered cuda:1's stream and,
+        with an event opened from another process, crashed in the driver on 2x H200)."""
+        handle = event.handle if isinstance(event, Event) else event
+        prev = self.swap_device(index)
+        try:
+            stream = int(self._current_stream(index))
+            self.check(self.rt.cudaStreamWaitEvent(stream, handle, 0), "cudaStreamWaitEvent")
+        finally:
+            self.restore_device(prev)
 
 
 _ops: CudaOps | None = None

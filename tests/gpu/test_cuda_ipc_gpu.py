@@ -219,11 +219,20 @@ def test_sigkill_of_the_sender_leaves_the_pool_intact(procs, tmp_path):
 
 @needs_backend
 @pytest.mark.multigpu
-def test_cuda1_to_cuda0_with_peer_access_both_ways(procs, tmp_path):
+@pytest.mark.parametrize("current", [0, 1], ids=["cuda0-current", "cuda1-current"])
+def test_cuda1_to_cuda0_with_peer_access_both_ways(procs, tmp_path, current):
+    # current=1: the receiving thread has the other GPU current while it gets into
+    # cuda:0 (its default stream, handle 0, is then CUDA's stream of cuda:1): the wait
+    # for the sender's copy must still go to cuda:0's stream (it crashed in the driver).
     ch, out = _chan(), str(tmp_path / "out.json")
     with omnilink.connect("cuda_ipc", channel=ch, role="receiver", device="cuda:0", pool_bytes=64 << 20) as rx:
         p = start_process(procs, sender, ch, "peer", "cuda:1", out)
-        got = rx.get("mixed-1", timeout=120)
+        torch.cuda.set_device(current)
+        try:
+            got = rx.get("mixed-1", timeout=120)
+            assert torch.cuda.current_device() == current
+        finally:
+            torch.cuda.set_device(0)
         want = mixed_payload(1, "cuda:1")
         assert got["hidden"].device == torch.device("cuda:0")
         assert torch.equal(got["hidden"].cpu(), want["hidden"].cpu())

@@ -332,7 +332,7 @@ class CudaDeviceOps:
         self._copy_and_record(index, items, event, stream, hosted)
         done = Event(index).record(stream)
         for d in devices:
-            ops.wait(current_raw_stream(d), done)
+            ops.wait_current(d, done)
         keep: list[Any] = [t for _, t in items]
         if after is not None:
             keep.append(after)  # the producer events live until the copy is done
@@ -405,7 +405,7 @@ class CudaDeviceOps:
 
     def wait(self, index: int, event: Any) -> None:
         """Receiver: the caller's current stream on ``index`` waits for ``event``."""
-        self._check(self.rt.cudaStreamWaitEvent(current_raw_stream(index), event, 0), "cudaStreamWaitEvent")
+        self._ops.wait_current(index, event)
 
     def view(self, ptr: int, nbytes: int, index: int) -> tuple[Any, Any]:
         """A uint8 tensor over ``[ptr, ptr + nbytes)`` of device ``index`` and the lease

@@ -1790,6 +1790,8 @@ class NcclConnector(BaseConnector):
                 ids, raw = (self._region_ids, self._region_raw) if env.region else (self._recv_ids, self._recv_raw)
                 C = torch._C
                 prev = C._cuda_getCurrentStream(idx)
+                # Setting a stream makes its device current too: the caller's comes back.
+                cur = C._cuda_getDevice()
                 C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
                 try:
                     # Buffers allocated as the tensors they hold where the payload allows
@@ -1832,6 +1834,8 @@ class NcclConnector(BaseConnector):
                             item.host_wait = True
                 finally:
                     C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+                    if cur != idx:
+                        C._cuda_setDevice(cur)
                 item.device_tensors = [region] if region is not None else [b for b in bufs if b.is_cuda]
         elif ann.sizes:
             bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]

@@ -340,12 +340,12 @@ class ShmGpuPath:
             if not t.is_contiguous():
                 if t.is_cuda:
                     # The producer's writes first, then the gather, then our copies.
-                    from omnilink.cuda import cuda_ops, current_raw_stream, record_producer_events
+                    from omnilink.cuda import cuda_ops, record_producer_events
 
                     ops = cuda_ops()
                     for dev, ev in events or ():
                         if dev == t.device:
-                            ops.wait(current_raw_stream(t.device.index), ev)
+                            ops.wait_current(t.device.index, ev)
                     t = t.contiguous()
                     events = list(events or ()) + record_producer_events([t.device])
                 else:
