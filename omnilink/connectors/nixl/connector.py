@@ -228,7 +228,10 @@ class _Receiver:
         poller.register(self.releaser.fd, zmq.POLLIN)
         try:
             while not self.stopping:
-                ready = dict(poller.poll(1000))
+                # A parked sender waits for blocks whose consumer's stream was still busy:
+                # look again soon (nothing else needs a timed look).
+                rel = self.releaser
+                ready = dict(poller.poll(1 if rel.eager and rel.queue else 1000))
                 if self.stopping:
                     break
                 if self.mon in ready:
@@ -276,6 +279,7 @@ class _Receiver:
         for off, mirror in list(s.extents.items()):
             if not mirror.used_bytes:
                 self._free_extent(s, off)
+        self._update_eager()
         with self.cond:
             if not any(not x.lost for x in self.sessions.values()) and self.no_peer_since is None:
                 self.no_peer_since = time.monotonic()
@@ -306,6 +310,11 @@ class _Receiver:
                 # It waits for room: what came free may be enough for it.
                 s.parked = None
                 self._send(s, wire.Granted(offset=0, length=0, frees=self._take_frees(s)))
+        self._update_eager()
+
+    def _update_eager(self) -> None:
+        """Frees wake the loop only while a sender waits for room."""
+        self.releaser.eager = any(s.parked is not None for s in self.sessions.values())
 
     def _take_frees(self, s: _Session) -> list[int]:
         frees = s.frees[: wire.MAX_FREES]
@@ -326,6 +335,7 @@ class _Receiver:
                     s.parked = None
                     self._send(s, wire.Granted(offset=off, length=s.extents[off].capacity,
                                                frees=self._take_frees(s)))
+        self._update_eager()
 
     def _new_extent(self, s: _Session, need: int) -> int | None:
         need = round_up(need)
@@ -368,6 +378,7 @@ class _Receiver:
                 self._send(s, wire.Granted(offset=0, length=0, frees=self._take_frees(s)))
             else:
                 s.parked = msg.need
+                self.releaser.eager = True  # frees now wake the loop
         elif isinstance(msg, wire.Return):
             mirror = s.extents.get(msg.offset)
             if mirror is not None and not mirror.used_bytes:

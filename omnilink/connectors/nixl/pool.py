@@ -14,10 +14,12 @@ Receiver pool (registered once with the receiver's agent)::
 - ``lease(offset, length)`` makes the object decoded views are built on: a numpy array
   over the mapping (host), or an object exposing ``__cuda_array_interface__`` (device).
   Views keep it alive; a weak reference's callback learns when the last one died and
-  queues the block for release (``Releaser``: a deque and an eventfd, so the callback
-  takes no lock and may run in any thread, even one that holds the receiver's lock).
-  On a device, the callback records an event on the releasing thread's current stream;
-  the block goes back only once that event has completed (work queued on the view).
+  queues the block for release (``Releaser``: a deque, and an eventfd that wakes the
+  loop only while a sender waits for room, so the callback takes no lock and may run
+  in any thread, even one that holds the receiver's lock). On a device, the callback
+  records an event on the releasing thread's current stream unless that stream has
+  nothing left to run; the block goes back only once that event has completed (work
+  queued on the view): the loop looks, it does not wait.
 - ``Staging``: the sender's registered buffer. A payload is written into it (tensor_blob
   layout) and one WRITE moves the data region to the receiver's block: memory is
   registered once (and again only when a larger payload makes it grow), never per
@@ -100,17 +102,26 @@ class Releaser:
     """Blocks whose last view died, queued for the receiver's loop thread.
 
     ``track(lease, tag)`` returns a weak reference whose callback queues ``tag`` (with a
-    CUDA event on device pools) and wakes the loop through an eventfd; ``release(ref)``
-    does the same early (a payload discarded or refused). Each lease is released once.
+    CUDA event on device pools, unless the releasing thread's stream had nothing left
+    to run); ``release(ref)`` does the same early (a payload discarded or refused). Each
+    lease is released once. The loop is woken through an eventfd only while ``eager``
+    (a sender waits for room): otherwise it takes the queue at its next wake-up, before
+    the message that woke it (every answer hands the frees back), so the release of a
+    payload a consumer just used does not wake the loop while the next one arrives.
     """
 
     def __init__(self, device: Any = None) -> None:
         self.queue: collections.deque[tuple[Any, Any]] = collections.deque()
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.device = device
+        #: wake the loop per release (set by the loop while a sender is parked)
+        self.eager = False
         #: id(ref) -> ref of the leases not yet released
         self.live: dict[int, Any] = {}
         self.live_bytes = 0
+        self._index = -1
+        self._ops: Any = False  # cuda-python's CudaOps once looked up (None: torch's events)
+        self._events: list[Any] = []  # completed raw events, reused
 
     def track(self, lease: Any, tag: Any, nbytes: int) -> Any:
         ref = _Ref(lease, self.release)
@@ -127,34 +138,81 @@ class Releaser:
         event = None
         if self.device is not None and self.fd >= 0:
             try:
-                import torch
-
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
+                event = self._after_stream()
             except Exception:  # interpreter teardown: the block goes back unordered
                 event = None
         fd = self.fd
         if fd < 0:  # closed: the receiver is gone, nothing to hand back to
             return
         self.queue.append((ref.tag, event))
+        if self.eager:
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake the loop (it drains the queue)."""
         try:
-            os.eventfd_write(fd, 1)
+            os.eventfd_write(self.fd, 1)
         except (OSError, ValueError):  # closed meanwhile
             pass
 
-    def drain(self) -> list[Any]:
-        """The tags queued so far, each once its event (if any) completed."""
+    def _after_stream(self) -> Any:
+        """An event recorded on this thread's current stream of the pool's device, or
+        ``None`` when that stream has nothing left to run (a consumer that synchronized
+        before dropping its views)."""
+        import torch
+
+        if self._ops is False:
+            from omnilink._errors import CudaError
+            from omnilink.cuda import cuda_ops
+
+            self._index = torch.device(self.device).index
+            if self._index is None:
+                self._index = torch.cuda.current_device()
+            try:
+                self._ops = cuda_ops()
+            except CudaError:
+                self._ops = None
+        ops = self._ops
+        if ops is None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        from omnilink.cuda import Event
+
+        idx = self._index
+        stream = int(torch._C._cuda_getCurrentRawStream(idx))
+        prev = ops.swap_device(idx)  # a legacy default stream (0) is the current device's
+        try:
+            if ops.rt.cudaStreamQuery(stream)[0] == ops.success:
+                return None
+        finally:
+            ops.restore_device(prev)
+        events = self._events
+        event = events.pop() if events else Event(idx)
+        return event.record(stream)
+
+    def drain(self, wait: bool = False) -> list[Any]:
+        """The tags queued so far whose event (if any) has completed; the others stay
+        queued (``wait``: waited for instead, a sender short of room)."""
         try:
             os.eventfd_read(self.fd)
         except (BlockingIOError, OSError):
             pass
         out = []
+        later = []
         queue = self.queue
         while queue:
             tag, event = queue.popleft()
             if event is not None:
-                event.synchronize()
+                if wait:
+                    event.synchronize()
+                elif not event.query():
+                    later.append((tag, event))
+                    continue
+                if self._ops:
+                    self._events.append(event)
             out.append(tag)
+        queue.extend(later)
         return out
 
     def close(self) -> None:
