@@ -266,8 +266,12 @@ class ShmGpuPath:
                     with self._torch.cuda.stream(self._torch.cuda.ExternalStream(raw, device=src.device)):
                         dst.copy_(src, non_blocking=True)
         finally:
-            for raw in streams.values():
-                ops.check(ops.rt.cudaStreamSynchronize(raw), "cudaStreamSynchronize")
+            for index, raw in streams.items():
+                prev = ops.swap_device(index)  # a legacy default stream (0) is the current device's
+                try:
+                    ops.check(ops.rt.cudaStreamSynchronize(raw), "cudaStreamSynchronize")
+                finally:
+                    ops.restore_device(prev)
 
     def _arena_address(self) -> int:
         """Address of the sender's arena mapping (page-locked on first use)."""
