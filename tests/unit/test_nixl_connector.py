@@ -148,29 +148,65 @@ def test_tls_without_cuda_on_a_gpu_machine_is_named(monkeypatch):
 
 
 @needs_nixl
-@pytest.mark.parametrize("spin_us", [0, 200, 20_000])
-def test_a_waiting_get_with_any_spin_takes_what_comes_later(spin_us, monkeypatch):
-    """A get that waits (watching the index, or asleep at once) takes a payload put
-    after it began waiting, and another after a pause longer than the spin."""
+@pytest.mark.parametrize("spinning", [False, True], ids=["no-spin", "spinning-get"])
+def test_a_spinning_get_publishes_in_its_own_thread(spinning, monkeypatch):
+    """A get that waits in its spin reads the control socket itself: the payload that
+    comes meanwhile is published in the getter's thread, not handed over from the loop
+    thread; without a spin the loop thread publishes it and wakes the get."""
     import threading
 
+    from omnilink.connectors.nixl.connector import _Receiver
+
+    where = []
+    publish = _Receiver._publish
+    spin = _Receiver._spin
+    waiting = threading.Event()
+
+    def spy_publish(self, s, msg):
+        where.append(threading.current_thread().name)
+        return publish(self, s, msg)
+
+    def spy_spin(self, key, index, spin_end):
+        waiting.set()
+        return spin(self, key, index, spin_end)
+
+    monkeypatch.setattr(_Receiver, "_publish", spy_publish)
+    monkeypatch.setattr(_Receiver, "_spin", spy_spin)
     monkeypatch.setenv("UCX_TLS", "tcp")
-    rx = omnilink.connect("nixl", channel=f"olnx/spin-{os.getpid()}-{spin_us}", role="receiver",
-                          endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0,
-                          spin_us=spin_us)
-    tx = omnilink.connect("nixl", channel=f"olnx/spin-{os.getpid()}-{spin_us}", role="sender", endpoint=rx.endpoint,
-                          timeout=30.0, spin_us=spin_us)
+    ch = f"olnx/spin-{os.getpid()}-{int(spinning)}"
+    rx = omnilink.connect("nixl", channel=ch, role="receiver", endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20,
+                          extent_bytes=1 << 20, timeout=30.0, spin_us=0)
+    tx = omnilink.connect("nixl", channel=ch, role="sender", endpoint=rx.endpoint, timeout=30.0)
     try:
-        for i, pause in enumerate((0.0, 0.05)):
-            got = {}
-            t = threading.Thread(target=lambda i=i: got.__setitem__(i, rx.get(f"k{i}", timeout=30.0)))
-            t.start()
-            threading.Event().wait(pause)
-            tx.put(f"k{i}", {"t": torch.arange(1000) + i}, timeout=30.0)
-            t.join(30.0)
-            assert not t.is_alive()
-            assert torch.equal(got[i]["t"], torch.arange(1000) + i)
-            del got
+        tx.put("warm", {"a": torch.zeros(4)})  # the session and its extent first
+        assert rx.get("warm")["a"].sum() == 0
+        # A spin long enough for any machine (no timing in the test): the put comes
+        # once the get is spinning.
+        rx._rx.spin_ns = 30 * 10**9 if spinning else 0
+        where.clear()
+        errors = []
+
+        def put_later():
+            try:
+                if spinning:
+                    assert waiting.wait(30)
+                else:
+                    threading.Event().wait(0.05)
+                tx.put("k", {"a": torch.arange(8, dtype=torch.float32)})
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=put_later, name="putter")
+        t.start()
+        got = rx.get("k", timeout=30.0)
+        t.join(30)
+        assert not errors, errors
+        assert got["a"].tolist() == list(range(8))
+        assert len(where) == 1, where
+        if spinning:
+            assert where == [threading.current_thread().name], where
+        else:
+            assert where[0].startswith("omnilink-nixl-rx-"), where
     finally:
         tx.close()
         rx.close()

@@ -10,8 +10,9 @@ Topology and one ``put``::
     block = alloc in own extents      (extent(need) -> granted(...) only when they are full)
     encode the frame into staging     (registered once; tensors copied in, one copy)
     NIXL WRITE staging -> pool block  (one transfer request per payload)
-    publish(seq, key, block, meta)    ---------->  loop thread: check the block against the
-                                                   sender's extents, decode views of the
+    publish(seq, key, block, meta)    ---------->  a waiting get (else the loop thread):
+                                                   check the block against the sender's
+                                                   extents, decode views of the
                                                    pool (header from ``meta``), index them
                                       <----------  ack(seq, status, blocks freed since)
     put returns                                    get(key): the views; the block goes
@@ -21,8 +22,10 @@ Topology and one ``put``::
   ``device=``) is registered when the connector opens; the sender's staging buffer
   when it first needs it (and again only when a larger payload makes it grow).
 - **No polling sleep on the receiving side.** The receiver learns of a payload from
-  the control channel, where its loop thread sleeps in ``poll()``; a ``get`` watches
-  the index for ``spin_us``, then sleeps on a condition variable. The sender waits for
+  the control channel, where its loop thread sleeps in ``poll()`` (on the socket's fd);
+  a waiting ``get`` reads the socket itself for ``spin_us`` (one thread at a time holds
+  it), so a payload that comes meanwhile is published in the getter's own thread, then
+  sleeps on a condition variable. The sender waits for
   its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for the ack
   for ``spin_us``, then in ``poll()``.
 - **Sender-side allocation.** The receiver hands each sender extents of its pool; a
@@ -212,6 +215,14 @@ class _Receiver:
         self.index: dict[str, tuple[Any, int]] = {}
         self.consumed = ConsumedKeys()
         self.sessions: dict[bytes, _Session] = {}
+        #: held by whoever reads the control socket and handles what it brings (the
+        #: loop thread, or a get waiting for its payload): zmq sockets take one thread
+        #: at a time, and sessions, extents and mirrors change only under it
+        self.handling = threading.Lock()
+        #: the control socket's notification fd (edge-triggered: ZMQ_EVENTS tells what
+        #: is there), which the loop polls instead of the socket, so that a get may read
+        #: the socket meanwhile
+        self.sock_fd = self.sock.getsockopt(zmq.FD)
         self.had_peer = False
         self.no_peer_since: float | None = None
         self.stopping = False
@@ -223,37 +234,50 @@ class _Receiver:
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.sock_fd, zmq.POLLIN)
         poller.register(self.mon, zmq.POLLIN)
         poller.register(self.releaser.fd, zmq.POLLIN)
+        more = True  # the socket is looked at first (messages may predate the fd's edge)
         try:
             while not self.stopping:
                 # A parked sender waits for blocks whose consumer's stream was still busy:
                 # look again soon (nothing else needs a timed look).
                 rel = self.releaser
-                ready = dict(poller.poll(1 if rel.eager and rel.queue else 1000))
+                ready = dict(poller.poll(0 if more else 1 if rel.eager and rel.queue else 1000))
                 if self.stopping:
                     break
-                if self.mon in ready:
-                    self._drain_monitor()
-                if self.releaser.fd in ready or self.releaser.queue:
-                    self._drain_frees()
-                if self.sock in ready:
-                    for _ in range(256):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._on_message(frames)
-                        except Exception:  # one bad message must not stop the channel
-                            logger.exception("nixl: channel %r: a control message failed", self.channel)
+                with self.handling:
+                    if self.mon in ready:
+                        self._drain_monitor()
+                    if self.releaser.fd in ready or self.releaser.queue:
+                        self._drain_frees()
+                    more = self._pump(256)
         except BaseException as exc:  # the loop must not die silently: gets report it
             if not self.stopping:
                 logger.exception("nixl: the receiver loop of channel %r failed", self.channel)
                 with self.cond:
                     self.error = exc
                     self.cond.notify_all()
+
+    def _pump(self, most: int) -> bool:
+        """Handle up to ``most`` control messages waiting on the socket (the caller holds
+        ``handling``); whether more wait. Reading ``ZMQ_EVENTS`` re-arms the socket's fd,
+        so a message that comes later wakes the loop even when a get read this one."""
+        sock = self.sock
+        for _ in range(most):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return False
+            if self.releaser.queue:  # blocks freed since: this message's answer says so
+                self._drain_frees()
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            try:
+                self._on_message(frames)
+            except Exception:  # one bad message must not stop the channel
+                logger.exception("nixl: channel %r: a control message failed", self.channel)
+        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def _drain_monitor(self) -> None:
         while True:
@@ -524,12 +548,31 @@ class _Receiver:
                     index = self.index
                     self.cond.release()
                     try:
-                        while key not in index and time.perf_counter_ns() < spin_end:
-                            _yield()  # the GIL to the loop thread, the core to whoever is ready
+                        self._spin(key, index, spin_end)
                     finally:
                         self.cond.acquire()
                     continue
                 self.cond.wait(1.0 if remaining is None else min(remaining, 1.0))
+
+    def _spin(self, key: str, index: dict[str, Any], spin_end: int) -> None:
+        """Until ``key`` is indexed or ``spin_end``: read the control socket here, where
+        the loop thread is not reading it, so that the payload is published in this
+        thread (no hand-off from the loop thread, whose wake-up and wait for the GIL
+        cost more than the message); else let the loop thread run."""
+        handling = self.handling
+        while key not in index and time.perf_counter_ns() < spin_end:
+            if not self.stopping and handling.acquire(blocking=False):
+                try:
+                    more = self._pump(64)
+                except zmq.ZMQError:  # the socket closing: the loop thread reports it
+                    more = False
+                finally:
+                    handling.release()
+                if more:
+                    self.releaser.wake()  # the rest is the loop thread's (no fd edge for it)
+                if key in index:
+                    return
+            _yield()  # the GIL to the loop thread, the core to whoever is ready
 
     def _raise_if_dead(self, key: str | None, conn: NixlConnector) -> None:
         if conn._closed:
@@ -576,6 +619,10 @@ class _Receiver:
         with self.cond:
             self.index.clear()
             self.cond.notify_all()
+        with self.handling:  # a get reading the socket finishes first (then sees stopping)
+            self._close_all()
+
+    def _close_all(self) -> None:
         self.sock.disable_monitor()
         self.mon.close(0)
         self.sock.close(0)
