@@ -27,9 +27,16 @@ def _devices() -> tuple[str, str]:
     return ("cuda:0", "cuda:1") if n >= 2 else ("cuda:0", "cuda:0")
 
 
-def test_gpu_payloads_land_in_the_device_pool(procs):
+@pytest.fixture
+def on_dst():
+    """The receiving GPU current for the test, the former one back after it."""
     src, dst = _devices()
-    torch.cuda.set_device(torch.device(dst))
+    with torch.cuda.device(torch.device(dst)):
+        yield src, dst
+
+
+def test_gpu_payloads_land_in_the_device_pool(procs, on_dst):
+    src, dst = on_dst
     channel = f"olnx/gpu-{os.getpid()}"
     with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
                           pool_bytes=64 << 20, timeout=WAIT) as rx:

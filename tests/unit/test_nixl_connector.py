@@ -148,6 +148,35 @@ def test_tls_without_cuda_on_a_gpu_machine_is_named(monkeypatch):
 
 
 @needs_nixl
+@pytest.mark.parametrize("spin_us", [0, 200, 20_000])
+def test_a_waiting_get_with_any_spin_takes_what_comes_later(spin_us, monkeypatch):
+    """A get that waits (watching the index, or asleep at once) takes a payload put
+    after it began waiting, and another after a pause longer than the spin."""
+    import threading
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    rx = omnilink.connect("nixl", channel=f"olnx/spin-{os.getpid()}-{spin_us}", role="receiver",
+                          endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0,
+                          spin_us=spin_us)
+    tx = omnilink.connect("nixl", channel=f"olnx/spin-{os.getpid()}-{spin_us}", role="sender", endpoint=rx.endpoint,
+                          timeout=30.0, spin_us=spin_us)
+    try:
+        for i, pause in enumerate((0.0, 0.05)):
+            got = {}
+            t = threading.Thread(target=lambda i=i: got.__setitem__(i, rx.get(f"k{i}", timeout=30.0)))
+            t.start()
+            threading.Event().wait(pause)
+            tx.put(f"k{i}", {"t": torch.arange(1000) + i}, timeout=30.0)
+            t.join(30.0)
+            assert not t.is_alive()
+            assert torch.equal(got[i]["t"], torch.arange(1000) + i)
+            del got
+    finally:
+        tx.close()
+        rx.close()
+
+
+@needs_nixl
 @pytest.mark.parametrize("spinning", [False, True], ids=["no-spin", "spinning-get"])
 def test_a_spinning_get_publishes_in_its_own_thread(spinning, monkeypatch):
     """A get that waits in its spin reads the control socket itself: the payload that
