@@ -12,7 +12,11 @@ says it holds the payload (``get`` returned and, for a GPU tensor, the receiver'
 current stream synchronized: a road that lands asynchronously, as the nccl connector's
 receive on its stream, is timed until the bytes are there; first bytes checked on the
 first message of each size): put + transport + get + one pipe hop, the same for every
-row.
+row. The *one-way* time of a message runs from the sender's ``put`` until that moment in
+the receiver (``time.perf_counter``, CLOCK_MONOTONIC: one clock for both processes; the
+answer carries it): what the consuming stage waits for, whatever ``put`` still does
+after it (omnilink's nixl ``put`` returns on the receiver's acknowledgement); the
+second table gives it with its ratio to the raw WRITE + notification's.
 
 - ``omnilink-nixl``    ``omnilink.connect("nixl")``: the receiver's pool registered once,
                        sender-side allocation, the receiver blocks in ``get``
@@ -129,6 +133,7 @@ def _sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
             agent, peer, src, remote = _raw_sender_setup(payload["hidden"], info, agent)
         n = opts["warmup"] + _rounds(size, opts["rounds"])
         times = []
+        one_way = []
         for i in range(n):
             key = f"s{size}-{i}"
             t0 = time.perf_counter()
@@ -141,10 +146,12 @@ def _sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
                 _raw_write(agent, peer, src, remote, key)
             else:
                 conn.put(key, payload)
-            pipe.recv()
+            t1 = pipe.recv()
             if i >= opts["warmup"]:
                 times.append(time.perf_counter() - t0)
+                one_way.append(t1 - t0)
         out[str(size)] = times
+        out[f"{size}/one_way"] = one_way
     pipe.send(("done", out))
     pipe.recv()
     if conn is not None:
@@ -208,7 +215,7 @@ def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
                 raise RuntimeError(f"omnilink-nixl: payload landed on {hidden.device}, not {dev}")
             del hidden
             got = None
-            pipe.send(1)
+            pipe.send(time.perf_counter())  # it holds the payload now (one clock for both processes)
     msg = pipe.recv()
     pipe.send(msg)
     if conn is not None:
@@ -248,7 +255,6 @@ def _raw_sender_setup(hidden: Any, info: Any, agent: Any) -> tuple[Any, str, Any
 
 
 def _raw_write(agent: Any, md: Any, src: Any, remote: Any, key: str) -> None:
-    b = agent._b
     if not hasattr(agent, "_peers"):
         agent._peers = {}
     peer = agent._peers.get(md)
@@ -305,14 +311,17 @@ def _raw_loop_sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
         agent, md, src, remote = _raw_sender_setup(payload["hidden"], info, agent)
         n = opts["warmup"] + _rounds(size, opts["rounds"])
         times = []
+        one_way = []
         for i in range(n):
             key = f"s{size}-{i}"
             t0 = time.perf_counter()
             _raw_write(agent, md, src, remote, key)
-            pipe.recv()
+            t1 = pipe.recv()
             if i >= opts["warmup"]:
                 times.append(time.perf_counter() - t0)
+                one_way.append(t1 - t0)
         out[str(size)] = times
+        out[f"{size}/one_way"] = one_way
     pipe.send(("done", out))
     pipe.recv()
 
@@ -334,6 +343,7 @@ def _peer_copy(opts: dict[str, Any]) -> dict[str, list[float]]:
             if i >= opts["warmup"]:
                 times.append(time.perf_counter() - t0)
         out[str(size)] = times
+        out[f"{size}/one_way"] = times
     return out
 
 
@@ -372,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                 p50 = statistics.median(ts)
                 rows.append({"connector": name, "tls": tls, "size": size, "p50_s": p50,
                              "p10_s": ts[len(ts) // 10], "p90_s": ts[(len(ts) * 9) // 10], "n": len(ts),
-                             "gbps": size / p50 / 1e9})
+                             "gbps": size / p50 / 1e9,
+                             "one_way_p50_s": statistics.median(res[f"{size}/one_way"])})
     _print(rows, sizes, tls_runs)
     if args.json:
         with open(args.json, "w") as f:
@@ -451,6 +462,21 @@ def _print(rows: list[dict[str, Any]], sizes: list[int], tls_runs: list[str]) ->
                     continue
                 ratio = f" {base[s] / r['p50_s']:5.1f}x" if s in base else ""
                 cells.append(f"{r['p50_s'] * 1e6:>10.0f} us{ratio:>8}"[:22].rjust(22))
+            print(f"{name:<16}" + "".join(cells))
+        floor = {r["size"]: r["one_way_p50_s"] for r in rows if r.get("tls") == tls and r["connector"] == "raw-nixl"
+                 and "size" in r}
+        print(f"\nUCX_TLS={tls}: one-way p50 (put called -> the receiver holds the payload, one clock), "
+              "ratio = row / raw-nixl")
+        for name in dict.fromkeys(r["connector"] for r in rows if r.get("tls") == tls):
+            cells = []
+            for s in sizes:
+                r = next((r for r in rows if r.get("tls") == tls and r["connector"] == name and r.get("size") == s),
+                         None)
+                if r is None:
+                    cells.append(f"{'-':>22}")
+                    continue
+                ratio = f" {r['one_way_p50_s'] / floor[s]:5.2f}x" if s in floor else ""
+                cells.append(f"{r['one_way_p50_s'] * 1e6:>10.0f} us{ratio:>8}"[:22].rjust(22))
             print(f"{name:<16}" + "".join(cells))
 
 

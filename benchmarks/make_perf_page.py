@@ -243,11 +243,32 @@ def render_nixl(data: list[Any]) -> str:
             table.append(cells)
         out.append(f"`UCX_TLS={tls}`:\n\n" + _table(["connector"] + [_size(s) for s in sizes], table,
                                                      "<" + ">" * len(sizes)))
+        floor = {r["size"]: r["one_way_p50_s"] for r in rows
+                 if r["tls"] == tls and r["connector"] == "raw-nixl" and "one_way_p50_s" in r}
+        one_way = []
+        for name in dict.fromkeys(r["connector"] for r in rows if r["tls"] == tls and "one_way_p50_s" in r):
+            cells = [name]
+            for size in sizes:
+                r = next((r for r in rows if r["tls"] == tls and r["connector"] == name and r["size"] == size), None)
+                if r is None or "one_way_p50_s" not in r:
+                    cells.append("-")
+                    continue
+                us = r["one_way_p50_s"] * 1e6
+                text = f"{us:,.0f} us" if size < (16 << 20) else f"{us / 1000:.2f} ms"
+                if size in floor and name != "raw-nixl":
+                    text += f", {r['one_way_p50_s'] / floor[size]:.2f}x"
+                cells.append(text)
+            one_way.append(cells)
+        if one_way:
+            out.append(f"`UCX_TLS={tls}`, one-way (from `put` until the receiver holds the payload, one clock; "
+                       "after the comma: the row's time / the raw WRITE + notification's):\n\n"
+                       + _table(["connector"] + [_size(s) for s in sizes], one_way, "<" + ">" * len(sizes)))
     gpus = _gpus(m)
     where = f"{gpus}; " if gpus else ""
     return (f"{where}{m.get('cpu')}, {m.get('cores')} cores; torch {m['versions'].get('torch')}. "
-            "p50 time per payload, from `put` to the receiver holding it (one payload at a time; "
-            "after the comma: vLLM-Omni's NixlConnector time / the row's, same run, same transport):\n\n"
+            "p50 time per payload, from `put` until the receiver's answer says it holds the payload (one "
+            "payload at a time; after the comma: vLLM-Omni's NixlConnector time / the row's, same run, same "
+            "transport):\n\n"
             + "\n\n".join(out))
 
 
