@@ -28,7 +28,9 @@ The backends with parts live in a package each (``shm/``, ``zmq/``, ``nccl/``,
 every backend shares) sit here. Two packages here are no backends but what the
 same-host ones build on, below them: ``shmem/`` (names, segments and the allocator of
 ``/dev/shm``) and ``devpool/`` (the receiver-owned CUDA IPC pool and its two ends, used
-by ``cuda_ipc`` and by ``shm``'s device-IPC route; it imports neither).
+by ``cuda_ipc`` and by ``shm``'s device-IPC route; it imports neither); and ``bell.py``, a
+doorbell (length-prefixed messages on a plain stream socket, no I/O thread) that the
+``nccl`` and ``nixl`` backends use for their per-payload messages.
 """
 
 from __future__ import annotations

@@ -4,13 +4,11 @@ This package is the public door of the backend; its modules are internal:
 
 =============  ==========================================================================
 ``connector``  ``NcclConnector``: its own two-rank process groups (NCCL on GPUs, gloo on
-               CPU; one bulk group per direction), the doorbell and credit sockets,
+               CPU; one bulk group per direction), the doorbell (``omnilink.connectors.bell``) and credit sockets,
                put / get (a get reads the doorbell itself), the keeper thread
 ``wire``       the doorbell message (envelope, inline data, region of small device
                tensors) and the credit, the pack and region layouts, and the
                validation of a doorbell before anything is allocated (``read_bell``)
-``bell``       the doorbell's byte stream: a plain socket (Unix-domain on one host, TCP
-               across hosts), length-prefixed messages, bounded before allocation
 =============  ==========================================================================
 
 Exports: ``NcclConnector``.

@@ -6,7 +6,7 @@ send/recv: between GPUs through NCCL's own library (``omnilink.cuda.nccl``: ``nc
 between CPUs through a gloo process group (so CI runs the same protocol), received
 straight into fresh tensors on the receiver's device. Each
 payload's header (its envelope, see ``omnilink.connectors.nccl.wire``) travels on a
-plain stream socket, the *doorbell* (``omnilink.connectors.nccl.bell``: no I/O thread
+plain stream socket, the *doorbell* (``omnilink.connectors.bell``: no I/O thread
 between the two ends), sent once the payload's sends are queued; small payloads travel
 in that message whole. Credits come back, batched, on a ZeroMQ ``PAIR`` socket. The torch.distributed store (a ``TCPStore``) both ends share serves the
 rendezvous only: hellos, rank claims, the NCCL unique ids, the gloo groups' own setup
@@ -195,7 +195,8 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import CONSUMED_KEYS_REMEMBERED, ConsumedKeys, Deadline, duplicate_key, pid_alive
-from omnilink.connectors.nccl import bell, wire
+from omnilink.connectors import bell
+from omnilink.connectors.nccl import wire
 from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
 
 __all__ = ["NcclConnector"]

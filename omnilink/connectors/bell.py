@@ -1,5 +1,6 @@
-"""The doorbell's byte stream: one stream socket from a sending end to a receiving end,
-each message a 4-byte little-endian length then that many bytes.
+"""A doorbell: one stream socket from a sending end to a receiving end, each message a
+4-byte little-endian length then that many bytes (the nccl backend's doorbell, the nixl
+backend's publish and acknowledgement messages).
 
 A plain socket rather than a ZeroMQ one: a ZeroMQ message crosses two I/O threads (the
 sender's and the receiver's) before the reader's ``poll`` returns, and waking each costs
@@ -210,7 +211,7 @@ class BellReader:
                 (n,) = _LEN.unpack_from(mv, at)
                 if n > self.max_message:
                     raise BlobDecodeError(
-                        f"nccl: doorbell message of {n} bytes, more than this end's {self.max_message}"
+                        f"doorbell message of {n} bytes, more than this end's {self.max_message}"
                     )
                 if size - at - 4 < n:
                     break

@@ -1,4 +1,4 @@
-"""The nccl doorbell's byte stream (``omnilink.connectors.nccl.bell``): whole messages
+"""The doorbell's byte stream (``omnilink.connectors.bell``): whole messages
 in order whatever the socket splits, a message larger than the socket's buffers, the
 bound judged by the length alone, the writer's end seen as ``eof``, a writer whose
 reader is gone or stuck."""
@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from omnilink import BlobDecodeError, PeerLostError, TransferTimeout
-from omnilink.connectors.nccl import bell
+from omnilink.connectors import bell
 
 
 def _pair(max_message=1 << 24):
