@@ -50,7 +50,7 @@ def _tune(sock: socket.socket, tcp: bool) -> None:
 class BellListener:
     """The receiving end's listening socket, bound before its address is published."""
 
-    def __init__(self, same_host: bool, name: str, address: str) -> None:
+    def __init__(self, same_host: bool, name: str, address: str, backlog: int = 1) -> None:
         if same_host:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.bind("\0" + name)
@@ -63,7 +63,7 @@ class BellListener:
             host, port = self.sock.getsockname()[:2]
             self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
             self._tcp = True
-        self.sock.listen(1)
+        self.sock.listen(backlog)
 
     def accept(self, timeout: float | None) -> socket.socket:
         """The writer's connection (``TransferTimeout`` when none came in ``timeout``)."""
@@ -72,6 +72,16 @@ class BellListener:
             conn, _ = self.sock.accept()
         except socket.timeout as exc:
             raise TransferTimeout(f"the peer did not connect to the doorbell within {timeout} s") from exc
+        _tune(conn, self._tcp)
+        return conn
+
+    def accept_nowait(self) -> socket.socket | None:
+        """A connection waiting to be accepted, or ``None`` (never blocks)."""
+        self.sock.setblocking(False)
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
         _tune(conn, self._tcp)
         return conn
 

@@ -36,7 +36,7 @@ def test_trace_nixl_host_short():
         if len(parts) == 5 and parts[0] in ("sender", "receiver"):
             rows[(parts[0], parts[4])] = (float(parts[1]), float(parts[2]))
     put = rows[("sender", "nixl.connector._Sender.put")]
-    send = rows[("sender", "nixl.connector._Sender._send")]
+    send = rows[("sender", "nixl.connector._Sender._send_publish")]
     publish = rows[("receiver", "nixl.connector._Receiver._publish")]
     # One clock: the receiver takes the publish after the sender sent it, and the
     # sender's put lasts past the receiver's handling (it waits for the ack).

@@ -239,3 +239,46 @@ def test_a_spinning_get_publishes_in_its_own_thread(spinning, monkeypatch):
     finally:
         tx.close()
         rx.close()
+
+
+@needs_nixl
+def test_publishes_and_acks_ride_the_doorbell_and_strangers_are_shut_out(pair):
+    """After the welcome, a sender's publishes go on the receiver's doorbell (a plain
+    socket, no zmq I/O thread) and their acks come back on it; a connection to the
+    doorbell that names no live session, or announces a message larger than the bound,
+    is closed and the link goes on."""
+    import socket
+    import struct
+
+    tx, rx = pair
+    tx.put("a", {"t": torch.arange(10)})
+    assert rx.get("a")["t"].tolist() == list(range(10))
+    sessions = list(rx._rx.sessions.values())
+    assert len(sessions) == 1 and sessions[0].bell_r is not None and sessions[0].bell_w is not None
+    assert tx._tx.bell_w is not None and tx._tx.bell_r is not None
+    port = int(rx._rx.bell_name.removeprefix("tcp:"))
+    for first in (struct.pack("<I", 32) + b"0" * 32, struct.pack("<I", 1 << 30)):
+        stranger = socket.create_connection(("127.0.0.1", port), timeout=10)
+        stranger.sendall(first)
+        stranger.settimeout(10)
+        assert stranger.recv(1) == b""  # closed by the receiver
+        stranger.close()
+    tx.put("b", {"t": torch.arange(3)})
+    assert rx.get("b")["t"].tolist() == [0, 1, 2]
+
+
+@needs_nixl
+def test_a_sender_whose_doorbell_breaks_connects_again(pair):
+    """The doorbell's socket closing under a sender ends its session: the put that finds
+    it raises PeerLostError (nothing half-sent is taken for a payload), the next put says
+    hello again, with a new doorbell."""
+    tx, rx = pair
+    tx.put("a", {"t": torch.arange(4)})
+    assert rx.get("a")["t"].tolist() == [0, 1, 2, 3]
+    old = tx._tx.bell_w
+    old.sock.shutdown(2)  # as a crashed peer's socket: reads and writes fail
+    with pytest.raises(omnilink.PeerLostError):
+        tx.put("b", {"t": torch.arange(5)})
+    tx.put("c", {"t": torch.arange(6)})
+    assert tx._tx.bell_w is not None and tx._tx.bell_w is not old
+    assert rx.get("c")["t"].tolist() == list(range(6))

@@ -5,26 +5,32 @@ Topology and one ``put``::
     sender (DEALER, its own NIXL agent)            receiver (ROUTER bound, NIXL agent, pool)
     -----------------------------------            -----------------------------------------
     hello(session, agent md)          ---------->  load the sender's md; a session
-                                      <----------  welcome(agent md, pool address, kind)
+                                      <----------  welcome(agent md, pool address, kind,
+                                                           its doorbell)
+    connect to the doorbell, name the session on it
     (once per connection; then per payload:)
     block = alloc in own extents      (extent(need) -> granted(...) only when they are full)
     encode the frame into staging     (registered once; tensors copied in, one copy)
     NIXL WRITE staging -> pool block  (one transfer request per payload)
-    publish(seq, key, block, meta)    ---------->  a waiting get (else the loop thread):
+    publish(seq, key, block, meta)    ==========>  a waiting get (else the loop thread):
                                                    check the block against the sender's
                                                    extents, decode views of the
                                                    pool (header from ``meta``), index them
-                                      <----------  ack(seq, status, blocks freed since)
+                                      <==========  ack(seq, status, blocks freed since)
     put returns                                    get(key): the views; the block goes
                                                    back when the last view dies
+
+  (``---->``: the zmq control channel; ``====>``: the doorbell, ``omnilink.connectors.bell``,
+  a plain stream socket with no I/O thread between the ends: a zmq message crosses one
+  in each process, tens of microseconds per message on a many-core machine.)
 
 - **Memory registered once.** The receiver's pool (host memory, or its GPU's with
   ``device=``) is registered when the connector opens; the sender's staging buffer
   when it first needs it (and again only when a larger payload makes it grow).
 - **No polling sleep on the receiving side.** The receiver learns of a payload from
-  the control channel, where its loop thread sleeps in ``poll()`` (on the socket's fd);
-  a waiting ``get`` reads the socket itself for ``spin_us`` (one thread at a time holds
-  it), so a payload that comes meanwhile is published in the getter's own thread, then
+  its sender's doorbell, where its loop thread sleeps in ``poll()`` (with the control
+  socket's fd); a waiting ``get`` reads them itself for ``spin_us`` (one thread at a
+  time holds them), so a payload that comes meanwhile is published in the getter's own thread, then
   sleeps on a condition variable. The sender waits for
   its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for the ack
   for ``spin_us``, then in ``poll()``.
@@ -47,9 +53,11 @@ Topology and one ``put``::
   receiver's ``get`` raises ``PeerLostError`` once no sender has been connected for
   ``peer_timeout`` seconds (after one was). A ``put`` that raised is in doubt, as with
   ``zmq``.
-- **Trust.** Every control message is typed and bounded (``wire``); a block is checked
+- **Trust.** Every control message is typed and bounded (``wire``; a doorbell message's
+  length is judged before anything is allocated); a doorbell connection must name a
+  live session first, or it is closed (at most 64 wait to do so); a block is checked
   against the sending session's extents and live blocks before anything is read, and
-  the frame's head comes over the control channel, validated by the decoder before a
+  the frame's head comes in the message, validated by the decoder before a
   view is made. A peer that can WRITE into a registered pool can change the bytes of
   any payload in it (that is what RDMA grants): connect senders you trust, on a
   network you trust.
@@ -76,11 +84,13 @@ from omnilink._errors import (
     CudaError,
     OmnilinkError,
     PeerLostError,
+    TransferTimeout,
     TransportError,
     WouldBlock,
 )
 from omnilink._util import ConsumedKeys, Deadline, duplicate_key, validate_key
 from omnilink.blob import decode_detached, peek_header, prepare, torch_dtype_of
+from omnilink.connectors import bell as _bell
 from omnilink.connectors.base import BaseConnector, ConnectorStats, Role, check_constructor_options
 from omnilink.connectors.nixl import wire
 from omnilink.connectors.nixl.agent import Agent, nixl_unavailable
@@ -158,7 +168,7 @@ def _cuda_context(device: Any) -> None:
 class _Session:
     """What the receiver knows of one sender's connection."""
 
-    __slots__ = ("ident", "session", "pid", "fd", "peer", "extents", "frees", "parked", "lost")
+    __slots__ = ("ident", "session", "pid", "fd", "peer", "extents", "frees", "parked", "lost", "bell_r", "bell_w")
 
     def __init__(self, ident: bytes, session: str, pid: int, fd: int, peer: str) -> None:
         self.ident = ident
@@ -173,6 +183,17 @@ class _Session:
         #: bytes of an extent asked for and not granted yet
         self.parked: int | None = None
         self.lost = False
+        #: the sender's doorbell (its publishes in, their acks out), once it connected
+        self.bell_r: Any = None
+        self.bell_w: Any = None
+
+
+#: Doorbell connections held while they have not named their session (a sender names it
+#: at once: more are refused).
+_MAX_PENDING_BELLS = 64
+#: How long an answer on a sender's doorbell may wait for room in its socket (the sender
+#: reads every answer as it waits for it: a full socket means it is stuck or gone).
+_BELL_SEND_S = 1.0
 
 
 class _Receiver:
@@ -211,6 +232,20 @@ class _Receiver:
         if self.socket_path is not None:
             os.chmod(self.socket_path, 0o600)
         self.mon = self.sock.get_monitor_socket(_MON)
+        # The doorbell senders publish on: a Unix-domain socket beside an ipc endpoint,
+        # else TCP on the control endpoint's host (its port goes in the welcome).
+        if self.endpoint.startswith("ipc://"):
+            self.bell = _bell.BellListener(True, f"omnilink-nixl-{os.getpid()}-{secrets.token_hex(8)}", "",
+                                           backlog=64)
+        else:
+            host = self.endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+            self.bell = _bell.BellListener(False, "", host, backlog=64)
+        ep = self.bell.endpoint
+        self.bell_name = ep if ep.startswith(_bell.UNIX_PREFIX) else "tcp:" + ep.rpartition(":")[2]
+        #: accepted doorbell connections that have not said which session they are
+        self.pending_bells: dict[int, Any] = {}
+        #: doorbells of ended sessions, closed by the loop thread (the one that polls them)
+        self.dead_bells: list[Any] = []
         self.cond = threading.Condition()
         self.index: dict[str, tuple[Any, int]] = {}
         self.consumed = ConsumedKeys()
@@ -237,6 +272,8 @@ class _Receiver:
         poller.register(self.sock_fd, zmq.POLLIN)
         poller.register(self.mon, zmq.POLLIN)
         poller.register(self.releaser.fd, zmq.POLLIN)
+        listener = self.bell.sock.fileno()
+        poller.register(listener, zmq.POLLIN)
         more = True  # the socket is looked at first (messages may predate the fd's edge)
         try:
             while not self.stopping:
@@ -251,13 +288,99 @@ class _Receiver:
                         self._drain_monitor()
                     if self.releaser.fd in ready or self.releaser.queue:
                         self._drain_frees()
+                    if listener in ready:
+                        self._accept_bells(poller)
+                    for fd in [fd for fd in self.pending_bells if fd in ready]:
+                        self._identify_bell(fd, poller)
+                    self._read_bells()
                     more = self._pump(256)
+                    while self.dead_bells:  # (only this thread polls them)
+                        reader = self.dead_bells.pop()
+                        try:
+                            poller.unregister(reader.fileno())
+                        except (KeyError, ValueError, OSError):
+                            pass
+                        reader.close()
         except BaseException as exc:  # the loop must not die silently: gets report it
             if not self.stopping:
                 logger.exception("nixl: the receiver loop of channel %r failed", self.channel)
                 with self.cond:
                     self.error = exc
                     self.cond.notify_all()
+
+    def _accept_bells(self, poller: Any) -> None:
+        """Take the senders' doorbell connections waiting (loop thread)."""
+        while True:
+            try:
+                conn = self.bell.accept_nowait()
+            except OSError:
+                return
+            if conn is None:
+                return
+            if len(self.pending_bells) >= _MAX_PENDING_BELLS:  # connections that name no session
+                conn.close()
+                continue
+            reader = _bell.BellReader(conn, wire.MAX_FRAME_BYTES)
+            self.pending_bells[reader.fileno()] = reader
+            poller.register(reader.fileno(), zmq.POLLIN)
+
+    def _identify_bell(self, fd: int, poller: Any) -> None:
+        """A new doorbell's first message names its sender's session: the doorbell is that
+        session's from then on; a connection that names none (or anything else) is closed."""
+        reader = self.pending_bells[fd]
+        try:
+            msgs = reader.read()
+        except BlobDecodeError:
+            msgs, reader.eof = [], True
+        if not msgs and not reader.eof:
+            return
+        del self.pending_bells[fd]
+        s = self.sessions.get(msgs[0]) if msgs else None
+        if s is None or s.lost or s.bell_r is not None:
+            poller.unregister(fd)
+            reader.close()
+            return
+        s.bell_r, s.bell_w = reader, _bell.BellWriter(reader.sock)
+        for raw in msgs[1:]:
+            self._on_bell(s, raw)
+        if reader.eof:
+            self._lose(s, "its doorbell closed")
+
+    def _read_bells(self) -> None:
+        """Handle what the senders' doorbells hold (the caller holds ``handling``)."""
+        for s in list(self.sessions.values()):
+            reader = s.bell_r
+            if reader is None or s.lost:
+                continue
+            try:
+                msgs = reader.read()
+            except BlobDecodeError as exc:
+                self._lose(s, f"its doorbell sent a message too large ({exc})")
+                continue
+            for raw in msgs:
+                if s.lost:
+                    break
+                self._on_bell(s, raw)
+            if reader.eof and not s.lost:
+                self._lose(s, "its doorbell closed")
+
+    def _on_bell(self, s: _Session, raw: bytes) -> None:
+        """One message on a sender's doorbell: a ``publish`` (nothing else goes there)."""
+        try:
+            msg = wire.decode_from_sender(raw)
+        except BlobDecodeError as exc:
+            logger.warning("nixl: channel %r: %s", self.channel, exc)
+            return
+        if isinstance(msg, wire.Publish):
+            if self.releaser.queue:  # blocks freed since: this message's answer says so
+                self._drain_frees()
+            try:
+                self._publish(s, msg)
+            except Exception:  # one bad message must not stop the channel
+                logger.exception("nixl: channel %r: a publish failed", self.channel)
+        else:
+            logger.warning("nixl: channel %r: a %s on a doorbell (only publish goes there)", self.channel,
+                           type(msg).__name__)
 
     def _pump(self, most: int) -> bool:
         """Handle up to ``most`` control messages waiting on the socket (the caller holds
@@ -300,6 +423,10 @@ class _Receiver:
         s.lost = True
         self.agent.remove_remote(s.peer)
         self.sessions.pop(s.ident, None)
+        if s.bell_r is not None:
+            self.dead_bells.append(s.bell_r)
+            s.bell_w = None
+            self.releaser.wake()  # the loop closes it
         for off, mirror in list(s.extents.items()):
             if not mirror.used_bytes:
                 self._free_extent(s, off)
@@ -346,6 +473,13 @@ class _Receiver:
         return frees
 
     def _send(self, s: _Session, msg: Any) -> None:
+        if s.bell_w is not None and isinstance(msg, wire.Ack) and not s.lost:
+            try:
+                s.bell_w.send(wire.encode(msg), _BELL_SEND_S)
+                return
+            except (PeerLostError, TransferTimeout) as exc:  # (the stream is then unusable)
+                self._lose(s, f"its doorbell failed ({exc})")
+                return
         try:
             self.sock.send_multipart([s.ident, wire.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError:  # the peer is gone: its session ends with the disconnection
@@ -434,7 +568,8 @@ class _Receiver:
             self.no_peer_since = None
         pool = self.pool
         self._send(s, wire.Welcome(version=wire.VERSION, session=msg.session, md=self.md, pool_addr=pool.addr,
-                                   pool_bytes=pool.nbytes, mem=pool.mem, dev=pool.dev))
+                                   pool_bytes=pool.nbytes, mem=pool.mem, dev=pool.dev,
+                                   bell=self.bell_name))
 
     def _publish(self, s: _Session, msg: wire.Publish) -> None:
         def ack(status: int, text: str = "") -> None:
@@ -563,6 +698,7 @@ class _Receiver:
         while key not in index and time.perf_counter_ns() < spin_end:
             if not self.stopping and handling.acquire(blocking=False):
                 try:
+                    self._read_bells()
                     more = self._pump(64)
                 except zmq.ZMQError:  # the socket closing: the loop thread reports it
                     more = False
@@ -623,6 +759,12 @@ class _Receiver:
             self._close_all()
 
     def _close_all(self) -> None:
+        for reader in [*self.pending_bells.values(), *self.dead_bells,
+                       *(s.bell_r for s in self.sessions.values() if s.bell_r is not None)]:
+            reader.close()
+        self.pending_bells.clear()
+        self.dead_bells.clear()
+        self.bell.close()
         self.sock.disable_monitor()
         self.mon.close(0)
         self.sock.close(0)
@@ -661,6 +803,9 @@ class _Sender:
         self.dev_staging: dict[int, Staging] = {}
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None
+        #: the receiver's doorbell: publishes out, their acks in (``wire``)
+        self.bell_w: Any = None
+        self.bell_r: Any = None
         self.welcome: wire.Welcome | None = None
         self.peer: str | None = None
         self.extents: dict[int, Blocks] = {}
@@ -691,6 +836,9 @@ class _Sender:
     def _drop_session(self, linger: int = 0) -> None:
         if self.peer is not None:
             self.agent.remove_remote(self.peer)
+        if self.bell_w is not None:
+            self.bell_w.close()
+        self.bell_w = self.bell_r = None
         if self.sock is not None:
             self.sock.disable_monitor()
             self.sock.close(linger)
@@ -729,6 +877,24 @@ class _Sender:
                                 f"while {what}; the next put connects to the receiver again")
         return sock
 
+    def _send_publish(self, msg: wire.Publish, deadline: Deadline) -> None:
+        """Publish a payload: on the receiver's doorbell (the control channel when it has
+        none)."""
+        writer = self.bell_w
+        if writer is None:
+            self._send(msg, deadline, "publishing")
+            return
+        try:
+            writer.send(wire.encode(msg), deadline.remaining())
+        except TransferTimeout:
+            self._drop_session()  # part of the message may be in the stream: it is unusable
+            raise self.conn._timeout("put", msg.key, f"the receiver at {self.endpoint} (its doorbell)",
+                                     deadline.timeout) from None
+        except PeerLostError as exc:
+            if not self.lost:
+                self.lost = f"its doorbell failed ({exc})"
+            raise self._peer_lost("publishing") from exc
+
     def _send(self, msg: Any, deadline: Deadline, what: str) -> None:
         raw = wire.encode(msg)
         sock = self._open_sock(what)
@@ -751,22 +917,38 @@ class _Sender:
                              "connects to the receiver again")
 
     def _receive(self, deadline: Deadline, until: Any, key: str | None, what: str) -> Any:
-        """Handle the receiver's messages until ``until(msg)`` is true for one; return it
-        (looking without sleeping for ``spin_us`` first)."""
+        """Handle the receiver's messages (control channel and doorbell) until
+        ``until(msg)`` is true for one; return it (looking without sleeping for
+        ``spin_us`` first)."""
         sock = self._open_sock(what)
         spin_end = time.perf_counter_ns() + self.spin_ns
+        poller: Any = None
         while True:
-            raw = None
+            raws = []
+            reader = self.bell_r
+            if reader is not None:
+                try:
+                    raws = reader.read()
+                except BlobDecodeError as exc:
+                    self.lost = f"its doorbell sent a message too large ({exc})"
+                    raise self._peer_lost(what) from None
+                if reader.eof and not raws:
+                    self.lost = self.lost or "its doorbell closed"
+                    raise self._peer_lost(what)
             if sock.get(zmq.EVENTS) & zmq.POLLIN:  # a look that finds nothing raises nothing
                 try:
-                    raw = sock.recv(zmq.NOBLOCK)
+                    raws.append(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     pass
-            if raw is not None:
-                msg = wire.decode_from_receiver(raw)
-                self._apply(msg)
-                if until(msg):
-                    return msg
+            if raws:
+                found = None
+                for raw in raws:
+                    msg = wire.decode_from_receiver(raw)
+                    self._apply(msg)
+                    if found is None and until(msg):
+                        found = msg
+                if found is not None:
+                    return found
                 continue
             if self._check_lost():
                 raise self._peer_lost(what)
@@ -775,7 +957,12 @@ class _Sender:
             if time.perf_counter_ns() < spin_end:
                 _yield()  # the GIL to this process's threads, the core to whoever is ready
                 continue
-            sock.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1, zmq.POLLIN)
+            if poller is None:
+                poller = zmq.Poller()
+                poller.register(sock, zmq.POLLIN)
+                if reader is not None:
+                    poller.register(reader.fileno(), zmq.POLLIN)
+            poller.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1)
 
     def _apply(self, msg: Any) -> None:
         """What every answer carries: blocks come free, extents granted."""
@@ -818,8 +1005,28 @@ class _Sender:
             self._drop_session()
             raise TransportError(f"nixl: the receiver of channel {self.channel!r} answered another session")
         self.peer = self.agent.add_remote(msg.md)
+        if msg.bell:
+            self._connect_bell(msg.bell, session, deadline)
         self.welcome = msg
         return msg
+
+    def _connect_bell(self, name: str, session: str, deadline: Deadline) -> None:
+        """Connect to the receiver's doorbell (``unix:@NAME``, or ``tcp:PORT`` on the
+        control endpoint's host) and name this session on it."""
+        if name.startswith("tcp:"):
+            host = self.endpoint[len("tcp://"):].rpartition(":")[0]
+            where = f"tcp://{host}:{name[len('tcp:'):]}"
+        else:
+            where = name
+        try:
+            sock = _bell.connect_bell(where, deadline.slice(10.0))
+            self.bell_w = _bell.BellWriter(sock)
+            self.bell_r = _bell.BellReader(sock, wire.MAX_FRAME_BYTES)
+            self.bell_w.send(session.encode(), deadline.slice(10.0))
+        except (OSError, ValueError, PeerLostError, TransferTimeout) as exc:
+            self._drop_session()
+            raise PeerLostError(f"nixl: the doorbell {where} of the receiver of channel {self.channel!r} cannot be "
+                                f"reached ({exc}); the next put connects to the receiver again") from exc
 
     # ---------------------------------------------------------------- put
     def _alloc(self, n: int, deadline: Deadline, key: str) -> int:
@@ -863,8 +1070,7 @@ class _Sender:
                     raise self._peer_lost("writing")
             self.seq += 1
             seq = self.seq
-            self._send(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta), deadline,
-                       "publishing")
+            self._send_publish(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta), deadline)
             self._receive(deadline, lambda m: isinstance(m, wire.Ack) and m.seq == seq, key, "waiting for its ack")
             ack = self.acks.pop(seq)
         if ack.status == wire.ACK_OK:

@@ -8,7 +8,7 @@ so a hostile frame costs at most its own size to reject::
     sender -> receiver                          receiver -> sender
     ------------------                          ------------------
     ["hello", version, session, pid, md]        ["welcome", version, session, md,
-                                                 pool_addr, pool_bytes, mem, dev]
+                                                 pool_addr, pool_bytes, mem, dev, bell]
     ["extent", need]                            ["granted", offset, length, frees]
     ["publish", seq, key, offset, length, meta] ["ack", seq, status, text, frees]
     ["return", offset]                          ["refused", text]
@@ -16,6 +16,11 @@ so a hostile frame costs at most its own size to reject::
 
 - A sender's ``session`` (32 hex digits, fresh per connection) is also its zmq routing
   id; ``md`` is its NIXL agent metadata.
+- ``bell`` (in ``welcome``): the receiver's doorbell (``omnilink.connectors.bell``), a
+  plain stream socket with no I/O thread: ``unix:@NAME`` (an ipc endpoint) or
+  ``tcp:PORT`` (on the control endpoint's host). The sender connects, sends its
+  ``session`` as the first message, then its ``publish`` messages go there and their
+  ``ack`` come back on it; everything else stays on the control channel.
 - ``extent``: the sender asks for a part of the receiver's pool of at least ``need``
   bytes. ``granted`` gives one (``length`` 0: none now; the receiver answers again
   when blocks come free) and hands back ``frees``, the offsets of blocks whose last
@@ -61,7 +66,7 @@ __all__ = [
     "encode",
 ]
 
-VERSION = 1
+VERSION = 2
 ACK_OK = 0
 ACK_DUPLICATE_KEY = 1
 ACK_DECODE_ERROR = 2
@@ -124,6 +129,7 @@ class Welcome(_Msg):
     pool_bytes: _Off
     mem: Literal["DRAM", "VRAM"]
     dev: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+    bell: Annotated[str, msgspec.Meta(max_length=256, pattern=r"^(|unix:@[0-9A-Za-z._-]{1,200}|tcp:[0-9]{1,5})$")]
 
 
 class Granted(_Msg):
