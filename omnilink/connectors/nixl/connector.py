@@ -244,6 +244,9 @@ class _Receiver:
         self.bell_name = ep if ep.startswith(_bell.UNIX_PREFIX) else "tcp:" + ep.rpartition(":")[2]
         #: accepted doorbell connections that have not said which session they are
         self.pending_bells: dict[int, Any] = {}
+        #: gets spinning now (``take``, under ``cond``): the loop leaves the senders'
+        #: messages to them
+        self.spinners = 0
         #: doorbells of ended sessions, closed by the loop thread (the one that polls them)
         self.dead_bells: list[Any] = []
         self.cond = threading.Condition()
@@ -268,19 +271,26 @@ class _Receiver:
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock_fd, zmq.POLLIN)
-        poller.register(self.mon, zmq.POLLIN)
-        poller.register(self.releaser.fd, zmq.POLLIN)
+        # Two pollers: ``full`` also watches the senders' messages (the doorbells and the
+        # control socket); ``quiet``, used while a get spins (it reads them itself: the
+        # payload is published in its thread, not raced for), watches the rest.
+        full, quiet = zmq.Poller(), zmq.Poller()
+        full.register(self.sock_fd, zmq.POLLIN)
         listener = self.bell.sock.fileno()
-        poller.register(listener, zmq.POLLIN)
+        for p in (full, quiet):
+            p.register(self.mon, zmq.POLLIN)
+            p.register(self.releaser.fd, zmq.POLLIN)
+            p.register(listener, zmq.POLLIN)
+        pollers = (full, quiet)
         more = True  # the socket is looked at first (messages may predate the fd's edge)
         try:
             while not self.stopping:
                 # A parked sender waits for blocks whose consumer's stream was still busy:
                 # look again soon (nothing else needs a timed look).
                 rel = self.releaser
-                ready = dict(poller.poll(0 if more else 1 if rel.eager and rel.queue else 1000))
+                spinning = self.spinners > 0
+                timeout = 0 if more and not spinning else 1 if rel.eager and rel.queue else 1000
+                ready = dict((quiet if spinning else full).poll(timeout))
                 if self.stopping:
                     break
                 with self.handling:
@@ -289,17 +299,19 @@ class _Receiver:
                     if self.releaser.fd in ready or self.releaser.queue:
                         self._drain_frees()
                     if listener in ready:
-                        self._accept_bells(poller)
+                        self._accept_bells(pollers)
                     for fd in [fd for fd in self.pending_bells if fd in ready]:
-                        self._identify_bell(fd, poller)
-                    self._read_bells()
-                    more = self._pump(256)
+                        self._identify_bell(fd, pollers)
+                    if not self.spinners:
+                        self._read_bells()
+                        more = self._pump(256)
                     while self.dead_bells:  # (only this thread polls them)
                         reader = self.dead_bells.pop()
-                        try:
-                            poller.unregister(reader.fileno())
-                        except (KeyError, ValueError, OSError):
-                            pass
+                        for p in pollers:
+                            try:
+                                p.unregister(reader.fileno())
+                            except (KeyError, ValueError, OSError):
+                                pass
                         reader.close()
         except BaseException as exc:  # the loop must not die silently: gets report it
             if not self.stopping:
@@ -308,7 +320,7 @@ class _Receiver:
                     self.error = exc
                     self.cond.notify_all()
 
-    def _accept_bells(self, poller: Any) -> None:
+    def _accept_bells(self, pollers: tuple[Any, Any]) -> None:
         """Take the senders' doorbell connections waiting (loop thread)."""
         while True:
             try:
@@ -322,9 +334,10 @@ class _Receiver:
                 continue
             reader = _bell.BellReader(conn, wire.MAX_FRAME_BYTES)
             self.pending_bells[reader.fileno()] = reader
-            poller.register(reader.fileno(), zmq.POLLIN)
+            for p in pollers:
+                p.register(reader.fileno(), zmq.POLLIN)
 
-    def _identify_bell(self, fd: int, poller: Any) -> None:
+    def _identify_bell(self, fd: int, pollers: tuple[Any, Any]) -> None:
         """A new doorbell's first message names its sender's session: the doorbell is that
         session's from then on; a connection that names none (or anything else) is closed."""
         reader = self.pending_bells[fd]
@@ -335,9 +348,11 @@ class _Receiver:
         if not msgs and not reader.eof:
             return
         del self.pending_bells[fd]
+        full, quiet = pollers
+        quiet.unregister(fd)  # a session's doorbell: read by a spinning get, else the loop
         s = self.sessions.get(msgs[0]) if msgs else None
         if s is None or s.lost or s.bell_r is not None:
-            poller.unregister(fd)
+            full.unregister(fd)
             reader.close()
             return
         s.bell_r, s.bell_w = reader, _bell.BellWriter(reader.sock)
@@ -681,19 +696,25 @@ class _Receiver:
                     if remaining is not None:
                         spin_end = min(spin_end, time.perf_counter_ns() + int(remaining * 1e9))
                     index = self.index
+                    # The loop thread leaves the senders' messages to this get meanwhile.
+                    self.spinners += 1
+                    self.releaser.wake()
                     self.cond.release()
                     try:
                         self._spin(key, index, spin_end)
                     finally:
                         self.cond.acquire()
+                        self.spinners -= 1
+                        if not self.spinners:
+                            self.releaser.wake()  # the loop reads them again
                     continue
                 self.cond.wait(1.0 if remaining is None else min(remaining, 1.0))
 
     def _spin(self, key: str, index: dict[str, Any], spin_end: int) -> None:
-        """Until ``key`` is indexed or ``spin_end``: read the control socket here, where
-        the loop thread is not reading it, so that the payload is published in this
-        thread (no hand-off from the loop thread, whose wake-up and wait for the GIL
-        cost more than the message); else let the loop thread run."""
+        """Until ``key`` is indexed or ``spin_end``: read the doorbells and the control
+        socket here (the loop thread leaves them to spinning gets), so that the payload
+        is published in this thread (no hand-off from the loop thread, whose wake-up and
+        wait for the GIL cost more than the message)."""
         handling = self.handling
         while key not in index and time.perf_counter_ns() < spin_end:
             if not self.stopping and handling.acquire(blocking=False):
