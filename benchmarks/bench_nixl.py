@@ -449,36 +449,29 @@ def _receiver_main(name: str, opts: dict[str, Any], pipe: Any, results: Any) -> 
 def _print(rows: list[dict[str, Any]], sizes: list[int], tls_runs: list[str]) -> None:
     for tls in tls_runs:
         print(f"\nUCX_TLS={tls}: per-message time p50 (put -> get -> answer), ratio = vllm-omni-nixl / row")
-        base = {r["size"]: r["p50_s"] for r in rows if r.get("tls") == tls and r["connector"] == "vllm-omni-nixl"
-                and "size" in r}
         print(f"{'connector':<16}" + "".join(f"{format_size(s):>22}" for s in sizes))
-        for name in dict.fromkeys(r["connector"] for r in rows if r.get("tls") == tls):
-            cells = []
-            for s in sizes:
-                r = next((r for r in rows if r.get("tls") == tls and r["connector"] == name and r.get("size") == s),
-                         None)
-                if r is None:
-                    cells.append(f"{'-':>22}")
-                    continue
-                ratio = f" {base[s] / r['p50_s']:5.1f}x" if s in base else ""
-                cells.append(f"{r['p50_s'] * 1e6:>10.0f} us{ratio:>8}"[:22].rjust(22))
-            print(f"{name:<16}" + "".join(cells))
-        floor = {r["size"]: r["one_way_p50_s"] for r in rows if r.get("tls") == tls and r["connector"] == "raw-nixl"
-                 and "size" in r}
+        _print_table(rows, sizes, tls, "p50_s", "vllm-omni-nixl", lambda v, ref: f" {ref / v:5.1f}x")
         print(f"\nUCX_TLS={tls}: one-way p50 (put called -> the receiver holds the payload, one clock), "
               "ratio = row / raw-nixl")
-        for name in dict.fromkeys(r["connector"] for r in rows if r.get("tls") == tls):
-            cells = []
-            for s in sizes:
-                r = next((r for r in rows if r.get("tls") == tls and r["connector"] == name and r.get("size") == s),
-                         None)
-                if r is None:
-                    cells.append(f"{'-':>22}")
-                    continue
-                ratio = f" {r['one_way_p50_s'] / floor[s]:5.2f}x" if s in floor else ""
-                cells.append(f"{r['one_way_p50_s'] * 1e6:>10.0f} us{ratio:>8}"[:22].rjust(22))
-            print(f"{name:<16}" + "".join(cells))
+        _print_table(rows, sizes, tls, "one_way_p50_s", "raw-nixl", lambda v, ref: f" {v / ref:5.2f}x")
 
+
+def _print_table(rows: list[dict[str, Any]], sizes: list[int], tls: str, field: str, ref_name: str,
+                 ratio: Any) -> None:
+    """One line per connector of ``tls``'s rows: ``field`` per size in us, with
+    ``ratio(value, the ref_name row's value)`` where that row has the size."""
+    mine = [r for r in rows if r.get("tls") == tls and "size" in r]
+    ref = {r["size"]: r[field] for r in mine if r["connector"] == ref_name}
+    for name in dict.fromkeys(r["connector"] for r in rows if r.get("tls") == tls):
+        cells = []
+        for s in sizes:
+            r = next((r for r in mine if r["connector"] == name and r["size"] == s), None)
+            if r is None:
+                cells.append(f"{'-':>22}")
+                continue
+            text = ratio(r[field], ref[s]) if s in ref else ""
+            cells.append(f"{r[field] * 1e6:>10.0f} us{text:>8}"[:22].rjust(22))
+        print(f"{name:<16}" + "".join(cells))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -215,6 +215,22 @@ def render_serial(data: list[Any]) -> str:
     return text
 
 
+def _nixl_cells(rows: list[dict[str, Any]], sizes: list[int], field: str, ref_name: str,
+                cell: Any) -> list[list[str]]:
+    """Table rows of one UCX transport's ``rows``: per connector, ``cell(row, the
+    ref_name row's field or None)`` per size (``None`` for that row itself and where it
+    lacks the size), ``-`` where the connector lacks it."""
+    ref = {r["size"]: r[field] for r in rows if r["connector"] == ref_name}
+    table = []
+    for name in dict.fromkeys(r["connector"] for r in rows):
+        cells = [name]
+        for size in sizes:
+            r = next((r for r in rows if r["connector"] == name and r["size"] == size), None)
+            cells.append("-" if r is None else cell(r, ref.get(size) if name != ref_name else None))
+        table.append(cells)
+    return table
+
+
 def render_nixl(data: list[Any]) -> str:
     """``benchmarks/bench_nixl.py --json``: us per payload (and GB/s) by UCX transport,
     with each row's ratio to vLLM-Omni's NixlConnector of the same run."""
@@ -225,44 +241,28 @@ def render_nixl(data: list[Any]) -> str:
     m = head["machine"]
     sizes = sorted({r["size"] for r in rows})
     out = []
+    head_row = ["connector"] + [_size(s) for s in sizes]
+    align = "<" + ">" * len(sizes)
+
+    def per_message(r: dict[str, Any], ref: float | None) -> str:
+        us = r["p50_s"] * 1e6
+        text = f"{us:,.0f} us" if r["size"] < (16 << 20) else f"{us / 1000:.1f} ms ({r['gbps']:.2f} GB/s)"
+        return text if ref is None else text + f", {ref / r['p50_s']:.1f}x"
+
+    def one_way(r: dict[str, Any], ref: float | None) -> str:
+        us = r["one_way_p50_s"] * 1e6
+        text = f"{us:,.0f} us" if r["size"] < (16 << 20) else f"{us / 1000:.2f} ms"
+        return text if ref is None else text + f", {r['one_way_p50_s'] / ref:.2f}x"
+
     for tls in dict.fromkeys(r["tls"] for r in rows):
-        base = {r["size"]: r["p50_s"] for r in rows if r["tls"] == tls and r["connector"] == "vllm-omni-nixl"}
-        table = []
-        for name in dict.fromkeys(r["connector"] for r in rows if r["tls"] == tls):
-            cells = [name]
-            for size in sizes:
-                r = next((r for r in rows if r["tls"] == tls and r["connector"] == name and r["size"] == size), None)
-                if r is None:
-                    cells.append("-")
-                    continue
-                us = r["p50_s"] * 1e6
-                text = f"{us:,.0f} us" if size < (16 << 20) else f"{us / 1000:.1f} ms ({r['gbps']:.2f} GB/s)"
-                if size in base and name != "vllm-omni-nixl":
-                    text += f", {base[size] / r['p50_s']:.1f}x"
-                cells.append(text)
-            table.append(cells)
-        out.append(f"`UCX_TLS={tls}`:\n\n" + _table(["connector"] + [_size(s) for s in sizes], table,
-                                                     "<" + ">" * len(sizes)))
-        floor = {r["size"]: r["one_way_p50_s"] for r in rows
-                 if r["tls"] == tls and r["connector"] == "raw-nixl" and "one_way_p50_s" in r}
-        one_way = []
-        for name in dict.fromkeys(r["connector"] for r in rows if r["tls"] == tls and "one_way_p50_s" in r):
-            cells = [name]
-            for size in sizes:
-                r = next((r for r in rows if r["tls"] == tls and r["connector"] == name and r["size"] == size), None)
-                if r is None or "one_way_p50_s" not in r:
-                    cells.append("-")
-                    continue
-                us = r["one_way_p50_s"] * 1e6
-                text = f"{us:,.0f} us" if size < (16 << 20) else f"{us / 1000:.2f} ms"
-                if size in floor and name != "raw-nixl":
-                    text += f", {r['one_way_p50_s'] / floor[size]:.2f}x"
-                cells.append(text)
-            one_way.append(cells)
-        if one_way:
+        mine = [r for r in rows if r["tls"] == tls]
+        out.append(f"`UCX_TLS={tls}`:\n\n"
+                   + _table(head_row, _nixl_cells(mine, sizes, "p50_s", "vllm-omni-nixl", per_message), align))
+        table = _nixl_cells([r for r in mine if "one_way_p50_s" in r], sizes, "one_way_p50_s", "raw-nixl", one_way)
+        if table:
             out.append(f"`UCX_TLS={tls}`, one-way (from `put` until the receiver holds the payload, one clock; "
                        "after the comma: the row's time / the raw WRITE + notification's):\n\n"
-                       + _table(["connector"] + [_size(s) for s in sizes], one_way, "<" + ">" * len(sizes)))
+                       + _table(head_row, table, align))
     gpus = _gpus(m)
     where = f"{gpus}; " if gpus else ""
     return (f"{where}{m.get('cpu')}, {m.get('cores')} cores; torch {m['versions'].get('torch')}. "

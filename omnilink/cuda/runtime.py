@@ -287,6 +287,17 @@ class CudaOps:
         default stream, 0, is the current device's; ``wait_current`` for another's)."""
         self.check(self.rt.cudaStreamWaitEvent(stream, event.handle, 0), "cudaStreamWaitEvent")
 
+    def current_stream_idle(self, index: int) -> tuple[int, bool]:
+        """Device ``index``'s current stream (torch's, this thread; ``index`` made current
+        for the query: the legacy default stream, 0, is the current device's) and
+        whether it has nothing left to run."""
+        stream = int(self._current_stream(index))
+        prev = self.swap_device(index)
+        try:
+            return stream, self.rt.cudaStreamQuery(stream)[0] == self.success
+        finally:
+            self.restore_device(prev)
+
     def wait_current(self, index: int, event: Any) -> None:
         """Device ``index``'s current stream (torch's, this thread) waits for ``event`` (an
         ``Event`` or a raw event, an interprocess one included), whichever device the

@@ -423,15 +423,9 @@ class CudaDeviceOps:
         left to run (a consumer that synchronized before dropping its views: its block
         goes back before its next ``get``, so a sender short of room does not wait for
         the completion thread), else on the completion thread after an event."""
-        ops = self._ops
         idle = False
         try:
-            stream = current_raw_stream(index)
-            prev = self._on(index)  # a legacy default stream (0) is the current device's
-            try:
-                idle = self.rt.cudaStreamQuery(stream)[0] == ops.success
-            finally:
-                ops.restore_device(prev)
+            stream, idle = self._ops.current_stream_idle(index)
             ev = None if idle else Event(index).record(stream)
         except Exception:  # pragma: no cover - interpreter or driver teardown
             ev = None

@@ -30,8 +30,8 @@ Topology and one ``put``::
 - **No polling sleep on the receiving side.** The receiver learns of a payload from
   its sender's doorbell, where its loop thread sleeps in ``poll()`` (with the control
   socket's fd); a waiting ``get`` reads them itself for ``spin_us`` (one thread at a
-  time holds them), so a payload that comes meanwhile is published in the getter's own thread, then
-  sleeps on a condition variable. The sender waits for
+  time holds them), so a payload that comes meanwhile is published in the getter's own
+  thread, then sleeps on a condition variable. The sender waits for
   its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for the ack
   for ``spin_us``, then in ``poll()``.
 - **Sender-side allocation.** The receiver hands each sender extents of its pool; a
@@ -303,7 +303,7 @@ class _Receiver:
                     for fd in [fd for fd in self.pending_bells if fd in ready]:
                         self._identify_bell(fd, pollers)
                     if not self.spinners:
-                        self._read_bells()
+                        self._read_bells(ready)
                         more = self._pump(256)
                     while self.dead_bells:  # (only this thread polls them)
                         reader = self.dead_bells.pop()
@@ -361,11 +361,13 @@ class _Receiver:
         if reader.eof:
             self._lose(s, "its doorbell closed")
 
-    def _read_bells(self) -> None:
-        """Handle what the senders' doorbells hold (the caller holds ``handling``)."""
+    def _read_bells(self, ready: Any = None) -> None:
+        """Handle what the senders' doorbells hold (the caller holds ``handling``);
+        ``ready``: only those whose fd is in it (the loop's poll; a spinning get reads
+        them all)."""
         for s in list(self.sessions.values()):
             reader = s.bell_r
-            if reader is None or s.lost:
+            if reader is None or s.lost or (ready is not None and reader.fileno() not in ready):
                 continue
             try:
                 msgs = reader.read()

@@ -180,13 +180,9 @@ class Releaser:
         from omnilink.cuda import Event
 
         idx = self._index
-        stream = int(torch._C._cuda_getCurrentRawStream(idx))
-        prev = ops.swap_device(idx)  # a legacy default stream (0) is the current device's
-        try:
-            if ops.rt.cudaStreamQuery(stream)[0] == ops.success:
-                return None
-        finally:
-            ops.restore_device(prev)
+        stream, idle = ops.current_stream_idle(idx)
+        if idle:
+            return None
         events = self._events
         event = events.pop() if events else Event(idx)
         return event.record(stream)
