@@ -240,6 +240,8 @@ class CudaOps:
         self._get_device = torch._C._cuda_getDevice
         self._current_stream = torch._C._cuda_getCurrentRawStream
         self._local = threading.local()
+        #: cuda-python's driver module once imported (``False``: not there)
+        self._driver: Any = None
 
     def ordering_event(self, index: int) -> Event:
         """This thread's reusable event of device ``index``, for record-then-wait at once.
@@ -297,6 +299,36 @@ class CudaOps:
             return stream, self.rt.cudaStreamQuery(stream)[0] == self.success
         finally:
             self.restore_device(prev)
+
+    def allocation(self, ptr: int, index: int) -> tuple[int, int, int] | None:
+        """``(base, size, buffer id)`` of the device allocation holding ``ptr`` (device
+        ``index`` made current for the driver's queries), or ``None`` where the driver
+        cannot say (not device memory, no driver bindings). The buffer id is unique to
+        one allocation in this process: addresses freed and handed to a new allocation
+        get a new id."""
+        drv = self._driver
+        if drv is None:
+            try:
+                from cuda.bindings import driver as drv  # type: ignore[import-not-found]
+            except ImportError:
+                self._driver = False
+                return None
+            self._driver = drv
+            self._buffer_id = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
+            self._drv_ok = drv.CUresult.CUDA_SUCCESS
+        elif drv is False:
+            return None
+        prev = self.swap_device(index)
+        try:
+            err, base, size = drv.cuMemGetAddressRange(ptr)
+            if err != self._drv_ok:
+                return None
+            err, buffer_id = drv.cuPointerGetAttribute(self._buffer_id, ptr)
+            if err != self._drv_ok:
+                return None
+        finally:
+            self.restore_device(prev)
+        return int(base), int(size), int(buffer_id)
 
     def wait_current(self, index: int, event: Any) -> None:
         """Device ``index``'s current stream (torch's, this thread) waits for ``event`` (an

@@ -75,6 +75,36 @@ def test_host_tensors_into_a_device_pool_in_one_process():
         assert bool(got["b"].all())
 
 
+def test_direct_writes_register_each_allocation_once():
+    """Tensors of one CUDA allocation are written from their own memory under one
+    registration of that allocation (made by the first WRITE, kept); an allocation made
+    after the first was freed (``empty_cache``) gets its own, and every payload arrives
+    bit for bit."""
+    src, dst = _devices()
+    channel = f"olnx/regs-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=64 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        whole = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, device=src)
+        for i in range(4):
+            part = whole[i * (4 << 20):(i + 1) * (4 << 20)]
+            tx.put(f"r{i}", {"t": part, "i": i})
+            got = rx.get(f"r{i}")
+            assert got["t"].device == torch.device(dst) and torch.equal(got["t"].cpu(), part.cpu()) and got["i"] == i
+            del got
+        regs = tx._tx.regs
+        assert regs is not None and (regs.misses, regs.hits) == (1, 3)
+        del whole, part
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        fresh = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, device=src)
+        tx.put("fresh", {"t": fresh})
+        got = rx.get("fresh")
+        assert torch.equal(got["t"].cpu(), fresh.cpu())
+        assert regs.misses == 2 and len(regs) <= 2
+        del got
+
+
 def test_large_cuda_tensors_are_written_from_their_own_memory(monkeypatch):
     """A CUDA tensor of at least DIRECT_MIN_BYTES goes from its own memory (registered
     for the WRITE): the staging buffer holds only the rest; a tensor held twice, small

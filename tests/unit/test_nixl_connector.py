@@ -177,18 +177,19 @@ def test_a_waiting_get_with_any_spin_takes_what_comes_later(spin_us, monkeypatch
 
 
 @needs_nixl
-@pytest.mark.parametrize("spinning", [False, True], ids=["no-spin", "spinning-get"])
-def test_a_spinning_get_publishes_in_its_own_thread(spinning, monkeypatch):
-    """A get that waits in its spin reads the control socket itself: the payload that
-    comes meanwhile is published in the getter's thread, not handed over from the loop
-    thread; without a spin the loop thread publishes it and wakes the get."""
+@pytest.mark.parametrize("mode", ["spinning-get", "watching-get", "no-get-waiting"])
+def test_a_waiting_get_publishes_in_its_own_thread(mode, monkeypatch):
+    """A get that waits, spinning or (past its spin) in poll(), reads the senders'
+    messages itself: the payload that comes meanwhile is published in the getter's
+    thread, not handed over from the loop thread; one that comes while no get waits is
+    published by the loop thread."""
     import threading
 
     from omnilink.connectors.nixl.connector import _Receiver
 
     where = []
     publish = _Receiver._publish
-    spin = _Receiver._spin
+    spin, watch = _Receiver._spin, _Receiver._watch
     waiting = threading.Event()
 
     def spy_publish(self, s, msg):
@@ -199,10 +200,15 @@ def test_a_spinning_get_publishes_in_its_own_thread(spinning, monkeypatch):
         waiting.set()
         return spin(self, key, index, spin_end)
 
+    def spy_watch(self, key, index, remaining):
+        waiting.set()
+        return watch(self, key, index, remaining)
+
     monkeypatch.setattr(_Receiver, "_publish", spy_publish)
-    monkeypatch.setattr(_Receiver, "_spin", spy_spin)
+    monkeypatch.setattr(_Receiver, "_spin" if mode == "spinning-get" else "_watch",
+                        spy_spin if mode == "spinning-get" else spy_watch)
     monkeypatch.setenv("UCX_TLS", "tcp")
-    ch = f"olnx/spin-{os.getpid()}-{int(spinning)}"
+    ch = f"olnx/spin-{os.getpid()}-{mode}"
     rx = omnilink.connect("nixl", channel=ch, role="receiver", endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20,
                           extent_bytes=1 << 20, timeout=30.0, spin_us=0)
     tx = omnilink.connect("nixl", channel=ch, role="sender", endpoint=rx.endpoint, timeout=30.0)
@@ -210,32 +216,79 @@ def test_a_spinning_get_publishes_in_its_own_thread(spinning, monkeypatch):
         tx.put("warm", {"a": torch.zeros(4)})  # the session and its extent first
         assert rx.get("warm")["a"].sum() == 0
         # A spin long enough for any machine (no timing in the test): the put comes
-        # once the get is spinning.
-        rx._rx.spin_ns = 30 * 10**9 if spinning else 0
+        # once the get is spinning (or watching).
+        rx._rx.spin_ns = 30 * 10**9 if mode == "spinning-get" else 0
         where.clear()
-        errors = []
-
-        def put_later():
-            try:
-                if spinning:
-                    assert waiting.wait(30)
-                else:
-                    threading.Event().wait(0.05)
-                tx.put("k", {"a": torch.arange(8, dtype=torch.float32)})
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        t = threading.Thread(target=put_later, name="putter")
-        t.start()
-        got = rx.get("k", timeout=30.0)
-        t.join(30)
-        assert not errors, errors
-        assert got["a"].tolist() == list(range(8))
-        assert len(where) == 1, where
-        if spinning:
-            assert where == [threading.current_thread().name], where
+        waiting.clear()
+        if mode == "no-get-waiting":
+            tx.put("k", {"a": torch.arange(8, dtype=torch.float32)})  # acked once published
+            got = rx.get("k", timeout=30.0)
+            assert where[0].startswith("omnilink-nixl-rx-") and len(where) == 1, where
         else:
-            assert where[0].startswith("omnilink-nixl-rx-"), where
+            errors = []
+
+            def put_later():
+                try:
+                    assert waiting.wait(30)
+                    tx.put("k", {"a": torch.arange(8, dtype=torch.float32)})
+                except BaseException as exc:  # pragma: no cover - reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=put_later, name="putter")
+            t.start()
+            got = rx.get("k", timeout=30.0)
+            t.join(30)
+            assert not errors, errors
+            assert where == [threading.current_thread().name], where
+        assert got["a"].tolist() == list(range(8))
+    finally:
+        tx.close()
+        rx.close()
+
+
+@needs_nixl
+def test_gets_waiting_together_each_take_theirs_and_close_ends_a_watch(monkeypatch):
+    """Two gets wait at once (one watches in poll(), the other sleeps until it may): each
+    takes its payload whatever the order they come in; a get left watching when the
+    receiver closes raises ClosedError instead of waiting out its timeout."""
+    import threading
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    ch = f"olnx/watch2-{os.getpid()}"
+    rx = omnilink.connect("nixl", channel=ch, role="receiver", endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20,
+                          extent_bytes=1 << 20, timeout=30.0, spin_us=0)
+    tx = omnilink.connect("nixl", channel=ch, role="sender", endpoint=rx.endpoint, timeout=30.0)
+    got, errors = {}, []
+
+    def get(key, timeout=30.0):
+        try:
+            got[key] = rx.get(key, timeout=timeout)
+        except BaseException as exc:
+            errors.append((key, exc))
+
+    try:
+        ts = [threading.Thread(target=get, args=(k,)) for k in ("a", "b")]
+        for t in ts:
+            t.start()
+        threading.Event().wait(0.05)
+        tx.put("b", {"x": torch.arange(3)})
+        tx.put("a", {"x": torch.arange(5)})
+        for t in ts:
+            t.join(30)
+        assert not errors, errors
+        assert got["a"]["x"].tolist() == list(range(5)) and got["b"]["x"].tolist() == list(range(3))
+        got.clear()
+        late = threading.Thread(target=get, args=("never", 60.0))
+        late.start()
+        for _ in range(3000):
+            if rx._rx.watching:
+                break
+            threading.Event().wait(0.01)
+        assert rx._rx.watching
+        rx.close()
+        late.join(20)
+        assert not late.is_alive()
+        assert [type(e).__name__ for _k, e in errors] == ["ClosedError"], errors
     finally:
         tx.close()
         rx.close()

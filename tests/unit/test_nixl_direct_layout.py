@@ -94,12 +94,13 @@ class _Staging:
         self.ensured = n
 
 
-def _sender(agent, post):
+def _sender(agent, post, cache=None):
     from omnilink.connectors.nixl.connector import _Sender
 
     s = object.__new__(_Sender)
     s.agent = agent
     s._kept_regs, s._kept_tensors = [], []
+    s.regs = cache
     s.filled, s.synced = [], []
     s._fill_device = lambda prepared, staging, sources: s.filled.append(sources)
     s._sync_devices = lambda devs: s.synced.append(devs)
@@ -157,3 +158,52 @@ def test_a_direct_write_that_fails_lets_go_of_what_it_registered():
     else:
         raise AssertionError("the failure was swallowed")
     assert agent.deregistered == [("reg", big.ptr)] and not s._kept_regs
+
+
+# ------------------------------------------------------------ with allocations registered once
+def _cache(agent, allocations):
+    """A registration cache over stand-in allocations ``{ptr range start: (size, id)}``."""
+    from omnilink.connectors.nixl.regcache import RegistrationCache
+
+    def allocation(ptr, dev):
+        for base, (size, bid) in allocations.items():
+            if base <= ptr < base + size:
+                return base, size, bid
+        return None
+
+    return RegistrationCache(agent, allocation)
+
+
+def test_a_direct_write_from_a_cached_allocation_registers_it_once_and_keeps_it():
+    big, prepared, direct = _case()
+    agent = _Agent()
+    cache = _cache(agent, {0x1000_0000: (8 << 20, 7)})
+    posted = []
+    s = _sender(agent, lambda local, mem, remote, welcome, deadline: posted.append((local, remote)), cache)
+    for _ in range(3):
+        assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) is None
+    # The whole allocation, once, for three WRITEs; nothing deregistered after them.
+    assert agent.registered == [(0x1000_0000, 8 << 20, "VRAM", 0)] and agent.deregistered == []
+    assert (cache.misses, cache.hits) == (1, 2) and len(posted) == 3
+    s.regs.clear()
+    assert agent.deregistered == [("reg", 0x1000_0000)]
+
+
+def test_a_tensor_outside_any_known_allocation_is_registered_for_its_write_alone():
+    big, prepared, direct = _case()
+    agent = _Agent()
+    s = _sender(agent, lambda *a: None, _cache(agent, {}))
+    assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) is None
+    assert agent.registered == [(big.ptr, 1 << 20, "VRAM", 0)] and agent.deregistered == [("reg", big.ptr)]
+
+
+def test_a_stuck_write_keeps_the_cached_registrations_for_good():
+    big, prepared, direct = _case()
+    agent = _Agent(stuck=True)
+    cache = _cache(agent, {0x1000_0000: (8 << 20, 7)})
+    s = _sender(agent, lambda *a: "timeout", cache)
+    assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) == "timeout"
+    assert not agent.deregistered and s._kept_regs == [("reg", 0x1000_0000)] and big in s._kept_tensors
+    assert len(cache) == 0
+    cache.clear()  # nothing left in it to deregister
+    assert not agent.deregistered

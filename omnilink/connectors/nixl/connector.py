@@ -69,6 +69,7 @@ import bisect
 import logging
 import os
 import secrets
+import select
 import threading
 import time
 from typing import Any
@@ -95,6 +96,7 @@ from omnilink.connectors.base import BaseConnector, ConnectorStats, Role, check_
 from omnilink.connectors.nixl import wire
 from omnilink.connectors.nixl.agent import Agent, nixl_unavailable
 from omnilink.connectors.nixl.pool import Blocks, Pool, Releaser, Staging, round_up
+from omnilink.connectors.nixl.regcache import RegistrationCache
 from omnilink.connectors.zmq import EndpointLock, check_endpoint, remove_stale_socket, resolve_endpoint
 
 __all__ = ["NixlConnector"]
@@ -112,10 +114,14 @@ _SLICE_MS = 100
 #: the GIL only.
 _yield = os.sched_yield
 #: A contiguous CUDA tensor of at least this many bytes is written from its own memory
-#: (registered with the agent for the WRITE, deregistered after it) instead of being
-#: copied into the device staging buffer first: registering costs 45-60 us and
-#: deregistering ~4 us (2x H100 / H200, ``benchmarks/gpu/nixl_write_floor.py``), a
-#: staging copy of 64 MiB about as much and of 256 MiB ~180 us, plus its wait.
+#: instead of being copied into the device staging buffer first. Its allocation is
+#: registered with the agent once and kept (``regcache``: later tensors of that
+#: allocation write with no registration); where the driver cannot name the
+#: allocation, the tensor is registered for the WRITE and deregistered after it, and
+#: then only from ``DIRECT_MIN_BYTES``: registering costs 45-92 us and deregistering
+#: 4-12 us (2x H100 / H200, ``benchmarks/gpu/nixl_write_floor.py``), a staging copy of
+#: 64 MiB about as much and of 256 MiB ~180 us, plus its wait.
+DIRECT_CACHED_MIN_BYTES = 1 << 20
 DIRECT_MIN_BYTES = 64 << 20
 
 
@@ -247,6 +253,12 @@ class _Receiver:
         #: gets spinning now (``take``, under ``cond``): the loop leaves the senders'
         #: messages to them
         self.spinners = 0
+        #: a get waits in poll() for the senders' messages (``_watch``; one at a time);
+        #: ``watch_fd`` wakes it when the doorbells change (``bells_version``) or the
+        #: receiver stops
+        self.watching = False
+        self.bells_version = 0
+        self.watch_fd = -1
         #: doorbells of ended sessions, closed by the loop thread (the one that polls them)
         self.dead_bells: list[Any] = []
         self.cond = threading.Condition()
@@ -266,6 +278,7 @@ class _Receiver:
         self.stopping = False
         self.error: BaseException | None = None
         self.fallbacks = 0
+        self.watch_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.thread = threading.Thread(target=self._run, name=f"omnilink-nixl-rx-{self.channel}", daemon=True)
         self.thread.start()
 
@@ -305,7 +318,7 @@ class _Receiver:
                     if not self.spinners:
                         self._read_bells(ready)
                         more = self._pump(256)
-                    while self.dead_bells:  # (only this thread polls them)
+                    while self.dead_bells and not self.watching:  # (a watching get may poll them)
                         reader = self.dead_bells.pop()
                         for p in pollers:
                             try:
@@ -356,6 +369,7 @@ class _Receiver:
             reader.close()
             return
         s.bell_r, s.bell_w = reader, _bell.BellWriter(reader.sock)
+        self._bells_changed()
         for raw in msgs[1:]:
             self._on_bell(s, raw)
         if reader.eof:
@@ -443,6 +457,7 @@ class _Receiver:
         if s.bell_r is not None:
             self.dead_bells.append(s.bell_r)
             s.bell_w = None
+            self._bells_changed()
             self.releaser.wake()  # the loop closes it
         for off, mirror in list(s.extents.items()):
             if not mirror.used_bytes:
@@ -691,21 +706,35 @@ class _Receiver:
                 remaining = deadline.remaining()
                 if remaining == 0.0:
                     raise conn._timeout("get", key, f"a sender on {self.endpoint}", deadline.timeout)
-                if spin_end is None and self.spin_ns:
-                    # Watch the index before sleeping (the loop thread indexes the
-                    # payload; a woken thread on a cold core costs more than the spin).
+                first = spin_end is None
+                if (first and self.spin_ns) or not self.watching:
+                    # The loop thread leaves the senders' messages to this get meanwhile:
+                    # first it spins (``spin_us``: a thread woken on a cold core costs
+                    # more than the spin), then, unless another get does, it waits for
+                    # them in poll() itself (the watch), so that the payload is
+                    # published in this thread, woken by its doorbell: no hand-off from
+                    # the loop thread (one wake-up instead of two, and no wait for the
+                    # GIL between them).
                     spin_end = time.perf_counter_ns() + self.spin_ns
                     if remaining is not None:
                         spin_end = min(spin_end, time.perf_counter_ns() + int(remaining * 1e9))
+                    watch = not self.watching
+                    if watch:
+                        self.watching = True
                     index = self.index
-                    # The loop thread leaves the senders' messages to this get meanwhile.
                     self.spinners += 1
                     self.releaser.wake()
                     self.cond.release()
                     try:
-                        self._spin(key, index, spin_end)
+                        if first and self.spin_ns:
+                            self._spin(key, index, spin_end)
+                        if watch and key not in index:
+                            self._watch(key, index, remaining)
                     finally:
                         self.cond.acquire()
+                        if watch:
+                            self.watching = False
+                            self.cond.notify_all()  # another waiting get may watch now
                         self.spinners -= 1
                         if not self.spinners:
                             self.releaser.wake()  # the loop reads them again
@@ -732,6 +761,56 @@ class _Receiver:
                 if key in index:
                     return
             _yield()  # the GIL to the loop thread, the core to whoever is ready
+
+    def _watch(self, key: str, index: dict[str, Any], remaining: float | None) -> None:
+        """Until ``key`` is indexed, the receiver stops, or a slice of up to a second
+        (``remaining`` at most) ends: wait in poll() for the senders' doorbells and the
+        control socket, and handle what they bring here (as ``_spin`` does, without
+        spinning). The loop thread tells of a doorbell added or gone through
+        ``watch_fd`` (this thread then polls the new set) and leaves the doorbells it
+        would close open until the watch ends."""
+        handling = self.handling
+        end = time.monotonic() + (1.0 if remaining is None else min(remaining, 1.0))
+        poller: Any = None
+        version = -1
+        while key not in index and not self.stopping and self.error is None:
+            if version != self.bells_version:
+                version = self.bells_version
+                poller = select.poll()
+                poller.register(self.watch_fd, select.POLLIN)
+                poller.register(self.sock_fd, select.POLLIN)
+                for sess in list(self.sessions.values()):
+                    reader = sess.bell_r
+                    if reader is not None and not sess.lost:
+                        poller.register(reader.fileno(), select.POLLIN)
+            with handling:
+                if self.stopping:
+                    return
+                try:
+                    self._read_bells()
+                    more = self._pump(64)
+                except zmq.ZMQError:  # the socket closing: the loop thread reports it
+                    return
+            if key in index or more:
+                continue
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            for fd, _ev in poller.poll(max(1, int(left * 1000))):
+                if fd == self.watch_fd:
+                    try:
+                        os.eventfd_read(fd)
+                    except OSError:  # drained already, or closed (the receiver stopping)
+                        pass
+
+    def _bells_changed(self) -> None:
+        """A session's doorbell came or went: a watching get polls the new set."""
+        self.bells_version += 1
+        if self.watching:
+            try:
+                os.eventfd_write(self.watch_fd, 1)
+            except OSError:
+                pass
 
     def _raise_if_dead(self, key: str | None, conn: NixlConnector) -> None:
         if conn._closed:
@@ -770,10 +849,11 @@ class _Receiver:
 
     def close(self) -> None:
         self.stopping = True
-        try:
-            os.eventfd_write(self.releaser.fd, 1)
-        except OSError:
-            pass
+        for fd in (self.releaser.fd, self.watch_fd):
+            try:
+                os.eventfd_write(fd, 1)
+            except OSError:
+                pass
         self.thread.join(10)
         with self.cond:
             self.index.clear()
@@ -796,6 +876,8 @@ class _Receiver:
         self.sessions.clear()
         self.pool.close()
         self.releaser.close()
+        os.close(self.watch_fd)
+        self.watch_fd = -1
         self.agent.close()
         if self.socket_path is not None:
             try:
@@ -838,6 +920,8 @@ class _Sender:
         self.puts_in_session = 0
         self._ops: Any = False  # cuda-python's CudaOps once looked up (None: not installed)
         self._fill_events: dict[int, Any] = {}  # device index -> reused raw Event (device staging)
+        #: registrations of the CUDA allocations direct WRITEs read (made on first use)
+        self.regs: RegistrationCache | None = None
         #: registrations of direct WRITEs that NIXL could not release (kept until close)
         self._kept_regs: list[Any] = []
         self._kept_tensors: list[Any] = []
@@ -1134,21 +1218,33 @@ class _Sender:
                 self.lost = f"the receiver disconnected ({exc})"
             raise self._peer_lost("writing a payload") from exc
 
-    @staticmethod
-    def _direct(prepared: Any, sources: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
+    def _direct(self, prepared: Any, sources: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
         """``(offset, nbytes, tensor)`` of the payload's tensors (``sources``: its
         ``tensor_sources()``) written from their own memory: contiguous CUDA tensors of
-        at least ``DIRECT_MIN_BYTES``."""
+        at least ``DIRECT_CACHED_MIN_BYTES`` (``DIRECT_MIN_BYTES`` without cuda-python's
+        driver bindings, where allocations cannot be registered once)."""
         if not prepared.devices():
             return []
+        cache = self._reg_cache()
+        least = DIRECT_CACHED_MIN_BYTES if cache is not None else DIRECT_MIN_BYTES
         out = []
         for offset, nbytes, src in sources:
             if (
-                nbytes >= DIRECT_MIN_BYTES and getattr(src, "is_cuda", False) and src.is_contiguous()
+                nbytes >= least and getattr(src, "is_cuda", False) and src.is_contiguous()
                 and not src.is_conj() and not src.is_neg()
             ):
                 out.append((offset, nbytes, src))
         return out
+
+    def _reg_cache(self) -> RegistrationCache | None:
+        """The cache of allocations registered once, or ``None`` without cuda-python."""
+        cache = self.regs
+        if cache is None:
+            ops = self._cuda_ops()
+            if ops is None:
+                return None
+            cache = self.regs = RegistrationCache(self.agent, ops.allocation)
+        return cache
 
     def _write_direct(self, prepared: Any, sources: list[tuple[int, int, Any]], welcome: wire.Welcome, off: int,
                       deadline: Deadline, staging: Staging, direct: list[tuple[int, int, Any]]) -> str | None:
@@ -1163,13 +1259,16 @@ class _Sender:
         # The WRITE reads the tensors on UCX's own stream: the work queued on their
         # devices' current streams (their producers) must be done first.
         self._sync_devices({t.get_device() for _o, _nb, t in direct})
-        regs = []
+        regs = []  # registered for this WRITE alone
+        cache = self.regs
         try:
             seen = set()
             for _o, nb, t in direct:
                 piece = (t.data_ptr(), nb, t.get_device())
                 if piece not in seen:  # a tensor the payload holds twice: registered once
                     seen.add(piece)
+                    if cache is not None and cache.covers(*piece):
+                        continue  # its allocation is registered (now or before)
                     regs.append(self.agent.register(piece[0], nb, "VRAM", piece[2]))
             base = welcome.pool_addr + off
             local = [(staging.addr + w, length, staging.dev) for w, (_o, length) in zip(where, runs)]
@@ -1189,6 +1288,8 @@ class _Sender:
         WRITE NIXL could not release may still read it."""
         if still_read:
             self._kept_regs.extend(regs)
+            if self.regs is not None:  # nor the allocations' registrations, ever again
+                self._kept_regs.extend(self.regs.release())
             self._kept_tensors.extend(t for _o, _nb, t in direct)  # their memory too
             return
         for r in regs:
@@ -1325,6 +1426,8 @@ class _Sender:
                 # process.
                 _RETAINED.append((self.agent, self.host_staging, self.dev_staging, self._kept_tensors))
                 return
+            if self.regs is not None:
+                self.regs.clear()
             for r in self._kept_regs:
                 self.agent.deregister(r)
             self._kept_regs.clear()
