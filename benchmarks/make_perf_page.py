@@ -370,6 +370,8 @@ BLOCKS = (
           render_nixl),
     Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --json FILE",
           render_nixl),
+    Block("nixl-gpu-2xh200-watch", ("nixl-gpu-2xh200-watch.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 60 --json FILE (vllm-omni was not installed on that machine: its row is empty)",
+          render_nixl),
     Block("nixl-gpu-2xh200-direct", ("nixl-gpu-2xh200-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE",
           render_nixl),
     Block("nixl-gpu-2xh200-before-direct", ("nixl-gpu-2xh200-before-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE, with omnilink/connectors/nixl at commit 14d9c9d",

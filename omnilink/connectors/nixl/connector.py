@@ -26,12 +26,15 @@ Topology and one ``put``::
 
 - **Memory registered once.** The receiver's pool (host memory, or its GPU's with
   ``device=``) is registered when the connector opens; the sender's staging buffer
-  when it first needs it (and again only when a larger payload makes it grow).
+  when it first needs it (and again only when a larger payload makes it grow); a CUDA
+  tensor of ``DIRECT_CACHED_MIN_BYTES`` or more is written from its own memory, the
+  allocation holding it registered on its first WRITE and kept (``regcache``).
 - **No polling sleep on the receiving side.** The receiver learns of a payload from
   its sender's doorbell, where its loop thread sleeps in ``poll()`` (with the control
   socket's fd); a waiting ``get`` reads them itself for ``spin_us`` (one thread at a
-  time holds them), so a payload that comes meanwhile is published in the getter's own
-  thread, then sleeps on a condition variable. The sender waits for
+  time holds them), then waits for them in ``poll()`` itself (one such get at a time;
+  another sleeps on a condition variable), so a payload that comes while a get waits
+  is published in the getter's own thread, woken once. The sender waits for
   its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for the ack
   for ``spin_us``, then in ``poll()``.
 - **Sender-side allocation.** The receiver hands each sender extents of its pool; a
