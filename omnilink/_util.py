@@ -211,6 +211,20 @@ def plain_tensor(t: Any) -> Any:
     return t
 
 
+#: A waiting ``get``'s spin adapts (``next_spin``) up to this many times ``spin_us``.
+SPIN_GROWTH = 10
+
+
+def next_spin(typical_ns: int, waited_ns: int, lo_ns: int, hi_ns: int) -> tuple[int, int]:
+    """Fold one wait (``waited_ns`` until the payload came) into the typical wait
+    (``typical_ns``, a moving average); return ``(typical, next spin)``: twice the
+    typical wait, within ``(lo_ns, hi_ns]``, or ``lo_ns`` (``spin_us``) alone when
+    payloads typically come later than ``hi_ns`` (a longer spin would only burn CPU)."""
+    typical = (3 * typical_ns + min(waited_ns, 4 * hi_ns)) >> 2
+    want = 2 * typical
+    return typical, (want if lo_ns < want <= hi_ns else lo_ns)
+
+
 def duplicate_key(backend: str, channel: str, key: str) -> DuplicateKeyError:
     """The one ``DuplicateKeyError`` every backend raises for a second put of a pending key."""
     return DuplicateKeyError(

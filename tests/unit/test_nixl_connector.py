@@ -176,6 +176,15 @@ def test_a_waiting_get_with_any_spin_takes_what_comes_later(spin_us, monkeypatch
         rx.close()
 
 
+def _tcp_pair(monkeypatch, channel, spin_us):
+    """A receiver (8 MiB pool, 1 MiB extents, ``spin_us``) and a sender over UCX tcp."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    rx = omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*",
+                          pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0, spin_us=spin_us)
+    tx = omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=30.0)
+    return rx, tx
+
+
 @needs_nixl
 @pytest.mark.parametrize("mode", ["spinning-get", "watching-get", "no-get-waiting"])
 def test_a_waiting_get_publishes_in_its_own_thread(mode, monkeypatch):
@@ -207,11 +216,7 @@ def test_a_waiting_get_publishes_in_its_own_thread(mode, monkeypatch):
     monkeypatch.setattr(_Receiver, "_publish", spy_publish)
     monkeypatch.setattr(_Receiver, "_spin" if mode == "spinning-get" else "_watch",
                         spy_spin if mode == "spinning-get" else spy_watch)
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    ch = f"olnx/spin-{os.getpid()}-{mode}"
-    rx = omnilink.connect("nixl", channel=ch, role="receiver", endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20,
-                          extent_bytes=1 << 20, timeout=30.0, spin_us=0)
-    tx = omnilink.connect("nixl", channel=ch, role="sender", endpoint=rx.endpoint, timeout=30.0)
+    rx, tx = _tcp_pair(monkeypatch, f"olnx/spin-{os.getpid()}-{mode}", spin_us=0)
     try:
         tx.put("warm", {"a": torch.zeros(4)})  # the session and its extent first
         assert rx.get("warm")["a"].sum() == 0
@@ -253,11 +258,7 @@ def test_gets_waiting_together_each_take_theirs_and_close_ends_a_watch(monkeypat
     receiver closes raises ClosedError instead of waiting out its timeout."""
     import threading
 
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    ch = f"olnx/watch2-{os.getpid()}"
-    rx = omnilink.connect("nixl", channel=ch, role="receiver", endpoint="tcp://127.0.0.1:*", pool_bytes=8 << 20,
-                          extent_bytes=1 << 20, timeout=30.0, spin_us=0)
-    tx = omnilink.connect("nixl", channel=ch, role="sender", endpoint=rx.endpoint, timeout=30.0)
+    rx, tx = _tcp_pair(monkeypatch, f"olnx/watch2-{os.getpid()}", spin_us=0)
     got, errors = {}, []
 
     def get(key, timeout=30.0):
@@ -335,3 +336,45 @@ def test_a_sender_whose_doorbell_breaks_connects_again(pair):
     tx.put("c", {"t": torch.arange(6)})
     assert tx._tx.bell_w is not None and tx._tx.bell_w is not old
     assert rx.get("c")["t"].tolist() == list(range(6))
+
+
+def test_the_get_spin_adapts_to_when_payloads_come():
+    """The spin of a waiting get grows to twice the typical wait while payloads come a
+    little after it ends (up to SPIN_GROWTH x spin_us) and falls back to spin_us when
+    they come much later or at once (the rule the shm and nccl backends share)."""
+    from omnilink._util import SPIN_GROWTH
+    from omnilink.connectors.nixl.connector import _Receiver
+
+    r = object.__new__(_Receiver)
+    r.spin_ns = r.spin_min_ns = r.arrival_ns = 200_000
+    r.spin_max_ns = 200_000 * SPIN_GROWTH
+    for _ in range(30):
+        r._adapt_spin(400_000)
+    assert r.spin_ns == pytest.approx(800_000, rel=0.01)
+    for _ in range(30):
+        r._adapt_spin(50_000_000)
+    assert r.spin_ns == 200_000
+    for _ in range(30):
+        r._adapt_spin(1_000)
+    assert r.spin_ns == 200_000
+
+
+@needs_nixl
+def test_a_get_that_waited_feeds_the_spin(monkeypatch):
+    """A get that had to wait folds its wait into the typical wait; one that found its
+    payload there does not."""
+    import threading
+
+    rx, tx = _tcp_pair(monkeypatch, f"olnx/adapt-{os.getpid()}", spin_us=200)
+    try:
+        tx.put("first", {"a": torch.zeros(4)})
+        assert rx.get("first")["a"].sum() == 0  # there already: no wait
+        assert rx._rx.arrival_ns == 200_000
+        t = threading.Timer(0.02, lambda: tx.put("late", {"a": torch.ones(4)}))
+        t.start()
+        assert rx.get("late", timeout=30.0)["a"].sum() == 4
+        t.join()
+        assert rx._rx.arrival_ns > 200_000  # a wait of 20 ms or more went in
+    finally:
+        tx.close()
+        rx.close()

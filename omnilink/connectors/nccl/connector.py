@@ -194,7 +194,15 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import CONSUMED_KEYS_REMEMBERED, ConsumedKeys, Deadline, duplicate_key, pid_alive
+from omnilink._util import (
+    CONSUMED_KEYS_REMEMBERED,
+    SPIN_GROWTH,
+    ConsumedKeys,
+    Deadline,
+    duplicate_key,
+    next_spin,
+    pid_alive,
+)
 from omnilink.connectors import bell
 from omnilink.connectors.nccl import wire
 from omnilink.connectors.base import BaseConnector, Role, check_constructor_options
@@ -226,8 +234,6 @@ _KEEPER = -1
 #: How long a get reading the doorbell waits for more messages before it sends the
 #: credits it owes (see ``_pump``).
 _CREDIT_QUIET_S = 0.001
-#: A waiting get's spin on the doorbell adapts up to this many times ``spin_us``.
-SPIN_GROWTH = 10
 
 
 def _td(seconds: float | None) -> datetime.timedelta:
@@ -1666,10 +1672,8 @@ class NcclConnector(BaseConnector):
         spin: twice that, within [``spin_us``, ``SPIN_GROWTH`` x ``spin_us``], or
         ``spin_us`` alone when messages typically come later than the ceiling (a longer
         spin would only burn CPU)."""
-        hi = self._spin_max_ns
-        typical = self._arrival_ns = (3 * self._arrival_ns + min(waited_ns, 4 * hi)) >> 2
-        want = 2 * typical
-        self._spin_ns = want if self._spin_min_ns < want <= hi else self._spin_min_ns
+        self._arrival_ns, self._spin_ns = next_spin(self._arrival_ns, waited_ns, self._spin_min_ns,
+                                                    self._spin_max_ns)
 
     def _drain(self) -> bool:
         """Take every doorbell message waiting (never blocks) and post the receives of

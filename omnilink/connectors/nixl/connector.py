@@ -92,7 +92,7 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import ConsumedKeys, Deadline, duplicate_key, validate_key
+from omnilink._util import SPIN_GROWTH, ConsumedKeys, Deadline, duplicate_key, next_spin, validate_key
 from omnilink.blob import decode_detached, peek_header, prepare, torch_dtype_of
 from omnilink.connectors import bell as _bell
 from omnilink.connectors.base import BaseConnector, ConnectorStats, Role, check_constructor_options
@@ -212,7 +212,11 @@ class _Receiver:
                  pool_bytes: int, extent_bytes: int, device: Any, heartbeat: dict[int, int],
                  peer_timeout: float, spin_us: int = 0) -> None:
         self.channel = conn.channel
-        self.spin_ns = spin_us * 1000
+        #: the spin of a waiting get now: adaptive (``next_spin``), from ``spin_us`` up to
+        #: ``SPIN_GROWTH`` x ``spin_us``
+        self.spin_ns = self.spin_min_ns = spin_us * 1000
+        self.spin_max_ns = spin_us * 1000 * SPIN_GROWTH
+        self.arrival_ns = spin_us * 1000  # typical wait for a payload (moving average)
         self.extent_bytes = extent_bytes
         self.peer_timeout = peer_timeout
         self.lock_file: EndpointLock | None = None
@@ -694,10 +698,13 @@ class _Receiver:
     # ------------------------------------------------------------- get side
     def take(self, key: str, deadline: Deadline, block: bool, conn: NixlConnector) -> Any:
         spin_end: int | None = None
+        began = 0  # when this get began to wait (ns)
         with self.cond:
             while True:
                 entry = self.index.pop(key, None)
                 if entry is not None:
+                    if began and self.spin_min_ns:
+                        self._adapt_spin(time.perf_counter_ns() - began)
                     self.consumed.add(key)
                     conn._count(bytes_got=entry[1])
                     return entry[0]
@@ -708,8 +715,12 @@ class _Receiver:
                     raise WouldBlock(f"nixl: key {key!r} is not on channel {self.channel!r} yet")
                 remaining = deadline.remaining()
                 if remaining == 0.0:
+                    if began and self.spin_min_ns:
+                        self._adapt_spin(4 * self.spin_max_ns)  # nothing came: spin less
                     raise conn._timeout("get", key, f"a sender on {self.endpoint}", deadline.timeout)
                 first = spin_end is None
+                if not began:
+                    began = time.perf_counter_ns()
                 if (first and self.spin_ns) or not self.watching:
                     # The loop thread leaves the senders' messages to this get meanwhile:
                     # first it spins (``spin_us``: a thread woken on a cold core costs
@@ -743,6 +754,13 @@ class _Receiver:
                             self.releaser.wake()  # the loop reads them again
                     continue
                 self.cond.wait(1.0 if remaining is None else min(remaining, 1.0))
+
+    def _adapt_spin(self, waited_ns: int) -> None:
+        """Fold one get's wait into the typical wait and set the next spin (under
+        ``cond``): twice the typical wait within [``spin_us``, ``SPIN_GROWTH`` x
+        ``spin_us``], else ``spin_us`` (``next_spin``, as the ``shm`` and ``nccl``
+        backends do)."""
+        self.arrival_ns, self.spin_ns = next_spin(self.arrival_ns, waited_ns, self.spin_min_ns, self.spin_max_ns)
 
     def _spin(self, key: str, index: dict[str, Any], spin_end: int) -> None:
         """Until ``key`` is indexed or ``spin_end``: read the doorbells and the control
@@ -1519,8 +1537,12 @@ class NixlConnector(BaseConnector):
     spin_us : int
         Microseconds a waiting ``get`` watches for its payload, and a ``put`` for its
         acknowledgement, before sleeping (default 200; 0 sleeps at once): a thread woken
-        on a cold core costs tens to hundreds of microseconds. The cost is up to that
-        much CPU per wait.
+        on a cold core costs tens to hundreds of microseconds. The get's spin adapts as
+        the ``shm`` backend's does: when payloads have lately come a little after it
+        ended, it grows to twice their typical wait, up to ``SPIN_GROWTH`` (10) x
+        ``spin_us``; when they come later than that, it falls back to ``spin_us``. The
+        cost is up to the current spin of CPU per wait (the spinning thread yields the
+        CPU at every look).
 
     Raises
     ------

@@ -60,7 +60,16 @@ from omnilink._errors import (
     TransportError,
     WouldBlock,
 )
-from omnilink._util import NO_WAIT, ConsumedKeys, Deadline, MAX_KEY_BYTES, duplicate_key, validate_key
+from omnilink._util import (
+    MAX_KEY_BYTES,
+    NO_WAIT,
+    SPIN_GROWTH,
+    ConsumedKeys,
+    Deadline,
+    duplicate_key,
+    next_spin,
+    validate_key,
+)
 from omnilink.blob import _MISS, _decode_fast, _device_views
 from omnilink.blob import decode as _decode
 from omnilink.blob import prepare as _prepare
@@ -110,8 +119,6 @@ DEFAULT_LINGER_S = 5.0
 #: ``spin_us``): long enough to cover a sender that encodes and publishes right after the
 #: receiver started waiting, short enough to cost little CPU when nothing comes.
 DEFAULT_SPIN_US = 200
-#: The spin adapts (see ``spin_us``) up to this many times ``spin_us``.
-SPIN_GROWTH = 10
 #: CUDA payloads with at least this many device bytes travel in slices (see gpu.py).
 DEFAULT_PIPELINE_BYTES = 16 << 20
 DEFAULT_SLICE_BYTES = 16 << 20
@@ -1632,10 +1639,8 @@ class ShmConnector(BaseConnector):
         the next spin: twice that, within [``spin_us``, ``SPIN_GROWTH`` x ``spin_us``],
         or ``spin_us`` alone when payloads typically come later than the ceiling (a
         longer spin would only burn CPU)."""
-        hi = self._spin_max_ns
-        typical = self._arrival_ns = (3 * self._arrival_ns + min(waited_ns, 4 * hi)) >> 2
-        want = 2 * typical
-        self._spin_ns = want if self._spin_min_ns < want <= hi else self._spin_min_ns
+        self._arrival_ns, self._spin_ns = next_spin(self._arrival_ns, waited_ns, self._spin_min_ns,
+                                                    self._spin_max_ns)
 
     def _nothing_new(self, key: str) -> bool:
         """Whether ``key`` certainly is not claimable now, decided without any lock: it is
