@@ -114,3 +114,23 @@ def test_at_most_max_entries_stay_registered_and_each_is_current(ops, most):
         assert all(e <= s for (_s, e), (s, _e) in zip(spans, spans[1:]))
     c.clear()
     assert agent.live == {} and len(c) == 0
+
+
+def test_an_allocation_the_agent_will_not_register_whole_is_left_to_per_write_registration():
+    """Where registering the whole allocation fails (a range only partly mapped, as
+    torch's expandable segments make), the tensor is not covered: its WRITE registers
+    it alone, and nothing is left half-registered."""
+    agent, drv = _Agent(), _Driver()
+    drv.allocs[0][0x1000] = (1 << 30, 1)
+
+    def register(addr, nbytes, mem, dev):
+        if nbytes > (1 << 20):
+            raise RuntimeError("nixl: registering 1073741824 bytes of VRAM failed")
+        return _Agent.register(agent, addr, nbytes, mem, dev)
+
+    agent.register = register
+    c = RegistrationCache(agent, drv)
+    assert not c.covers(0x1000, 4096, 0) and not c.covers(0x2000, 64, 0)
+    assert c.refused == 1 and len(c) == 0 and agent.live == {}  # tried once, not per write
+    drv.allocs[0] = {0x1000: (1 << 20, 2)}  # that memory freed; a new allocation there
+    assert c.covers(0x1000, 4096, 0) and len(c) == 1

@@ -13,7 +13,9 @@ new one; each allocation has a process-unique buffer id (the driver's
 ``CU_POINTER_ATTRIBUTE_BUFFER_ID``), so an entry is used only for the allocation it was
 made for. A new allocation over addresses an entry covers means that entry's memory is
 gone: it is deregistered first. At most ``max_entries`` stay registered (the least
-recently used go). Registered device memory pins nothing.
+recently used go). Registered device memory pins nothing. An allocation the agent will
+not register whole (a range only partly mapped, as torch's expandable segments make) is
+remembered and its tensors are registered per write, as without the cache.
 """
 
 from __future__ import annotations
@@ -52,17 +54,18 @@ class RegistrationCache:
         self._entries: collections.OrderedDict[tuple[int, int], _Entry] = collections.OrderedDict()
         self.hits = 0
         self.misses = 0
+        #: allocations the agent would not register whole (counted; remembered by id)
+        self.refused = 0
+        self._refused: set[tuple[int, int]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def covers(self, ptr: int, nbytes: int, dev: int) -> bool:
         """Make sure ``[ptr, ptr + nbytes)`` on ``dev`` lies in a registered allocation
-        (registering it on a miss); ``False`` where its allocation cannot be found or
-        does not hold the whole range (register it per write then).
-
-        Raises what ``agent.register`` raises.
-        """
+        (registering it on a miss); ``False`` where its allocation cannot be found, does
+        not hold the whole range, or would not register whole (register the range per
+        write then)."""
         found = self.allocation(ptr, dev)
         if found is None:
             return False
@@ -70,6 +73,8 @@ class RegistrationCache:
         if not (base <= ptr and ptr + nbytes <= base + size):
             return False
         key = (dev, buffer_id)
+        if key in self._refused:
+            return False
         entry = self._entries.get(key)
         if entry is not None and entry.base == base and entry.size == size:
             self._entries.move_to_end(key)
@@ -81,7 +86,17 @@ class RegistrationCache:
         for k, e in list(self._entries.items()):
             if e.dev == dev and e.base < base + size and base < e.base + e.size:
                 self._drop(k)
-        descs = self.agent.register(base, size, "VRAM", dev)
+        try:
+            descs = self.agent.register(base, size, "VRAM", dev)
+        except Exception:  # noqa: BLE001 - e.g. a range only partly mapped (torch's expandable segments)
+            # The tensor alone may still register (the caller does, per write).
+            logger.debug("nixl: registering the allocation [%#x, +%d) failed; its tensors register per write",
+                         base, size, exc_info=True)
+            self.refused += 1
+            if len(self._refused) >= 4 * self.max_entries:
+                self._refused.clear()
+            self._refused.add(key)  # not tried again
+            return False
         self._entries[key] = _Entry(base, size, dev, descs)
         self.misses += 1
         while len(self._entries) > self.max_entries:
