@@ -378,3 +378,46 @@ def test_a_get_that_waited_feeds_the_spin(monkeypatch):
     finally:
         tx.close()
         rx.close()
+
+
+@needs_nixl
+def test_a_stream_of_payloads_larger_than_an_extent_does_not_ask_for_room_each_time(monkeypatch):
+    """Payloads larger than the extent size, each held by the receiver while the next
+    is put: the receiver grants the room for the next one with the ack of this one, so
+    the sender stops asking for extents (it asked before every put); and in a pool too
+    small for that, puts still go through as the receiver lets payloads go."""
+    from omnilink.connectors.nixl import wire
+    from omnilink.connectors.nixl.connector import _Sender
+
+    asked = []
+    send = _Sender._send
+
+    def spy_send(self, msg, deadline, what):
+        if isinstance(msg, wire.Extent):
+            asked.append(msg.need)
+        return send(self, msg, deadline, what)
+
+    monkeypatch.setattr(_Sender, "_send", spy_send)
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    for pool_mib, want_asks_after_warmup in ((64, 0), (9, None)):
+        ch = f"olnx/ahead-{os.getpid()}-{pool_mib}"
+        rx = omnilink.connect("nixl", channel=ch, role="receiver", endpoint="tcp://127.0.0.1:*",
+                              pool_bytes=pool_mib << 20, extent_bytes=1 << 20, timeout=30.0)
+        tx = omnilink.connect("nixl", channel=ch, role="sender", endpoint=rx.endpoint, timeout=30.0)
+        try:
+            asked.clear()
+            held = None
+            for i in range(12):
+                if i == 3:
+                    warm = len(asked)
+                tx.put(f"k{i}", {"t": torch.full((1 << 20,), float(i))})  # 4 MiB
+                got = rx.get(f"k{i}")
+                assert got["t"][0] == i and got["t"][-1] == i
+                held = got  # the previous payload is let go only now
+            del held, got
+            if want_asks_after_warmup is not None:
+                assert len(asked) - warm == want_asks_after_warmup, asked
+                assert 1 <= warm <= 3, asked
+        finally:
+            tx.close()
+            rx.close()

@@ -39,9 +39,11 @@ Topology and one ``put``::
   for ``spin_us``, then in ``poll()``.
 - **Sender-side allocation.** The receiver hands each sender extents of its pool; a
   sender allocates blocks inside them without asking, and learns which came free from
-  the answers it gets anyway (``wire``). Only a sender whose extents are full asks for
-  another extent, and waits (backpressure, bounded by its timeout) while the pool is
-  full.
+  the answers it gets anyway (``wire``). A receiver that sees a sender's extents too
+  full for another payload of the size just published grants it one more with that
+  payload's ack (``_grant_ahead``, while the pool has room); a sender whose extents are
+  full all the same asks for another extent, and waits (backpressure, bounded by its
+  timeout) while the pool is full.
 - **Key contract, consume-once, deadlines**: as the ``zmq`` backend's (the receiver
   refuses a pending key in its ack: ``DuplicateKeyError``; it remembers the last 65,536
   consumed keys: ``KeyConsumedError``). One receiver per endpoint; any number of
@@ -512,7 +514,8 @@ class _Receiver:
         return frees
 
     def _send(self, s: _Session, msg: Any) -> None:
-        if s.bell_w is not None and isinstance(msg, wire.Ack) and not s.lost:
+        # Answers to payloads and room go on the doorbell, in order with the acks.
+        if s.bell_w is not None and isinstance(msg, (wire.Ack, wire.Granted)) and not s.lost:
             try:
                 s.bell_w.send(wire.encode(msg), _BELL_SEND_S)
                 return
@@ -660,7 +663,25 @@ class _Receiver:
             self.consumed.forget(key)
             self.cond.notify_all()
         del payload
+        if ext is not None:
+            self._grant_ahead(s, msg.length)
         ack(wire.ACK_OK)
+
+    def _grant_ahead(self, s: _Session, length: int) -> None:
+        """After a block of ``length`` bytes: if none of the sender's extents has room for
+        another such block, grant it a new extent now (before the ack, on the same
+        doorbell: the sender has it when its put returns), so that its next payload of
+        that size does not wait for a round trip to ask (a stream of payloads larger
+        than half an extent asked before every put). Nothing when the pool has no room
+        (the sender asks as before) or the sender already waits for room."""
+        if s.parked is not None or s.lost:
+            return
+        need = round_up(length)
+        if any(m.largest_free() >= need for m in s.extents.values()):
+            return
+        off = self._new_extent(s, need)
+        if off is not None:
+            self._send(s, wire.Granted(offset=off, length=s.extents[off].capacity, frees=self._take_frees(s)))
 
     def _unreserve(self, s: _Session, ext: int | None, offset: int) -> None:
         if ext is not None:
