@@ -13,10 +13,12 @@ target's CPU. ``PROGRESS_WAKE_US`` is the poll timeout (a safety net, not a peri
 
 Completion of a WRITE has no blocking wait in NIXL: ``Agent.wait`` asks for the
 transfer's state in a tight loop for ``SPIN_S`` (a 4 KiB write completes in 3-30 us,
-inside the spin, and over ``cma`` it is complete when posted), then sleeps between
-looks, doubling from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S`` but never past an eighth of
-the time waited so far, so a late look costs at most that (a 64 MiB write over tcp
-takes ~10 ms on the 2-core machine; a 256 MiB GPU write over NVLink ~0.8 ms).
+inside the spin, and over ``cma`` it is complete when posted), then with a
+``sched_yield`` between looks until ``YIELD_SPIN_S`` (a 256 MiB GPU write over NVLink
+takes ~0.8 ms; a sleep of tens of microseconds lasts 70 us and more, the kernel's timer
+slack), then sleeps between looks, doubling from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``
+but never past an eighth of the time waited so far, so a late look costs at most that
+(a 64 MiB write over tcp takes ~10 ms on the 2-core machine).
 The receiver never waits on NIXL: the sender's "done" reaches it over the zmq control
 channel, where its loop thread sleeps in ``poll()``.
 """
@@ -43,6 +45,9 @@ _CANDIDATES = ("nixl._bindings", "nixl_cu13._bindings", "nixl_cu12._bindings")
 #: Poll timeout of the UCX progress thread, in microseconds (see the module docstring).
 PROGRESS_WAKE_US = 100_000
 SPIN_S = 0.0002
+#: Past ``SPIN_S``, looks go on with a ``sched_yield`` between them until this long
+#: (a 256 MiB GPU WRITE over NVLink takes ~0.8 ms), then sleep between them.
+YIELD_SPIN_S = 0.002
 BACKOFF_MIN_S = 0.00002
 BACKOFF_MAX_S = 0.001
 
@@ -276,6 +281,12 @@ class Agent:
             if why is not None:
                 self.release(req)
                 return why
+            if now < start + YIELD_SPIN_S:
+                # Still looking at once, the core given to whoever is ready between
+                # looks: a sleep of tens of microseconds lasts 70 us and more (the
+                # kernel's timer slack), a large part of a WRITE of a millisecond.
+                os.sched_yield()
+                continue
             time.sleep(pause)
             # Doubling, but never more than an eighth of the time waited so far: a look
             # that comes late costs at most that (a 256 MiB GPU WRITE of ~0.8 ms found
