@@ -421,3 +421,42 @@ def test_a_stream_of_payloads_larger_than_an_extent_does_not_ask_for_room_each_t
         finally:
             tx.close()
             rx.close()
+
+
+def test_grant_ahead_only_when_the_sender_is_out_of_room_and_nobody_waits_for_room():
+    """The receiver grants a sender its next extent with an ack only when none of its
+    extents has room for another payload of that size, and never while a sender waits
+    for room (that room is for the one that asked)."""
+    from types import SimpleNamespace
+
+    from omnilink.connectors.nixl import wire
+    from omnilink.connectors.nixl.connector import _Receiver
+    from omnilink.connectors.nixl.pool import Blocks
+
+    def receiver_and_session(used):
+        r = object.__new__(_Receiver)
+        r.pool = SimpleNamespace(nbytes=64 << 20, extents=Blocks(64 << 20))
+        r.extent_bytes = 1 << 20
+        r.releaser = SimpleNamespace(eager=False)
+        r.sent = []
+        r._send = lambda s, msg: r.sent.append(msg)
+        off = r.pool.extents.alloc(4 << 20)
+        mirror = Blocks(4 << 20)
+        assert mirror.reserve(0, used)
+        return r, SimpleNamespace(parked=None, lost=False, extents={off: mirror}, frees=[])
+
+    r, s = receiver_and_session(4 << 20)  # the extent is full: grant the next one
+    r._grant_ahead(s, 3 << 20)
+    (g,) = r.sent
+    assert isinstance(g, wire.Granted) and g.length >= 3 << 20 and g.offset in s.extents and len(s.extents) == 2
+    r, s = receiver_and_session(1 << 20)  # 3 MiB left: room for the next one
+    r._grant_ahead(s, 3 << 20)
+    assert r.sent == [] and len(s.extents) == 1
+    r, s = receiver_and_session(4 << 20)
+    r.releaser.eager = True  # another sender waits for room
+    r._grant_ahead(s, 3 << 20)
+    assert r.sent == [] and len(s.extents) == 1
+    r, s = receiver_and_session(4 << 20)
+    s.parked = 1 << 20  # this one asked already
+    r._grant_ahead(s, 3 << 20)
+    assert r.sent == []

@@ -673,8 +673,9 @@ class _Receiver:
         doorbell: the sender has it when its put returns), so that its next payload of
         that size does not wait for a round trip to ask (a stream of payloads larger
         than half an extent asked before every put). Nothing when the pool has no room
-        (the sender asks as before) or the sender already waits for room."""
-        if s.parked is not None or s.lost:
+        (the sender asks as before), or while a sender waits for room (``releaser.eager``:
+        what the pool has left is for the senders that asked)."""
+        if s.parked is not None or s.lost or self.releaser.eager:
             return
         need = round_up(length)
         if any(m.largest_free() >= need for m in s.extents.values()):
