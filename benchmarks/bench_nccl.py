@@ -173,7 +173,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     # "dual": the latency ping-pong answers on the same connector.
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
-        master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"],
+        master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"], pack_bytes=opts["pack_bytes"],
     )
     conn.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -373,7 +373,7 @@ def machine(backend: str, opts: dict[str, Any]) -> dict[str, Any]:
     rec = machine_record()
     rec["torch"] = torch.__version__
     rec["backend"] = backend
-    rec["connector"] = {"protocol": 5, "bell_bytes": opts["bell_bytes"]}
+    rec["connector"] = {"protocol": 5, "bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"]}
     if backend != "nccl":
         rec["gpus"] = []
         return rec
@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="append one JSON object per cell to this file")
     ap.add_argument("--bell-bytes", type=int, default=64 << 10,
                     help="the connector's bell_bytes: device data that rides the doorbell (default 65536)")
+    ap.add_argument("--pack-bytes", type=int, default=1 << 20,
+                    help="the connector's pack_bytes: device tensors up to this size sent together in one "
+                         "pack (default 1048576)")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
     args = ap.parse_args(argv)
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
-        "latency_iters": args.latency_iters, "bell_bytes": args.bell_bytes,
+        "latency_iters": args.latency_iters, "bell_bytes": args.bell_bytes, "pack_bytes": args.pack_bytes,
         "profile": args.profile, "hang_s": max(5.0, args.timeout - 15.0),
     }
     ctx = mp.get_context("spawn")
