@@ -793,10 +793,7 @@ class _Receiver:
         while key not in index and time.perf_counter_ns() < spin_end:
             if not self.stopping and handling.acquire(blocking=False):
                 try:
-                    self._read_bells()
-                    more = self._pump(64)
-                except zmq.ZMQError:  # the socket closing: the loop thread reports it
-                    more = False
+                    more = self._handle_messages()
                 finally:
                     handling.release()
                 if more:
@@ -804,6 +801,16 @@ class _Receiver:
                 if key in index:
                     return
             _yield()  # the GIL to the loop thread, the core to whoever is ready
+
+    def _handle_messages(self) -> bool | None:
+        """What the senders' doorbells and the control socket hold, handled in the
+        calling get's thread (it holds ``handling``); whether more control messages wait,
+        or ``None`` when the socket is closing (the loop thread reports that)."""
+        try:
+            self._read_bells()
+            return self._pump(64)
+        except zmq.ZMQError:
+            return None
 
     def _watch(self, key: str, index: dict[str, Any], remaining: float | None) -> None:
         """Until ``key`` is indexed, the receiver stops, or a slice of up to a second
@@ -829,11 +836,9 @@ class _Receiver:
             with handling:
                 if self.stopping:
                     return
-                try:
-                    self._read_bells()
-                    more = self._pump(64)
-                except zmq.ZMQError:  # the socket closing: the loop thread reports it
-                    return
+                more = self._handle_messages()
+            if more is None:
+                return
             if key in index or more:
                 continue
             left = end - time.monotonic()

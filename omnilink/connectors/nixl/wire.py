@@ -20,7 +20,8 @@ so a hostile frame costs at most its own size to reject::
   plain stream socket with no I/O thread: ``unix:@NAME`` (an ipc endpoint) or
   ``tcp:PORT`` (on the control endpoint's host). The sender connects, sends its
   ``session`` as the first message, then its ``publish`` messages go there and their
-  ``ack`` come back on it; everything else stays on the control channel.
+  ``ack`` come back on it, as do ``granted`` answers; everything else stays on the
+  control channel.
 - ``extent``: the sender asks for a part of the receiver's pool of at least ``need``
   bytes. ``granted`` gives one (``length`` 0: none now; the receiver answers again
   when blocks come free) and hands back ``frees``, the offsets of blocks whose last
