@@ -218,11 +218,14 @@ SPIN_GROWTH = 10
 def next_spin(typical_ns: int, waited_ns: int, lo_ns: int, hi_ns: int) -> tuple[int, int]:
     """Fold one wait (``waited_ns`` until the payload came) into the typical wait
     (``typical_ns``, a moving average); return ``(typical, next spin)``: twice the
-    typical wait, within ``(lo_ns, hi_ns]``, or ``lo_ns`` (``spin_us``) alone when
+    typical wait, within ``[lo_ns, hi_ns]`` (a typical wait between half the ceiling and
+    the ceiling spins up to the ceiling: a large payload that comes every millisecond
+    is met by the spin, not by a wake-up), or ``lo_ns`` (``spin_us``) alone when
     payloads typically come later than ``hi_ns`` (a longer spin would only burn CPU)."""
     typical = (3 * typical_ns + min(waited_ns, 4 * hi_ns)) >> 2
-    want = 2 * typical
-    return typical, (want if lo_ns < want <= hi_ns else lo_ns)
+    if typical > hi_ns:
+        return typical, lo_ns
+    return typical, max(lo_ns, min(2 * typical, hi_ns))
 
 
 def duplicate_key(backend: str, channel: str, key: str) -> DuplicateKeyError:

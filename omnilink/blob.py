@@ -92,14 +92,17 @@ __all__ = [
     "TensorDesc",
     "decode",
     "decode_detached",
+    "decode_parsed",
     "decode_parts",
     "decode_parts_counted",
     "encode",
     "encode_into",
     "encode_parts",
     "encoded_size",
+    "parse_detached",
     "peek_header",
     "prepare",
+    "reads_data",
     "torch_dtype_of",
 ]
 
@@ -689,6 +692,11 @@ class PreparedBlob:
     def meta(self) -> bytes:
         """Prefix + header: the first part of a multi-frame message (``encode_parts``)."""
         return self._prefix + self._header
+
+    @property
+    def holds_bool(self) -> bool:
+        """Whether a bool tensor with bytes is in the frame (a decoder checks those)."""
+        return any(d.dtype == _BOOL_CODE and d.nbytes for d in self._descs)
 
     def write_into(self, buffer: Any, /) -> int:
         """Write the whole frame at the start of ``buffer``; return ``nbytes``.
@@ -1855,7 +1863,8 @@ def decode_detached(meta: Any, data: Any, /, *, device_view: Any = None) -> Any:
     keeps ``data`` alive); or, with ``device_view``, anything: ``device_view(desc)``
     then returns the tensor of each descriptor (a view of device memory), and only
     torch tensors may be described (``BlobDecodeError`` otherwise: the caller decodes
-    such frames on the host).
+    such frames on the host). ``parse_detached`` then ``decode_parsed`` is the same in
+    two steps (a caller may keep the parsed header of a ``meta`` it sees again).
 
     Raises
     ------
@@ -1865,11 +1874,39 @@ def decode_detached(meta: Any, data: Any, /, *, device_view: Any = None) -> Any:
     BlobVersionError
         A frame of another version.
     """
+    return decode_parsed(parse_detached(meta), data, device_view=device_view)
+
+
+def parse_detached(meta: Any, /) -> BlobHeader:
+    """Validate a detached frame's ``meta`` (prefix and header) in full; its header.
+
+    Raises
+    ------
+    BlobDecodeError
+        Malformed ``meta``.
+    BlobVersionError
+        A frame of another version.
+    """
     raw = _byte_view(meta, "decode_detached", BlobDecodeError)
     header_len, data_len, _total = _peek(raw)
     if raw.nbytes != PREFIX_SIZE + header_len:
         raise BlobDecodeError(f"meta is {raw.nbytes} bytes, the prefix says {PREFIX_SIZE + header_len}")
-    header = _parse_header(raw, header_len, data_len, max_tensors=MAX_TENSORS, max_tree_items=MAX_TREE_ITEMS)
+    return _parse_header(raw, header_len, data_len, max_tensors=MAX_TENSORS, max_tree_items=MAX_TREE_ITEMS)
+
+
+def reads_data(header: BlobHeader, /, *, device: bool) -> bool:
+    """Whether decoding ``header`` reads the data region's bytes rather than only
+    viewing them (``device``: its tensors are viewed on a device): a bool tensor's bytes
+    are checked (0 and 1 only), a numpy array cannot be viewed on a device (the caller
+    copies the region to the host)."""
+    for d in header.tensors:
+        if d.nbytes and (d.dtype == _BOOL_CODE or (device and d.kind != KIND_TORCH)):
+            return True
+    return False
+
+
+def decode_parsed(header: BlobHeader, data: Any, /, *, device_view: Any = None) -> Any:
+    """``decode_detached`` of a header ``parse_detached`` returned (see there)."""
     if not header.tensors:
         return _decode_tree(header, [])
     if device_view is not None:
@@ -1879,6 +1916,7 @@ def decode_detached(meta: Any, data: Any, /, *, device_view: Any = None) -> Any:
                 raise BlobDecodeError(f"tensor {i}: a numpy array cannot be viewed on a device")
             views.append(device_view(d))
         return _decode_tree(header, views)
+    data_len = max((d.offset + d.nbytes for d in header.tensors), default=0)
     dmv = _byte_view(data, "decode_detached", BlobDecodeError)
     if dmv.nbytes < data_len:
         raise BlobDecodeError(f"data region is {dmv.nbytes} bytes, the header says {data_len}")

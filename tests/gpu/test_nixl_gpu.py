@@ -133,3 +133,36 @@ def test_large_cuda_tensors_are_written_from_their_own_memory(monkeypatch):
         staging = tx._tx.dev_staging[torch.device(src).index]
         assert staging.nbytes < 3 * big.nbytes  # only the small, strided and padding bytes
         assert not tx._tx._kept_regs
+
+
+def test_gpu_payloads_are_published_ahead_of_their_write():
+    """A payload is published before its WRITE (the receiver decodes views of its device
+    pool meanwhile) and made gettable by a ``written`` message: every payload arrives
+    bit for bit, staged or written from its own memory."""
+    from omnilink.connectors.nixl import wire
+
+    src, dst = _devices()
+    channel = f"olnx/ahead-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=128 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        sent = []
+        real = tx._tx._send_bell
+
+        def send_bell(msg, deadline, key):
+            sent.append(msg)
+            return real(msg, deadline, key)
+
+        tx._tx._send_bell = send_bell
+        for i, n in enumerate((4096, 1 << 20, 32 << 20)):
+            sent.clear()
+            hidden = torch.randint(0, 256, (n,), dtype=torch.uint8, device=src)
+            small = torch.arange(16, device=src)  # staged beside it
+            tx.put(f"a{i}", {"hidden": hidden, "small": small, "i": i})
+            got = rx.get(f"a{i}")
+            assert got["hidden"].device == torch.device(dst) and got["i"] == i
+            assert torch.equal(got["hidden"].cpu(), hidden.cpu()) and torch.equal(got["small"].cpu(), small.cpu())
+            assert [type(m).__name__ for m in sent] == ["Publish", "Written"], sent
+            assert sent[0].written is False and sent[1].status == wire.WRITTEN_OK
+            del got
+        assert not rx._rx.ahead_keys

@@ -36,9 +36,9 @@ def test_trace_nixl_host_short():
         if len(parts) == 5 and parts[0] in ("sender", "receiver"):
             rows[(parts[0], parts[4])] = (float(parts[1]), float(parts[2]))
     put = rows[("sender", "nixl.connector._Sender.put")]
-    send = rows[("sender", "nixl.connector._Sender._send_publish")]
+    send = rows[("sender", "nixl.connector._Sender._send_bell")]
     publish = rows[("receiver", "nixl.connector._Receiver._publish")]
     # One clock: the receiver takes the publish after the sender sent it, and the
     # sender's put lasts past the receiver's handling (it waits for the ack).
     assert send[0] < publish[0] < put[0] + put[1], (send, publish, put)
-    assert ("sender", "blob.prepare") in rows and ("receiver", "blob.decode_detached") in rows
+    assert ("sender", "blob.prepare") in rows and ("receiver", "blob.decode_parsed") in rows

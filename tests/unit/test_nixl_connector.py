@@ -13,6 +13,7 @@ import omnilink
 from omnilink.connectors import backend_unavailable, check_backend_options
 from omnilink.connectors.nixl import agent as nixl_agent
 from omnilink.connectors.nixl import wire
+from omnilink.connectors.nixl.agent import nvidia_gpu_present
 
 _REASON = backend_unavailable("nixl")
 needs_nixl = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -21,7 +22,8 @@ needs_nixl = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unava
 @pytest.fixture
 def pair():
     old = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = "tcp"
+    # (NIXL refuses a list without a CUDA transport on a machine with an NVIDIA GPU.)
+    os.environ["UCX_TLS"] = "tcp,cuda_copy" if nvidia_gpu_present() else "tcp"
     rx = omnilink.connect("nixl", channel=f"olnx/unit-{os.getpid()}", role="receiver", endpoint="tcp://127.0.0.1:*",
                           pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0)
     tx = omnilink.connect("nixl", channel=f"olnx/unit-{os.getpid()}", role="sender", endpoint=rx.endpoint,
@@ -351,6 +353,9 @@ def test_the_get_spin_adapts_to_when_payloads_come():
     for _ in range(30):
         r._adapt_spin(400_000)
     assert r.spin_ns == pytest.approx(800_000, rel=0.01)
+    for _ in range(30):
+        r._adapt_spin(1_500_000)  # between half the ceiling and the ceiling: spin to it
+    assert r.spin_ns == r.spin_max_ns
     for _ in range(30):
         r._adapt_spin(50_000_000)
     assert r.spin_ns == 200_000

@@ -124,7 +124,7 @@ def test_a_direct_write_registers_each_tensor_once_and_lets_go_after():
     big, prepared, direct = _case()
     posted = []
     agent = _Agent()
-    s = _sender(agent, lambda local, mem, remote, welcome, deadline: posted.append((local, remote)))
+    s = _sender(agent, lambda local, mem, remote, welcome, deadline, ahead=None: posted.append((local, remote)))
     staging = _Staging()
     assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 4096, None, staging, direct) is None
     assert agent.registered == [(big.ptr, 1 << 20, "VRAM", 0)]  # held twice: registered once
@@ -179,7 +179,7 @@ def test_a_direct_write_from_a_cached_allocation_registers_it_once_and_keeps_it(
     agent = _Agent()
     cache = _cache(agent, {0x1000_0000: (8 << 20, 7)})
     posted = []
-    s = _sender(agent, lambda local, mem, remote, welcome, deadline: posted.append((local, remote)), cache)
+    s = _sender(agent, lambda local, mem, remote, welcome, deadline, ahead=None: posted.append((local, remote)), cache)
     for _ in range(3):
         assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) is None
     # The whole allocation, once, for three WRITEs; nothing deregistered after them.

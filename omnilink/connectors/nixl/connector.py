@@ -10,15 +10,22 @@ Topology and one ``put``::
     connect to the doorbell, name the session on it
     (once per connection; then per payload:)
     block = alloc in own extents      (extent(need) -> granted(...) only when they are full)
-    encode the frame into staging     (registered once; tensors copied in, one copy)
-    NIXL WRITE staging -> pool block  (one transfer request per payload)
-    publish(seq, key, block, meta)    ==========>  a waiting get (else the loop thread):
-                                                   check the block against the sender's
-                                                   extents, decode views of the
-                                                   pool (header from ``meta``), index them
-                                      <==========  ack(seq, status, blocks freed since)
-    put returns                                    get(key): the views; the block goes
+    publish(seq, key, block, meta,    ==========>  a waiting get (else the loop thread):
+            written=false)                         check the block against the sender's
+    encode the frame into staging                  extents, decode views of the pool
+      (registered once; tensors                    (header from ``meta``, parsed once
+      copied in, one copy)                         per distinct ``meta``): held aside
+    NIXL WRITE staging -> pool block  <==========  ack(seq, status, blocks freed since)
+      (one transfer request per payload)
+    written(seq, ok)                  ==========>  index the views
+    put returns (the ack is in)                    get(key): the views; the block goes
                                                    back when the last view dies
+
+  A payload with device memory to copy or write, or of ``AHEAD_MIN_BYTES`` and more,
+  is published *ahead* like this (from its own memory, just after its WRITE is
+  posted), so the receiver's checks and decoding overlap the staging and the WRITE;
+  a small host payload, or one with a bool tensor, is published once written, with
+  ``written=true``, and indexed at once (one message).
 
   (``---->``: the zmq control channel; ``====>``: the doorbell, ``omnilink.connectors.bell``,
   a plain stream socket with no I/O thread between the ends: a zmq message crosses one
@@ -95,7 +102,7 @@ from omnilink._errors import (
     WouldBlock,
 )
 from omnilink._util import SPIN_GROWTH, ConsumedKeys, Deadline, duplicate_key, next_spin, validate_key
-from omnilink.blob import decode_detached, peek_header, prepare, torch_dtype_of
+from omnilink.blob import decode_parsed, parse_detached, peek_header, prepare, reads_data, torch_dtype_of
 from omnilink.connectors import bell as _bell
 from omnilink.connectors.base import BaseConnector, ConnectorStats, Role, check_constructor_options
 from omnilink.connectors.nixl import wire
@@ -128,6 +135,16 @@ _yield = os.sched_yield
 #: 64 MiB about as much and of 256 MiB ~180 us, plus its wait.
 DIRECT_CACHED_MIN_BYTES = 1 << 20
 DIRECT_MIN_BYTES = 64 << 20
+#: A payload is published ahead of its WRITE's end (``wire.Publish.written`` false:
+#: the receiver checks and decodes it while the bytes are staged and written, and a
+#: ``written`` message makes it gettable; ``_Sender._write`` says when) when it has
+#: device memory to copy or to write (a device pool, or CUDA tensors), or at least
+#: this many data bytes. A small host payload, whose WRITE into host memory ends about
+#: as soon as it is posted, is published once written (one message, not two: on UCX's
+#: cma, 4 KiB one-way was 55-60 us so and 105-114 us ahead on the 2-core CPU machine),
+#: as is any payload with a bool tensor (the receiver checks its bytes: the ack says
+#: whether they were 0 and 1).
+AHEAD_MIN_BYTES = 1 << 20
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> None:
@@ -179,7 +196,8 @@ def _cuda_context(device: Any) -> None:
 class _Session:
     """What the receiver knows of one sender's connection."""
 
-    __slots__ = ("ident", "session", "pid", "fd", "peer", "extents", "frees", "parked", "lost", "bell_r", "bell_w")
+    __slots__ = ("ident", "session", "pid", "fd", "peer", "extents", "frees", "parked", "lost", "bell_r", "bell_w",
+                 "ahead")
 
     def __init__(self, ident: bytes, session: str, pid: int, fd: int, peer: str) -> None:
         self.ident = ident
@@ -197,6 +215,41 @@ class _Session:
         #: the sender's doorbell (its publishes in, their acks out), once it connected
         self.bell_r: Any = None
         self.bell_w: Any = None
+        #: payloads published ahead of their WRITE: seq -> ``_Ahead``
+        self.ahead: dict[int, _Ahead] = {}
+
+
+class _Ahead:
+    """A payload published ahead of its WRITE (``wire.Publish.written`` false): checked,
+    its block reserved and tracked; decoded already unless decoding reads the data
+    (``payload`` ``None``: decoded once written)."""
+
+    __slots__ = ("key", "total", "payload", "header", "lease")
+
+    def __init__(self, key: str, total: int, payload: Any, header: Any, lease: Any) -> None:
+        self.key = key
+        self.total = total
+        self.payload = payload
+        self.header = header
+        self.lease = lease
+
+
+class _Malformed:
+    """The index entry of a payload published ahead that failed to decode once written
+    (its ack had gone): its ``get`` raises ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BlobDecodeError) -> None:
+        self.error = error
+
+
+#: Most payloads one sender may have published ahead of their WRITE (it has one: its
+#: puts take turns).
+_MAX_AHEAD = 8
+#: Parsed frame headers the receiver keeps, by their bytes (a stream of payloads of one
+#: shape parses its header once); cleared when full.
+_HEADERS_KEPT = 256
 
 
 #: Doorbell connections held while they have not named their session (a sender names it
@@ -272,6 +325,14 @@ class _Receiver:
         self.dead_bells: list[Any] = []
         self.cond = threading.Condition()
         self.index: dict[str, tuple[Any, int]] = {}
+        #: keys of the payloads published ahead of their WRITE (pending too: a second
+        #: put of one is a duplicate)
+        self.ahead_keys: set[str] = set()
+        #: payloads whose WRITE may still land (``WRITTEN_STUCK``): their blocks stay
+        #: taken while this receiver lives
+        self.stuck: list[_Ahead] = []
+        #: ``meta`` bytes -> (parsed header, data_len, frame bytes): see ``_HEADERS_KEPT``
+        self.headers: dict[bytes, tuple[Any, int, int]] = {}
         self.consumed = ConsumedKeys()
         self.sessions: dict[bytes, _Session] = {}
         #: held by whoever reads the control socket and handles what it brings (the
@@ -405,7 +466,7 @@ class _Receiver:
                 self._lose(s, "its doorbell closed")
 
     def _on_bell(self, s: _Session, raw: bytes) -> None:
-        """One message on a sender's doorbell: a ``publish`` (nothing else goes there)."""
+        """One message on a sender's doorbell: a ``publish`` or a ``written`` (nothing else goes there)."""
         try:
             msg = wire.decode_from_sender(raw)
         except BlobDecodeError as exc:
@@ -418,8 +479,13 @@ class _Receiver:
                 self._publish(s, msg)
             except Exception:  # one bad message must not stop the channel
                 logger.exception("nixl: channel %r: a publish failed", self.channel)
+        elif isinstance(msg, wire.Written):
+            try:
+                self._written(s, msg)
+            except Exception:  # one bad message must not stop the channel
+                logger.exception("nixl: channel %r: a written message failed", self.channel)
         else:
-            logger.warning("nixl: channel %r: a %s on a doorbell (only publish goes there)", self.channel,
+            logger.warning("nixl: channel %r: a %s on a doorbell (only publish and written go there)", self.channel,
                            type(msg).__name__)
 
     def _pump(self, most: int) -> bool:
@@ -468,6 +534,13 @@ class _Receiver:
             s.bell_w = None
             self._bells_changed()
             self.releaser.wake()  # the loop closes it
+        if s.ahead:
+            # Never written, as far as this receiver knows: dropped (their blocks come
+            # free with their leases).
+            with self.cond:
+                for entry in s.ahead.values():
+                    self.ahead_keys.discard(entry.key)
+            s.ahead.clear()
         for off, mirror in list(s.extents.items()):
             if not mirror.used_bytes:
                 self._free_extent(s, off)
@@ -570,6 +643,8 @@ class _Receiver:
             return
         if isinstance(msg, wire.Publish):
             self._publish(s, msg)
+        elif isinstance(msg, wire.Written):
+            self._written(s, msg)
         elif isinstance(msg, wire.Extent):
             off = self._new_extent(s, msg.need)
             if off is not None:
@@ -620,9 +695,14 @@ class _Receiver:
 
         try:
             key = validate_key(msg.key)
-            _hl, data_len, total = peek_header(msg.meta)
+            header, data_len, total = self._header(msg.meta)
         except (ConfigurationError, BlobDecodeError) as exc:
             ack(wire.ACK_DECODE_ERROR, str(exc))
+            return
+        ahead = not msg.written
+        if ahead and (not msg.length or len(s.ahead) >= _MAX_AHEAD or msg.seq in s.ahead):
+            ack(wire.ACK_DECODE_ERROR, "a payload published ahead of its WRITE must have a block, a seq of its "
+                f"own and at most {_MAX_AHEAD} others ahead of theirs")
             return
         ext = None
         if msg.length:
@@ -637,20 +717,24 @@ class _Receiver:
             ack(wire.ACK_DECODE_ERROR, f"the frame's data region is {data_len} bytes, its block {msg.length}")
             return
         with self.cond:
-            pending = key in self.index
+            pending = key in self.index or key in self.ahead_keys
         if pending:
             self._unreserve(s, ext, msg.offset)
             ack(wire.ACK_DUPLICATE_KEY)
             return
         ref = None
+        lease = None
+        payload = None
         try:
             if ext is None:
-                payload = decode_detached(msg.meta, bytearray(0))
+                payload = decode_parsed(header, bytearray(0))
             else:
                 lease = self.pool.lease(msg.offset, msg.length)
                 ref = self.releaser.track(lease, (s, msg.offset), msg.length)
-                payload = self._decode(msg.meta, lease)
-                del lease
+                # Published ahead: views only, nothing of the block read before it is
+                # written (a bool tensor's check, numpy on a device: decoded then).
+                if not ahead or not reads_data(header, device=self.pool.mem == "VRAM"):
+                    payload = self._decode(header, lease)
         except BlobDecodeError as exc:
             if ref is not None:
                 self.releaser.release(ref)
@@ -658,14 +742,57 @@ class _Receiver:
                 self._unreserve(s, ext, msg.offset)
             ack(wire.ACK_DECODE_ERROR, str(exc))
             return
+        if ahead:
+            s.ahead[msg.seq] = _Ahead(key, total, payload, header, lease)
+            with self.cond:
+                self.ahead_keys.add(key)
+        else:
+            self._index(key, payload, total)
+        del payload, lease
+        if ext is not None:
+            self._grant_ahead(s, msg.length)
+        ack(wire.ACK_OK)
+
+    def _written(self, s: _Session, msg: wire.Written) -> None:
+        """The WRITE of a payload published ahead ended: publish it, or drop it."""
+        entry = s.ahead.pop(msg.seq, None)
+        if entry is None:
+            return  # refused when published (its ack said why), or a stray message
+        with self.cond:
+            self.ahead_keys.discard(entry.key)
+        if msg.status == wire.WRITTEN_STUCK:
+            self.stuck.append(entry)  # its block stays taken: the WRITE may still land
+            return
+        if msg.status != wire.WRITTEN_OK:
+            return  # dropped: its block comes free with its lease
+        payload = entry.payload
+        if payload is None:
+            try:
+                payload = self._decode(entry.header, entry.lease)
+            except BlobDecodeError as exc:
+                # Acked already: the key's get raises what is wrong with it.
+                logger.warning("nixl: channel %r: key %r is malformed: %s", self.channel, entry.key, exc)
+                payload = _Malformed(exc)
+        entry.lease = entry.payload = None
+        self._index(entry.key, payload, entry.total)
+
+    def _index(self, key: str, payload: Any, total: int) -> None:
         with self.cond:
             self.index[key] = (payload, total)
             self.consumed.forget(key)
             self.cond.notify_all()
-        del payload
-        if ext is not None:
-            self._grant_ahead(s, msg.length)
-        ack(wire.ACK_OK)
+
+    def _header(self, meta: bytes) -> tuple[Any, int, int]:
+        """``(header, data_len, frame bytes)`` of a frame's ``meta``, validated in full
+        (kept by its bytes: the same bytes validate the same way)."""
+        hit = self.headers.get(meta)
+        if hit is None:
+            _hl, data_len, total = peek_header(meta)
+            hit = (parse_detached(meta), data_len, total)
+            if len(self.headers) >= _HEADERS_KEPT:
+                self.headers.clear()
+            self.headers[bytes(meta)] = hit
+        return hit
 
     def _grant_ahead(self, s: _Session, length: int) -> None:
         """After a block of ``length`` bytes: if none of the sender's extents has room for
@@ -689,9 +816,10 @@ class _Receiver:
             s.extents[ext].free(offset - ext)
             s.frees.append(offset)
 
-    def _decode(self, meta: bytes, lease: Any) -> Any:
+    def _decode(self, header: Any, lease: Any) -> Any:
+        """The payload of a parsed ``header`` over ``lease``: views of the pool."""
         if self.pool.mem == "DRAM":
-            return decode_detached(meta, lease)
+            return decode_parsed(header, lease)
         import torch
 
         base = torch.as_tensor(lease, device=self.pool.device)
@@ -708,14 +836,14 @@ class _Receiver:
             return t
 
         try:
-            return decode_detached(meta, None, device_view=view)
+            return decode_parsed(header, None, device_view=view)
         except BlobDecodeError as exc:
             if "numpy" not in str(exc):
                 raise
         # numpy arrays: decoded on the host from one copy of the region (a fallback).
         self.fallbacks += 1
         host = bytearray(base.cpu().numpy().tobytes())
-        return decode_detached(meta, host)
+        return decode_parsed(header, host)
 
     # ------------------------------------------------------------- get side
     def take(self, key: str, deadline: Deadline, block: bool, conn: NixlConnector) -> Any:
@@ -728,6 +856,8 @@ class _Receiver:
                     if began and self.spin_min_ns:
                         self._adapt_spin(time.perf_counter_ns() - began)
                     self.consumed.add(key)
+                    if isinstance(entry[0], _Malformed):
+                        raise entry[0].error
                     conn._count(bytes_got=entry[1])
                     return entry[0]
                 self._raise_if_dead(key, conn)
@@ -967,6 +1097,7 @@ class _Sender:
         self.lost: str | None = None
         self.puts_in_session = 0
         self._ops: Any = False  # cuda-python's CudaOps once looked up (None: not installed)
+        self._cuda_ok: bool | None = None  # torch.cuda.is_available(), once asked
         self._fill_events: dict[int, Any] = {}  # device index -> reused raw Event (device staging)
         #: registrations of the CUDA allocations direct WRITEs read (made on first use)
         self.regs: RegistrationCache | None = None
@@ -1032,9 +1163,9 @@ class _Sender:
                                 f"while {what}; the next put connects to the receiver again")
         return sock
 
-    def _send_publish(self, msg: wire.Publish, deadline: Deadline) -> None:
-        """Publish a payload: on the receiver's doorbell (the control channel when it has
-        none)."""
+    def _send_bell(self, msg: Any, deadline: Deadline, key: str | None) -> None:
+        """Send a ``publish`` or ``written`` of payload ``key``: on the receiver's
+        doorbell (the control channel when it has none)."""
         writer = self.bell_w
         if writer is None:
             self._send(msg, deadline, "publishing")
@@ -1043,7 +1174,7 @@ class _Sender:
             writer.send(wire.encode(msg), deadline.remaining())
         except TransferTimeout:
             self._drop_session()  # part of the message may be in the stream: it is unusable
-            raise self.conn._timeout("put", msg.key, f"the receiver at {self.endpoint} (its doorbell)",
+            raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} (its doorbell)",
                                      deadline.timeout) from None
         except PeerLostError as exc:
             if not self.lost:
@@ -1209,23 +1340,47 @@ class _Sender:
             welcome = self._ensure_session(deadline)
             n = prepared.data_len
             off = 0
+            seq = self.seq + 1
+            ahead = False  # published ahead of its WRITE
+            publish_ahead = None
             if n:
                 off = self._alloc(n, deadline, key)
+                heavy = n >= AHEAD_MIN_BYTES or welcome.mem == "VRAM" or bool(prepared.devices())
+                if heavy and not prepared.holds_bool:
+
+                    def _publish_ahead() -> None:
+                        # The receiver checks and decodes while the bytes are staged and
+                        # written; ``written`` makes the payload gettable.
+                        nonlocal ahead
+                        self.seq = seq
+                        self._send_bell(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta,
+                                                     written=False), deadline, key)
+                        ahead = True
+
+                    publish_ahead = _publish_ahead
                 try:
-                    why = self._write(prepared, welcome, off, deadline)
-                except BaseException:
-                    self._free_local(off)
+                    why = self._write(prepared, welcome, off, deadline, publish_ahead)
+                except BaseException as exc:
+                    if ahead:  # its block comes back from the receiver, as any
+                        self._written_failed(seq, deadline, isinstance(exc, OmnilinkError))
+                    else:
+                        self._free_local(off)
                     raise
                 if why is not None:
                     if why == "timeout":
-                        if not self.agent._stuck:
+                        if ahead:
+                            self._written_failed(seq, deadline, True)
+                        elif not self.agent._stuck:
                             self._free_local(off)
                         raise self.conn._timeout("put", key, f"the receiver at {self.endpoint} (its WRITE)",
                                                  deadline.timeout)
                     raise self._peer_lost("writing")
-            self.seq += 1
-            seq = self.seq
-            self._send_publish(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta), deadline)
+            if ahead:
+                self._send_bell(wire.Written(seq=seq, status=wire.WRITTEN_OK), deadline, key)
+            else:
+                self.seq = seq
+                self._send_bell(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta),
+                                deadline, key)
             self._receive(deadline, lambda m: isinstance(m, wire.Ack) and m.seq == seq, key, "waiting for its ack")
             ack = self.acks.pop(seq)
         if ack.status == wire.ACK_OK:
@@ -1234,10 +1389,31 @@ class _Sender:
             raise duplicate_key("nixl", self.channel, key)
         raise BlobDecodeError(f"nixl: the receiver of channel {self.channel!r} rejected key {key!r}: {ack.text}")
 
-    def _write(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline) -> str | None:
+    def _written_failed(self, seq: int, deadline: Deadline, released: bool) -> None:
+        """Tell the receiver that the WRITE of payload ``seq``, published ahead, failed
+        (best effort: a lost session drops it anyway). ``released``: NIXL released the
+        request, so the block is not written any more unless a request is stuck."""
+        if self.welcome is None or self.lost:
+            return
+        status = wire.WRITTEN_FAILED if released and not self.agent._stuck else wire.WRITTEN_STUCK
+        try:
+            self._send_bell(wire.Written(seq=seq, status=status), Deadline.after(1.0), None)
+        except OmnilinkError:
+            logger.debug("nixl: channel %r: telling the receiver of a failed WRITE failed", self.channel,
+                         exc_info=True)
+
+    def _write(self, prepared: Any, welcome: wire.Welcome, off: int, deadline: Deadline,
+               ahead: Any = None) -> str | None:
+        """WRITE the payload's data region into the block at ``off`` and wait for it:
+        ``None``, or why it did not complete. ``ahead()`` (publishing the payload ahead)
+        is called once, when the WRITE did not fail first: before the bytes are staged,
+        or, for a WRITE from the tensors' own memory (nothing to stage: the receiver
+        gets the publish while the bytes move), as soon as it is posted."""
         n = prepared.data_len
         staging = self._staging_for(prepared, welcome)
         if staging.mem == "DRAM":
+            if ahead is not None:
+                ahead()
             staging.ensure(prepared.nbytes)
             prepared.write_at(staging.view, 0, staging.addr)
             local = (staging.addr + prepared.data_offset, n, 0)
@@ -1245,7 +1421,9 @@ class _Sender:
             sources = prepared.tensor_sources()
             direct = self._direct(prepared, sources)
             if direct:
-                return self._write_direct(prepared, sources, welcome, off, deadline, staging, direct)
+                return self._write_direct(prepared, sources, welcome, off, deadline, staging, direct, ahead)
+            if ahead is not None:
+                ahead()
             staging.ensure(n)
             self._fill_device(prepared, staging, sources)
             local = (staging.addr, n, staging.dev)
@@ -1253,10 +1431,18 @@ class _Sender:
         return self._post([local], staging.mem, [remote], welcome, deadline)
 
     def _post(self, local: list[tuple[int, int, int]], local_mem: str, remote: list[tuple[int, int, int]],
-              welcome: wire.Welcome, deadline: Deadline) -> str | None:
-        """One WRITE of the ``local`` pieces into the ``remote`` ones, waited for."""
+              welcome: wire.Welcome, deadline: Deadline, ahead: Any = None) -> str | None:
+        """One WRITE of the ``local`` pieces into the ``remote`` ones, waited for;
+        ``ahead()`` once it is posted (see ``_write``)."""
         try:
             req = self.agent.write(local, local_mem, remote, welcome.mem, self.peer)
+            if ahead is not None:
+                try:
+                    ahead()
+                except BaseException:
+                    if req is not None:
+                        self.agent.wait(req, deadline, self._check_lost)  # never left unwaited
+                    raise
             if req is None:
                 return None
             return self.agent.wait(req, deadline, self._check_lost)
@@ -1295,7 +1481,8 @@ class _Sender:
         return cache
 
     def _write_direct(self, prepared: Any, sources: list[tuple[int, int, Any]], welcome: wire.Welcome, off: int,
-                      deadline: Deadline, staging: Staging, direct: list[tuple[int, int, Any]]) -> str | None:
+                      deadline: Deadline, staging: Staging, direct: list[tuple[int, int, Any]],
+                      ahead: Any = None) -> str | None:
         """A WRITE whose large CUDA tensors (``direct``) go from their own memory, each
         registered for it, and whose other bytes (the runs of the data region between
         them: smaller tensors, padding) from the device staging buffer, packed there
@@ -1324,7 +1511,7 @@ class _Sender:
             for o, nb, t in direct:
                 local.append((t.data_ptr(), nb, t.get_device()))
                 remote.append((base + o, nb, welcome.dev))
-            why = self._post(local, "VRAM", remote, welcome, deadline)
+            why = self._post(local, "VRAM", remote, welcome, deadline, ahead)
         except BaseException:
             self._drop_regs(regs, direct, still_read=bool(self.agent._stuck))
             raise
@@ -1372,7 +1559,10 @@ class _Sender:
             return self.host_staging
         import torch
 
-        if not torch.cuda.is_available():
+        cuda = self._cuda_ok
+        if cuda is None:
+            cuda = self._cuda_ok = torch.cuda.is_available()
+        if not cuda:
             return self.host_staging
         dev = self.device
         if dev is None:

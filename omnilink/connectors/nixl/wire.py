@@ -10,8 +10,10 @@ so a hostile frame costs at most its own size to reject::
     ["hello", version, session, pid, md]        ["welcome", version, session, md,
                                                  pool_addr, pool_bytes, mem, dev, bell]
     ["extent", need]                            ["granted", offset, length, frees]
-    ["publish", seq, key, offset, length, meta] ["ack", seq, status, text, frees]
-    ["return", offset]                          ["refused", text]
+    ["publish", seq, key, offset, length, meta, ["ack", seq, status, text, frees]
+     written]
+    ["written", seq, status]                    ["refused", text]
+    ["return", offset]
     ["bye"]
 
 - A sender's ``session`` (32 hex digits, fresh per connection) is also its zmq routing
@@ -20,8 +22,8 @@ so a hostile frame costs at most its own size to reject::
   plain stream socket with no I/O thread: ``unix:@NAME`` (an ipc endpoint) or
   ``tcp:PORT`` (on the control endpoint's host). The sender connects, sends its
   ``session`` as the first message, then its ``publish`` messages go there and their
-  ``ack`` come back on it, as do ``granted`` answers; everything else stays on the
-  control channel.
+  ``ack`` come back on it, as do ``granted`` answers and ``written`` goes there too;
+  everything else stays on the control channel.
 - ``extent``: the sender asks for a part of the receiver's pool of at least ``need``
   bytes. ``granted`` gives one (``length`` 0: none now; the receiver answers again
   when blocks come free) and hands back ``frees``, the offsets of blocks whose last
@@ -31,7 +33,12 @@ so a hostile frame costs at most its own size to reject::
   and header (the bytes ``omnilink.decode`` validates), sent here so that nothing the
   receiver parses lies in memory a peer can write to. ``check_block`` is the pool-side
   validation: the block must lie in one of *this* sender's extents and overlap none
-  of its live blocks, before anything is read.
+  of its live blocks, before anything is read. ``written`` false: the WRITE is still
+  on its way (a large payload, published *ahead* so that the receiver validates and
+  decodes it meanwhile); the payload becomes gettable only with its ``written``
+  message: ``WRITTEN_OK``, or ``WRITTEN_FAILED`` (the receiver drops it, its block
+  comes free as any other) or ``WRITTEN_STUCK`` (the WRITE could not be cancelled and
+  may still land: the block stays taken for the rest of the session).
 - ``ack`` status: ``ACK_OK``, ``ACK_DUPLICATE_KEY``, ``ACK_DECODE_ERROR`` (``text``
   says why), ``ACK_BAD_BLOCK`` (the descriptor failed ``check_block``).
 """
@@ -52,6 +59,9 @@ __all__ = [
     "ACK_OK",
     "MAX_FRAME_BYTES",
     "VERSION",
+    "WRITTEN_FAILED",
+    "WRITTEN_OK",
+    "WRITTEN_STUCK",
     "Ack",
     "Bye",
     "Extent",
@@ -61,17 +71,21 @@ __all__ = [
     "Refused",
     "Return",
     "Welcome",
+    "Written",
     "check_block",
     "decode_from_receiver",
     "decode_from_sender",
     "encode",
 ]
 
-VERSION = 2
+VERSION = 3
 ACK_OK = 0
 ACK_DUPLICATE_KEY = 1
 ACK_DECODE_ERROR = 2
 ACK_BAD_BLOCK = 3
+WRITTEN_OK = 0
+WRITTEN_FAILED = 1
+WRITTEN_STUCK = 2
 
 #: Largest NIXL agent metadata accepted (a UCX agent's is a few KiB).
 MAX_METADATA_BYTES = 1 << 20
@@ -112,6 +126,12 @@ class Publish(_Msg):
     offset: _Off
     length: _Off
     meta: Annotated[bytes, msgspec.Meta(min_length=PREFIX_SIZE, max_length=PREFIX_SIZE + MAX_HEADER_BYTES)]
+    written: bool = True
+
+
+class Written(_Msg):
+    seq: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+    status: Annotated[int, msgspec.Meta(ge=WRITTEN_OK, le=WRITTEN_STUCK)]
 
 
 class Return(_Msg):
@@ -150,7 +170,7 @@ class Refused(_Msg):
     text: _Text
 
 
-FromSender = Union[Hello, Extent, Publish, Return, Bye]
+FromSender = Union[Hello, Extent, Publish, Written, Return, Bye]
 FromReceiver = Union[Welcome, Granted, Ack, Refused]
 
 _encoder = msgspec.msgpack.Encoder()
