@@ -407,10 +407,25 @@ def _run_pipe(name: str, opts: dict[str, Any]) -> dict[str, list[float]]:
     tx = ctx.Process(target=send_target, args=(name, opts, tx_end), daemon=True)
     rx.start()
     tx.start()
+    # Only the children hold the pipes' ends now: one that dies closes its end, and the
+    # other's recv() ends at once instead of waiting for the whole run's time.
+    for end in (rx_end, tx_end, results_w):
+        end.close()
     try:
-        if not results_r.poll(WAIT * 10):
-            raise RuntimeError("no result in time")
-        out = results_r.recv()
+        end_by = time.monotonic() + WAIT * 10
+        dead_since = None
+        while not results_r.poll(1.0):
+            if time.monotonic() > end_by:
+                raise RuntimeError("no result in time")
+            died = [p for p in (rx, tx) if p.exitcode not in (None, 0)]
+            if died:
+                dead_since = dead_since or time.monotonic()
+                if time.monotonic() - dead_since > 10:  # time for the other to report why
+                    raise RuntimeError(f"{name}: a benchmark process died (exit code {died[0].exitcode})")
+        try:
+            out = results_r.recv()
+        except EOFError:
+            raise RuntimeError(f"{name}: the receiver ended without a result") from None
     finally:
         for p in (rx, tx):
             p.join(30)
