@@ -48,3 +48,20 @@ def receiver(tls: str, channel: str, q, stop) -> None:
     except BaseException:
         q.put(("error", traceback.format_exc()))
         raise
+
+
+def streamer(tls: str, channel: str, size: int, q) -> None:
+    """Put payloads without bool tensors (published ahead of their WRITE) under keys
+    s0, s1, ... until killed, reporting once the first is in."""
+    os.environ["UCX_TLS"] = tls
+    import omnilink
+
+    with omnilink.connect("nixl", channel=channel, role="sender", timeout=60.0) as tx:
+        i = 0
+        while True:
+            p = payload(i, size)
+            del p["meta"]["finished"]
+            tx.put(f"s{i}", p)
+            if i == 0:
+                q.put(("streaming", 0))
+            i += 1

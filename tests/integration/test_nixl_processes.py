@@ -78,6 +78,46 @@ def test_sender_process_zero_copy_then_killed(tls, procs):
 
 
 @pytest.mark.parametrize("tls", TLS)
+def test_sender_killed_while_streaming_payloads_published_ahead(tls, procs):
+    """A sender SIGKILLed while it streams payloads published ahead of their WRITE (one
+    may be published and not written): every payload the receiver can get is whole, a
+    payload never written is never gettable, nothing stays held aside, and every block
+    comes back once the views die."""
+    os.environ["UCX_TLS"] = tls
+    channel = f"olnx/kill-ahead-{os.getpid()}-{tls.replace(',', '')}"
+    size = 2 << 20
+    with omnilink.connect("nixl", channel=channel, role="receiver", pool_bytes=64 << 20, peer_timeout=0.5,
+                          timeout=60.0) as rx:
+        q = CTX.Queue()
+        p = start_process(procs, workers.streamer, tls, channel, size, q)
+        assert q.get(timeout=60) == ("streaming", 0)
+        got_keys = 0
+        held = []
+        while got_keys < 4:  # let it stream (the receiver holds a few)
+            held.append(rx.get(f"s{got_keys}", timeout=30.0))
+            got_keys += 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        # Whatever was written before the kill is whole; then PeerLostError, no hang.
+        while True:
+            try:
+                got = rx.get(f"s{got_keys}", timeout=30.0)
+            except omnilink.PeerLostError:
+                break
+            want = workers.payload(got_keys, size)
+            assert torch.equal(got["hidden"], want["hidden"]) and torch.equal(got["ids"], want["ids"])
+            got_keys += 1
+            del got
+        for i, got in enumerate(held):
+            assert torch.equal(got["hidden"], workers.payload(i, size)["hidden"])
+        r = rx._rx
+        assert not r.ahead_keys and all(not s.ahead for s in r.sessions.values())
+        del held, got
+        st = rx.stats()
+        assert st.blocks_in_use == 0 and st.bytes_held == 0
+
+
+@pytest.mark.parametrize("tls", TLS)
 def test_receiver_killed_then_restarted(tls, procs):
     """A SIGKILLed receiver: the sender's put raises ``PeerLostError`` (no hang); a new
     receiver on the same endpoint is taken back by the next put."""

@@ -15,8 +15,8 @@ from omnilink.connectors.nixl import wire
 
 _INT = st.one_of(st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1), st.sampled_from([0, 1, -1, 1 << 48, 1 << 63]))
 _ITEM = st.one_of(_INT, st.text(max_size=40), st.binary(max_size=64), st.none(), st.booleans(), st.floats())
-_TAGS = st.sampled_from(["hello", "extent", "publish", "return", "bye", "welcome", "granted", "ack", "refused",
-                         "HELLO", "", "x"])
+_TAGS = st.sampled_from(["hello", "extent", "publish", "written", "return", "bye", "welcome", "granted", "ack",
+                         "refused", "HELLO", "", "x"])
 
 
 @settings(max_examples=400, deadline=None)
@@ -43,7 +43,10 @@ def test_structured_garbage_only_blob_decode_error(tag, items):
             v = getattr(msg, name, 0)
             assert 0 <= v <= wire.MAX_OFFSET
         if isinstance(msg, wire.Publish):
-            assert 1 <= len(msg.key) <= 512
+            assert 1 <= len(msg.key) <= 512 and isinstance(msg.written, bool)
+        if isinstance(msg, wire.Written):
+            assert 0 <= msg.seq <= 1 << 62 and msg.status in (wire.WRITTEN_OK, wire.WRITTEN_FAILED,
+                                                              wire.WRITTEN_STUCK)
 
 
 def test_oversized_fields_refused():
@@ -77,7 +80,19 @@ def test_check_block_only_inside_one_extent(offset, length, extents):
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 1 << 40), st.text(min_size=1, max_size=100), st.integers(0, wire.MAX_OFFSET),
-       st.integers(0, wire.MAX_OFFSET), st.binary(min_size=24, max_size=200))
-def test_publish_round_trips(seq, key, offset, length, meta):
-    msg = wire.Publish(seq=seq, key=key, offset=offset, length=length, meta=meta)
+       st.integers(0, wire.MAX_OFFSET), st.binary(min_size=24, max_size=200), st.booleans(),
+       st.sampled_from([wire.WRITTEN_OK, wire.WRITTEN_FAILED, wire.WRITTEN_STUCK]))
+def test_publish_and_written_round_trip(seq, key, offset, length, meta, written, status):
+    msg = wire.Publish(seq=seq, key=key, offset=offset, length=length, meta=meta, written=written)
     assert wire.decode_from_sender(wire.encode(msg)) == msg
+    done = wire.Written(seq=seq, status=status)
+    assert wire.decode_from_sender(wire.encode(done)) == done
+
+
+def test_written_out_of_range_refused():
+    for items in (["written", 1, 3], ["written", -1, 0], ["written", 1], ["written", 1, 0, 0], ["written", "1", 0]):
+        with pytest.raises(BlobDecodeError):
+            wire.decode_from_sender(msgspec.msgpack.encode(items))
+    # A publish from a sender of protocol 2 (no ``written``) reads as published once written.
+    old = wire.decode_from_sender(msgspec.msgpack.encode(["publish", 1, "k", 0, 0, b"x" * 24]))
+    assert isinstance(old, wire.Publish) and old.written is True
