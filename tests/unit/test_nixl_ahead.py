@@ -291,3 +291,18 @@ def test_hostile_ahead_messages_are_refused(pair):
     _wait_for(lambda: not rx._rx.ahead_keys, "the written messages")
     tx.put("good", {"t": torch.arange(9)})
     assert torch.equal(rx.get("good")["t"], torch.arange(9))
+
+
+def test_parsed_headers_kept_are_bounded(pair):
+    tx, rx = pair
+    r = rx._rx
+    big_tree = {f"k{i}": "x" * 64 for i in range(80)}  # a header of several KiB: parsed, not kept
+    for i in range(3):
+        tx.put(f"h{i}", {"t": torch.arange(4) + i, "tree": big_tree})
+        got = rx.get(f"h{i}")
+        assert torch.equal(got["t"], torch.arange(4) + i) and got["tree"] == big_tree
+    assert all(len(m) <= nixl_connector._HEADER_KEPT_BYTES for m in r.headers)
+    for i in range(nixl_connector._HEADERS_KEPT + 5):  # distinct small headers: at most the bound
+        tx.put(f"s{i}", {"t": torch.arange(i % 7 + 1), "i": i})
+        rx.get(f"s{i}")
+    assert 0 < len(r.headers) <= nixl_connector._HEADERS_KEPT

@@ -250,6 +250,8 @@ _MAX_AHEAD = 8
 #: Parsed frame headers the receiver keeps, by their bytes (a stream of payloads of one
 #: shape parses its header once); cleared when full.
 _HEADERS_KEPT = 256
+#: Largest ``meta`` whose parsed header is kept (a payload's is a few hundred bytes).
+_HEADER_KEPT_BYTES = 4096
 
 
 #: Doorbell connections held while they have not named their session (a sender names it
@@ -789,9 +791,10 @@ class _Receiver:
         if hit is None:
             _hl, data_len, total = peek_header(meta)
             hit = (parse_detached(meta), data_len, total)
-            if len(self.headers) >= _HEADERS_KEPT:
-                self.headers.clear()
-            self.headers[bytes(meta)] = hit
+            if len(meta) <= _HEADER_KEPT_BYTES:  # what a sender makes this receiver keep is bounded
+                if len(self.headers) >= _HEADERS_KEPT:
+                    self.headers.clear()
+                self.headers[bytes(meta)] = hit
         return hit
 
     def _grant_ahead(self, s: _Session, length: int) -> None:
