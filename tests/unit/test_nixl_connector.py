@@ -465,3 +465,45 @@ def test_grant_ahead_only_when_the_sender_is_out_of_room_and_nobody_waits_for_ro
     s.parked = 1 << 20  # this one asked already
     r._grant_ahead(s, 3 << 20)
     assert r.sent == []
+
+
+@needs_nixl
+def test_only_the_receiver_runs_a_progress_thread(monkeypatch):
+    """A sender progresses its UCX worker itself as it writes: its agent starts no
+    progress thread (one native thread fewer than the receiver's kind of agent)."""
+    monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy" if nvidia_gpu_present() else "tcp")
+
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    first = nixl_agent.Agent(f"first-{os.getpid()}", progress_thread=False)  # UCX's process-wide thread
+    before = tasks()
+    quiet = nixl_agent.Agent(f"quiet-{os.getpid()}", progress_thread=False)
+    mid = tasks()
+    busy = nixl_agent.Agent(f"busy-{os.getpid()}")
+    after = tasks()
+    try:
+        assert (mid - before, after - mid) == (0, 1), (before, mid, after)
+    finally:
+        for a in (first, quiet, busy):
+            a.close()
+    made = []
+    real = nixl_agent.Agent
+
+    def recording(name, progress_thread=True):
+        made.append((name.split("-")[1], progress_thread))
+        return real(name, progress_thread)
+
+    from omnilink.connectors.nixl import connector as nx
+
+    monkeypatch.setattr(nx, "Agent", recording)
+    rx = omnilink.connect("nixl", channel=f"olnx/prog-{os.getpid()}", role="receiver", endpoint="tcp://127.0.0.1:*",
+                          pool_bytes=1 << 20, timeout=30.0)
+    tx = omnilink.connect("nixl", channel=rx.channel, role="sender", endpoint=rx.endpoint, timeout=30.0)
+    try:
+        tx.put("k", {"t": torch.arange(3)})
+        assert torch.equal(rx.get("k")["t"], torch.arange(3))
+    finally:
+        tx.close()
+        rx.close()
+    assert sorted(made) == [("rx", True), ("tx", False)], made

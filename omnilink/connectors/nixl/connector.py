@@ -1084,7 +1084,8 @@ class _Sender:
         self.lock = threading.RLock()
         if device is not None:
             _cuda_context(device)
-        self.agent = Agent(f"omnilink-tx-{os.getpid()}-{secrets.token_hex(6)}")
+        # No progress thread: this end progresses its worker as it writes (``agent``).
+        self.agent = Agent(f"omnilink-tx-{os.getpid()}-{secrets.token_hex(6)}", progress_thread=False)
         self.host_staging = Staging(self.agent)
         self.dev_staging: dict[int, Staging] = {}
         self.sock: zmq.Socket | None = None
