@@ -15,17 +15,19 @@ Topology and one ``put``::
     encode the frame into staging                  extents, decode views of the pool
       (registered once; tensors                    (header from ``meta``, parsed once
       copied in, one copy)                         per distinct ``meta``): held aside
-    NIXL WRITE staging -> pool block  <==========  ack(seq, status, blocks freed since)
+    NIXL WRITE staging -> pool block               (a refusal is answered at once)
       (one transfer request per payload)
     written(seq, ok)                  ==========>  index the views
-    put returns (the ack is in)                    get(key): the views; the block goes
+                                      <==========  ack(seq, status, blocks freed since)
+    put returns                                    get(key): the views; the block goes
                                                    back when the last view dies
 
   A payload with device memory to copy or write, or of ``AHEAD_MIN_BYTES`` and more,
   is published *ahead* like this (from its own memory, just after its WRITE is
   posted), so the receiver's checks and decoding overlap the staging and the WRITE;
   a small host payload, or one with a bool tensor, is published once written, with
-  ``written=true``, and indexed at once (one message).
+  ``written=true``, and indexed and acknowledged at once (one message). Either way the
+  ack comes once the payload is gettable: a put returns only then.
 
   (``---->``: the zmq control channel; ``====>``: the doorbell, ``omnilink.connectors.bell``,
   a plain stream socket with no I/O thread between the ends: a zmq message crosses one
@@ -232,16 +234,6 @@ class _Ahead:
         self.payload = payload
         self.header = header
         self.lease = lease
-
-
-class _Malformed:
-    """The index entry of a payload published ahead that failed to decode once written
-    (its ack had gone): its ``get`` raises ``error``."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BlobDecodeError) -> None:
-        self.error = error
 
 
 #: Most payloads one sender may have published ahead of their WRITE (it has one: its
@@ -745,6 +737,9 @@ class _Receiver:
             ack(wire.ACK_DECODE_ERROR, str(exc))
             return
         if ahead:
+            # Acknowledged once written and indexed (``_written``): a put returns only
+            # when its payload is gettable here, so a sender that closes or dies right
+            # after it loses nothing (its ``written`` and its goodbye travel apart).
             s.ahead[msg.seq] = _Ahead(key, total, payload, header, lease)
             with self.cond:
                 self.ahead_keys.add(key)
@@ -753,10 +748,12 @@ class _Receiver:
         del payload, lease
         if ext is not None:
             self._grant_ahead(s, msg.length)
-        ack(wire.ACK_OK)
+        if not ahead:
+            ack(wire.ACK_OK)
 
     def _written(self, s: _Session, msg: wire.Written) -> None:
-        """The WRITE of a payload published ahead ended: publish it, or drop it."""
+        """The WRITE of a payload published ahead ended: index and acknowledge it, or
+        drop it (a failed WRITE's sender waits for no answer)."""
         entry = s.ahead.pop(msg.seq, None)
         if entry is None:
             return  # refused when published (its ack said why), or a stray message
@@ -772,11 +769,16 @@ class _Receiver:
             try:
                 payload = self._decode(entry.header, entry.lease)
             except BlobDecodeError as exc:
-                # Acked already: the key's get raises what is wrong with it.
-                logger.warning("nixl: channel %r: key %r is malformed: %s", self.channel, entry.key, exc)
-                payload = _Malformed(exc)
+                entry.lease = None  # its block comes free
+                self._send(s, wire.Ack(seq=msg.seq, status=wire.ACK_DECODE_ERROR, text=str(exc)[: wire.MAX_TEXT],
+                                       frees=self._take_frees(s)))
+                return
         entry.lease = entry.payload = None
         self._index(entry.key, payload, entry.total)
+        del payload
+        if self.releaser.queue:  # blocks freed since: this answer says so
+            self._drain_frees()
+        self._send(s, wire.Ack(seq=msg.seq, status=wire.ACK_OK, text="", frees=self._take_frees(s)))
 
     def _index(self, key: str, payload: Any, total: int) -> None:
         with self.cond:
@@ -859,8 +861,6 @@ class _Receiver:
                     if began and self.spin_min_ns:
                         self._adapt_spin(time.perf_counter_ns() - began)
                     self.consumed.add(key)
-                    if isinstance(entry[0], _Malformed):
-                        raise entry[0].error
                     conn._count(bytes_got=entry[1])
                     return entry[0]
                 self._raise_if_dead(key, conn)

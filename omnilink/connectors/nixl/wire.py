@@ -36,9 +36,10 @@ so a hostile frame costs at most its own size to reject::
   of its live blocks, before anything is read. ``written`` false: the WRITE is still
   on its way (a large payload, published *ahead* so that the receiver validates and
   decodes it meanwhile); the payload becomes gettable only with its ``written``
-  message: ``WRITTEN_OK``, or ``WRITTEN_FAILED`` (the receiver drops it, its block
-  comes free as any other) or ``WRITTEN_STUCK`` (the WRITE could not be cancelled and
-  may still land: the block stays taken for the rest of the session).
+  message: ``WRITTEN_OK`` (then it is acknowledged; a refusal is answered at once), or
+  ``WRITTEN_FAILED`` (the receiver drops it, its block comes free as any other) or
+  ``WRITTEN_STUCK`` (the WRITE could not be cancelled and may still land: the block
+  stays taken while the receiver lives); neither failure is answered.
 - ``ack`` status: ``ACK_OK``, ``ACK_DUPLICATE_KEY``, ``ACK_DECODE_ERROR`` (``text``
   says why), ``ACK_BAD_BLOCK`` (the descriptor failed ``check_block``).
 """
