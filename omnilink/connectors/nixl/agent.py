@@ -24,8 +24,9 @@ takes ~0.8 ms; a sleep of tens of microseconds lasts 70 us and more, the kernel'
 slack), then sleeps between looks, doubling from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``
 but never past an eighth of the time waited so far, so a late look costs at most that
 (a 64 MiB write over tcp takes ~10 ms on the 2-core machine).
-The receiver never waits on NIXL: the sender's "done" reaches it over the zmq control
-channel, where its loop thread sleeps in ``poll()``.
+The receiver never waits on NIXL: the sender's "done" (its ``publish``, or ``written``
+for a payload published ahead) reaches it on the doorbell, a plain socket that a
+waiting ``get`` or the receiver's loop thread reads.
 """
 
 from __future__ import annotations
