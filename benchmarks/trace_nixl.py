@@ -35,7 +35,7 @@ from omnilink._bench.units import parse_sizes  # noqa: E402
 MODULES = (
     "omnilink.blob", "omnilink._util", "omnilink.connectors.base", "omnilink.connectors.nixl.connector",
     "omnilink.connectors.nixl.agent", "omnilink.connectors.nixl.pool", "omnilink.connectors.nixl.wire",
-    "omnilink.cuda.runtime",
+    "omnilink.connectors.nixl.regcache", "omnilink.cuda.runtime",
 )
 WAIT = 60.0
 
