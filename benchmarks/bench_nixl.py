@@ -34,6 +34,14 @@ second table gives it with its ratio to the raw WRITE + notification's.
 - ``nccl`` (GPU)       ``omnilink.connect("nccl")`` between the two processes
 - ``peer-copy`` (GPU)  one process: ``dst.copy_(src)`` cuda:0 -> cuda:1, synchronised
 
+``--ab NAME=VALUE[,NAME=VALUE]``: an A/B of sender-side constants of omnilink's nixl
+backend inside ONE pair of processes (one version's figures move by up to 1.5x from one
+pair of processes to the next on the GPU hosts, more than most changes worth testing):
+the ``omnilink-nixl`` sender alternates message by message between the constants as
+they are and as given (looked up in ``omnilink.connectors.nixl.connector``, then
+``.agent``; e.g. ``DIRECT_CACHED_MIN_BYTES=1``, ``AHEAD_MIN_BYTES=0``), and the
+second half is the row ``nixl-ab``, each with half the rounds.
+
 The UCX transport is ``UCX_TLS``, set per run (``--tls``): ``tcp`` and ``cma,tcp`` (cma
 moves the bytes with ``process_vm_writev``; UCX needs tcp beside it for its messages).
 With ``--device cuda`` the sender's tensors are on cuda:0 and the receiver's land on
@@ -42,7 +50,7 @@ cuda:1 (UCX picks cuda_ipc; leave ``--tls`` at ``default``).
 Usage::
 
     python benchmarks/bench_nixl.py [--device cpu|cuda] [--tls tcp,cma,tcp] [--sizes 4KiB,1MiB,64MiB]
-                                    [--rounds 200] [--json FILE]
+                                    [--rounds 200] [--ab NAME=VALUE] [--json FILE]
 """
 
 from __future__ import annotations
@@ -127,15 +135,21 @@ def _sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
                                 master_port=info, timeout=WAIT)
         conn.wait_connected(WAIT)
     out: dict[str, Any] = {}
+    ab = _ab_settings(opts.get("ab")) if name == "omnilink-nixl" else []
     for size in opts["sizes"]:
         payload = _payload(size, dev)
         if name == "raw-nixl":
             agent, peer, src, remote = _raw_sender_setup(payload["hidden"], info, agent)
-        n = opts["warmup"] + _rounds(size, opts["rounds"])
+        n = opts["warmup"] + _rounds(size, opts["rounds"]) * (2 if ab else 1)
         times = []
         one_way = []
+        times_ab: list[float] = []
+        one_way_ab: list[float] = []
         for i in range(n):
             key = f"s{size}-{i}"
+            variant = bool(ab) and i % 2 == 1
+            for mod, attr, base, value in ab:
+                setattr(mod, attr, value if variant else base)
             t0 = time.perf_counter()
             if name == "vllm-omni-nixl":
                 ok, _n, meta = conn.put("0", "1", key, payload)
@@ -148,10 +162,15 @@ def _sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
                 conn.put(key, payload)
             t1 = pipe.recv()
             if i >= opts["warmup"]:
-                times.append(time.perf_counter() - t0)
-                one_way.append(t1 - t0)
+                (times_ab if variant else times).append(time.perf_counter() - t0)
+                (one_way_ab if variant else one_way).append(t1 - t0)
         out[str(size)] = times
         out[f"{size}/one_way"] = one_way
+        if ab:
+            out[f"ab/{size}"] = times_ab
+            out[f"ab/{size}/one_way"] = one_way_ab
+    for mod, attr, base, _value in ab:
+        setattr(mod, attr, base)
     pipe.send(("done", out))
     pipe.recv()
     if conn is not None:
@@ -191,7 +210,7 @@ def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
         expect = _payload(size, "cpu")["hidden"][:64]
         if name == "raw-nixl":
             agent, dst = _raw_receiver_setup(size, dev, pipe, agent)
-        n = opts["warmup"] + _rounds(size, opts["rounds"])
+        n = opts["warmup"] + _rounds(size, opts["rounds"]) * (2 if opts.get("ab") and name == "omnilink-nixl" else 1)
         for i in range(n):
             key = f"s{size}-{i}"
             if name == "vllm-omni-nixl":
@@ -356,8 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--connectors", default=None)
+    ap.add_argument("--ab", default=None, metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="omnilink-nixl only: alternate message by message between the nixl backend's sender-side "
+                         "constants as they are and as given; the given ones are the row nixl-ab")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.ab:
+        _ab_settings(args.ab)  # refused here, before any process starts
     gpu = args.device == "cuda"
     sizes = [parse_size(s) for s in (args.sizes or ("4KiB,1MiB,64MiB,256MiB" if gpu else "4KiB,1MiB,64MiB")).split(",")]
     tls_runs = (args.tls or ("default" if gpu else "tcp;cma,tcp")).split(";")
@@ -370,20 +394,27 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             if name in ("nccl", "peer-copy") and tls != tls_runs[0]:
                 continue
-            opts = {"device": args.device, "tls": tls, "sizes": sizes, "rounds": args.rounds, "warmup": args.warmup}
+            opts = {"device": args.device, "tls": tls, "sizes": sizes, "rounds": args.rounds, "warmup": args.warmup,
+                    "ab": args.ab}
             try:
                 res = _run_pipe(name, opts)
             except Exception as exc:  # a row that cannot run is reported, the rest go on
                 print(f"{name} ({tls}): unavailable: {exc}", file=sys.stderr)
                 rows.append({"connector": name, "tls": tls, "error": str(exc)})
                 continue
-            for size in sizes:
-                ts = sorted(res[str(size)])
-                p50 = statistics.median(ts)
-                rows.append({"connector": name, "tls": tls, "size": size, "p50_s": p50,
-                             "p10_s": ts[len(ts) // 10], "p90_s": ts[(len(ts) * 9) // 10], "n": len(ts),
-                             "gbps": size / p50 / 1e9,
-                             "one_way_p50_s": statistics.median(res[f"{size}/one_way"])})
+            for label, prefix in ((name, ""), ("nixl-ab", "ab/")):
+                if f"{prefix}{sizes[0]}" not in res:
+                    continue
+                for size in sizes:
+                    ts = sorted(res[f"{prefix}{size}"])
+                    p50 = statistics.median(ts)
+                    row = {"connector": label, "tls": tls, "size": size, "p50_s": p50,
+                           "p10_s": ts[len(ts) // 10], "p90_s": ts[(len(ts) * 9) // 10], "n": len(ts),
+                           "gbps": size / p50 / 1e9,
+                           "one_way_p50_s": statistics.median(res[f"{prefix}{size}/one_way"])}
+                    if prefix:
+                        row["ab"] = args.ab
+                    rows.append(row)
     _print(rows, sizes, tls_runs)
     if args.json:
         with open(args.json, "w") as f:
@@ -393,6 +424,30 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     return 0
+
+
+def _ab_settings(spec: str | None) -> list[tuple[Any, str, Any, Any]]:
+    """``(module, name, value as it is, value given)`` for ``--ab NAME=VALUE,...``: each
+    NAME a constant of omnilink's nixl connector module or of its agent module."""
+    if not spec:
+        return []
+    import importlib
+
+    mods = [importlib.import_module("omnilink.connectors.nixl.connector"),
+            importlib.import_module("omnilink.connectors.nixl.agent")]
+    out = []
+    for item in spec.split(","):
+        attr, _, text = item.partition("=")
+        mod = next((m for m in mods if attr.isupper() and hasattr(m, attr)), None)
+        if mod is None or not text:
+            raise SystemExit(f"--ab: {item!r} is not NAME=VALUE for a constant of omnilink's nixl backend")
+        base = getattr(mod, attr)
+        try:
+            value: Any = type(base)(text) if not isinstance(base, int) else int(text, 0)
+        except ValueError:
+            raise SystemExit(f"--ab: {text!r} is not a value of {attr}'s type ({type(base).__name__})") from None
+        out.append((mod, attr, base, value))
+    return out
 
 
 def _run_pipe(name: str, opts: dict[str, Any]) -> dict[str, list[float]]:
