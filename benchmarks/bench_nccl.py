@@ -31,13 +31,17 @@ ratio = GB/s / raw GB/s of the same size.
 Latency (``--latency-iters``, 4 KiB): ping-pong between the ranks, one-way = half the
 round trip, p50 over the iterations. Both variants wait for each receive on the host
 (``torch.cuda.synchronize`` on NCCL) before they answer (``get`` orders the caller's
-stream after the bytes; the host does not wait by itself).
+stream after the bytes; the host does not wait by itself). ``--latency-ab
+OPTION=VALUE`` adds a second connector with those options (``bell_bytes``,
+``pack_bytes``, ``inline_bytes``, ``spin_us``) whose ping-pongs interleave with the
+first's in the same pair of processes (row ``omnilink-ab``): an A/B out of reach of the
+spread between process pairs.
 
 Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--bell-bytes 65536] [--profile]
+        [--bell-bytes 65536] [--latency-ab OPTION=VALUE] [--profile]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo). A worker that hangs prints every thread's Python stack
@@ -121,6 +125,10 @@ def ping_pong(conn: Any, rank: int, sync: Any, ping: str, pong: str, payload: An
         conn.put(pong, got)
 
 
+#: Connector options ``--latency-ab`` may set.
+_AB_OPTIONS = ("bell_bytes", "pack_bytes", "inline_bytes", "spin_us")
+
+
 def join_pair(rank: int, port: int, backend: str) -> tuple[Any, Any, Any]:
     """This rank's default process group of two over ``tcp://127.0.0.1:port`` (NCCL with
     cuda:``rank`` as the device, or gloo on the CPU); returns ``(device, sync,
@@ -176,6 +184,16 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"], pack_bytes=opts["pack_bytes"],
     )
     conn.wait_connected(120.0)
+    # ``--latency-ab``: a second connector (its own channel and communicators) with the
+    # options given, its ping-pongs interleaved with the first's in this pair of ranks.
+    conn_ab = None
+    if opts["latency_ab"]:
+        conn_ab = omnilink.connect(
+            "nccl", channel="bench/nccl-ab", role="dual", rank=rank, backend=backend, device=str(dev),
+            master_port=ports[2], timeout=120.0,
+            **{"bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"], **opts["latency_ab"]},
+        )
+        conn_ab.wait_connected(120.0)
     results: list[dict[str, Any]] = []
 
     def rand_bf16(n: int, seed: int) -> Any:
@@ -290,9 +308,10 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     def latency(n: int) -> dict[str, list[float]]:
         buf = torch.zeros(LATENCY_BYTES // 2, dtype=torch.bfloat16, device=dev)
         payload = {"hidden_states.output": buf, "meta": {"finished": False}}
-        one_way: dict[str, list[float]] = {"raw": [], "omnilink": []}
+        names = ("raw", "omnilink", "omnilink-ab") if conn_ab is not None else ("raw", "omnilink")
+        one_way: dict[str, list[float]] = {name: [] for name in names}
         for i in range(n + 5):  # 5 warm-up exchanges
-            for name in ("raw", "omnilink"):
+            for name in names:
                 barrier()
                 t0 = time.perf_counter()
                 if name == "raw":
@@ -305,7 +324,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                         dist.send(buf, dst=0)
                     sync()
                 else:
-                    ping_pong(conn, rank, sync, f"ping{i}", f"pong{i}", payload)
+                    ping_pong(conn if name == "omnilink" else conn_ab, rank, sync, f"ping{i}", f"pong{i}", payload)
                 if i >= 5:
                     one_way[name].append((time.perf_counter() - t0) / 2)
         return one_way
@@ -361,6 +380,8 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         out.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
         raise
     finally:
+        if conn_ab is not None:
+            conn_ab.close()
         conn.close()
         dist.destroy_process_group()
 
@@ -374,6 +395,8 @@ def machine(backend: str, opts: dict[str, Any]) -> dict[str, Any]:
     rec["torch"] = torch.__version__
     rec["backend"] = backend
     rec["connector"] = {"protocol": 5, "bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"]}
+    if opts.get("latency_ab"):
+        rec["connector_ab"] = dict(opts["latency_ab"])
     if backend != "nccl":
         rec["gpus"] = []
         return rec
@@ -411,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pack-bytes", type=int, default=1 << 20,
                     help="the connector's pack_bytes: device tensors up to this size sent together in one "
                          "pack (default 1048576)")
+    ap.add_argument("--latency-ab", default=None, metavar="OPTION=VALUE[,OPTION=VALUE]",
+                    help="the 4 KiB ping-pong also through a second connector with these options (bell_bytes, "
+                         "pack_bytes, inline_bytes, spin_us), interleaved with the first in the same pair of "
+                         "processes: the row omnilink-ab")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
     args = ap.parse_args(argv)
@@ -421,14 +448,25 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_nccl --backend nccl needs two CUDA devices; this machine has",
               torch.cuda.device_count(), "(use --backend gloo)", file=sys.stderr)
         return 2
+    latency_ab: dict[str, int] = {}
+    for item in (args.latency_ab or "").split(",") if args.latency_ab else []:
+        key, _, text = item.partition("=")
+        if key not in _AB_OPTIONS:
+            print(f"--latency-ab: {key!r} is not one of {', '.join(_AB_OPTIONS)}", file=sys.stderr)
+            return 2
+        try:
+            latency_ab[key] = int(text, 0)
+        except ValueError:
+            print(f"--latency-ab: {key} takes an int, got {text!r}", file=sys.stderr)
+            return 2
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
         "latency_iters": args.latency_iters, "bell_bytes": args.bell_bytes, "pack_bytes": args.pack_bytes,
-        "profile": args.profile, "hang_s": max(5.0, args.timeout - 15.0),
+        "profile": args.profile, "hang_s": max(5.0, args.timeout - 15.0), "latency_ab": latency_ab,
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ports = free_ports(2)  # the process group's and the connector's store
+    ports = free_ports(3)  # the process group's, the connector's and the A/B connector's store
     procs = [ctx.Process(target=_worker, args=(r, ports, opts, q), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -493,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{format_size(LATENCY_BYTES)} one-way latency (half a ping-pong), p50 / p99 us:")
         for name, r in lat.items():
             r["ratio_vs_raw"] = r["p50_us"] / base
-            print(f"  {name.removeprefix('latency '):<9} {r['p50_us']:9.1f} / {r['p99_us']:9.1f}   "
+            print(f"  {name.removeprefix('latency '):<11} {r['p50_us']:9.1f} / {r['p99_us']:9.1f}   "
                   f"x{r['ratio_vs_raw']:.2f} of raw")
     for r in results:
         if "steps" in r:

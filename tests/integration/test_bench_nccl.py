@@ -58,3 +58,25 @@ def test_bench_nccl_gloo_short(tmp_path):
         for name in names:
             st = steps[f"steps rank {rank}"][name]
             assert st["calls"] > 0 and st["us_per_call"] > 0, (rank, name, st)
+
+
+def test_bench_nccl_latency_ab_gloo(tmp_path):
+    """``--latency-ab``: a second connector with the options given answers ping-pongs
+    interleaved with the first's (row ``latency omnilink-ab``); a bad option is refused."""
+    out = tmp_path / "nccl.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_nccl.py"), "--backend", "gloo",
+         "--sizes", "64KiB", "--rounds", "1", "--iters", "2", "--latency-iters", "6", "--latency-ab",
+         "spin_us=0,inline_bytes=0", "--timeout", "240", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for name in ("latency raw", "latency omnilink", "latency omnilink-ab"):
+        assert recs[name]["iters"] == 6 and recs[name]["p50_us"] > 0
+    assert recs["latency omnilink-ab"]["machine"]["connector_ab"] == {"spin_us": 0, "inline_bytes": 0}
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_nccl.py"), "--backend", "gloo",
+         "--latency-ab", "max_window=3"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "is not one of" in bad.stderr
