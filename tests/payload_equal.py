@@ -1,4 +1,5 @@
-"""Bit-for-bit payload comparison used by the tests (NaN payloads compare equal)."""
+"""Bit-for-bit payload comparison used by the tests (NaN payloads compare equal), and a
+walk over a payload's tensors."""
 
 from __future__ import annotations
 
@@ -13,6 +14,18 @@ def _bits(t: torch.Tensor) -> bytes:
     flat = torch.empty(t.numel(), dtype=t.dtype)
     flat.copy_(t.reshape(-1))
     return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensors_in(obj):
+    """Every tensor and array of a payload tree, depth first."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
 
 
 def assert_same(a, b, path="payload"):

@@ -14,22 +14,15 @@ import pytest
 
 import omnilink
 from omnilink.connectors import backend_unavailable
-from omnilink.connectors.nixl.agent import nvidia_gpu_present
 from omnilink.testing import CHECKS, check_connector
+from tests.nixl_pair import ucx_tls
 
 _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
 
 
-def _gpu_tls(tls: str) -> str:
-    """``tls`` plus ``cuda_copy`` on a machine with an NVIDIA GPU: NIXL's UCX backend
-    refuses a transport list without a CUDA transport there (the payloads of the suite
-    are host memory either way)."""
-    return tls + ",cuda_copy" if nvidia_gpu_present() else tls
-
-
 def _pair(channel: str, tls: str, **options):
-    os.environ["UCX_TLS"] = _gpu_tls(tls)
+    os.environ["UCX_TLS"] = ucx_tls(tls)
     rx = omnilink.connect("nixl", channel=channel, role="receiver", pool_bytes=80 << 20, **options)
     try:
         if "endpoint" in options:
@@ -50,7 +43,7 @@ def over_cma(channel: str):
 
 
 def one_dual(channel: str):
-    os.environ["UCX_TLS"] = _gpu_tls("cma,tcp")
+    os.environ["UCX_TLS"] = ucx_tls("cma,tcp")
     conn = omnilink.connect("nixl", channel=channel, role="dual", pool_bytes=24 << 20)
     return conn, conn
 

@@ -24,21 +24,11 @@ from hypothesis import strategies as st
 import omnilink
 from omnilink import BlobDecodeError, blob
 from tests.blob_frames import frame, tensor_ref, tree
+from tests.payload_equal import tensors_in
 from tests.property.strategies import payloads
 
 def fuzz(n: int):
     return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def _views(obj):
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _views(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _views(v)
 
 
 def decode_checked(buf):
@@ -48,7 +38,7 @@ def decode_checked(buf):
     except BlobDecodeError:
         return None
     lo = np.frombuffer(buf, dtype=np.uint8).ctypes.data if len(buf) else 0
-    for v in _views(out):
+    for v in tensors_in(out):
         if isinstance(v, torch.Tensor):
             if v.numel():
                 start, n = v.data_ptr(), v.numel() * v.element_size()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnilink import BlobDecodeError, BlobVersionError, blob
-from tests.payload_equal import assert_same
+from tests.payload_equal import assert_same, tensors_in
 
 
 def _split(payload):
@@ -132,18 +132,8 @@ def test_a_flipped_head_byte_never_decodes_past_the_data(at, value):
     except BlobDecodeError:
         return
     base = np.frombuffer(data, dtype=np.uint8).ctypes.data
-    for d, t in zip(header.tensors, _tensors(got)):
+    for d, t in zip(header.tensors, tensors_in(got)):
         assert d.offset + d.nbytes <= len(data)
         if isinstance(t, torch.Tensor) and t.numel():
             assert base <= t.data_ptr() < base + len(data)
 
-
-def _tensors(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif isinstance(obj, (torch.Tensor, np.ndarray)):
-        yield obj

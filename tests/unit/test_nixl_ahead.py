@@ -5,6 +5,7 @@ failed, or may still land, never publishes it nor frees its block too early."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ from omnilink._util import Deadline
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.nixl import connector as nixl_connector
 from omnilink.connectors.nixl import wire
-from omnilink.connectors.nixl.agent import nvidia_gpu_present
+from tests.nixl_pair import nixl_pair
 
 _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -26,23 +27,10 @@ BIG = 2 << 20
 
 
 @pytest.fixture
-def pair():
-    old = os.environ.get("UCX_TLS")
-    # (NIXL refuses a list without a CUDA transport on a machine with an NVIDIA GPU.)
-    os.environ["UCX_TLS"] = "tcp,cuda_copy" if nvidia_gpu_present() else "tcp"
-    chan = f"olnx/ahead-{os.getpid()}"
-    rx = omnilink.connect("nixl", channel=chan, role="receiver", endpoint="tcp://127.0.0.1:*",
-                          pool_bytes=32 << 20, extent_bytes=8 << 20, timeout=30.0)
-    tx = omnilink.connect("nixl", channel=chan, role="sender", endpoint=rx.endpoint, timeout=30.0)
-    try:
-        yield tx, rx
-    finally:
-        tx.close()
-        rx.close()
-        if old is None:
-            os.environ.pop("UCX_TLS", None)
-        else:
-            os.environ["UCX_TLS"] = old
+def pair(monkeypatch):
+    # tcp: a WRITE that is still on its way when posted
+    with nixl_pair(monkeypatch, f"olnx/ahead-{os.getpid()}", pool_bytes=32 << 20, extent_bytes=8 << 20) as p:
+        yield p
 
 
 _DONE = object()
@@ -118,7 +106,7 @@ def test_large_payload_is_published_ahead_then_written(pair):
     assert not rx._rx.ahead_keys and all(not s.ahead for s in rx._rx.sessions.values())
 
 
-def test_not_gettable_before_written_and_pending_for_duplicates(pair):
+def test_not_gettable_before_written_and_pending_for_duplicates(pair, monkeypatch):
     tx, rx = pair
     agent = tx._tx.agent
     real_wait = agent.wait
@@ -128,7 +116,7 @@ def test_not_gettable_before_written_and_pending_for_duplicates(pair):
         assert gate.wait(20)
         return real_wait(req, deadline, lost)
 
-    agent.wait = held_wait
+    monkeypatch.setattr(agent, "wait", held_wait)
     p = _payload(BIG, 1)
     errors = []
 
@@ -161,29 +149,29 @@ def test_not_gettable_before_written_and_pending_for_duplicates(pair):
     assert not rx._rx.ahead_keys
 
 
-def _failing_wait(agent, stuck):
+@contextlib.contextmanager
+def _wait_then(monkeypatch, agent, after):
+    """Within it, each WRITE is waited for, then ``after(why)`` says what the wait
+    returns (a failure the test makes up once the bytes did land)."""
     real_wait = agent.wait
+    with monkeypatch.context() as m:
+        m.setattr(agent, "wait", lambda req, deadline, lost: after(real_wait(req, deadline, lost)))
+        yield
 
-    def wait(req, deadline, lost):
-        assert real_wait(req, deadline, lost) is None  # the WRITE really ended first
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["failed", "stuck"])
+def test_a_write_that_fails_after_the_publish_is_never_gettable(pair, stuck, monkeypatch):
+    tx, rx = pair
+    agent = tx._tx.agent
+
+    def timed_out(why):
+        assert why is None  # the WRITE really ended first
         if stuck:
             agent._stuck.append(object())  # NIXL kept a request it could not release
         return "timeout"
 
-    return wait
-
-
-@pytest.mark.parametrize("stuck", [False, True], ids=["failed", "stuck"])
-def test_a_write_that_fails_after_the_publish_is_never_gettable(pair, stuck):
-    tx, rx = pair
-    agent = tx._tx.agent
-    real_wait = agent.wait
-    agent.wait = _failing_wait(agent, stuck)
-    try:
-        with pytest.raises(omnilink.TransferTimeout):
-            tx.put("lost", _payload(BIG, 2))
-    finally:
-        agent.wait = real_wait
+    with _wait_then(monkeypatch, agent, timed_out), pytest.raises(omnilink.TransferTimeout):
+        tx.put("lost", _payload(BIG, 2))
     r = rx._rx
     _wait_for(lambda: not r.ahead_keys, "the written message")
     with pytest.raises(omnilink.WouldBlock):
@@ -199,26 +187,19 @@ def test_a_write_that_fails_after_the_publish_is_never_gettable(pair, stuck):
     agent._stuck.clear()
 
 
-def test_sender_lost_before_written_drops_the_payload_and_frees_its_block(pair):
+def test_sender_lost_before_written_drops_the_payload_and_frees_its_block(pair, monkeypatch):
     tx, rx = pair
     tx.put("warm", {"t": torch.arange(4)})
     assert torch.equal(rx.get("warm")["t"], torch.arange(4))
     s = tx._tx
-    agent = s.agent
-    real_wait = agent.wait
 
-    def wait_then_vanish(req, deadline, lost):
-        real_wait(req, deadline, lost)
+    def vanished(_why):
         s._drop_session()  # the connection goes before the written message
         s.lost = "gone (test)"
         return "lost"
 
-    agent.wait = wait_then_vanish
-    try:
-        with pytest.raises(omnilink.PeerLostError):
-            tx.put("orphan", _payload(BIG, 4))
-    finally:
-        agent.wait = real_wait
+    with _wait_then(monkeypatch, s.agent, vanished), pytest.raises(omnilink.PeerLostError):
+        tx.put("orphan", _payload(BIG, 4))
     r = rx._rx
     _wait_for(lambda: not r.ahead_keys and not any(x.ahead for x in r.sessions.values()), "the session's end")
     with pytest.raises(omnilink.WouldBlock):

@@ -13,30 +13,16 @@ import omnilink
 from omnilink.connectors import backend_unavailable, check_backend_options
 from omnilink.connectors.nixl import agent as nixl_agent
 from omnilink.connectors.nixl import wire
-from omnilink.connectors.nixl.agent import nvidia_gpu_present
+from tests.nixl_pair import nixl_pair, ucx_tls
 
 _REASON = backend_unavailable("nixl")
 needs_nixl = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
 
 
 @pytest.fixture
-def pair():
-    old = os.environ.get("UCX_TLS")
-    # (NIXL refuses a list without a CUDA transport on a machine with an NVIDIA GPU.)
-    os.environ["UCX_TLS"] = "tcp,cuda_copy" if nvidia_gpu_present() else "tcp"
-    rx = omnilink.connect("nixl", channel=f"olnx/unit-{os.getpid()}", role="receiver", endpoint="tcp://127.0.0.1:*",
-                          pool_bytes=8 << 20, extent_bytes=1 << 20, timeout=30.0)
-    tx = omnilink.connect("nixl", channel=f"olnx/unit-{os.getpid()}", role="sender", endpoint=rx.endpoint,
-                          timeout=30.0)
-    try:
-        yield tx, rx
-    finally:
-        tx.close()
-        rx.close()
-        if old is None:
-            os.environ.pop("UCX_TLS", None)
-        else:
-            os.environ["UCX_TLS"] = old
+def pair(monkeypatch):
+    with nixl_pair(monkeypatch, f"olnx/unit-{os.getpid()}", pool_bytes=8 << 20, extent_bytes=1 << 20) as p:
+        yield p
 
 
 def _in_pool(rx, t):
@@ -471,7 +457,7 @@ def test_grant_ahead_only_when_the_sender_is_out_of_room_and_nobody_waits_for_ro
 def test_only_the_receiver_runs_a_progress_thread(monkeypatch):
     """A sender progresses its UCX worker itself as it writes: its agent starts no
     progress thread (one native thread fewer than the receiver's kind of agent)."""
-    monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy" if nvidia_gpu_present() else "tcp")
+    monkeypatch.setenv("UCX_TLS", ucx_tls("tcp"))
 
     def tasks() -> int:
         return len(os.listdir("/proc/self/task"))

@@ -249,8 +249,9 @@ _HEADER_KEPT_BYTES = 4096
 #: Doorbell connections held while they have not named their session (a sender names it
 #: at once: more are refused).
 _MAX_PENDING_BELLS = 64
-#: How long an answer on a sender's doorbell may wait for room in its socket (the sender
-#: reads every answer as it waits for it: a full socket means it is stuck or gone).
+#: How long an answer on a sender's doorbell (or a sender's best-effort ``written`` of a
+#: failed WRITE) may wait for room in the socket (each end reads what the other sends as
+#: it comes: a full socket means the reader is stuck or gone).
 _BELL_SEND_S = 1.0
 
 
@@ -466,9 +467,9 @@ class _Receiver:
         except BlobDecodeError as exc:
             logger.warning("nixl: channel %r: %s", self.channel, exc)
             return
+        if self.releaser.queue:  # blocks freed since: this message's answer says so
+            self._drain_frees()
         if isinstance(msg, wire.Publish):
-            if self.releaser.queue:  # blocks freed since: this message's answer says so
-                self._drain_frees()
             try:
                 self._publish(s, msg)
             except Exception:  # one bad message must not stop the channel
@@ -684,8 +685,7 @@ class _Receiver:
 
     def _publish(self, s: _Session, msg: wire.Publish) -> None:
         def ack(status: int, text: str = "") -> None:
-            self._send(s, wire.Ack(seq=msg.seq, status=status, text=text[: wire.MAX_TEXT],
-                                   frees=self._take_frees(s)))
+            self._ack(s, msg.seq, status, text)
 
         try:
             key = validate_key(msg.key)
@@ -770,15 +770,16 @@ class _Receiver:
                 payload = self._decode(entry.header, entry.lease)
             except BlobDecodeError as exc:
                 entry.lease = None  # its block comes free
-                self._send(s, wire.Ack(seq=msg.seq, status=wire.ACK_DECODE_ERROR, text=str(exc)[: wire.MAX_TEXT],
-                                       frees=self._take_frees(s)))
+                self._ack(s, msg.seq, wire.ACK_DECODE_ERROR, str(exc))
                 return
         entry.lease = entry.payload = None
         self._index(entry.key, payload, entry.total)
         del payload
-        if self.releaser.queue:  # blocks freed since: this answer says so
-            self._drain_frees()
-        self._send(s, wire.Ack(seq=msg.seq, status=wire.ACK_OK, text="", frees=self._take_frees(s)))
+        self._ack(s, msg.seq, wire.ACK_OK)
+
+    def _ack(self, s: _Session, seq: int, status: int, text: str = "") -> None:
+        """Answer payload ``seq`` of session ``s``, with the blocks freed since."""
+        self._send(s, wire.Ack(seq=seq, status=status, text=text[: wire.MAX_TEXT], frees=self._take_frees(s)))
 
     def _index(self, key: str, payload: Any, total: int) -> None:
         with self.cond:
@@ -912,9 +913,7 @@ class _Receiver:
 
     def _adapt_spin(self, waited_ns: int) -> None:
         """Fold one get's wait into the typical wait and set the next spin (under
-        ``cond``): twice the typical wait within [``spin_us``, ``SPIN_GROWTH`` x
-        ``spin_us``], else ``spin_us`` (``next_spin``, as the ``shm`` and ``nccl``
-        backends do)."""
+        ``cond``), by ``next_spin``'s rule, as the ``shm`` and ``nccl`` backends do."""
         self.arrival_ns, self.spin_ns = next_spin(self.arrival_ns, waited_ns, self.spin_min_ns, self.spin_max_ns)
 
     def _spin(self, key: str, index: dict[str, Any], spin_end: int) -> None:
@@ -1401,7 +1400,7 @@ class _Sender:
             return
         status = wire.WRITTEN_FAILED if released and not self.agent._stuck else wire.WRITTEN_STUCK
         try:
-            self._send_bell(wire.Written(seq=seq, status=status), Deadline.after(1.0), None)
+            self._send_bell(wire.Written(seq=seq, status=status), Deadline.after(_BELL_SEND_S), None)
         except OmnilinkError:
             logger.debug("nixl: channel %r: telling the receiver of a failed WRITE failed", self.channel,
                          exc_info=True)
@@ -1495,26 +1494,23 @@ class _Sender:
         if total:
             staging.ensure(total)
             self._fill_device(prepared, staging, staged)
+        # Each tensor's (address, bytes, device), asked of torch once.
+        pieces = [(t.data_ptr(), nb, t.get_device()) for _o, nb, t in direct]
         # The WRITE reads the tensors on UCX's own stream: the work queued on their
         # devices' current streams (their producers) must be done first.
-        self._sync_devices({t.get_device() for _o, _nb, t in direct})
+        self._sync_devices({p[2] for p in pieces})
         regs = []  # registered for this WRITE alone
         cache = self.regs
         try:
-            seen = set()
-            for _o, nb, t in direct:
-                piece = (t.data_ptr(), nb, t.get_device())
-                if piece not in seen:  # a tensor the payload holds twice: registered once
-                    seen.add(piece)
-                    if cache is not None and cache.covers(*piece):
-                        continue  # its allocation is registered (now or before)
-                    regs.append(self.agent.register(piece[0], nb, "VRAM", piece[2]))
+            for piece in dict.fromkeys(pieces):  # a tensor the payload holds twice: registered once
+                if cache is not None and cache.covers(*piece):
+                    continue  # its allocation is registered (now or before)
+                regs.append(self.agent.register(piece[0], piece[1], "VRAM", piece[2]))
             base = welcome.pool_addr + off
             local = [(staging.addr + w, length, staging.dev) for w, (_o, length) in zip(where, runs)]
             remote = [(base + o, length, welcome.dev) for o, length in runs]
-            for o, nb, t in direct:
-                local.append((t.data_ptr(), nb, t.get_device()))
-                remote.append((base + o, nb, welcome.dev))
+            local += pieces
+            remote += [(base + o, nb, welcome.dev) for o, nb, _t in direct]
             why = self._post(local, "VRAM", remote, welcome, deadline, ahead)
         except BaseException:
             self._drop_regs(regs, direct, still_read=bool(self.agent._stuck))

@@ -34,7 +34,7 @@ so a hostile frame costs at most its own size to reject::
   receiver parses lies in memory a peer can write to. ``check_block`` is the pool-side
   validation: the block must lie in one of *this* sender's extents and overlap none
   of its live blocks, before anything is read. ``written`` false: the WRITE is still
-  on its way (a large payload, published *ahead* so that the receiver validates and
+  on its way (the payload is published *ahead* so that the receiver validates and
   decodes it meanwhile); the payload becomes gettable only with its ``written``
   message: ``WRITTEN_OK`` (then it is acknowledged; a refusal is answered at once), or
   ``WRITTEN_FAILED`` (the receiver drops it, its block comes free as any other) or

@@ -1636,9 +1636,8 @@ class ShmConnector(BaseConnector):
 
     def _adapt_spin(self, waited_ns: int) -> None:
         """Fold one wait (``waited_ns`` until the wake-up) into the typical wait and set
-        the next spin: twice that, within [``spin_us``, ``SPIN_GROWTH`` x ``spin_us``],
-        or ``spin_us`` alone when payloads typically come later than the ceiling (a
-        longer spin would only burn CPU)."""
+        the next spin, by ``next_spin``'s rule (within [``spin_us``, ``SPIN_GROWTH`` x
+        ``spin_us``])."""
         self._arrival_ns, self._spin_ns = next_spin(self._arrival_ns, waited_ns, self._spin_min_ns,
                                                     self._spin_max_ns)
 

@@ -1,0 +1,30 @@
+"""A nixl receiver and sender in this process, for the backend's one-process tests."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import omnilink
+from omnilink.connectors.nixl.agent import nvidia_gpu_present
+
+
+def ucx_tls(tls: str) -> str:
+    """``tls`` plus ``cuda_copy`` on a machine with an NVIDIA GPU: NIXL's UCX backend
+    refuses a transport list without a CUDA transport there."""
+    return tls + ",cuda_copy" if nvidia_gpu_present() else tls
+
+
+@contextlib.contextmanager
+def nixl_pair(monkeypatch: Any, channel: str, tls: str = "tcp", **rx_options: Any) -> Iterator[tuple[Any, Any]]:
+    """``(sender, receiver)`` over UCX's ``tls`` on loopback (``UCX_TLS`` set through
+    ``monkeypatch``: UCX reads it when an agent starts), both closed after."""
+    monkeypatch.setenv("UCX_TLS", ucx_tls(tls))
+    rx = omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", timeout=30.0,
+                          **rx_options)
+    tx = omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=30.0)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
