@@ -12,7 +12,8 @@ says it holds the payload (``get`` returned and, for a GPU tensor, the receiver'
 current stream synchronized: a road that lands asynchronously, as the nccl connector's
 receive on its stream, is timed until the bytes are there; first bytes checked on the
 first message of each size): put + transport + get + one pipe hop, the same for every
-row. The *one-way* time of a message runs from the sender's ``put`` until that moment in
+row; the receiver drops the payload after it answered (its release overlaps the next
+put, as a consuming stage's does while the next payload comes). The *one-way* time of a message runs from the sender's ``put`` until that moment in
 the receiver (``time.perf_counter``, CLOCK_MONOTONIC: one clock for both processes; the
 answer carries it): what the consuming stage waits for, whatever ``put`` still does
 after it (omnilink's nixl ``put`` returns on the receiver's acknowledgement); the
@@ -232,9 +233,10 @@ def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
                 raise RuntimeError(f"{name}: the first {format_size(size)} payload arrived with other bytes")
             if i == 0 and name == "omnilink-nixl" and dev != "cpu" and hidden.device != torch.device(dev):
                 raise RuntimeError(f"omnilink-nixl: payload landed on {hidden.device}, not {dev}")
+            pipe.send(time.perf_counter())  # it holds the payload now (one clock for both processes)
+            # Dropped after the answer: its release overlaps the next put, as a stage's does.
             del hidden
             got = None
-            pipe.send(time.perf_counter())  # it holds the payload now (one clock for both processes)
     msg = pipe.recv()
     pipe.send(msg)
     if conn is not None:
