@@ -40,7 +40,8 @@ backend inside ONE pair of processes (one version's figures move by up to 1.5x f
 pair of processes to the next on the GPU hosts, more than most changes worth testing):
 the ``omnilink-nixl`` sender alternates message by message between the constants as
 they are and as given (looked up in ``omnilink.connectors.nixl.connector``, then
-``.agent``; e.g. ``DIRECT_CACHED_MIN_BYTES=1``, ``AHEAD_MIN_BYTES=0``), and the
+``.agent``, then ``.wire``; e.g. ``DIRECT_CACHED_MIN_BYTES=1``, ``AHEAD_MIN_BYTES=0``,
+``INLINE_MAX_BYTES=0``, ``INLINE_TO_DEVICE=true``), and the
 second half is the row ``nixl-ab``, each with half the rounds.
 
 The UCX transport is ``UCX_TLS``, set per run (``--tls``): ``tcp`` and ``cma,tcp`` (cma
@@ -430,13 +431,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ab_settings(spec: str | None) -> list[tuple[Any, str, Any, Any]]:
     """``(module, name, value as it is, value given)`` for ``--ab NAME=VALUE,...``: each
-    NAME a constant of omnilink's nixl connector module or of its agent module."""
+    NAME a constant of omnilink's nixl connector module, its agent module or its wire
+    module (e.g. ``INLINE_MAX_BYTES=0``: the sender sends nothing inline)."""
     if not spec:
         return []
     import importlib
 
     mods = [importlib.import_module("omnilink.connectors.nixl.connector"),
-            importlib.import_module("omnilink.connectors.nixl.agent")]
+            importlib.import_module("omnilink.connectors.nixl.agent"),
+            importlib.import_module("omnilink.connectors.nixl.wire")]
     out = []
     for item in spec.split(","):
         attr, _, text = item.partition("=")
@@ -445,7 +448,12 @@ def _ab_settings(spec: str | None) -> list[tuple[Any, str, Any, Any]]:
             raise SystemExit(f"--ab: {item!r} is not NAME=VALUE for a constant of omnilink's nixl backend")
         base = getattr(mod, attr)
         try:
-            value: Any = type(base)(text) if not isinstance(base, int) else int(text, 0)
+            if isinstance(base, bool):
+                if text.lower() not in ("0", "1", "false", "true"):
+                    raise ValueError(text)
+                value: Any = text.lower() in ("1", "true")
+            else:
+                value = type(base)(text) if not isinstance(base, int) else int(text, 0)
         except ValueError:
             raise SystemExit(f"--ab: {text!r} is not a value of {attr}'s type ({type(base).__name__})") from None
         out.append((mod, attr, base, value))

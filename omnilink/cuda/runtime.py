@@ -284,6 +284,11 @@ class CudaOps:
         """``cudaMemcpyAsync`` between device pointers (a peer copy across devices)."""
         self.check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self.kind_d2d, stream), "cudaMemcpyAsync")
 
+    def stream_synchronize(self, stream: int) -> None:
+        """Block until the work queued so far on ``stream`` is done (the legacy default
+        stream, 0, is the current device's)."""
+        self.check(self.rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
     def wait(self, stream: int, event: Event) -> None:
         """``stream`` waits for ``event`` (a stream of the current device: the legacy
         default stream, 0, is the current device's; ``wait_current`` for another's)."""
@@ -373,6 +378,14 @@ def cuda_ops() -> CudaOps:
     if _ops is None:
         raise CudaError(_ops_error or "cuda-python is not importable")
     return _ops
+
+
+def cuda_ops_or_none() -> CudaOps | None:
+    """The process's ``CudaOps``, or ``None`` without cuda-python (the caller's torch path)."""
+    try:
+        return cuda_ops()
+    except CudaError:
+        return None
 
 
 def have_cuda_ops() -> bool:

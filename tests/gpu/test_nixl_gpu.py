@@ -138,7 +138,8 @@ def test_large_cuda_tensors_are_written_from_their_own_memory(monkeypatch):
 def test_gpu_payloads_are_published_ahead_of_their_write():
     """A payload is published before its WRITE (the receiver decodes views of its device
     pool meanwhile) and made gettable by a ``written`` message: every payload arrives
-    bit for bit, staged or written from its own memory."""
+    bit for bit, staged or written from its own memory (a small one too: nothing goes
+    inline to a device pool by default)."""
     from omnilink.connectors.nixl import wire
 
     src, dst = _devices()
@@ -163,6 +164,43 @@ def test_gpu_payloads_are_published_ahead_of_their_write():
             assert got["hidden"].device == torch.device(dst) and got["i"] == i
             assert torch.equal(got["hidden"].cpu(), hidden.cpu()) and torch.equal(got["small"].cpu(), small.cpu())
             assert [type(m).__name__ for m in sent] == ["Publish", "Written"], sent
-            assert sent[0].written is False and sent[1].status == wire.WRITTEN_OK
+            assert sent[0].written is False and sent[1].status == wire.WRITTEN_OK and not sent[0].data
             del got
         assert not rx._rx.ahead_keys
+
+
+def test_small_gpu_payloads_go_inline_into_the_device_pool(monkeypatch):
+    """With ``INLINE_TO_DEVICE`` (off by default), a payload of at most
+    ``INLINE_MAX_BYTES`` of data travels in its publish (no WRITE: the sender's agent
+    refuses any here) and the receiver copies it into its device pool: GPU tensors,
+    strided ones, a bool and a CPU tensor beside them land as views of that pool, bit
+    for bit."""
+    from omnilink.connectors.nixl import connector as nx
+
+    monkeypatch.setattr(nx, "INLINE_TO_DEVICE", True)
+    src, dst = _devices()
+    channel = f"olnx/inline-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=16 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        tx.put("warm", {"t": torch.arange(4, device=src)})
+        rx.get("warm")
+
+        def no_write(*_a, **_k):
+            raise AssertionError("a small payload was written")
+
+        tx._tx.agent.write = no_write
+        pool = rx._rx.pool
+        for i in range(3):
+            payload = {"h": torch.randint(0, 256, (4096,), dtype=torch.uint8, device=src),
+                       "strided": (torch.arange(64 * 32, device=src, dtype=torch.float32) + i).view(64, 32).t(),
+                       "b": torch.arange(9, device=src) % 2 == 0, "ids": torch.arange(7) + i, "i": i}
+            tx.put(f"s{i}", payload)
+            got = rx.get(f"s{i}")
+            for name in ("h", "strided", "b", "ids"):
+                t = got[name]
+                assert t.device == torch.device(dst), name
+                assert pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name
+                assert torch.equal(t.cpu(), payload[name].cpu()), name
+            assert got["i"] == i
+            del got, t

@@ -45,3 +45,16 @@ def test_bench_nixl_refuses_an_unknown_constant():
     assert proc.returncode != 0 and "not NAME=VALUE for a constant" in proc.stderr
     proc = _run("--ab", "AHEAD_MIN_BYTES=lots", timeout=60)
     assert proc.returncode != 0 and "is not a value of AHEAD_MIN_BYTES's type (int)" in proc.stderr
+    proc = _run("--ab", "INLINE_TO_DEVICE=maybe", timeout=60)
+    assert proc.returncode != 0 and "is not a value of INLINE_TO_DEVICE's type (bool)" in proc.stderr
+
+
+def test_bench_nixl_ab_settings_read_every_nixl_module():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_nixl
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    got = {(m.__name__.rsplit(".", 1)[-1], name, value)
+           for m, name, _base, value in bench_nixl._ab_settings("INLINE_TO_DEVICE=true,INLINE_MAX_BYTES=0,SPIN_S=0.001")}
+    assert got == {("connector", "INLINE_TO_DEVICE", True), ("wire", "INLINE_MAX_BYTES", 0), ("agent", "SPIN_S", 0.001)}

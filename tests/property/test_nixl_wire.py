@@ -81,9 +81,9 @@ def test_check_block_only_inside_one_extent(offset, length, extents):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 1 << 40), st.text(min_size=1, max_size=100), st.integers(0, wire.MAX_OFFSET),
        st.integers(0, wire.MAX_OFFSET), st.binary(min_size=24, max_size=200), st.booleans(),
-       st.sampled_from([wire.WRITTEN_OK, wire.WRITTEN_FAILED, wire.WRITTEN_STUCK]))
-def test_publish_and_written_round_trip(seq, key, offset, length, meta, written, status):
-    msg = wire.Publish(seq=seq, key=key, offset=offset, length=length, meta=meta, written=written)
+       st.sampled_from([wire.WRITTEN_OK, wire.WRITTEN_FAILED, wire.WRITTEN_STUCK]), st.binary(max_size=300))
+def test_publish_and_written_round_trip(seq, key, offset, length, meta, written, status, data):
+    msg = wire.Publish(seq=seq, key=key, offset=offset, length=length, meta=meta, written=written, data=data)
     assert wire.decode_from_sender(wire.encode(msg)) == msg
     done = wire.Written(seq=seq, status=status)
     assert wire.decode_from_sender(wire.encode(done)) == done
@@ -95,4 +95,8 @@ def test_written_out_of_range_refused():
             wire.decode_from_sender(msgspec.msgpack.encode(items))
     # A publish from a sender of protocol 2 (no ``written``) reads as published once written.
     old = wire.decode_from_sender(msgspec.msgpack.encode(["publish", 1, "k", 0, 0, b"x" * 24]))
-    assert isinstance(old, wire.Publish) and old.written is True
+    assert isinstance(old, wire.Publish) and old.written is True and old.data == b""
+    # Inline data is bounded before anything is built.
+    too_much = msgspec.msgpack.encode(["publish", 1, "k", 0, 0, b"x" * 24, True, b"d" * (wire.INLINE_MAX_BYTES + 1)])
+    with pytest.raises(BlobDecodeError):
+        wire.decode_from_sender(too_much)

@@ -23,7 +23,8 @@ inside the spin, and over ``cma`` it is complete when posted), then with a
 takes ~0.8 ms; a sleep of tens of microseconds lasts 70 us and more, the kernel's timer
 slack), then sleeps between looks, doubling from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``
 but never past an eighth of the time waited so far, so a late look costs at most that
-(a 64 MiB write over tcp takes ~10 ms on the 2-core machine).
+(a 64 MiB write over tcp takes ~10 ms on the 2-core machine). Past the first spin it
+asks whether the peer is lost, or the deadline passed, at most every ``CHECK_EVERY_S``.
 The receiver never waits on NIXL: the sender's "done" (its ``publish``, or ``written``
 for a payload published ahead) reaches it on the doorbell, a plain socket that a
 waiting ``get`` or the receiver's loop thread reads.
@@ -56,6 +57,9 @@ SPIN_S = 0.0002
 YIELD_SPIN_S = 0.002
 BACKOFF_MIN_S = 0.00002
 BACKOFF_MAX_S = 0.001
+#: Past ``SPIN_S``, whether the peer is lost and the deadline passed is asked at most
+#: this often while the looks go on (each question reads the connection's events).
+CHECK_EVERY_S = 0.0001
 
 _bindings: Any = None
 _load_error: str | None = None
@@ -266,7 +270,7 @@ class Agent:
         get = self._agent.getXferStatus
         in_prog = b.NIXL_IN_PROG
         start = time.monotonic()
-        spin_until = start + SPIN_S
+        spin_until = check_at = start + SPIN_S
         pause = BACKOFF_MIN_S
         while True:
             try:
@@ -282,12 +286,14 @@ class Agent:
             now = time.monotonic()
             if now < spin_until:
                 continue
-            why = lost()
-            if why is None and deadline.expired():
-                why = "timeout"
-            if why is not None:
-                self.release(req)
-                return why
+            if now >= check_at:
+                check_at = now + CHECK_EVERY_S
+                why = lost()
+                if why is None and deadline.expired():
+                    why = "timeout"
+                if why is not None:
+                    self.release(req)
+                    return why
             if now < start + YIELD_SPIN_S:
                 # Still looking at once, the core given to whoever is ready between
                 # looks: a sleep of tens of microseconds lasts 70 us and more (the

@@ -237,6 +237,7 @@ class Pool:
         self.extents = Blocks(nbytes)
         self._mm: mmap.mmap | None = None
         self._tensor: Any = None
+        self._stream: Any = None  # a device pool's own stream for inline copies (made on first use)
         if device is None:
             try:
                 self._mm, self.addr = _map(nbytes)
@@ -262,6 +263,48 @@ class Pool:
             self.mem, self.dev = "VRAM", index
         self._reg = agent.register(self.addr, nbytes, self.mem, self.dev)
         self._agent = agent
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy ``data`` into the pool at ``offset`` (validated by the caller), done
+        when this returns: a device pool's copy runs on a stream of the pool's own, so
+        it waits for no work of the caller's streams.
+
+        Raises
+        ------
+        CudaError
+            The copy failed.
+        """
+        n = len(data)
+        if self._mm is not None:
+            self._mm[offset : offset + n] = data
+            return
+        if not n:
+            return
+        stream = self._stream
+        if stream is None:
+            import torch
+
+            stream = self._stream = torch.cuda.Stream(self.device)  # (torch's pool: non-blocking)
+        from omnilink.cuda import cuda_ops_or_none
+
+        ops = cuda_ops_or_none()
+        if ops is None:
+            import torch
+
+            with torch.cuda.stream(stream):
+                self._tensor[offset : offset + n].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            stream.synchronize()
+            return
+        import numpy as np
+
+        src = np.frombuffer(data, dtype=np.uint8)
+        raw = int(stream.cuda_stream)
+        prev = ops.swap_device(self.dev)
+        try:
+            ops.memcpy(self.addr + offset, src.ctypes.data, n, raw)
+            ops.stream_synchronize(raw)
+        finally:
+            ops.restore_device(prev)
 
     def lease(self, offset: int, length: int) -> Any:
         """An object over ``[offset, offset + length)`` of the pool (validated by the

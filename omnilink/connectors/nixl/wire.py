@@ -11,7 +11,7 @@ so a hostile frame costs at most its own size to reject::
                                                  pool_addr, pool_bytes, mem, dev, bell]
     ["extent", need]                            ["granted", offset, length, frees]
     ["publish", seq, key, offset, length, meta, ["ack", seq, status, text, frees]
-     written]
+     written, data]
     ["written", seq, status]                    ["refused", text]
     ["return", offset]
     ["bye"]
@@ -39,7 +39,10 @@ so a hostile frame costs at most its own size to reject::
   message: ``WRITTEN_OK`` (then it is acknowledged; a refusal is answered at once), or
   ``WRITTEN_FAILED`` (the receiver drops it, its block comes free as any other) or
   ``WRITTEN_STUCK`` (the WRITE could not be cancelled and may still land: the block
-  stays taken while the receiver lives); neither failure is answered.
+  stays taken while the receiver lives); neither failure is answered. ``data``: the
+  data region itself, for a payload of at most ``INLINE_MAX_BYTES`` sent *inline*
+  instead of written (no WRITE: the receiver copies it into the block); it must be
+  exactly the frame's data region and comes only with ``written`` true.
 - ``ack`` status: ``ACK_OK``, ``ACK_DUPLICATE_KEY``, ``ACK_DECODE_ERROR`` (``text``
   says why), ``ACK_BAD_BLOCK`` (the descriptor failed ``check_block``).
 """
@@ -58,6 +61,7 @@ __all__ = [
     "ACK_DECODE_ERROR",
     "ACK_DUPLICATE_KEY",
     "ACK_OK",
+    "INLINE_MAX_BYTES",
     "MAX_FRAME_BYTES",
     "VERSION",
     "WRITTEN_FAILED",
@@ -79,7 +83,7 @@ __all__ = [
     "encode",
 ]
 
-VERSION = 3
+VERSION = 4
 ACK_OK = 0
 ACK_DUPLICATE_KEY = 1
 ACK_DECODE_ERROR = 2
@@ -95,8 +99,10 @@ MAX_OFFSET = 1 << 48
 #: Most block offsets one answer hands back.
 MAX_FREES = 1 << 16
 MAX_TEXT = 4096
+#: Largest data region a ``publish`` carries inline (a payload's whole data region).
+INLINE_MAX_BYTES = 64 << 10
 #: Largest frame the receiver's socket takes (zmq drops the connection above it).
-MAX_FRAME_BYTES = PREFIX_SIZE + MAX_HEADER_BYTES + 4096
+MAX_FRAME_BYTES = PREFIX_SIZE + MAX_HEADER_BYTES + INLINE_MAX_BYTES + 4096
 
 _Off = Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFSET)]
 _Session = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
@@ -128,6 +134,7 @@ class Publish(_Msg):
     length: _Off
     meta: Annotated[bytes, msgspec.Meta(min_length=PREFIX_SIZE, max_length=PREFIX_SIZE + MAX_HEADER_BYTES)]
     written: bool = True
+    data: Annotated[bytes, msgspec.Meta(max_length=INLINE_MAX_BYTES)] = b""
 
 
 class Written(_Msg):
