@@ -93,9 +93,14 @@ def _free_port() -> int:
 
 
 def _setup_process(opts: dict[str, Any]) -> None:
-    os.environ["UCX_TLS"] = opts["tls"] if opts["tls"] != "default" else os.environ.get("UCX_TLS", "")
-    if opts["tls"] == "default":
+    tls = opts["tls"]
+    if tls == "default":
         os.environ.pop("UCX_TLS", None)
+    else:
+        from omnilink.connectors.nixl.agent import nvidia_gpu_present
+
+        # NIXL's UCX backend refuses a transport list without a CUDA one on a GPU machine.
+        os.environ["UCX_TLS"] = tls + ",cuda_copy" if "cuda" not in tls and nvidia_gpu_present() else tls
     import logging
 
     logging.getLogger("nixl").setLevel(logging.WARNING)

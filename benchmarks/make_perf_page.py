@@ -368,7 +368,7 @@ BLOCKS = (
           "--json FILE", render_pivot),
     Block("nixl-cpu-epyc-2core", ("nixl-cpu-epyc-2core.jsonl",), "python benchmarks/bench_nixl.py --json FILE",
           render_nixl),
-    Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --json FILE",
+    Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 60 --json FILE, at commit fc0855d",
           render_nixl),
     Block("nixl-gpu-2xh200-watch", ("nixl-gpu-2xh200-watch.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 60 --json FILE (vllm-omni was not installed on that machine: its row is empty)",
           render_nixl),

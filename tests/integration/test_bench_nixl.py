@@ -32,6 +32,7 @@ def test_bench_nixl_short_with_an_in_pair_ab(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert head["scenario"] == "nixl" and "--ab" in head["command"]
+    assert not [r for r in rows if "error" in r], rows
     cells = {(r["connector"], r["size"]): r for r in rows}
     assert set(cells) == {(c, s) for c in ("omnilink-nixl", "nixl-ab", "raw-nixl") for s in (4096, 1 << 20)}
     for (name, _size), r in cells.items():
