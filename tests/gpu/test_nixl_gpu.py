@@ -75,11 +75,14 @@ def test_host_tensors_into_a_device_pool_in_one_process():
         assert bool(got["b"].all())
 
 
-def test_direct_writes_register_each_allocation_once():
+def test_direct_writes_register_each_allocation_once(monkeypatch):
     """Tensors of one CUDA allocation are written from their own memory under one
     registration of that allocation (made by the first WRITE, kept); an allocation made
     after the first was freed (``empty_cache``) gets its own, and every payload arrives
     bit for bit."""
+    from omnilink.connectors.nixl import connector as nx
+
+    monkeypatch.setattr(nx, "DIRECT_CACHED_MIN_BYTES", 1 << 20)  # the 4 MiB parts go direct
     src, dst = _devices()
     channel = f"olnx/regs-{os.getpid()}"
     with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
@@ -113,6 +116,7 @@ def test_large_cuda_tensors_are_written_from_their_own_memory(monkeypatch):
     from omnilink.connectors.nixl import connector as nx
 
     monkeypatch.setattr(nx, "DIRECT_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(nx, "DIRECT_CACHED_MIN_BYTES", 1 << 20)
     src, dst = _devices()
     channel = f"olnx/direct-{os.getpid()}"
     with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
@@ -203,4 +207,36 @@ def test_small_gpu_payloads_go_inline_into_the_device_pool(monkeypatch):
                 assert pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name
                 assert torch.equal(t.cpu(), payload[name].cpu()), name
             assert got["i"] == i
+            del got, t
+
+
+def test_small_gpu_payloads_go_inline_to_a_host_pool():
+    """A receiver with a host pool: a payload of at most ``INLINE_MAX_BYTES`` of data from
+    GPU tensors (contiguous and strided, on the sender's current stream) travels in its
+    publish, with no WRITE, and lands as views of the host pool, bit for bit."""
+    src, _dst = _devices()
+    channel = f"olnx/inline-host-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*",
+                          pool_bytes=16 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        tx.put("warm", {"t": torch.arange(4, device=src)})
+        rx.get("warm")
+
+        def no_write(*_a, **_k):
+            raise AssertionError("a small payload was written")
+
+        tx._tx.agent.write = no_write
+        pool = rx._rx.pool
+        side = torch.cuda.Stream(torch.device(src))
+        for i in range(3):
+            with torch.cuda.stream(side):  # produced on a stream of the caller's, not the default one
+                payload = {"h": torch.randint(0, 256, (8192,), dtype=torch.uint8, device=src) + i,
+                           "strided": (torch.arange(64 * 32, device=src, dtype=torch.float32) + i).view(64, 32).t(),
+                           "ids": torch.arange(7) + i}
+                tx.put(f"s{i}", payload)
+            got = rx.get(f"s{i}")
+            for name in ("h", "strided", "ids"):
+                t = got[name]
+                assert t.device.type == "cpu" and pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name
+                assert torch.equal(t, payload[name].cpu()), name
             del got, t

@@ -136,8 +136,12 @@ _yield = os.sched_yield
 #: allocation, the tensor is registered for the WRITE and deregistered after it, and
 #: then only from ``DIRECT_MIN_BYTES``: registering costs 45-92 us and deregistering
 #: 4-12 us (2x H100 / H200, ``benchmarks/gpu/nixl_write_floor.py``), a staging copy of
-#: 64 MiB about as much and of 256 MiB ~180 us, plus its wait.
-DIRECT_CACHED_MIN_BYTES = 1 << 20
+#: 64 MiB about as much and of 256 MiB ~180 us, plus its wait. Below 32 MiB the staging
+#: copy wins all the same: it lets the payload be published before it (the receiver's
+#: decode overlaps the copy and the WRITE), where a direct WRITE is published once
+#: posted (2x H200, alternated in one pair of processes, one-way 1 / 4 / 16 MiB: 309-320
+#: / 302-368 / 229-415 us staged against 323-428 / 321-443 / 244-502 us direct).
+DIRECT_CACHED_MIN_BYTES = 32 << 20
 DIRECT_MIN_BYTES = 64 << 20
 #: A payload is published ahead of its WRITE's end (``wire.Publish.written`` false:
 #: the receiver checks and decodes it while the bytes are staged and written, and a
