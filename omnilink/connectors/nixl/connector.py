@@ -140,7 +140,8 @@ _yield = os.sched_yield
 #: copy wins all the same: it lets the payload be published before it (the receiver's
 #: decode overlaps the copy and the WRITE), where a direct WRITE is published once
 #: posted (2x H200, alternated in one pair of processes, one-way 1 / 4 / 16 MiB: 309-320
-#: / 302-368 / 229-415 us staged against 323-428 / 321-443 / 244-502 us direct).
+#: / 302-368 / 229-415 us staged against 323-428 / 321-443 / 244-502 us direct; 32 / 64
+#: MiB: 260 / 410 us staged against 227 / 328 us direct).
 DIRECT_CACHED_MIN_BYTES = 32 << 20
 DIRECT_MIN_BYTES = 64 << 20
 #: A payload is published ahead of its WRITE's end (``wire.Publish.written`` false:
