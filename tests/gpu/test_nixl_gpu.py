@@ -240,3 +240,37 @@ def test_small_gpu_payloads_go_inline_to_a_host_pool():
                 assert t.device.type == "cpu" and pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name
                 assert torch.equal(t, payload[name].cpu()), name
             del got, t
+
+
+def test_small_gpu_payloads_published_once_written_below_ahead_device_min_bytes(monkeypatch):
+    """Below ``AHEAD_DEVICE_MIN_BYTES`` a payload with device memory is published once
+    its WRITE completed, in one message (a 4 KiB one here), and arrives bit for bit;
+    from ``AHEAD_MIN_BYTES`` it is published ahead all the same."""
+    from omnilink.connectors.nixl import connector as nx
+    from omnilink.connectors.nixl import wire
+
+    monkeypatch.setattr(nx, "AHEAD_DEVICE_MIN_BYTES", 64 << 10)
+    src, dst = _devices()
+    channel = f"olnx/after-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=32 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        sent = []
+        real = tx._tx._send_bell
+
+        def send_bell(msg, deadline, key):
+            sent.append(msg)
+            return real(msg, deadline, key)
+
+        tx._tx._send_bell = send_bell
+        for i, (n, names) in enumerate(((4096, ["Publish"]), (2 << 20, ["Publish", "Written"]))):
+            sent.clear()
+            hidden = torch.randint(0, 256, (n,), dtype=torch.uint8, device=src)
+            tx.put(f"w{i}", {"hidden": hidden, "i": i})
+            got = rx.get(f"w{i}")
+            assert got["hidden"].device == torch.device(dst) and torch.equal(got["hidden"].cpu(), hidden.cpu())
+            assert [type(m).__name__ for m in sent] == names, sent
+            assert sent[0].written is (names == ["Publish"]) and not sent[0].data
+            if len(sent) > 1:
+                assert sent[1].status == wire.WRITTEN_OK
+            del got

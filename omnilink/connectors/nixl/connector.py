@@ -154,6 +154,11 @@ DIRECT_MIN_BYTES = 64 << 20
 #: as is any payload with a bool tensor (the receiver checks its bytes: the ack says
 #: whether they were 0 and 1).
 AHEAD_MIN_BYTES = 1 << 20
+#: ... and a payload with device memory to copy or write is published ahead from this
+#: many data bytes (0: always). Published once written instead, a small one costs the
+#: sender one doorbell message less and the receiver its decode after the WRITE
+#: (``bench_nixl.py --ab AHEAD_DEVICE_MIN_BYTES=N`` compares the two).
+AHEAD_DEVICE_MIN_BYTES = 0
 #: A payload of at most ``wire.INLINE_MAX_BYTES`` of data for a receiver whose pool is
 #: host memory goes *inline*: its bytes travel in its publish (no WRITE, one message;
 #: the receiver copies them into the block). On the 2-core CPU machine over UCX's tcp,
@@ -1384,7 +1389,8 @@ class _Sender:
                         self._free_local(off)
                         raise
                 elif (
-                    (n >= AHEAD_MIN_BYTES or welcome.mem == "VRAM" or bool(prepared.devices()))
+                    (n >= AHEAD_MIN_BYTES
+                     or (n >= AHEAD_DEVICE_MIN_BYTES and (welcome.mem == "VRAM" or bool(prepared.devices()))))
                     and not prepared.holds_bool
                 ):
 
