@@ -1562,8 +1562,8 @@ class _Sender:
         ``tensor_sources()``) written from their own memory: contiguous CUDA tensors of
         at least ``DIRECT_CACHED_MIN_BYTES`` (``DIRECT_MIN_BYTES`` without cuda-python's
         driver bindings, where allocations cannot be registered once)."""
-        if not prepared.devices():
-            return []
+        if prepared.data_len < min(DIRECT_CACHED_MIN_BYTES, DIRECT_MIN_BYTES) or not prepared.devices():
+            return []  # (no tensor that large: nothing to look up)
         cache = self._reg_cache()
         least = DIRECT_CACHED_MIN_BYTES if cache is not None else DIRECT_MIN_BYTES
         out = []
