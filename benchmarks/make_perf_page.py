@@ -366,7 +366,7 @@ BLOCKS = (
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),
           "python benchmarks/bench_cuda_ipc.py --cases cross --sizes 256MiB,64MiB --latency-iters 200 --rounds 2 "
           "--json FILE", render_pivot),
-    Block("nixl-cpu-epyc-2core", ("nixl-cpu-epyc-2core.jsonl",), "python benchmarks/bench_nixl.py --json FILE",
+    Block("nixl-cpu-epyc-2core", ("nixl-cpu-epyc-2core.jsonl",), "python benchmarks/bench_nixl.py --json FILE, at commit 0a6f314",
           render_nixl),
     Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 60 --json FILE, at commit fc0855d",
           render_nixl),
