@@ -28,3 +28,18 @@ def nixl_pair(monkeypatch: Any, channel: str, tls: str = "tcp", **rx_options: An
     finally:
         tx.close()
         rx.close()
+
+
+def record_bell(tx: Any) -> list[Any]:
+    """The messages a nixl sender puts on its doorbell from now on, in order (a list that
+    fills as it sends)."""
+    sent: list[Any] = []
+    s = tx._tx
+    real = s._send_bell
+
+    def send_bell(msg: Any, deadline: Any, key: Any) -> None:
+        sent.append(msg)
+        real(msg, deadline, key)
+
+    s._send_bell = send_bell
+    return sent

@@ -13,6 +13,7 @@ import pytest
 import omnilink
 from omnilink.connectors import backend_unavailable
 from tests.gpu import _nixl_gpu_workers as workers
+from tests.nixl_pair import record_bell
 from tests.procs import CTX, start_process
 
 torch = pytest.importorskip("torch")
@@ -151,14 +152,7 @@ def test_gpu_payloads_are_published_ahead_of_their_write():
     with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
                           pool_bytes=128 << 20, timeout=WAIT) as rx, \
          omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
-        sent = []
-        real = tx._tx._send_bell
-
-        def send_bell(msg, deadline, key):
-            sent.append(msg)
-            return real(msg, deadline, key)
-
-        tx._tx._send_bell = send_bell
+        sent = record_bell(tx)
         for i, n in enumerate((4096, 1 << 20, 32 << 20)):
             sent.clear()
             hidden = torch.randint(0, 256, (n,), dtype=torch.uint8, device=src)
@@ -173,19 +167,22 @@ def test_gpu_payloads_are_published_ahead_of_their_write():
         assert not rx._rx.ahead_keys
 
 
-def test_small_gpu_payloads_go_inline_into_the_device_pool(monkeypatch):
-    """With ``INLINE_TO_DEVICE`` (off by default), a payload of at most
-    ``INLINE_MAX_BYTES`` of data travels in its publish (no WRITE: the sender's agent
-    refuses any here) and the receiver copies it into its device pool: GPU tensors,
+@pytest.mark.parametrize("pool_on", ["device", "host"])
+def test_small_gpu_payloads_go_inline(monkeypatch, pool_on):
+    """A payload of at most ``INLINE_MAX_BYTES`` of data travels in its publish (no
+    WRITE: the sender's agent refuses any here) to a receiver with a host pool, or with
+    a device pool under ``INLINE_TO_DEVICE`` (off by default), which copies it into its
+    pool: GPU tensors (produced on a stream of the caller's, not the default one),
     strided ones, a bool and a CPU tensor beside them land as views of that pool, bit
     for bit."""
     from omnilink.connectors.nixl import connector as nx
 
-    monkeypatch.setattr(nx, "INLINE_TO_DEVICE", True)
     src, dst = _devices()
-    channel = f"olnx/inline-{os.getpid()}"
-    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
-                          pool_bytes=16 << 20, timeout=WAIT) as rx, \
+    if pool_on == "device":
+        monkeypatch.setattr(nx, "INLINE_TO_DEVICE", True)
+    channel = f"olnx/inline-{pool_on}-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*",
+                          device=dst if pool_on == "device" else None, pool_bytes=16 << 20, timeout=WAIT) as rx, \
          omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
         tx.put("warm", {"t": torch.arange(4, device=src)})
         rx.get("warm")
@@ -195,50 +192,21 @@ def test_small_gpu_payloads_go_inline_into_the_device_pool(monkeypatch):
 
         tx._tx.agent.write = no_write
         pool = rx._rx.pool
+        landed_on = torch.device(dst) if pool_on == "device" else torch.device("cpu")
+        side = torch.cuda.Stream(torch.device(src))
         for i in range(3):
-            payload = {"h": torch.randint(0, 256, (4096,), dtype=torch.uint8, device=src),
-                       "strided": (torch.arange(64 * 32, device=src, dtype=torch.float32) + i).view(64, 32).t(),
-                       "b": torch.arange(9, device=src) % 2 == 0, "ids": torch.arange(7) + i, "i": i}
-            tx.put(f"s{i}", payload)
+            with torch.cuda.stream(side):
+                payload = {"h": torch.randint(0, 256, (8192,), dtype=torch.uint8, device=src) + i,
+                           "strided": (torch.arange(64 * 32, device=src, dtype=torch.float32) + i).view(64, 32).t(),
+                           "b": torch.arange(9, device=src) % 2 == 0, "ids": torch.arange(7) + i, "i": i}
+                tx.put(f"s{i}", payload)
             got = rx.get(f"s{i}")
             for name in ("h", "strided", "b", "ids"):
                 t = got[name]
-                assert t.device == torch.device(dst), name
+                assert t.device == landed_on, name
                 assert pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name
                 assert torch.equal(t.cpu(), payload[name].cpu()), name
             assert got["i"] == i
-            del got, t
-
-
-def test_small_gpu_payloads_go_inline_to_a_host_pool():
-    """A receiver with a host pool: a payload of at most ``INLINE_MAX_BYTES`` of data from
-    GPU tensors (contiguous and strided, on the sender's current stream) travels in its
-    publish, with no WRITE, and lands as views of the host pool, bit for bit."""
-    src, _dst = _devices()
-    channel = f"olnx/inline-host-{os.getpid()}"
-    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*",
-                          pool_bytes=16 << 20, timeout=WAIT) as rx, \
-         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
-        tx.put("warm", {"t": torch.arange(4, device=src)})
-        rx.get("warm")
-
-        def no_write(*_a, **_k):
-            raise AssertionError("a small payload was written")
-
-        tx._tx.agent.write = no_write
-        pool = rx._rx.pool
-        side = torch.cuda.Stream(torch.device(src))
-        for i in range(3):
-            with torch.cuda.stream(side):  # produced on a stream of the caller's, not the default one
-                payload = {"h": torch.randint(0, 256, (8192,), dtype=torch.uint8, device=src) + i,
-                           "strided": (torch.arange(64 * 32, device=src, dtype=torch.float32) + i).view(64, 32).t(),
-                           "ids": torch.arange(7) + i}
-                tx.put(f"s{i}", payload)
-            got = rx.get(f"s{i}")
-            for name in ("h", "strided", "ids"):
-                t = got[name]
-                assert t.device.type == "cpu" and pool.addr <= t.data_ptr() < pool.addr + pool.nbytes, name
-                assert torch.equal(t, payload[name].cpu()), name
             del got, t
 
 
@@ -255,14 +223,7 @@ def test_small_gpu_payloads_published_once_written_below_ahead_device_min_bytes(
     with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
                           pool_bytes=32 << 20, timeout=WAIT) as rx, \
          omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
-        sent = []
-        real = tx._tx._send_bell
-
-        def send_bell(msg, deadline, key):
-            sent.append(msg)
-            return real(msg, deadline, key)
-
-        tx._tx._send_bell = send_bell
+        sent = record_bell(tx)
         for i, (n, names) in enumerate(((4096, ["Publish"]), (2 << 20, ["Publish", "Written"]))):
             sent.clear()
             hidden = torch.randint(0, 256, (n,), dtype=torch.uint8, device=src)

@@ -18,7 +18,7 @@ from omnilink._util import Deadline
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.nixl import connector as nixl_connector
 from omnilink.connectors.nixl import wire
-from tests.nixl_pair import nixl_pair
+from tests.nixl_pair import nixl_pair, record_bell
 
 _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -55,20 +55,6 @@ def _posted_writes_in_progress(pair):
     agent.write, agent.wait = write, wait
 
 
-def _record_bell(tx):
-    """The messages the sender puts on the doorbell, in order."""
-    sent = []
-    s = tx._tx
-    real = s._send_bell
-
-    def send_bell(msg, deadline, key):
-        sent.append(msg)
-        return real(msg, deadline, key)
-
-    s._send_bell = send_bell
-    return sent
-
-
 def _wait_for(cond, what, timeout=10.0):
     end = time.monotonic() + timeout
     while not cond():
@@ -84,7 +70,7 @@ def _payload(n, seed=0):
 
 def test_large_payload_is_published_ahead_then_written(pair):
     tx, rx = pair
-    sent = _record_bell(tx)
+    sent = record_bell(tx)
     p = _payload(BIG)
     tx.put("big", p)
     got = rx.get("big")

@@ -15,7 +15,7 @@ import omnilink
 from omnilink._util import Deadline
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.nixl import wire
-from tests.nixl_pair import nixl_pair
+from tests.nixl_pair import nixl_pair, record_bell
 
 _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -30,20 +30,16 @@ def pair(request, monkeypatch):
 
 def _record(tx):
     """``(bell messages, WRITEs posted)`` of the sender, recorded from now on."""
-    s = tx._tx
-    sent, writes = [], []
-    real_bell, real_write = s._send_bell, s.agent.write
-
-    def send_bell(msg, deadline, key):
-        sent.append(msg)
-        return real_bell(msg, deadline, key)
+    agent = tx._tx.agent
+    writes = []
+    real_write = agent.write
 
     def write(*args, **kwargs):
         writes.append(args)
         return real_write(*args, **kwargs)
 
-    s._send_bell, s.agent.write = send_bell, write
-    return sent, writes
+    agent.write = write
+    return record_bell(tx), writes
 
 
 def _in_pool(rx, t):

@@ -1378,17 +1378,14 @@ class _Sender:
             seq = self.seq + 1
             ahead = False  # published ahead of its WRITE
             publish_ahead = None
-            inline: Any = b""  # the data region, sent in the publish instead of written
+            # The data region sent in the publish instead of written (no WRITE).
+            inline: Any = b""
+            if n and n <= wire.INLINE_MAX_BYTES and (welcome.mem == "DRAM" or INLINE_TO_DEVICE):
+                inline = self._inline_data(prepared)
             if n:
                 off = self._alloc(n, deadline, key)
-                if n <= wire.INLINE_MAX_BYTES and (welcome.mem == "DRAM" or INLINE_TO_DEVICE):
-                    # No WRITE: the bytes go in the publish.
-                    try:
-                        inline = self._inline_data(prepared)
-                    except BaseException:
-                        self._free_local(off)
-                        raise
-                elif (
+            if n and not inline:
+                if (
                     (n >= AHEAD_MIN_BYTES
                      or (n >= AHEAD_DEVICE_MIN_BYTES and (welcome.mem == "VRAM" or bool(prepared.devices()))))
                     and not prepared.holds_bool
@@ -1404,10 +1401,8 @@ class _Sender:
                         ahead = True
 
                     publish_ahead = _publish_ahead
-                why = None
                 try:
-                    if not inline:
-                        why = self._write(prepared, welcome, off, deadline, publish_ahead)
+                    why = self._write(prepared, welcome, off, deadline, publish_ahead)
                 except BaseException as exc:
                     if ahead:  # its block comes back from the receiver, as any
                         self._written_failed(seq, deadline, isinstance(exc, OmnilinkError))
@@ -1437,62 +1432,14 @@ class _Sender:
             raise duplicate_key("nixl", self.channel, key)
         raise BlobDecodeError(f"nixl: the receiver of channel {self.channel!r} rejected key {key!r}: {ack.text}")
 
-    def _inline_data(self, prepared: Any) -> bytearray:
+    def _inline_data(self, prepared: Any) -> memoryview:
         """The payload's data region (at most ``wire.INLINE_MAX_BYTES``), for a publish
-        that carries it: host tensors and arrays copied in with one memmove each,
-        contiguous CUDA tensors with one ``cudaMemcpyAsync`` each on their device's
-        current stream (after their producers' work), then that stream synchronized;
-        anything else (strided, no cuda-python) by the frame writer."""
-        buf = bytearray(prepared.data_len)
-        if self._fill_host(prepared.tensor_sources(), buf):
-            return buf
+        that carries it: the frame written by ``PreparedBlob.write_into`` (host tensors
+        with a memmove, CUDA tensors copied on their device's current stream, after
+        their producers' work, and waited for), viewed past its head."""
         frame = bytearray(prepared.nbytes)
         prepared.write_into(frame)
-        return frame[prepared.data_offset :]
-
-    def _fill_host(self, sources: list[tuple[int, int, Any]], buf: bytearray) -> bool:
-        """``_inline_data``'s fast copies into ``buf``; ``False`` where a source needs
-        the frame writer (``buf`` is then left to it)."""
-        import ctypes
-
-        import numpy as np
-        import torch
-
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        on_device: dict[int, list[tuple[int, int, int]]] = {}
-        for offset, nbytes, src in sources:
-            if not nbytes:
-                continue
-            if isinstance(src, torch.Tensor):
-                if not src.is_contiguous() or src.is_conj() or src.is_neg():
-                    return False
-                if src.is_cpu:
-                    ctypes.memmove(addr + offset, src.data_ptr(), nbytes)
-                elif src.is_cuda:
-                    on_device.setdefault(src.get_device(), []).append((addr + offset, src.data_ptr(), nbytes))
-                else:
-                    return False
-            elif isinstance(src, np.ndarray) and src.flags.c_contiguous:
-                ctypes.memmove(addr + offset, src.ctypes.data, nbytes)
-            else:
-                return False
-        if not on_device:
-            return True
-        ops = self._cuda_ops()
-        if ops is None:
-            return False
-        from omnilink.cuda import current_raw_stream
-
-        for index, copies in on_device.items():
-            prev = ops.swap_device(index)
-            try:
-                stream = current_raw_stream(index)
-                for dst, src_ptr, nbytes in copies:
-                    ops.memcpy(dst, src_ptr, nbytes, stream)
-                ops.stream_synchronize(stream)
-            finally:
-                ops.restore_device(prev)
-        return True
+        return memoryview(frame)[prepared.data_offset :]
 
     def _written_failed(self, seq: int, deadline: Deadline, released: bool) -> None:
         """Tell the receiver that the WRITE of payload ``seq``, published ahead, failed

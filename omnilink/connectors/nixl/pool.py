@@ -162,16 +162,12 @@ class Releaser:
         import torch
 
         if self._ops is False:
-            from omnilink._errors import CudaError
-            from omnilink.cuda import cuda_ops
+            from omnilink.cuda import cuda_ops_or_none
 
             self._index = torch.device(self.device).index
             if self._index is None:
                 self._index = torch.cuda.current_device()
-            try:
-                self._ops = cuda_ops()
-            except CudaError:
-                self._ops = None
+            self._ops = cuda_ops_or_none()
         ops = self._ops
         if ops is None:
             event = torch.cuda.Event()
