@@ -39,12 +39,13 @@ Usage (GPU machine, repository root)::
 
     python3 benchmarks/bench_serial_gpu.py [--sizes 4KiB,1MiB,64MiB,256MiB]
         [--roads raw,shm,cuda_ipc,shm-host] [--src cuda:0] [--dst cuda:0] [--n 8]
-        [--lat-n 400] [--pairs K] [--json FILE] [--trace ROAD] [--trace-json FILE]
+        [--lat-n 400] [--pairs K] [--cpus S,R] [--json FILE] [--trace ROAD] [--trace-json FILE]
 
 ``--pairs K`` runs each omnilink road in K process pairs (fresh processes each): the rows
 pool their payloads, and each pair's p50 is printed, since one pair can run slower as a
 whole than the next (seen on H100 VMs with MPS: the same code at 111 us in one pair and
-178 us in the next).
+178 us in the next). ``--cpus S,R`` pins the sender to CPU S and each receiver to CPU R
+(the raw floor's too), to compare placements or to take placement out of an A/B.
 
 Benchmarks are hard: two processes on one GPU time-slice it unless an MPS server runs
 (``nvidia-cuda-mps-control -d``); every run records which.
@@ -75,6 +76,15 @@ from omnilink._bench.units import format_size, parse_sizes  # noqa: E402
 builtins_setattr = builtins.setattr
 USE_BYTES = 64
 SMALL = 64 << 10
+
+
+def pin(role: int) -> None:
+    """Pin this process to the CPU ``--cpus`` gave its role (0: the sender, 1: the
+    receiver), if any: the two processes' placement (two vCPUs of one physical core, or
+    not) moves a pair's times by up to 2x on a VM."""
+    cpus = os.environ.get("OMNILINK_BENCH_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, {int(cpus.split(",")[role])})
 
 
 def _count(nbytes: int, n: int, lat_n: int) -> int:
@@ -295,6 +305,7 @@ def _raw_receiver(conn: Any, dst: str, slot: int, sems: tuple[str, str]) -> None
     from omnilink.connectors.devpool.ops import _handle_bytes
     from omnilink.cuda import cuda_ops
 
+    pin(1)
     ops = cuda_ops()
     rt = ops.rt
     idx = torch.device(dst).index or 0
@@ -434,6 +445,7 @@ def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: s
     import posix_ipc
     import torch
 
+    pin(1)
     rknobs = [resolve_knob(k) for k in knobs]
 
     torch.cuda.set_device(torch.device(dst))
@@ -562,12 +574,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="process pairs per omnilink road: the rows pool every pair's payloads, and each "
                          "pair's p50 is printed (a pair can run slower as a whole than the next)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpus", default=None,
+                    help="S,R: pin the sender to CPU S and every receiver to CPU R (default: not pinned)")
     ap.add_argument("--trace", default=None, help="a road whose two processes are traced (a second run)")
     ap.add_argument("--trace-sizes", default="4KiB")
     ap.add_argument("--trace-json", default=None)
     ap.add_argument("--trace-only", default="",
                     help="comma-separated name endings: trace only those functions (e.g. '.put,.send')")
     args = ap.parse_args(argv)
+    if args.cpus:
+        os.environ["OMNILINK_BENCH_CPUS"] = args.cpus  # read by the spawned receivers too
+        pin(0)
     import torch
 
     sizes = parse_sizes(args.sizes)
@@ -575,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"gpu_src": torch.cuda.get_device_name(torch.device(args.src)),
                "gpu_dst": torch.cuda.get_device_name(torch.device(args.dst)),
                "src": args.src, "dst": args.dst, "mps": mps_serving(), "torch": torch.__version__,
-               "host": platform.node(), "cpus": os.cpu_count(),
+               "host": platform.node(), "cpus": os.cpu_count(), "pinned": args.cpus,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"# bench_serial_gpu {json.dumps(machine)}", flush=True)
     results: dict[str, dict[int, dict[str, float]]] = {"copy": copy_rows(args.src, args.dst, sizes, args.n, args.lat_n)}

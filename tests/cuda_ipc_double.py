@@ -100,6 +100,10 @@ class HostDeviceOps:
         return bytearray(nbytes)
 
     @staticmethod
+    def stage_slice(arena: Any, offset: int, nbytes: int) -> Any:
+        return memoryview(arena)[offset : offset + nbytes]
+
+    @staticmethod
     def stage_bytes(stage: Any) -> int:
         return len(stage)
 

@@ -1,10 +1,12 @@
 """``PoolSender.send(host_to_pool=N)``: small host tensors ride in the pool block after
-the device ones (gathered in a per-slot stage, one copy), so the receiver finds them as
-views of its pool; larger host tensors stay in the host part. Over the host double, with
-int64 and bool tensors standing for host tensors (everything else for device ones)."""
+the device ones (gathered in a per-slot stage, a slice of one page-locked arena, one
+copy), so the receiver finds them as views of its pool; larger host tensors stay in the
+host part. Over the host double, with int64 and bool tensors standing for host tensors
+(everything else for device ones)."""
 
 from __future__ import annotations
 
+import ctypes
 import uuid
 
 import pytest
@@ -221,6 +223,74 @@ def test_carried_host_tensors_come_back_as_host_copies_after_the_sender_closed_c
         lo, hi = rx.pool.ptr, rx.pool.ptr + rx.pool.nbytes
         assert not lo <= got["ids"].data_ptr() < hi and torch.equal(got["ids"], payload["ids"])
         assert torch.equal(got["hidden"], payload["hidden"])
+        del got
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_slot_stages_are_slices_of_one_arena_and_a_larger_span_gets_its_own(monkeypatch):
+    from omnilink.connectors.devpool import sender as sender_mod
+
+    monkeypatch.setattr(sender_mod, "STAGE_SLICE_BYTES", 1 << 10)
+    ops, tx, rx = _pair()
+    new_stage = []
+    real = ops.new_stage
+    monkeypatch.setattr(ops, "new_stage", lambda n: new_stage.append(n) or real(n))
+    try:
+        for i in range(4):  # one payload per slot, each within a slice
+            got = rx.land(f"k{i}", _send(tx, f"k{i}", {"h": torch.randn(8), "ids": torch.arange(16) + i}, 8 << 10))
+            assert torch.equal(got["ids"], torch.arange(16) + i)
+            del got
+        assert new_stage == [4 * (1 << 10)]  # one arena for the four slots, nothing per slot
+        arena = tx.tx.stage_arena
+        stages = [tx.tx.stages[s] for s in range(4)]
+        assert all(st.obj is arena and len(st) == 1 << 10 for st in stages)
+        base = ctypes.addressof((ctypes.c_char * len(arena)).from_buffer(arena))
+        at = [ctypes.addressof((ctypes.c_char * len(st)).from_buffer(st)) - base for st in stages]
+        assert at == [s * (1 << 10) for s in range(4)]  # slot s: the s-th slice
+        # Two kilobytes of host tensors: more than a slice, a stage of the slot's own.
+        big = torch.arange(256) + 7
+        got = rx.land("big", _send(tx, "big", {"h": torch.randn(8), "ids": big}, 8 << 10))
+        assert torch.equal(got["ids"], big)
+        del got
+        assert new_stage == [4 * (1 << 10), 64 << 10]
+    finally:
+        tx.close()
+        rx.close()
+    assert tx.tx is None or tx.tx.stage_arena is None
+
+
+def test_plain_reads_a_plain_tensor_as_it_is_and_resolves_every_bit_it_must():
+    from omnilink.connectors.devpool.sender import _plain
+
+    a = torch.randn(3, requires_grad=True)  # read as it is: the copy only reads memory
+    assert _plain(a) is a
+    c = torch.randn(4, dtype=torch.complex64)
+    conj = c.conj()
+    assert conj.is_conj()
+    got = _plain(conj)
+    assert not got.is_conj() and torch.equal(got, c.conj().resolve_conj())
+    neg = torch._neg_view(torch.arange(4.0))  # a contiguous real tensor with the negative bit
+    assert neg.is_neg() and neg.is_contiguous()
+    got = _plain(neg)
+    assert not got.is_neg() and torch.equal(got, -torch.arange(4.0))
+    strided = torch.arange(10.0)[::2]
+    got = _plain(strided)
+    assert got.is_contiguous() and torch.equal(got, strided)
+    imag = conj.imag  # real, negative bit, not contiguous
+    got = _plain(imag)
+    assert not got.is_neg() and got.is_contiguous() and torch.equal(got, -c.imag)
+
+
+def test_conjugate_and_negative_views_arrive_resolved():
+    ops, tx, rx = _pair()
+    try:
+        c = torch.randn(6, dtype=torch.complex64)
+        payload = {"conj": c.conj(), "neg": torch._neg_view(torch.arange(5.0)), "ids": torch.arange(3)}
+        got = rx.land("k", _send(tx, "k", payload, 1 << 10))
+        assert torch.equal(got["conj"], c.conj().resolve_conj()) and not got["conj"].is_conj()
+        assert torch.equal(got["neg"], -torch.arange(5.0)) and torch.equal(got["ids"], torch.arange(3))
         del got
     finally:
         tx.close()

@@ -57,17 +57,20 @@ def tensor_type() -> Any:
 
 
 def split(payload: Any, is_device: Any, tensor_type: Any,
-          kept: list[int] | None = None) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
-    """One walk of ``payload``: the host part (each device tensor replaced by ``None``)
-    and ``[(path, tensor)]`` of the device tensors, ``path`` the dict keys and list or
-    tuple indices that lead to it (``()``: the payload is the tensor). ``kept``: a list
-    whose first item counts the tensors left in the host part."""
-    found: list[tuple[tuple[Any, ...], Any]] = []
+          kept: list[int] | None = None) -> tuple[Any, list[tuple[tuple[Any, ...], Any, Any]]]:
+    """One walk of ``payload``: the host part (each tensor ``is_device`` picks replaced
+    by ``None``) and ``[(path, tensor, pick)]`` of the picked tensors, ``path`` the dict
+    keys and list or tuple indices that lead to it (``()``: the payload is the tensor),
+    ``pick`` what ``is_device`` returned for it (a caller that picks tensors of two
+    kinds learns which, without asking the tensor again). ``kept``: a list whose first
+    item counts the tensors left in the host part."""
+    found: list[tuple[tuple[Any, ...], Any, Any]] = []
 
     def walk(x: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(x, tensor_type):
-            if is_device(x):
-                found.append((path, x))
+            pick = is_device(x)
+            if pick:
+                found.append((path, x, pick))
                 return None
             if kept is not None:
                 kept[0] += 1

@@ -113,7 +113,7 @@ class CudaDeviceOps:
 
     def is_small_host_tensor(self, t: Any, most: int) -> bool:
         """A strided CPU tensor of at most ``most`` bytes (``send``'s ``host_to_pool``)."""
-        return bool(t.is_cpu) and t.layout is self._torch.strided and t.numel() * t.element_size() <= most
+        return bool(t.is_cpu) and t.layout is self._torch.strided and t.nbytes <= most
 
     @staticmethod
     def to_host(t: Any) -> Any:
@@ -124,6 +124,11 @@ class CudaDeviceOps:
     def new_stage(self, nbytes: int) -> Any:
         """A page-locked host buffer of ``nbytes`` for host tensors copied into the pool."""
         return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True)
+
+    @staticmethod
+    def stage_slice(arena: Any, offset: int, nbytes: int) -> Any:
+        """The stage of ``nbytes`` at ``offset`` of the page-locked ``arena`` (a view)."""
+        return arena.narrow(0, offset, nbytes)
 
     @staticmethod
     def stage_bytes(stage: Any) -> int:
@@ -305,7 +310,7 @@ class CudaDeviceOps:
         ops = self._ops
         if hosted is not None:
             self._stage(hosted, event)
-        devices = sorted({t.device.index for _, t in items})
+        devices = sorted({t.get_device() for _, t in items})  # (no torch.device object per tensor)
         if after is None and devices == [index]:
             # The tensors live on the pool's device: copy on the caller's current stream
             # (the one that produced them, so no ordering event is needed, and torch's
@@ -370,7 +375,7 @@ class CudaDeviceOps:
         base = stage.data_ptr()
         memmove = ctypes.memmove
         for o, t in parts:
-            n = t.numel() * t.element_size()
+            n = t.nbytes
             if n:
                 memmove(base + o, t.data_ptr(), n)
 
@@ -394,7 +399,7 @@ class CudaDeviceOps:
         ``stream`` (its device current)."""
         memcpy = self._ops.memcpy_d2d
         for dst, t in items:
-            n = t.numel() * t.element_size()
+            n = t.nbytes
             if n:
                 memcpy(dst, t.data_ptr(), n, stream)
 

@@ -70,6 +70,10 @@ logger = logging.getLogger(__name__)
 #: them there one by one after the landing cost it more than the rest of the landing (a
 #: trace on an H200).
 HOST_TO_POOL_BYTES = 64 << 10
+#: Page-locked bytes per event slot for those host tensors: every slot's stage is a
+#: slice of one buffer of ``event_slots`` x this, taken once; a payload whose host
+#: tensors need more stages them in a buffer of its slot's own. 0: a buffer per slot.
+STAGE_SLICE_BYTES = 16 << 10
 #: Seconds between liveness checks of the receiver.
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
@@ -78,6 +82,30 @@ SLOT_SCAN = 4
 #: a new one (shorter than the shm route's wait for room, so the route grows the pool
 #: instead of falling back to the host path).
 GROW_AFTER_S = 0.001
+
+
+def _plain(t: Any) -> Any:
+    """``t`` as the bytes its copy into the block reads: itself when it is contiguous,
+    without a negative or (complex) conjugate bit, else ``plain_tensor(t)``. Two
+    questions to the tensor where ``plain_tensor`` asks four (each costs a microsecond
+    or more on a GPU host); a tensor that requires grad is read as it is (the copy only
+    reads its memory)."""
+    if t.is_contiguous() and not t.is_neg() and (t.dtype not in _complex() or not t.is_conj()):
+        return t
+    return plain_tensor(t)
+
+
+_COMPLEX: Any = None
+
+
+def _complex() -> Any:
+    """The complex dtypes (the only ones a conjugate bit can be set on)."""
+    global _COMPLEX
+    if _COMPLEX is None:
+        import torch
+
+        _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+    return _COMPLEX
 
 
 class _Segment:
@@ -98,7 +126,7 @@ class _Attachment:
     allocator, the slots in use."""
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
-                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages")
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -137,6 +165,9 @@ class _Attachment:
         #: per event slot: the page-locked buffer its host tensors were staged in (``send``
         #: with ``host_to_pool``), reused once the slot's last copy is done
         self.stages: dict[int, Any] = {}
+        #: the page-locked buffer the slots' stages of at most ``STAGE_SLICE_BYTES`` are
+        #: slices of (taken at the first payload with host tensors for the block)
+        self.stage_arena: Any = None
 
     def free(self, addr: int) -> None:
         """Give the block at address ``addr`` back to its segment's allocator."""
@@ -217,7 +248,8 @@ class PoolSender:
         its receiver says so, ``landing``); 0 leaves them in the host part; ``None``:
         ``HOST_TO_POOL_BYTES``. ``landing``:
         only while the receiver's last get landed on its device. ``accept``: called with
-        the ``[(path, tensor)]`` the block would carry before anything else is done; if
+        the ``[(path, tensor, kind)]`` the block would carry (``kind`` 2: a small host
+        tensor; else a device one) before anything else is done; if
         it returns false, nothing is sent and ``send`` returns ``None`` (a transport that
         routes a payload by where its tensors are, without walking it twice). Returns
         ``size``.
@@ -252,8 +284,12 @@ class PoolSender:
                 host_to_pool = 0
         kept = [0]  # tensors left in the host part
         if host_to_pool:
-            def pick(t: Any) -> bool:
-                return is_dev(t) or ops.is_small_host_tensor(t, host_to_pool)
+            small = ops.is_small_host_tensor
+
+            def pick(t: Any) -> int:
+                # 1: a device tensor, 2: a small host tensor for the block, 0: neither
+                # (asked once per tensor: the loop below reads the answer)
+                return 1 if is_dev(t) else 2 if small(t, host_to_pool) else 0
 
             host, chosen = split(payload, pick, tensor_type(), kept)
         else:
@@ -274,25 +310,25 @@ class PoolSender:
         items: list[tuple[int, Any]] = []
         hosted: list[tuple[int, Any]] = []  # host tensors for the block: after the device ones
         off = 0
-        for path, t in chosen:
+        for path, t, picked in chosen:
             code = by_dtype.get(t.dtype)
             if code is None:
                 raise BlobEncodeError(f"cuda_ipc: the tensor at {list(path)} has dtype {t.dtype}, which omnilink "
                                       "cannot carry")
-            if host_to_pool and not is_dev(t):
+            if picked == 2:
                 hosted.append((len(entries), t))
                 entries.append([code, 0, 0, list(t.shape), list(path), 1])
                 continue
-            t = plain_tensor(t)
-            n = t.numel() * t.element_size()
+            t = _plain(t)
+            n = t.nbytes
             off = (off + ALIGN - 1) & -ALIGN
             entries.append([code, off, n, list(t.shape), list(path)])
             items.append((off, t))
             off += n
         host_items: list[tuple[int, Any]] = []
         for i, t in hosted:
-            t = plain_tensor(t)
-            n = t.numel() * t.element_size()
+            t = _plain(t)
+            n = t.nbytes
             off = (off + ALIGN - 1) & -ALIGN
             entries[i][1], entries[i][2] = off, n
             host_items.append((off, t))
@@ -336,7 +372,7 @@ class PoolSender:
                     if stage is None or ops.stage_bytes(stage) < span:
                         if stage is not None:  # its last copy must be done before it goes back
                             ops.settle(tx.events[slot])
-                        stage = tx.stages[slot] = ops.new_stage(max(span, 64 << 10))
+                        stage = tx.stages[slot] = self._new_stage(tx, slot, span)
                     hosted_arg = (base + first, [(o - first, t) for o, t in host_items], span, stage)
                 ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx, hosted=hosted_arg)
             except BaseException as exc:
@@ -352,6 +388,18 @@ class PoolSender:
                 tx.dir.set_rec_size(slot, seq, size)
             self._drain(tx)  # the blocks freed meanwhile, off the next put's path
         return size
+
+    def _new_stage(self, tx: _Attachment, slot: int, span: int) -> Any:
+        """A page-locked stage of at least ``span`` bytes for ``slot``: its slice of the
+        attachment's stage arena when ``span`` fits one (one page-locked allocation for
+        every slot: a new one per slot cost each of the first payloads of a sender
+        several microseconds), else a buffer of its own."""
+        each = STAGE_SLICE_BYTES
+        if each and span <= each:
+            if tx.stage_arena is None:
+                tx.stage_arena = self.ops.new_stage(len(tx.events) * each)
+            return self.ops.stage_slice(tx.stage_arena, slot * each, each)
+        return self.ops.new_stage(max(span, 64 << 10))
 
     @staticmethod
     def _size_after(payload: Any, key: str, total: int) -> int:
@@ -819,6 +867,7 @@ class PoolSender:
                 except OmnilinkError:  # pragma: no cover - a broken device
                     logger.warning("cuda_ipc: waiting for a staged copy failed", exc_info=True)
             tx.stages.clear()
+            tx.stage_arena = None
             with local_lock:
                 LOCAL_EVENTS.pop((d.name, tx.gen), None)
             ops.destroy_events(tx.index, tx.events)

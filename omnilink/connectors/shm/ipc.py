@@ -280,12 +280,12 @@ class DeviceIpcRoute:
             return None
         pool = self._tx_device
         ops = tx.ops
-        is_dev, device_of = ops.is_device_tensor, ops.tensor_device
+        device_of = ops.tensor_device
 
         def accept(chosen: list[Any]) -> bool:
             found = False
-            for _path, t in chosen:
-                if is_dev(t):
+            for _path, t, kind in chosen:
+                if kind != 2:  # a device tensor (2: a small host one for the block)
                     if device_of(t) != pool:
                         return False  # another GPU: the general way (peer access, sizes)
                     found = True
