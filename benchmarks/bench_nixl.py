@@ -47,7 +47,8 @@ second half is the row ``nixl-ab``, each with half the rounds.
 The UCX transport is ``UCX_TLS``, set per run (``--tls``): ``tcp`` and ``cma,tcp`` (cma
 moves the bytes with ``process_vm_writev``; UCX needs tcp beside it for its messages).
 With ``--device cuda`` the sender's tensors are on cuda:0 and the receiver's land on
-cuda:1 (UCX picks cuda_ipc; leave ``--tls`` at ``default``).
+cuda:1 (UCX picks cuda_ipc; leave ``--tls`` at ``default``), or on cuda:0 too where the
+machine has one GPU.
 
 Usage::
 
@@ -190,9 +191,9 @@ def _receiver(name: str, opts: dict[str, Any], pipe: Any) -> None:
 
     import omnilink
 
-    dev = "cuda:1" if opts["device"] == "cuda" else "cpu"
+    dev = f"cuda:{_rx_index()}" if opts["device"] == "cuda" else "cpu"
     if dev != "cpu":
-        torch.cuda.set_device(1)
+        torch.cuda.set_device(_rx_index())
     conn: Any = None
     if name == "omnilink-nixl":
         pool = max(256 << 20, 4 * max(opts["sizes"]))
@@ -353,19 +354,28 @@ def _raw_loop_sender(name: str, opts: dict[str, Any], pipe: Any) -> None:
     pipe.recv()
 
 
+def _rx_index() -> int:
+    """The receiver's GPU: cuda:1, or cuda:0 on a machine with one GPU (both ends on it;
+    the ``peer-copy`` row is then a local copy)."""
+    import torch
+
+    return 1 if torch.cuda.device_count() > 1 else 0
+
+
 def _peer_copy(opts: dict[str, Any]) -> dict[str, list[float]]:
     import torch
 
     out = {}
+    rx = _rx_index()
     for size in opts["sizes"]:
         src = torch.empty(size, dtype=torch.uint8, device="cuda:0").fill_(7)
-        dst = torch.empty(size, dtype=torch.uint8, device="cuda:1")
+        dst = torch.empty(size, dtype=torch.uint8, device=f"cuda:{rx}")
         n = opts["warmup"] + _rounds(size, opts["rounds"])
         times = []
         for i in range(n):
             t0 = time.perf_counter()
             dst.copy_(src)
-            torch.cuda.synchronize(1)
+            torch.cuda.synchronize(rx)
             torch.cuda.synchronize(0)
             if i >= opts["warmup"]:
                 times.append(time.perf_counter() - t0)
