@@ -43,3 +43,21 @@ def record_bell(tx: Any) -> list[Any]:
 
     s._send_bell = send_bell
     return sent
+
+
+def count_creates(agent: Any) -> list[Any]:
+    """The arguments of every ``createXferReq`` the nixl ``agent`` makes from now on
+    (its NIXL agent wrapped: every other call goes through as it is)."""
+    made: list[Any] = []
+    real = agent._agent.createXferReq
+
+    class _Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real.__self__, name)
+
+        def createXferReq(self, *args: Any) -> Any:
+            made.append(args)
+            return real(*args)
+
+    agent._agent = _Counting()
+    return made

@@ -13,7 +13,7 @@ import pytest
 import omnilink
 from omnilink.connectors import backend_unavailable
 from tests.gpu import _nixl_gpu_workers as workers
-from tests.nixl_pair import record_bell
+from tests.nixl_pair import count_creates, record_bell
 from tests.procs import CTX, start_process
 
 torch = pytest.importorskip("torch")
@@ -107,6 +107,37 @@ def test_direct_writes_register_each_allocation_once(monkeypatch):
         assert torch.equal(got["t"].cpu(), fresh.cpu())
         assert regs.misses == 2 and len(regs) <= 2
         del got
+
+
+def test_direct_writes_of_the_same_memory_post_their_kept_request_again(monkeypatch):
+    """One payload at a time from one CUDA tensor (written from its own memory, its
+    block freed before the next): the WRITE's transfer request is made once and posted
+    again (``agent.KEPT_REQUESTS``), and each payload carries the bytes the tensor held
+    at its put."""
+    from omnilink.connectors.nixl import agent as nixl_agent
+    from omnilink.connectors.nixl import connector as nx
+
+    monkeypatch.setattr(nx, "DIRECT_CACHED_MIN_BYTES", 1 << 20)  # 4 MiB goes direct
+    assert nixl_agent.KEPT_REQUESTS > 0
+    src, dst = _devices()
+    channel = f"olnx/keep-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*", device=dst,
+                          pool_bytes=64 << 20, timeout=WAIT) as rx, \
+         omnilink.connect("nixl", channel=channel, role="sender", endpoint=rx.endpoint, timeout=WAIT) as tx:
+        t = torch.zeros(4 << 20, dtype=torch.uint8, device=src)
+        tx.put("warm", {"t": t})
+        del rx.get("warm")["t"]
+        agent = tx._tx.agent
+        made = count_creates(agent)
+        for i in range(6):
+            t.fill_(i + 1)
+            tx.put(f"k{i}", {"t": t, "i": i})
+            got = rx.get(f"k{i}")
+            assert got["i"] == i and torch.equal(got["t"].cpu(), torch.full((4 << 20,), i + 1, dtype=torch.uint8))
+            del got  # its block comes free: the next payload takes it again
+        assert len(made) <= 2, len(made)
+        assert agent._kept and not agent._posted
+    assert not agent._kept  # released with the agent
 
 
 def test_large_cuda_tensors_are_written_from_their_own_memory(monkeypatch):

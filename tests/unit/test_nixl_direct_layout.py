@@ -124,13 +124,15 @@ def test_a_direct_write_registers_each_tensor_once_and_lets_go_after():
     big, prepared, direct = _case()
     posted = []
     agent = _Agent()
-    s = _sender(agent, lambda local, mem, remote, welcome, deadline, ahead=None: posted.append((local, remote)))
+    s = _sender(agent, lambda local, mem, remote, welcome, deadline, ahead=None, keep=False:
+                posted.append((local, remote, keep)))
     staging = _Staging()
     assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 4096, None, staging, direct) is None
     assert agent.registered == [(big.ptr, 1 << 20, "VRAM", 0)]  # held twice: registered once
     assert agent.deregistered == [("reg", big.ptr)] and not s._kept_regs and not s._kept_tensors
     assert staging.ensured == 128 + 64 and s.synced == [{0}]
-    (local, remote), = posted
+    (local, remote, keep), = posted
+    assert keep  # a WRITE from the tensors' own memory keeps its request (agent.KEPT_REQUESTS)
     assert sorted(r[0] - _Welcome.pool_addr - 4096 for r in remote) == [0, 128, 128 + (1 << 20), 128 + (2 << 20)]
     assert sum(p[1] for p in local) == prepared.data_len == sum(p[1] for p in remote)
 
@@ -138,7 +140,7 @@ def test_a_direct_write_registers_each_tensor_once_and_lets_go_after():
 def test_a_direct_write_nixl_cannot_release_keeps_its_memory_registered_and_alive():
     big, prepared, direct = _case()
     agent = _Agent(stuck=True)
-    s = _sender(agent, lambda *a: "timeout")
+    s = _sender(agent, lambda *a, **k: "timeout")
     assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) == "timeout"
     assert not agent.deregistered and s._kept_regs == [("reg", big.ptr)] and big in s._kept_tensors
 
@@ -147,7 +149,7 @@ def test_a_direct_write_that_fails_lets_go_of_what_it_registered():
     big, prepared, direct = _case()
     agent = _Agent()
 
-    def boom(*a):
+    def boom(*a, **k):
         raise RuntimeError("post failed")
 
     s = _sender(agent, boom)
@@ -179,7 +181,8 @@ def test_a_direct_write_from_a_cached_allocation_registers_it_once_and_keeps_it(
     agent = _Agent()
     cache = _cache(agent, {0x1000_0000: (8 << 20, 7)})
     posted = []
-    s = _sender(agent, lambda local, mem, remote, welcome, deadline, ahead=None: posted.append((local, remote)), cache)
+    s = _sender(agent, lambda local, mem, remote, welcome, deadline, ahead=None, keep=False:
+                posted.append((local, remote, keep)), cache)
     for _ in range(3):
         assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) is None
     # The whole allocation, once, for three WRITEs; nothing deregistered after them.
@@ -192,7 +195,7 @@ def test_a_direct_write_from_a_cached_allocation_registers_it_once_and_keeps_it(
 def test_a_tensor_outside_any_known_allocation_is_registered_for_its_write_alone():
     big, prepared, direct = _case()
     agent = _Agent()
-    s = _sender(agent, lambda *a: None, _cache(agent, {}))
+    s = _sender(agent, lambda *a, **k: None, _cache(agent, {}))
     assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) is None
     assert agent.registered == [(big.ptr, 1 << 20, "VRAM", 0)] and agent.deregistered == [("reg", big.ptr)]
 
@@ -201,7 +204,7 @@ def test_a_stuck_write_keeps_the_cached_registrations_for_good():
     big, prepared, direct = _case()
     agent = _Agent(stuck=True)
     cache = _cache(agent, {0x1000_0000: (8 << 20, 7)})
-    s = _sender(agent, lambda *a: "timeout", cache)
+    s = _sender(agent, lambda *a, **k: "timeout", cache)
     assert s._write_direct(prepared, prepared.tensor_sources(), _Welcome(), 0, None, _Staging(), direct) == "timeout"
     assert not agent.deregistered and s._kept_regs == [("reg", 0x1000_0000)] and big in s._kept_tensors
     assert len(cache) == 0

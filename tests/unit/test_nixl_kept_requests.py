@@ -2,7 +2,9 @@
 the same peer posts the request kept from the last one again instead of building a new
 one; every payload still arrives bit for bit, and kept requests are released when
 memory is deregistered (a staging buffer that grows), the peer is removed, or the
-agent closes."""
+agent closes. A staged WRITE keeps its request only with ``KEEP_STAGED_REQUESTS`` (set
+here: host payloads are always staged); WRITEs from a CUDA tensor's own memory keep
+theirs by default (``tests/gpu/test_nixl_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import torch
 
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.nixl import agent as nixl_agent
-from tests.nixl_pair import nixl_pair
+from omnilink.connectors.nixl import connector as nixl_connector
+from tests.nixl_pair import count_creates, nixl_pair
 
 _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -22,24 +25,9 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unava
 @pytest.fixture
 def pair(monkeypatch):
     monkeypatch.setattr(nixl_agent, "KEPT_REQUESTS", 4)
+    monkeypatch.setattr(nixl_connector, "KEEP_STAGED_REQUESTS", True)  # host payloads are staged
     with nixl_pair(monkeypatch, f"olnx/kept-{os.getpid()}", pool_bytes=32 << 20, extent_bytes=8 << 20) as p:
         yield p
-
-
-def _count_creates(agent):
-    made = []
-    real = agent._agent.createXferReq
-
-    class _Counting:
-        def __getattr__(self, name):
-            return getattr(real.__self__, name)
-
-        def createXferReq(self, *args):
-            made.append(args)
-            return real(*args)
-
-    agent._agent = _Counting()
-    return made
 
 
 def test_a_write_of_the_same_pieces_posts_the_kept_request_again(pair):
@@ -48,7 +36,7 @@ def test_a_write_of_the_same_pieces_posts_the_kept_request_again(pair):
     tx.put("warm", {"t": torch.zeros(n, dtype=torch.uint8)})
     del rx.get("warm")["t"]
     agent = tx._tx.agent
-    made = _count_creates(agent)
+    made = count_creates(agent)
     for i in range(6):
         t = torch.full((n,), i, dtype=torch.uint8)
         tx.put(f"k{i}", {"t": t})
@@ -82,3 +70,21 @@ def test_kept_requests_are_bounded_and_released_with_their_memory(pair):
         assert torch.equal(got["t"], torch.full((1 << 20,), i, dtype=torch.uint8))
     tx.close()
     assert not agent._kept and not agent._posted
+
+
+def test_staged_writes_keep_no_request_by_default(monkeypatch):
+    with nixl_pair(monkeypatch, f"olnx/nokeep-{os.getpid()}", pool_bytes=32 << 20, extent_bytes=8 << 20) as (tx, rx):
+        assert nixl_agent.KEPT_REQUESTS > 0 and not nixl_connector.KEEP_STAGED_REQUESTS
+        agent = None
+        for i in range(4):
+            t = torch.full((1 << 20,), i, dtype=torch.uint8)
+            tx.put(f"k{i}", {"t": t})
+            got = rx.get(f"k{i}")
+            assert torch.equal(got["t"], t)
+            del got
+            agent = tx._tx.agent
+        made = count_creates(agent)
+        t = torch.full((1 << 20,), 7, dtype=torch.uint8)
+        tx.put("again", {"t": t})
+        assert torch.equal(rx.get("again")["t"], t)
+        assert len(made) == 1 and not agent._kept and not agent._posted  # a request made, released

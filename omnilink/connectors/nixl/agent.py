@@ -61,15 +61,13 @@ BACKOFF_MAX_S = 0.001
 #: Past ``SPIN_S``, whether the peer is lost and the deadline passed is asked at most
 #: this often while the looks go on (each question reads the connection's events).
 CHECK_EVERY_S = 0.0001
-#: Transfer requests kept after they completed, by their pieces and peer, and posted
-#: again for a WRITE of the same pieces (a sender writes the same staging bytes into
-#: the same block again and again: one payload at a time reuses one block), instead of
-#: building descriptor lists and a request each time; least recently used released
-#: first, all of them when memory is deregistered or a peer removed. 0 (the default):
-#: none kept. On the 2-core CPU machine keeping them changed nothing measurable (1 MiB
-#: over tcp and cma, alternated in one pair of processes); on GPUs it has not yet been
-#: compared inside one pair of processes (``bench_nixl.py --ab KEPT_REQUESTS=64``).
-KEPT_REQUESTS = 0
+#: Most transfer requests kept after they completed, by their pieces and peer, to be
+#: posted again for a WRITE of the same pieces (``write(keep=True)``: the connector asks
+#: for it on its WRITEs from a tensor's own memory, where one payload at a time writes
+#: the same tensor memory into the same block again and again) instead of building
+#: descriptor lists and a request each time; least recently used released first, all of
+#: them when memory is deregistered or a peer removed. 0: none kept.
+KEPT_REQUESTS = 64
 
 _bindings: Any = None
 _load_error: str | None = None
@@ -247,13 +245,13 @@ class Agent:
 
     # ----------------------------------------------------------- transfers
     def write(self, local: list[tuple[int, int, int]], local_mem: str, remote: list[tuple[int, int, int]],
-              remote_mem: str, peer: str) -> Any:
+              remote_mem: str, peer: str, *, keep: bool = False) -> Any:
         """Post one WRITE of the ``local`` pieces (``(address, length, device)``) into the
         peer's ``remote`` ones, piece by piece; returns the request (``None`` when it
-        completed while being posted). A request kept from a WRITE of the same pieces
-        is posted again (``KEPT_REQUESTS``)."""
+        completed while being posted). ``keep``: once complete the request is kept, and
+        one kept from a WRITE of the same pieces is posted again (``KEPT_REQUESTS``)."""
         b = self._b
-        key = (local_mem, tuple(local), remote_mem, tuple(remote), peer) if KEPT_REQUESTS else None
+        key = (local_mem, tuple(local), remote_mem, tuple(remote), peer) if keep and KEPT_REQUESTS > 0 else None
         req = self._kept.pop(key, None) if key is not None else None
         if req is None:
             try:
