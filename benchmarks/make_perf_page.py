@@ -215,6 +215,25 @@ def render_serial(data: list[Any]) -> str:
     return text
 
 
+def render_route_cpu(data: list[Any]) -> str:
+    """``benchmarks/bench_route_cpu.py --json``: host CPU per device-IPC message."""
+    (run,) = data
+    m, rows = run["machine"], run["rows"]
+    flat = rows["flat"]
+    names = {"flat": "the same steps written flat", "route": "`shm` device-IPC route (host double)",
+             "host": "`shm` host road"}
+    out = []
+    for key in ("flat", "route", "host"):
+        r = rows[key]
+        out.append([names[key]] + [f"{r[f]:.1f} ({r[f] / ref:.1f}x)" for f, ref in
+                                   (("put_us", flat["put_us"]), ("put_core_us", flat["put_us"]),
+                                    ("get_us", flat["get_us"]))])
+    return (f"{m.get('cpus')} CPUs ({m.get('cpu')}), python {m.get('python')}, torch {m.get('torch')}; "
+            f"run {m.get('date')}. Median microseconds per message, {_size(run['size'])} bf16 hidden state "
+            f"with token ids, a flag and metadata, {run['n']} messages (in brackets: x the flat steps'):\n\n"
+            + _table(["row", "put", "put without its returned size", "get"], out, "<>>>"))
+
+
 def _nixl_cells(rows: list[dict[str, Any]], sizes: list[int], field: str, ref_name: str,
                 cell: Any) -> list[list[str]]:
     """Table rows of one UCX transport's ``rows``: per connector, ``cell(row, the
@@ -328,6 +347,8 @@ BLOCKS = (
           render_bench_gpu),
     Block("gpu-shm-h100-mps", ("gpu-shm-h100-mps.jsonl",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_gpu.py --skip-overlap --json FILE", render_bench_gpu),
+    Block("route-cpu-2core", ("route-cpu-2core.json",), "python benchmarks/bench_route_cpu.py --json FILE",
+          render_route_cpu),
     Block("serial-gpu-h200", ("serial-gpu-h200.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
