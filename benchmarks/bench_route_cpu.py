@@ -185,61 +185,66 @@ def _route_pair(channel: str) -> tuple[Any, Any]:
     return tx, rx
 
 
+def _timed(name: str, put: Any, get: Any, hidden: Any, count: int,
+           before: Any = None) -> tuple[list[tuple[int, int]], list[int]]:
+    """``count`` messages after ``WARM``: each payload ``put(key, payload)`` then
+    ``get(key)`` (checked, dropped); per timed message ``(block, put ns)`` and the get
+    ns. ``before(i)``: called before message ``i``, returns its block (0 without it)."""
+    puts: list[tuple[int, int]] = []
+    gets: list[int] = []
+    for i in range(WARM + count):
+        block = before(i) if before is not None else 0
+        p = _payload(hidden, i)
+        k = f"{name}{i}"
+        t0 = time.perf_counter_ns()
+        put(k, p)
+        t1 = time.perf_counter_ns()
+        got = get(k)
+        t2 = time.perf_counter_ns()
+        if got["meta"]["chunk_id"] != i or int(got["ids.output"][0]) != i:
+            raise RuntimeError(f"{name}: payload arrived wrong")
+        del got
+        if i >= WARM:
+            puts.append((block, t1 - t0))
+            gets.append(t2 - t1)
+    return puts, gets
+
+
+def _row(puts: list[tuple[int, int]], gets: list[int]) -> dict[str, float]:
+    every = _median_us([ns for _, ns in puts])
+    return {"put_us": every, "put_core_us": every, "get_us": _median_us(gets)}
+
+
 def _time_rows(args: argparse.Namespace, nbytes: int) -> dict[str, dict[str, float]]:
     import torch
 
+    import omnilink
     from omnilink.connectors.devpool import sender as pool_sender
 
     hidden = torch.randn(nbytes // 2).to(torch.bfloat16)
     out: dict[str, dict[str, float]] = {}
-    # flat
     flat = Flat(max(4 << 20, 2 * nbytes))
     try:
-        ps, gs = [], []
-        for i in range(WARM + args.n):
-            p = _payload(hidden, i)
-            t0 = time.perf_counter_ns()
-            flat.put(f"k{i}", p)
-            t1 = time.perf_counter_ns()
-            got = flat.get(f"k{i}")
-            t2 = time.perf_counter_ns()
-            if got["meta"]["chunk_id"] != i or int(got["ids.output"][0]) != i:
-                raise RuntimeError("flat: payload arrived wrong")
-            del got
-            if i >= WARM:
-                ps.append(t1 - t0)
-                gs.append(t2 - t1)
-        out["flat"] = {"put_us": _median_us(ps), "put_core_us": _median_us(ps), "get_us": _median_us(gs)}
+        out["flat"] = _row(*_timed("flat", flat.put, flat.get, hidden, args.n))
     finally:
         flat.close()
-    # route (its put's after-copy size computed, and not: the put* column)
+    # The route with and without the size its put computes after the copy (the put*
+    # column), alternated in blocks of 50 messages in the one pair (drift cancels out).
     tx, rx = _route_pair(f"bench-route-{uuid.uuid4().hex[:8]}")
     real_size = pool_sender.PoolSender.__dict__["_size_after"]  # the staticmethod itself
+    skip = staticmethod(lambda payload, key, total: total)
+
+    def switch(i: int) -> int:
+        sized = (i // 50) % 2 == 0
+        pool_sender.PoolSender._size_after = real_size if sized else skip
+        return 0 if sized else 1
+
     try:
-        # With and without the size computed after the copy, alternated in blocks of
-        # 50 messages in the one pair (drift cancels out).
-        ps: dict[bool, list[int]] = {True: [], False: []}
-        gs: list[int] = []
-        skip = staticmethod(lambda payload, key, total: total)
-        for i in range(WARM + 2 * args.n):
-            sized = (i // 50) % 2 == 0
-            pool_sender.PoolSender._size_after = real_size if sized else skip
-            p = _payload(hidden, i)
-            k = f"r{i}"
-            t0 = time.perf_counter_ns()
-            tx.put(k, p, timeout=5.0)
-            t1 = time.perf_counter_ns()
-            got = rx.get(k, timeout=5.0)
-            t2 = time.perf_counter_ns()
-            if got["meta"]["chunk_id"] != i or int(got["ids.output"][0]) != i:
-                raise RuntimeError("route: payload arrived wrong")
-            del got
-            if i >= WARM:
-                ps[sized].append(t1 - t0)
-                gs.append(t2 - t1)
+        puts, gets = _timed("r", lambda k, p: tx.put(k, p, timeout=5.0), lambda k: rx.get(k, timeout=5.0), hidden,
+                            2 * args.n, switch)
         pool_sender.PoolSender._size_after = real_size
-        out["route"] = {"put_us": _median_us(ps[True]), "put_core_us": _median_us(ps[False]),
-                        "get_us": _median_us(gs)}
+        out["route"] = {"put_us": _median_us([ns for b, ns in puts if b == 0]),
+                        "put_core_us": _median_us([ns for b, ns in puts if b == 1]), "get_us": _median_us(gets)}
         if tx.stats().ipc_puts < WARM + 2 * args.n:
             raise RuntimeError("route: payloads went by the host road, not the device-IPC route")
         if args.profile == "route":
@@ -249,25 +254,11 @@ def _time_rows(args: argparse.Namespace, nbytes: int) -> dict[str, dict[str, flo
         pool_sender.PoolSender._size_after = real_size
         tx.close()
         rx.close()
-    # host road
-    import omnilink
-
     ch = f"bench-route-host-{uuid.uuid4().hex[:8]}"
     with omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off") as hrx, \
             omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off") as htx:
-        ps, gs = [], []
-        for i in range(WARM + args.n):
-            p = _payload(hidden, i)
-            t0 = time.perf_counter_ns()
-            htx.put(f"h{i}", p, timeout=5.0)
-            t1 = time.perf_counter_ns()
-            got = hrx.get(f"h{i}", timeout=5.0)
-            t2 = time.perf_counter_ns()
-            del got
-            if i >= WARM:
-                ps.append(t1 - t0)
-                gs.append(t2 - t1)
-        out["host"] = {"put_us": _median_us(ps), "put_core_us": _median_us(ps), "get_us": _median_us(gs)}
+        out["host"] = _row(*_timed("h", lambda k, p: htx.put(k, p, timeout=5.0), lambda k: hrx.get(k, timeout=5.0),
+                                   hidden, args.n))
     return out
 
 

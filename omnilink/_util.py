@@ -198,8 +198,12 @@ class ConsumedKeys:
 
 
 def plain_tensor(t: Any) -> Any:
-    """``t`` as the bytes a transport copies: detached, its conjugate and negative bits
-    resolved, contiguous (``t`` itself when it already is)."""
+    """``t`` as the bytes a transport copies: its conjugate and negative bits resolved,
+    contiguous, detached when it had to be copied; ``t`` itself when it already is (two
+    questions to the tensor, each a microsecond or more on a GPU host; one that requires
+    grad is read as it is: every caller only reads its memory)."""
+    if t.is_contiguous() and not t.is_neg() and not (t.dtype.is_complex and t.is_conj()):
+        return t
     if t.requires_grad:
         t = t.detach()
     if t.is_conj():

@@ -262,7 +262,7 @@ def test_slot_stages_are_slices_of_one_arena_and_a_larger_span_gets_its_own(monk
 
 
 def test_plain_reads_a_plain_tensor_as_it_is_and_resolves_every_bit_it_must():
-    from omnilink.connectors.devpool.sender import _plain
+    from omnilink._util import plain_tensor as _plain
 
     a = torch.randn(3, requires_grad=True)  # read as it is: the copy only reads memory
     assert _plain(a) is a

@@ -84,30 +84,6 @@ SLOT_SCAN = 4
 GROW_AFTER_S = 0.001
 
 
-def _plain(t: Any) -> Any:
-    """``t`` as the bytes its copy into the block reads: itself when it is contiguous,
-    without a negative or (complex) conjugate bit, else ``plain_tensor(t)``. Two
-    questions to the tensor where ``plain_tensor`` asks four (each costs a microsecond
-    or more on a GPU host); a tensor that requires grad is read as it is (the copy only
-    reads its memory)."""
-    if t.is_contiguous() and not t.is_neg() and (t.dtype not in _complex() or not t.is_conj()):
-        return t
-    return plain_tensor(t)
-
-
-_COMPLEX: Any = None
-
-
-def _complex() -> Any:
-    """The complex dtypes (the only ones a conjugate bit can be set on)."""
-    global _COMPLEX
-    if _COMPLEX is None:
-        import torch
-
-        _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
-    return _COMPLEX
-
-
 class _Segment:
     """One segment of the receiver's pool as this sender maps it."""
 
@@ -319,7 +295,7 @@ class PoolSender:
                 hosted.append((len(entries), t))
                 entries.append([code, 0, 0, list(t.shape), list(path), 1])
                 continue
-            t = _plain(t)
+            t = plain_tensor(t)
             n = t.nbytes
             off = (off + ALIGN - 1) & -ALIGN
             entries.append([code, off, n, list(t.shape), list(path)])
@@ -327,7 +303,7 @@ class PoolSender:
             off += n
         host_items: list[tuple[int, Any]] = []
         for i, t in hosted:
-            t = _plain(t)
+            t = plain_tensor(t)
             n = t.nbytes
             off = (off + ALIGN - 1) & -ALIGN
             entries[i][1], entries[i][2] = off, n
