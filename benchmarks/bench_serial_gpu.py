@@ -145,7 +145,7 @@ TRACED = (
     "omnilink.connectors.cuda_ipc.connector", "omnilink.connectors.devpool.ops",
     "omnilink.connectors.devpool.directory", "omnilink.connectors.devpool.blocks",
     "omnilink.connectors.devpool.sender", "omnilink.connectors.devpool.receiver",
-    "omnilink.connectors.devpool.manifest",
+    "omnilink.connectors.devpool.manifest", "omnilink.connectors.devpool.lane", "omnilink.connectors.devpool.plan",
     "omnilink.cuda.runtime", "omnilink.cuda.events", "omnilink.cuda.h2d", "omnilink.cuda.d2h",
     "omnilink.cuda.device", "omnilink.cuda.pool",
     # no functions of its own: listed so that its re-exports (``from omnilink.cuda import
@@ -219,7 +219,9 @@ def install_tracer(spans: list, only: tuple[str, ...] = ()) -> Any:
 
 def timeline(t0s: list[int], t1s: list[int], tx: list, rx: list) -> list[dict[str, Any]]:
     """Per function and side: median start offset from t0 (us), median inclusive time
-    per payload (us), calls per payload; only spans inside [t0, t1] of a payload."""
+    per payload (us), calls per payload; only spans that overlap [t0, t1] of a payload
+    (one that began before t0, as a receiver's ``get`` waiting for the payload, has a
+    negative start)."""
     rows = []
     for side, spans in (("sender", tx), ("receiver", rx)):
         spans = sorted(spans, key=lambda s: s[1])
@@ -227,11 +229,14 @@ def timeline(t0s: list[int], t1s: list[int], tx: list, rx: list) -> list[dict[st
         j = 0
         for a, b in zip(t0s, t1s):
             acc: dict[str, list[float]] = {}
-            while j < len(spans) and spans[j][1] < a:
+            while j < len(spans) and spans[j][1] < a and spans[j][2] < a:
                 j += 1
             k = j
             while k < len(spans) and spans[k][1] <= b:
                 name, s, e = spans[k]
+                if e < a:  # over before this payload (a span before it lasted longer)
+                    k += 1
+                    continue
                 x = acc.setdefault(name, [float(s - a), 0.0, 0])
                 x[1] += e - s
                 x[2] += 1

@@ -93,6 +93,15 @@ class HostDeviceOps:
         return 0  # every tensor is on "device" 0
 
     @staticmethod
+    def plan_checks() -> tuple[str, str]:
+        # Every tensor is a "device" tensor of device 0 here (and a subclass that says
+        # otherwise by dtype is pinned by the plan's dtype check).
+        return "False", "False"
+
+    def copy_in_local(self, index: int, items: list[tuple[int, Any]], event: Any, hosted: Any) -> None:
+        self.copy_in(index, items, event, None, hosted=hosted)
+
+    @staticmethod
     def to_host(t: Any) -> Any:
         return t.clone()  # a copy of its own, out of the pool, as the real one's .cpu()
 

@@ -37,6 +37,18 @@ DEFAULT_ARENA_BYTES = 16 << 20
 _Inner = ShmConnector
 
 
+def _prebuild_hook(rx: PoolReceiver) -> Any:
+    """The inner channel's wait hook: the pool's receiver prepares the next landing."""
+
+    def hook() -> None:
+        try:
+            rx.prebuild()
+        except Exception:  # pragma: no cover - a speculative step; the landing makes its own
+            logger.debug("cuda_ipc: prebuild failed", exc_info=True)
+
+    return hook
+
+
 def _check_values(*, pool_bytes: Any, event_slots: Any, max_blocks: Any, pool_max_bytes: Any = None) -> None:
     """The value checks of ``CudaIpcConnector``'s own options (its constructor and its
     ``check_options`` both call this; ``arena_bytes`` and ``linger`` are the inner shm
@@ -167,6 +179,9 @@ class CudaIpcConnector(BaseConnector):
         self._sender: PoolSender | None = PoolSender(self._ops, channel) if self._sends else None
         if self._sender is not None:
             self._sender.withdraw = self._withdraw_lane
+            # Its messages go in the pool's lane as they are (``_put``'s publish), so a
+            # stream of same-shaped payloads may go by a send plan.
+            self._sender.lane_mark, self._sender.lane_wake = None, self._wake_inner
         self._receiver: PoolReceiver | None = None
         self._inner: _Inner | None = None
         try:
@@ -179,6 +194,7 @@ class CudaIpcConnector(BaseConnector):
                 # The sender puts each message in the pool's lane: the inner channel
                 # takes them as its own (no arena block, no frame to decode).
                 self._inner.attach_lane(rx.lane, lambda key, msg: rx.drop(key or "<lane>", msg))
+                self._inner._wait_hook = _prebuild_hook(rx)
         except BaseException:
             self._close()
             raise
@@ -353,6 +369,12 @@ class CudaIpcConnector(BaseConnector):
                 inner.put(key, msg, timeout=deadline.remaining())
 
         return tx.send(key, payload, deadline, ctx, publish, landing=True)
+
+    def _wake_inner(self, deadline: Deadline) -> None:
+        """The waiting receivers of the inner channel, after a lane record (a send plan's)."""
+        inner = self._inner
+        if inner is not None:
+            inner.wake_receivers(deadline)
 
     def _async_context(self, payload: Any) -> Any:
         """``put_async``: the producer's events, recorded in the caller's thread (the put

@@ -263,20 +263,35 @@ class LaneWriter(_LaneEnd):
     def write(self, key: str, message: Any) -> bool:
         """Put ``[key, message]`` in the lane; ``False`` (nothing written) when it is not
         plain, larger than a record, or the ring is full."""
+        if not self.has_room():
+            return False
+        try:
+            body = encode_record(key, message)
+        except NotPlain:
+            return False
+        return self.write_body(key, body)
+
+    def has_room(self) -> bool:
+        """Whether the next record may be written now (the ring has room and its claim
+        table entry holds no unclaimed older record)."""
         if not self._slots:
             return False
         q = self._q
         pub = q[self._pub_i]
         if pub - q[self._read_i] >= self._slots:
             return False
+        old = q[self._table + pub % TABLE]
+        # an older record there still unclaimed: never forget it
+        return not (old & 3 == WRITTEN and old >> 2 < pub)
+
+    def write_body(self, key: str, body: bytes) -> bool:
+        """Write ``body``, the msgpack of ``[key, message]`` (``encode_record``'s, or the
+        same built by a caller that knows its message is plain), as the next record, once
+        ``has_room`` said yes; ``False`` (nothing written) when it is larger than a
+        record."""
+        q = self._q
+        pub = q[self._pub_i]
         e = self._table + pub % TABLE
-        old = q[e]
-        if old & 3 == WRITTEN and old >> 2 < pub:
-            return False  # an older record there is still unclaimed: never forget it
-        try:
-            body = encode_record(key, message)
-        except NotPlain:
-            return False
         n = len(body)
         if n + 4 > self._rec:
             return False

@@ -116,6 +116,13 @@ class CudaDeviceOps:
         return bool(t.is_cpu) and t.layout is self._torch.strided and t.nbytes <= most
 
     @staticmethod
+    def plan_checks() -> tuple[str, str]:
+        """A send plan's tests (``devpool.plan``), Python expressions of a tensor ``{v}``:
+        true when it is not a CUDA tensor of device ``{device}``; true when it is not a
+        strided CPU tensor (``is_small_host_tensor`` without the size: a plan fixes it)."""
+        return "not {v}.is_cuda or {v}.get_device() != {device}", "not {v}.is_cpu or {v}.layout is not _S"
+
+    @staticmethod
     def to_host(t: Any) -> Any:
         """A host copy of the pool view ``t`` (after the current stream's work: a
         synchronous copy on it)."""
@@ -342,6 +349,14 @@ class CudaDeviceOps:
         if after is not None:
             keep.append(after)  # the producer events live until the copy is done
         completer.submit(done, keep.clear)
+
+    def copy_in_local(self, index: int, items: list[tuple[int, Any]], event: Any, hosted: Any) -> None:
+        """``copy_in`` of tensors a send plan knows to be on the pool's device ``index``
+        (no producer events): on the caller's current stream, the slot's event recorded
+        there (the first case of ``copy_in``, without asking each tensor its device)."""
+        if hosted is not None:
+            self._stage(hosted, event)
+        self._copy_and_record(index, items, event, current_raw_stream(index), hosted)
 
     def _copy_from_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any,
                         hosted: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -73,9 +74,33 @@ RECORD_GRACE_S = 10.0
 #: stores after recording the copy before it computes the size itself: the sender
 #: stores it microseconds after the record the reader waited for.
 SIZE_LOOKS = 200
+#: Blocks of the last landings ``prebuild`` looks at, and the longest cycle of blocks it
+#: finds in them.
+PREDICT_FROM = 18
+#: Whether ``prebuild`` makes views ahead (off: every landing makes its own).
+PREBUILD = True
+PREDICT_PERIOD = 8
+#: Looks at a slot's ``rec_seq`` between two checks of the sender's liveness while a
+#: reader waits for the sender to queue its copy.
+RECORD_LOOKS = 16
 #: Seconds a grown segment stays without a block this receiver holds before it is
 #: given back (``PoolReceiver.idle_s``).
 IDLE_S = 2.0
+
+
+def next_block(blocks: Any) -> int | None:
+    """The block the next payload most likely takes, from the blocks of the last ones
+    (oldest first): the sender's allocator, given the same sizes and the same pattern of
+    frees, hands out the same blocks in the same order, so the last ones repeat with some
+    period ``p`` (2 when each payload is dropped before the next get, ``k + 1`` when the
+    consumer keeps ``k``); the shortest ``p`` up to ``PREDICT_PERIOD`` under which the
+    last ``2p`` blocks repeat says the next is the one ``p`` payloads ago. ``None`` when
+    none does."""
+    n = len(blocks)
+    for p in range(1, min(PREDICT_PERIOD, n // 2) + 1):
+        if all(blocks[n - 1 - i] == blocks[n - 1 - i - p] for i in range(p)):
+            return blocks[n - p]
+    return None
 
 
 class _Pool:
@@ -225,6 +250,15 @@ class PoolReceiver:
         self.parsed: tuple[list[Any], int, list[Any]] | None = None
         #: whether this receiver's gets land payloads on its device (``set_landing``)
         self.landing = False
+        #: the blocks of the last payloads landed, and the last one's (block bytes,
+        #: parsed tensors): what ``prebuild`` predicts the next block from
+        self._blocks: collections.deque[int] = collections.deque(maxlen=PREDICT_FROM)
+        self._layout: tuple[int, list[Any]] | None = None
+        #: views ``prebuild`` made of the block it expects next: ``(block, bytes, parsed
+        #: tensors, segment pointer, lease, views)``, taken by the landing that finds them
+        self._pre: tuple[Any, ...] | None = None
+        #: landings that found their views made (``prebuild``)
+        self.prebuilt_hits = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pool: _Pool | None = None
@@ -545,6 +579,8 @@ class PoolReceiver:
             return out
         pool = self._open()
         gen, seq, slot, blk, total, entries = self.parse(key, m)
+        self._blocks.append(blk)
+        self._layout = (total, entries)
         if pooled is not None:
             pooled[0] = len(m) == 7 and not to_host
         pool.hold(blk, total)
@@ -554,18 +590,13 @@ class PoolReceiver:
             seg = pool.segs[blk >> SEG_SHIFT]
             if seg is None or (blk & SEG_MASK) + total > seg[1]:
                 raise BlobDecodeError(f"cuda_ipc: key {key!r}: its pool segment is gone")
-            base, lease = self.ops.view(seg[0] + (blk & SEG_MASK), total, pool.index)
-            views = []
-            typed: dict[Any, Any] = {}
-            for dt, off, nbytes, shape, stride, first, path, _ in entries:
-                # One view of the block per dtype, one as_strided per tensor (a slice and
-                # two views per tensor cost twice as much).
-                tv = typed.get(dt)
-                if tv is None:
-                    t = base.view(dt)  # the block's size is a multiple of ALIGN (parse)
-                    tv = typed[dt] = (t, t.storage_offset())
-                views.append(tv[0].as_strided(shape, stride, tv[1] + first))
-            del base, typed
+            pre, self._pre = self._pre, None
+            if pre is not None and pre[0] == blk and pre[1] == total and pre[2] is entries and pre[3] == seg[0]:
+                lease, views = pre[4], pre[5]  # made while this receiver waited (``prebuild``)
+                self.prebuilt_hits += 1
+            else:
+                lease, views = self._views(seg[0] + (blk & SEG_MASK), total, pool.index, entries)
+            del pre
             fin = pool.track(lease, key, blk, total)
             del lease
         except BaseException:
@@ -601,6 +632,44 @@ class PoolReceiver:
             fin()  # no view was handed out: free the block now (after this stream)
             raise
         return out
+
+    def _views(self, ptr: int, total: int, index: int, entries: list[Any]) -> tuple[Any, list[Any]]:
+        """The lease of the block ``[ptr, ptr + total)`` of device ``index`` (its death
+        means no view is left) and a view of it per parsed tensor of ``entries``."""
+        base, lease = self.ops.view(ptr, total, index)
+        views = []
+        typed: dict[Any, Any] = {}
+        for dt, off, nbytes, shape, stride, first, path, _ in entries:
+            # One view of the block per dtype, one as_strided per tensor (a slice and
+            # two views per tensor cost twice as much).
+            tv = typed.get(dt)
+            if tv is None:
+                t = base.view(dt)  # the block's size is a multiple of ALIGN (parse)
+                tv = typed[dt] = (t, t.storage_offset())
+            views.append(tv[0].as_strided(shape, stride, tv[1] + first))
+        return lease, views
+
+    def prebuild(self) -> bool:
+        """While this receiver waits for a payload: make the views of the block the next
+        one will most likely take (``next_block`` of the last ones, the last one's
+        layout), so that a landing that finds its block and layout made only puts them
+        in place (a stream of same-shaped payloads: the views were half of a landing's
+        time on an H200). Nothing is held or tracked until a landing takes them; views
+        of a block the next payload does not take are dropped. Whether it made any."""
+        pool = self.pool
+        layout = self._layout
+        if not PREBUILD or self._pre is not None or pool is None or layout is None or pool.closed:
+            return False
+        blk = next_block(self._blocks)
+        if blk is None or blk in pool.held:
+            return False
+        total, entries = layout
+        seg = pool.segs[blk >> SEG_SHIFT]
+        if seg is None or (blk & SEG_MASK) + total > seg[1]:
+            return False
+        lease, views = self._views(seg[0] + (blk & SEG_MASK), total, pool.index, entries)
+        self._pre = (blk, total, entries, seg[0], lease, views)
+        return True
 
     def _order_after_copy(self, key: str, pool: Any, gen: int, seq: int, slot: int, deadline: Any) -> None:
         """Order the current stream after the sender's copy of sequence ``seq`` (once it
@@ -654,12 +723,20 @@ class PoolReceiver:
             left = deadline.remaining()
             grace = None if left is None else max(grace, left)
         until = None if grace is None else time.monotonic() + grace
+        rec_seq = d.rec_seq
         while True:
             # The sender publishes a message before it queues its copy, then stores the
             # sequence in the slot's ``rec_seq``: that store (or a later one) means the
-            # event follows this copy. Read before the sender's liveness: a sender that
-            # gave the pool up after a failed copy marked the slot first.
-            rec = d.rec_seq(slot)
+            # event follows this copy. Looked at alone while the sender queues its copy
+            # (a few microseconds: each look at its liveness between would delay seeing
+            # the store by as much); then, or every ``RECORD_LOOKS`` looks, the full
+            # round. Read before the sender's liveness: a sender that gave the pool up
+            # after a failed copy marked the slot first.
+            for _ in range(RECORD_LOOKS):
+                rec = rec_seq(slot)
+                if rec >= seq:
+                    break
+            rec = rec_seq(slot)
             if rec & COPY_FAILED and rec & ~COPY_FAILED == seq:
                 raise TransportError(f"cuda_ipc: the sender could not copy key {key!r} on channel "
                                      f"{self.channel!r} into the pool; the payload is lost")

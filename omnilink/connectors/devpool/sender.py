@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from omnilink._errors import (
     BlobEncodeError,
     CapacityError,
@@ -55,8 +57,9 @@ from omnilink.connectors.devpool.directory import (
     Directory,
     find_directories,
 )
-from omnilink.connectors.devpool.lane import LaneWriter
+from omnilink.connectors.devpool.lane import LANE_RECORD, LaneWriter
 from omnilink.connectors.devpool.manifest import dtypes, split, tensor_type
+from omnilink.connectors.devpool.plan import compile_plan
 from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, LOCAL_SENDERS, local_lock, start_heartbeat
 from omnilink.connectors.shmem import HostLock, pid_alive, read_prefix
 
@@ -74,6 +77,7 @@ HOST_TO_POOL_BYTES = 64 << 10
 #: slice of one buffer of ``event_slots`` x this, taken once; a payload whose host
 #: tensors need more stages them in a buffer of its slot's own. 0: a buffer per slot.
 STAGE_SLICE_BYTES = 16 << 10
+_ENCODE = msgspec.msgpack.Encoder().encode
 #: Seconds between liveness checks of the receiver.
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
@@ -102,7 +106,8 @@ class _Attachment:
     allocator, the slots in use."""
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
-                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena")
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena", "plan",
+                 "last_entries")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -144,6 +149,11 @@ class _Attachment:
         #: the page-locked buffer the slots' stages of at most ``STAGE_SLICE_BYTES`` are
         #: slices of (taken at the first payload with host tensors for the block)
         self.stage_arena: Any = None
+        #: the send plan of the payloads this attachment sends (``devpool.plan``), and
+        #: the tensor list of the last payload the general way sent (a plan is compiled
+        #: when two in a row share it)
+        self.plan: Any = None
+        self.last_entries: Any = None
 
     def free(self, addr: int) -> None:
         """Give the block at address ``addr`` back to its segment's allocator."""
@@ -169,6 +179,9 @@ class PoolSender:
         The channel whose receiver's pool it sends into.
     """
 
+    #: whether ``send`` may send by a send plan (with ``lane_mark`` set)
+    plans = True
+
     def __init__(self, ops: Any, channel: str) -> None:
         self.ops = ops
         self.channel = channel
@@ -191,6 +204,15 @@ class PoolSender:
         #: ``withdraw(key) -> bool``: the transport's withdrawal of a published, unclaimed
         #: message (it frees the block through ``withdrawn``); set by the connector
         self.withdraw: Any = None
+        #: Send plans (``devpool.plan``), for a transport whose ``publish`` puts each
+        #: message in the pool's lane (as ``{lane_mark: message}``, or as it is when
+        #: ``lane_mark`` is ``None``) and then calls ``lane_wake(deadline)``: set
+        #: ``lane_wake`` and ``send`` sends a stream of same-shaped payloads by a compiled
+        #: plan (``plans`` False: never)
+        self.lane_mark: str | None = None
+        self.lane_wake: Any = None
+        #: payloads sent by a plan
+        self.planned_puts = 0
 
     # ------------------------------------------------------------------ helpers
     def _check_open(self) -> None:
@@ -247,9 +269,20 @@ class PoolSender:
             The sender was closed.
         """
         ops = self.ops
-        is_dev = ops.is_device_tensor
         if host_to_pool is None:
             host_to_pool = HOST_TO_POOL_BYTES
+            if ctx is None and size is None:
+                tx = self.tx
+                plan = tx.plan if tx is not None else None
+                # (a plan carries small host tensors in the block: with ``landing``, only
+                # while the receiver still lands on its device)
+                if plan is not None and (not landing or not plan.host_items or tx.dir.get(LANDS)):
+                    got = plan.match(payload)
+                    if got is not None:
+                        sent = self._send_planned(tx, plan, got, key, payload, room or deadline, deadline)
+                        if sent is not None:
+                            return sent
+        is_dev = ops.is_device_tensor
         if landing and host_to_pool:
             tx = self.tx
             if tx is None:  # the first send: the receiver's word is in its directory
@@ -336,6 +369,14 @@ class PoolSender:
                 raise
             tx.sent[key] = (blk, slot, seq)
             tx.by_block[blk] = key
+            if self.lane_wake is not None and self.plans and not kept[0] and ctx is None and size is None \
+                    and (host_to_pool == HOST_TO_POOL_BYTES or not host_items):
+                # Two payloads in a row laid out alike: the next ones go by a plan.
+                if entries == tx.last_entries and (tx.plan is None or tx.plan.entries != entries):
+                    tx.plan = compile_plan(payload, entries, chosen, total, tx.index, ops.plan_checks())
+                    if tx.plan is not None:
+                        tx.plan.calibrate(payload, host)
+                tx.last_entries = entries
             why = self._lost(tx)  # before any copy into its pool
             if why is not None:
                 raise self._peer_lost(why, key)
@@ -363,6 +404,73 @@ class PoolSender:
                 size = self._size_after(payload, key, total)
                 tx.dir.set_rec_size(slot, seq, size)
             self._drain(tx)  # the blocks freed meanwhile, off the next put's path
+        return size
+
+    def _send_planned(self, tx: _Attachment, plan: Any, got: tuple[Any, tuple[Any, ...], tuple[Any, ...]], key: str,
+                      payload: Any, room: Deadline, deadline: Deadline) -> int | None:
+        """``send`` of ``payload``, which ``plan`` matched (``got``: its host part, device
+        tensors and host tensors): the same message the general way would publish, by the
+        plan's layout, in the lane; ``None`` (nothing sent) when the lane cannot take it
+        now, so that the general way does."""
+        host, devs, hosts = got
+        lane = tx.lane
+        if key in tx.sent or not lane.has_room() or lane.pending(key) or plan.size_base is None:
+            return None
+        try:
+            raw = _ENCODE(host)
+        except (OverflowError, TypeError, ValueError):  # an int past 64 bits: the general way
+            return None
+        if len(raw) >= LANE_RECORD:
+            return None  # not for the lane
+        size = plan.size(len(raw))
+        ops = self.ops
+        total = plan.total
+        with self.lock:
+            if self.closed or self.tx is not tx:
+                return None
+            blk = self._alloc(tx, key, total, room, deadline)
+            slot = self._take_slot(tx)
+            tx.seq += 1
+            seq = tx.seq
+            try:
+                msg = {"d": [tx.gen, seq, slot, blk, total, plan.raw, 1], "h": msgspec.Raw(raw), "n": size}
+                mark = self.lane_mark
+                body = _ENCODE([key, msg if mark is None else {mark: msg}])
+                written = lane.write_body(key, body)
+            except BaseException:
+                tx.free(blk)
+                raise
+            if not written:
+                tx.free(blk)
+                return None
+            tx.sent[key] = (blk, slot, seq)
+            tx.by_block[blk] = key
+            self.lane_wake(deadline)
+            why = self._lost(tx)  # before any copy into its pool
+            if why is not None:
+                raise self._peer_lost(why, key)
+            base = tx.segs[blk >> SEG_SHIFT].ptr + (blk & SEG_MASK)  # type: ignore[union-attr]
+            try:
+                hosted_arg = None
+                if hosts:
+                    first, span = plan.host_first, plan.host_span
+                    stage = tx.stages.get(slot)
+                    if stage is None or ops.stage_bytes(stage) < span:
+                        if stage is not None:
+                            ops.settle(tx.events[slot])
+                        stage = tx.stages[slot] = self._new_stage(tx, slot, span)
+                    hosted_arg = (base + first, [(o - first, t) for (o, _n), t in zip(plan.host_items, hosts)], span,
+                                  stage)
+                ops.copy_in_local(tx.index, [(base + o, t) for (o, _n), t in zip(plan.dev_items, devs)],
+                                  tx.events[slot], hosted_arg)
+            except BaseException as exc:
+                self._copy_failed(tx, key, slot, seq, exc)
+                raise
+            tx.rec[slot] = seq
+            tx.dir.set_rec_seq(slot, seq)  # the copy and the slot's event are queued
+            self.device_puts += 1
+            self.planned_puts += 1
+            self._drain(tx)
         return size
 
     def _new_stage(self, tx: _Attachment, slot: int, span: int) -> Any:

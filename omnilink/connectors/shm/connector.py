@@ -1529,6 +1529,12 @@ class ShmConnector(BaseConnector):
         validate_key(key)
         return self._receive_handle(key, self._deadline(timeout), True, device)
 
+    #: Called (no argument, must not raise) by a get that found nothing yet, once, before
+    #: it waits: a connector built on this one (``cuda_ipc``) lets its pool's receiver
+    #: prepare the next landing then (``PoolReceiver.prebuild``); the device-IPC route's
+    #: own is ``DeviceIpcRoute.idle``.
+    _wait_hook: Any = None
+
     def _claim_wait(self, key: str, deadline: Deadline | None, block: bool, *, count: bool = False,
                     keys: list[str] | None = None) -> Any:
         """Claim ``key`` (waiting up to ``deadline`` when ``block``; ``None``: the
@@ -1557,6 +1563,7 @@ class ShmConnector(BaseConnector):
                 _yield()
                 raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
         rlock = self._rlock
+        idle = block
         while True:
             rlock.acquire()
             try:
@@ -1592,6 +1599,13 @@ class ShmConnector(BaseConnector):
                 rlock.release()
             if got is not None:
                 return got
+            if idle:  # the first miss of a get: the wait may do a device pool's part
+                idle = False
+                hook = self._wait_hook
+                if hook is not None:
+                    hook()
+                elif self._ipc is not None:
+                    self._ipc.idle()
             self._sleep_until_published(gen, deadline)
 
     def _missed(self, key: str, keys: list[str] | None, block: bool, deadline: Deadline) -> None:

@@ -233,6 +233,18 @@ class DeviceIpcRoute:
         # contract); the pool's views, already there, stay as they are.
         return payload_to_device(got, device)
 
+    def idle(self) -> None:
+        """A get of this connector found nothing yet and is about to wait (registered as
+        a waiter: a payload published meanwhile wakes it at once): the pool's receiver
+        makes the views of the block it expects the next payload in
+        (``PoolReceiver.prebuild``). Never fails the get."""
+        rx = self._rx
+        if rx is not None:
+            try:
+                rx.prebuild()
+            except Exception:  # pragma: no cover - a speculative step; the landing makes its own
+                logger.debug("shm: device pool prebuild failed", exc_info=True)
+
     # ================================================================ sender
     def min_bytes_for(self, blob: Any) -> int:
         """The least CUDA bytes of the prepared payload ``blob`` for this route: the
@@ -386,6 +398,9 @@ class DeviceIpcRoute:
             try:
                 tx = PoolSender(self._device_ops(), self.conn.channel)
                 tx.withdraw = self._withdraw_lane
+                # Its messages go in the pool's lane as ``publish`` below puts them, so a
+                # stream of same-shaped payloads may go by a send plan.
+                tx.lane_mark, tx.lane_wake = IPC_MARK, self.conn.wake_receivers
                 index = tx.attach(Deadline(1.0))
             except (OmnilinkError, RuntimeError) as exc:
                 if tx is not None:

@@ -1,0 +1,199 @@
+"""Send plans: a stream of same-shaped payloads sent without walking each one again.
+
+A stage sends the same structure every step (a vLLM-Omni chunk is a bf16 hidden state,
+CPU token ids, a CPU ``finished`` flag and a few scalars), and the device pool's general
+``send`` asks the same questions of each: walk the payload, pick each tensor's road,
+check its dtype, lay the block out, build the manifest, walk the host part again for
+the lane. A ``SendPlan`` is what those answers were for one payload, compiled into one
+straight-line Python function (``match``) that checks a new payload against them and
+picks its tensors, plus the manifest's tensor list already encoded. ``match`` returns
+``None`` at the first difference (another key, another type, dtype, shape or device, a
+tensor that is not plain: not contiguous, a negative or conjugate bit, a layout other
+than strided), and the general ``send`` takes that payload, so a plan never changes what
+is sent, only how fast.
+
+What a plan covers: a ``dict`` payload of ``str`` keys whose values are tensors, plain
+scalars (``str``, ``int``, ``float``, ``bool``, ``None``) and dicts of the same, every
+tensor in the block (device tensors on the pool's device first, then small host tensors),
+at least one device tensor. Anything else (lists, tuples, bytes, a host tensor left in
+the host part) is sent the general way every time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from omnilink.blob import FRAME_ALIGN, PREFIX_SIZE, prepare
+
+__all__ = ["SendPlan", "compile_plan"]
+
+#: leaves a plan carries in the host part as they are (what the lane's msgpack encodes
+#: and decodes to the same type)
+_LEAVES = frozenset((str, int, float, bool, type(None)))
+#: Most tensors and nodes a plan is compiled for (a larger payload goes the general way).
+MAX_PLAN_TENSORS = 64
+MAX_PLAN_NODES = 256
+
+
+class SendPlan:
+    """A compiled plan (see the module docstring).
+
+    ``match(payload)`` -> ``(host part, device tensors, host tensors)`` in the manifest's
+    order, or ``None``; ``entries`` the manifest's tensor list (``raw``: its msgpack),
+    ``dev_items`` ``[(offset in block, nbytes)]`` of the device tensors, ``host_items``
+    the same of the host tensors (after the device ones), ``host_first``/``host_span``
+    where they start in the block and how many bytes they span, ``total`` the block's
+    bytes."""
+
+    __slots__ = ("match", "entries", "raw", "dev_items", "host_items", "host_first", "host_span", "total", "device",
+                 "source", "size_base", "data_len")
+
+    def __init__(self, match: Any, entries: list[list[Any]], dev_items: list[tuple[int, int]],
+                 host_items: list[tuple[int, int]], total: int, device: int, source: str) -> None:
+        #: ``size(host_bytes)``'s constants (``size_base`` ``None``: the plan cannot
+        #: size its payloads; ``calibrate``)
+        self.size_base: int | None = None
+        self.data_len = 0
+        self.match = match
+        self.entries = entries
+        self.raw = msgspec.Raw(msgspec.msgpack.encode(entries))
+        self.dev_items = dev_items
+        self.host_items = host_items
+        self.host_first = host_items[0][0] if host_items else 0
+        self.host_span = (host_items[-1][0] + host_items[-1][1] - self.host_first) if host_items else 0
+        self.total = total
+        self.device = device
+        self.source = source
+
+
+    def calibrate(self, payload: Any, host: Any) -> None:
+        """Learn how the tensor_blob size of this plan's payloads follows from their host
+        part's msgpack (``size``), from ``payload`` (``host``: its host part): a payload
+        of the plan has the same tensor descriptors and tree, but for its scalars, which
+        msgpack encodes alike in the host part and in the tensor_blob header; every
+        tensor is a 1-byte ``None`` in the one and a 6-byte reference in the other. Kept
+        only if it gives ``payload``'s own size back."""
+        blob = prepare(payload)
+        h = len(msgspec.msgpack.encode(host))
+        self.size_base, self.data_len = blob.header_len - h, blob.data_len
+        if self.size(h) != blob.nbytes:  # pragma: no cover - the format changed under the plan
+            self.size_base = None
+
+    def size(self, host_bytes: int) -> int:
+        """The tensor_blob size of a payload of this plan whose host part's msgpack is
+        ``host_bytes`` long (``calibrate``)."""
+        return ((PREFIX_SIZE + self.size_base + host_bytes + FRAME_ALIGN - 1) & -FRAME_ALIGN) + self.data_len
+
+
+class _Unplannable(Exception):
+    pass
+
+
+def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any, Any, int]], total: int,
+                 device: int, checks: tuple[str, str]) -> SendPlan | None:
+    """The plan of ``payload`` as the general ``send`` laid it out: ``entries`` its
+    manifest's tensor list, ``chosen`` the ``[(path, tensor, pick)]`` its walk picked
+    (``pick`` 2: a small host tensor), ``total`` its block's bytes, ``device`` the pool's
+    device index, ``checks`` the device operations' tests (``plan_checks``) that a tensor
+    ``{v}`` is not a device tensor of ``{device}``, and not a host tensor for the block.
+    ``None`` when the payload is not of the kind a plan covers."""
+    import torch
+
+    if type(payload) is not dict or not chosen or len(chosen) > MAX_PLAN_TENSORS:
+        return None
+    if len(chosen) != len(entries):
+        return None
+    # The manifest's order: device tensors in walk order, then host tensors.
+    order = {tuple(e[4]): i for i, e in enumerate(entries)}
+    picks = {tuple(path): pick for path, _t, pick in chosen}
+    if len(order) != len(entries) or set(order) != set(picks):
+        return None
+    if not any(p != 2 for p in picks.values()):
+        return None
+    dev_check, host_check = checks
+    dt_names: dict[Any, str] = {}
+    ns: dict[str, Any] = {"_T": torch.Tensor, "_L": _LEAVES, "_S": torch.strided}
+    lines: list[str] = []
+    tvars: dict[int, str] = {}
+    counter = [0, 0]
+
+    def var() -> str:
+        counter[0] += 1
+        if counter[0] > MAX_PLAN_NODES:
+            raise _Unplannable
+        return f"v{counter[0]}"
+
+    def const(value: Any) -> str:
+        name = f"c{counter[1]}"
+        counter[1] += 1
+        ns[name] = value
+        return name
+
+    def node(x: Any, name: str, path: tuple[Any, ...], indent: str) -> str:
+        """Checks of the dict ``x`` (held in ``name``), its children's; the expression of
+        its host part."""
+        keys = tuple(x)
+        if not all(type(k) is str for k in keys):
+            raise _Unplannable
+        lines.append(f"{indent}if type({name}) is not dict or tuple({name}) != {const(keys)}: return None")
+        parts = []
+        for k in keys:
+            v = x[k]
+            p = (*path, k)
+            c = var()
+            lines.append(f"{indent}{c} = {name}[{k!r}]")
+            if p in order:
+                if type(v) is not torch.Tensor:
+                    raise _Unplannable
+                tvars[order[p]] = c
+                lines.append(f"{indent}if type({c}) is not _T: return None")
+                parts.append(f"{k!r}: None")
+            elif type(v) in _LEAVES:
+                lines.append(f"{indent}if type({c}) not in _L: return None")
+                parts.append(f"{k!r}: {c}")
+            elif type(v) is dict:
+                parts.append(f"{k!r}: {node(v, c, p, indent)}")
+            else:
+                raise _Unplannable  # a host tensor left in the host part, a list, ...
+        return "{" + ", ".join(parts) + "}"
+
+    try:
+        host_expr = node(payload, "p", (), "    ")
+    except _Unplannable:
+        return None
+    if len(tvars) != len(entries):
+        return None
+    dev_vars, host_vars = [], []
+    dev_items: list[tuple[int, int]] = []
+    host_items: list[tuple[int, int]] = []
+    for i, e in enumerate(entries):
+        off, nbytes, shape = e[1], e[2], e[3]
+        c = tvars[i]
+        t = None
+        for path, tt, _ in chosen:
+            if tuple(path) == tuple(e[4]):
+                t = tt
+        dt = t.dtype
+        dn = dt_names.get(dt)
+        if dn is None:
+            dn = dt_names[dt] = const(dt)
+        sh = const(torch.Size(shape))
+        conj = f" or {c}.is_conj()" if dt.is_complex else ""
+        if len(e) == 6:  # a small host tensor carried in the block
+            lines.append(f"    if {host_check.format(v=c)} or {c}.dtype is not {dn} or {c}.shape != {sh} "
+                         f"or not {c}.is_contiguous() or {c}.is_neg(){conj}: return None")
+            host_vars.append(c)
+            host_items.append((off, nbytes))
+        else:
+            lines.append(f"    if {dev_check.format(v=c, device=device)} or {c}.dtype is not {dn} "
+                         f"or {c}.shape != {sh} or not {c}.is_contiguous() or {c}.is_neg(){conj}: return None")
+            dev_vars.append(c)
+            dev_items.append((off, nbytes))
+    tup = lambda vs: "(" + "".join(f"{v}, " for v in vs) + ")"  # noqa: E731
+    lines.append(f"    return {host_expr}, {tup(dev_vars)}, {tup(host_vars)}")
+    source = "def match(p):\n" + "\n".join(lines) + "\n"
+    code_obj = compile(source, "<omnilink send plan>", "exec")
+    exec(code_obj, ns)  # noqa: S102 - our own source, built from keys with repr()
+    return SendPlan(ns["match"], entries, dev_items, host_items, total, device, source)

@@ -1,0 +1,344 @@
+"""Send plans (``omnilink.connectors.devpool.plan``): a stream of same-shaped payloads on
+the shm backend's device-IPC route goes by a compiled plan after two payloads laid out
+alike, arrives exactly as the general way delivers it, and ``put`` returns the payload's
+tensor_blob size; any payload the plan does not describe goes the general way. Over the
+host double of the device operations, int64 and bool tensors standing for host tensors
+(everything else for device ones), as ``benchmarks/bench_route_cpu.py`` runs it."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import omnilink  # noqa: E402
+from omnilink import encoded_size  # noqa: E402
+from omnilink.connectors.devpool.plan import compile_plan  # noqa: E402
+from tests import cuda_ipc_double as double  # noqa: E402
+
+HOSTLIKE = (torch.int64, torch.bool)
+
+
+class _Ops(double.HostDeviceOps):
+    def is_device_tensor(self, t: Any) -> bool:
+        return t.dtype not in HOSTLIKE
+
+    def is_small_host_tensor(self, t: Any, most: int) -> bool:
+        return t.dtype in HOSTLIKE and t.nbytes <= most
+
+
+class _Route(double.HostDeviceIpcRoute):
+    @staticmethod
+    def _make_ops() -> Any:
+        return _Ops()
+
+
+@pytest.fixture
+def pair():
+    ch = f"t/plan-{uuid.uuid4().hex[:8]}"
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
+    tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
+    try:
+        rx._ipc = _Route(rx, "on", 4 << 20, 0, None)
+        tx._ipc = _Route(tx, "on", 4 << 20, 0, None)
+        # The sender maps the pool (shm's put takes the route first from then on, as it
+        # does for a CUDA payload).
+        double.route_put(tx, "attach", {"x": torch.zeros(8)})
+        rx.get("attach", timeout=5.0)
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _payload(i: int, **meta: Any) -> dict[str, Any]:
+    return {"hidden": torch.randn(2048).to(torch.bfloat16), "ids": torch.arange(16, dtype=torch.int64) + i,
+            "meta": {"finished": torch.tensor(i % 2 == 0), "request_id": "req-7", "chunk_id": i, **meta}}
+
+
+def _sender(tx: Any) -> Any:
+    return tx._ipc._tx
+
+
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)  # key order too
+        for k in a:
+            _same(a[k], b[k])
+    else:
+        assert a == b
+
+
+def _roundtrip(tx: Any, rx: Any, key: str, payload: Any) -> Any:
+    n = tx.put(key, payload, timeout=5.0)
+    got = rx.get(key, timeout=5.0)
+    _same(got, payload)
+    assert n == encoded_size(payload)
+    return got
+
+
+def test_a_stream_goes_by_its_plan_and_arrives_as_sent(pair):
+    tx, rx = pair
+    for i in range(40):  # more than the pool's event slots: slots and stages reused
+        _roundtrip(tx, rx, f"k{i}", _payload(i))
+    s = _sender(tx)
+    assert s.planned_puts == 38  # the first two went the general way and made the plan
+    assert tx.stats().ipc_puts == 41 and rx.stats().ipc_gets == 41  # (and the fixture's)
+    plan = s.tx.plan
+    assert [e[4] for e in plan.entries] == [["hidden"], ["ids"], ["meta", "finished"]]
+
+
+def test_the_views_are_the_pool(pair):
+    tx, rx = pair
+    for i in range(4):
+        tx.put(f"k{i}", _payload(i), timeout=5.0)
+        got = rx.get(f"k{i}", timeout=5.0)
+    assert _sender(tx).planned_puts == 2
+    pool = rx._ipc._rx.pool
+    lo, hi = pool.ptr, pool.ptr + pool.nbytes
+    for t in (got["hidden"], got["ids"], got["meta"]["finished"]):
+        assert lo <= t.data_ptr() < hi  # zero-copy: the decoded tensor is the pool's memory
+
+
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
+                 st.floats(allow_nan=False), st.text(max_size=300))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(leaf, leaf), min_size=1, max_size=8))
+def test_size_and_content_for_any_scalars(pair, values):
+    tx, rx = pair
+    base = uuid.uuid4().hex[:6]
+    for j in range(2):  # this layout's plan
+        _roundtrip(tx, rx, f"{base}-p{j}", _payload(j, extra=None))
+    before = _sender(tx).planned_puts
+    for j, (a, b) in enumerate(values):
+        _roundtrip(tx, rx, f"{base}-{j}", _payload(j, request_id=a, extra=b))
+    assert _sender(tx).planned_puts == before + len(values)  # every one by the plan
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "key", "order", "scalar_for_tensor", "tensor_for_scalar",
+                                    "not_contiguous", "negative", "list", "big_int", "no_meta"])
+def test_a_payload_the_plan_does_not_describe_goes_the_general_way(pair, change):
+    tx, rx = pair
+    for i in range(3):
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    s = _sender(tx)
+    assert s.planned_puts == 1
+    p = _payload(7)
+    if change == "shape":
+        p["hidden"] = torch.randn(1024).to(torch.bfloat16)
+    elif change == "dtype":
+        p["hidden"] = torch.randn(2048)
+    elif change == "key":
+        p["other"] = 1
+    elif change == "order":
+        p = {"ids": p["ids"], "hidden": p["hidden"], "meta": p["meta"]}
+    elif change == "scalar_for_tensor":
+        p["meta"]["finished"] = True
+    elif change == "tensor_for_scalar":
+        p["meta"]["chunk_id"] = torch.tensor(3)
+    elif change == "not_contiguous":
+        p["hidden"] = torch.randn(4096).to(torch.bfloat16)[::2]
+    elif change == "negative":
+        p["hidden"] = torch._neg_view(p["hidden"])
+    elif change == "list":
+        p["meta"]["request_id"] = ["a", 1]
+    elif change == "big_int":
+        p["meta"]["chunk_id"] = 1 << 70
+    elif change == "no_meta":
+        del p["meta"]
+    if change == "big_int":  # not for the lane (nor for tensor_blob): refused as on every road
+        with pytest.raises(omnilink.BlobEncodeError):
+            tx.put("changed", p, timeout=5.0)
+    else:
+        _roundtrip(tx, rx, "changed", p)
+    assert s.planned_puts == 1  # not by the plan
+    _roundtrip(tx, rx, "after", _payload(8))
+    assert s.planned_puts == 2  # the plan still there for the stream
+
+
+def test_a_new_layout_twice_makes_a_new_plan(pair):
+    tx, rx = pair
+    for i in range(3):
+        _roundtrip(tx, rx, f"a{i}", _payload(i))
+    first = _sender(tx).tx.plan
+    for i in range(3):
+        p = _payload(i)
+        p["hidden"] = torch.randn(8, 64).to(torch.bfloat16)
+        _roundtrip(tx, rx, f"b{i}", p)
+    second = _sender(tx).tx.plan
+    assert second is not first and second.entries[0][3] == [8, 64]
+    assert _sender(tx).planned_puts == 2  # a2, b2
+
+
+def test_a_key_still_unread_is_refused_as_the_general_way_refuses_it(pair):
+    tx, rx = pair
+    for i in range(3):
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    tx.put("dup", _payload(1), timeout=5.0)
+    with pytest.raises(omnilink.OmnilinkError, match="dup"):
+        tx.put("dup", _payload(2), timeout=5.0)
+    got = rx.get("dup", timeout=5.0)
+    assert int(got["ids"][0]) == 1  # the first one, untouched
+
+
+def test_plans_off_sends_everything_the_general_way(pair):
+    tx, rx = pair
+    _sender(tx).plans = False
+    for i in range(5):
+        _roundtrip(tx, rx, f"k{i}", _payload(i))
+    assert _sender(tx).planned_puts == 0 and _sender(tx).tx.plan is None
+
+
+def test_compile_plan_refuses_what_it_does_not_cover():
+    t = torch.ones(4)
+    entries = [[1, 0, 16, [4], ["x"]]]
+    chosen = [(("x",), t, 1)]
+    checks = ("False", "False")
+    assert compile_plan({"x": t}, entries, chosen, 256, 0, checks) is not None
+    assert compile_plan([t], entries, chosen, 256, 0, checks) is None  # not a dict
+    assert compile_plan({"x": t, "l": [1]}, entries, chosen, 256, 0, checks) is None  # a list
+    assert compile_plan({"x": t, 1: 2}, entries, chosen, 256, 0, checks) is None  # a key not a str
+    assert compile_plan({"x": t, "b": b"x"}, entries, chosen, 256, 0, checks) is None  # bytes
+    host_only = [[1, 0, 16, [4], ["x"], 1]]
+    assert compile_plan({"x": t}, host_only, [(("x",), t, 2)], 256, 0, checks) is None  # no device tensor
+    plan = compile_plan({"x": t, "m": {"s": "a"}}, entries, chosen, 256, 0, checks)
+    assert plan.match({"x": torch.zeros(4), "m": {"s": 5}})[0] == {"x": None, "m": {"s": 5}}
+    assert plan.match({"x": torch.zeros(4), "m": {"s": object()}}) is None
+    assert plan.match({"x": torch.zeros(5), "m": {"s": 5}}) is None
+    assert plan.match({"m": {"s": 5}, "x": torch.zeros(4)}) is None
+
+
+# ------------------------------------------------------------------ the receiver's side
+from omnilink.connectors.devpool.receiver import next_block  # noqa: E402
+
+
+@pytest.mark.parametrize("blocks, want", [
+    ([0, 4608, 0, 4608, 0], 4608),                      # dropped before each get: two blocks in turn
+    ([9, 0, 4608, 0, 4608], 0),
+    ([7, 7, 7], 7),                                       # the same block every time
+    ([1, 2, 3, 4, 1, 2, 3, 4, 1], 2),                    # a consumer that keeps three
+    ([1, 2, 3, 1, 2, 4, 1], None),                        # no cycle
+    ([1, 2, 3, 4, 1, 2, 3, 5], None),
+    ([5, 6], None),                                       # too short to tell
+    ([], None),
+])
+def test_next_block(blocks, want):
+    assert next_block(blocks) == want
+
+
+def _rx_pool(rx: Any) -> Any:
+    return rx._ipc._rx
+
+
+def test_views_made_while_waiting_are_the_ones_landed(pair):
+    tx, rx = pair
+    prx = _rx_pool(rx)
+    for i in range(6):
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    assert prx.prebuild()  # what a waiting get does (``DeviceIpcRoute.idle``)
+    made = prx._pre
+    assert made is not None and not prx.prebuild()  # once
+    p = _payload(6)
+    tx.put("k6", p, timeout=5.0)
+    got = rx.get("k6", timeout=5.0)
+    _same(got, p)
+    assert prx.prebuilt_hits == 1 and prx._pre is None
+    assert got["hidden"].data_ptr() == made[5][0].data_ptr()  # the very views made ahead
+    del got, made
+    import gc
+
+    gc.collect()
+    assert not prx.pool.held  # the block went back when its last view died
+
+
+def test_views_made_for_another_block_are_dropped(pair):
+    tx, rx = pair
+    prx = _rx_pool(rx)
+    for i in range(6):
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    assert prx.prebuild()
+    p = _payload(6)
+    p["hidden"] = torch.randn(3000).to(torch.bfloat16)  # another layout: another block size
+    _roundtrip(tx, rx, "other", p)
+    assert prx.prebuilt_hits == 0 and prx._pre is None
+    kept = []
+    for i in range(16):  # a consumer that keeps the last two: a cycle of four blocks
+        p = _payload(i)
+        tx.put(f"k{i}", p, timeout=5.0)
+        prx.prebuild()
+        got = rx.get(f"k{i}", timeout=5.0)
+        _same(got, p)
+        kept.append(got)
+        del kept[:-2]
+    assert prx.prebuilt_hits >= 1
+    kept.clear()
+    del got
+    import gc
+
+    gc.collect()
+    assert not prx.pool.held
+
+
+def test_a_waiting_get_prepares_the_landing(pair):
+    import threading
+    import time
+
+    tx, rx = pair
+    prx = _rx_pool(rx)
+    n = 30
+    sent = [_payload(i) for i in range(n)]
+    errors: list[BaseException] = []
+    waiting = threading.Event()
+
+    def consume() -> None:
+        try:
+            for i in range(n):
+                waiting.set()
+                got = rx.get(f"k{i}", timeout=10.0)  # waits: its first miss prebuilds
+                _same(got, sent[i])
+                del got
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    for i in range(n):
+        waiting.wait(5.0)
+        waiting.clear()
+        time.sleep(0.005)  # the consumer is waiting by now
+        tx.put(f"k{i}", sent[i], timeout=5.0)
+    t.join(30)
+    assert not errors, errors
+    assert prx.prebuilt_hits >= n // 2  # most landings found their views made
+
+
+def test_cuda_ipc_sends_by_plan_and_prebuilds():
+    import threading
+
+    with double.host_pair(f"t/plan-ci-{uuid.uuid4().hex[:8]}") as (tx, rx):
+        sent = [{"h": torch.randn(64) + i, "m": {"i": i, "s": "x" * i}} for i in range(12)]
+
+        def consume(out: list) -> None:
+            for i in range(12):
+                out.append(rx.get(f"k{i}", timeout=10.0))
+
+        got: list = []
+        t = threading.Thread(target=consume, args=(got,))
+        t.start()
+        for i in range(12):
+            assert tx.put(f"k{i}", sent[i], timeout=5.0) == encoded_size(sent[i])
+        t.join(30)
+        assert len(got) == 12
+        for a, b in zip(got, sent):
+            _same(a, b)
+        assert tx._sender.planned_puts == 10
