@@ -8,28 +8,32 @@ every microsecond of Python on both sides of a message (``bench_serial_gpu.py``)
 that Python is the same code whether the pool is device or host memory. This measures
 it where the timing holds still, so that a change to the route's hot path can be
 compared before it goes to a GPU. On the 2-core CPU machine the rows moved up to 1.6x
-between runs, mostly together (the machine's speed of the moment): over fourteen runs
-the route's put was 7.7x-12.3x the flat steps' of the same run, most runs 8.3x-9.3x.
-Compare ratios, over several runs. Rows, per message, median
-of ``--n`` after warm-up, put and get timed apart (the receiver's get starts once the
-put has returned, so no row waits for the other side):
+between runs, mostly together (the machine's speed of the moment): compare ratios, over
+several runs. Rows, per message, median of ``--n`` after warm-up, put and get timed
+apart (the receiver's get starts once the put has returned, so no row waits for the
+other side):
 
-``flat``   the route's steps and nothing else: walk the payload, build the manifest,
-           encode one record, write it to a ring, post a semaphore, copy the tensors into
-           a block; take the semaphore, decode, views of the block put in place. No
-           validation, no lifetime tracking, no allocator, no deadline: the floor the
-           route's Python sits on.
-``route``  ``omnilink.connect("shm")`` with its device-IPC route on the host double
-           (every tensor but int64 and bool ones counts as a device tensor: a bf16 hidden
-           state goes in the block as a device tensor, token ids and the flag as small
-           host tensors, as on a GPU), ``get`` onto the pool's device.
-``host``   ``omnilink.connect("shm")``'s host road (tensor_blob in the arena) for the
-           same payload, for reference.
+``flat``     the route's steps and nothing else: walk the payload, build the manifest,
+             encode one record, write it to a ring, post a semaphore, copy the tensors
+             into a block; take the semaphore, decode, views of the block put in place.
+             No validation, no lifetime tracking, no allocator, no deadline: the floor
+             the route's Python sits on.
+``route``    ``omnilink.connect("shm")`` with its device-IPC route on the host double
+             (every tensor but int64 and bool ones counts as a device tensor: a bf16
+             hidden state goes in the block as a device tensor, token ids and the flag as
+             small host tensors, as on a GPU), ``get`` onto the pool's device, as a
+             stream of same-shaped payloads runs: by the sender's send plan, the views
+             made while the receiver waited (``DeviceIpcRoute.idle``, untimed: a waiting
+             get does it before the payload comes).
+``general``  the same route the general way (no send plan, no views made ahead),
+             alternated with ``route`` in blocks of 50 messages of the one pair.
+``host``     ``omnilink.connect("shm")``'s host road (tensor_blob in the arena) for the
+             same payload, for reference.
 
 The payload is vLLM-Omni's thinker -> talker chunk: a bf16 hidden state of ``--size``
-bytes, 16 int64 token ids, a bool ``finished`` flag and Python metadata. The route's
-``put`` includes the payload's tensor_blob size it computes after the copy is queued
-(its return value; off the receiver's path on a GPU); the ``put*`` column leaves it out.
+bytes, 16 int64 token ids, a bool ``finished`` flag and Python metadata. A route's
+``put`` includes the payload's tensor_blob size it returns (the general way computes it
+after the copy is queued, off the receiver's path on a GPU).
 
 Usage (repository root)::
 
@@ -211,14 +215,14 @@ def _timed(name: str, put: Any, get: Any, hidden: Any, count: int,
 
 
 def _row(puts: list[tuple[int, int]], gets: list[int]) -> dict[str, float]:
-    every = _median_us([ns for _, ns in puts])
-    return {"put_us": every, "put_core_us": every, "get_us": _median_us(gets)}
+    return {"put_us": _median_us([ns for _, ns in puts]), "get_us": _median_us(gets)}
 
 
 def _time_rows(args: argparse.Namespace, nbytes: int) -> dict[str, dict[str, float]]:
     import torch
 
     import omnilink
+    from omnilink.connectors.devpool import receiver as pool_receiver
     from omnilink.connectors.devpool import sender as pool_sender
 
     hidden = torch.randn(nbytes // 2).to(torch.bfloat16)
@@ -228,30 +232,37 @@ def _time_rows(args: argparse.Namespace, nbytes: int) -> dict[str, dict[str, flo
         out["flat"] = _row(*_timed("flat", flat.put, flat.get, hidden, args.n))
     finally:
         flat.close()
-    # The route with and without the size its put computes after the copy (the put*
-    # column), alternated in blocks of 50 messages in the one pair (drift cancels out).
+    # The route by its send plan with the views made while the receiver waited
+    # (``idle``, untimed: a get that waits does it before the payload comes), and the
+    # route the general way (no plan, no views made ahead), alternated in blocks of 50
+    # messages in the one pair (drift cancels out).
     tx, rx = _route_pair(f"bench-route-{uuid.uuid4().hex[:8]}")
-    real_size = pool_sender.PoolSender.__dict__["_size_after"]  # the staticmethod itself
-    skip = staticmethod(lambda payload, key, total: total)
+    route = rx._ipc
 
     def switch(i: int) -> int:
-        sized = (i // 50) % 2 == 0
-        pool_sender.PoolSender._size_after = real_size if sized else skip
-        return 0 if sized else 1
+        planned = (i // 50) % 2 == 0
+        pool_sender.PoolSender.plans = planned
+        pool_receiver.PREBUILD = planned
+        if planned:
+            route.idle()
+        return 0 if planned else 1
 
     try:
         puts, gets = _timed("r", lambda k, p: tx.put(k, p, timeout=5.0), lambda k: rx.get(k, timeout=5.0), hidden,
                             2 * args.n, switch)
-        pool_sender.PoolSender._size_after = real_size
-        out["route"] = {"put_us": _median_us([ns for b, ns in puts if b == 0]),
-                        "put_core_us": _median_us([ns for b, ns in puts if b == 1]), "get_us": _median_us(gets)}
+        for name, b in (("route", 0), ("general", 1)):
+            out[name] = {"put_us": _median_us([ns for k, ns in puts if k == b]),
+                         "get_us": _median_us([ns for (k, _), ns in zip(puts, gets) if k == b])}
         if tx.stats().ipc_puts < WARM + 2 * args.n:
             raise RuntimeError("route: payloads went by the host road, not the device-IPC route")
+        if route._rx.prebuilt_hits < args.n // 2 or tx._ipc._tx.planned_puts < args.n // 2:
+            raise RuntimeError("route: payloads did not go by the send plan with their views made ahead")
         if args.profile == "route":
             _profile(lambda i: (tx.put(f"p{i}", _payload(hidden, i), timeout=5.0), rx.get(f"p{i}", timeout=5.0)),
                      args.n)
     finally:
-        pool_sender.PoolSender._size_after = real_size
+        pool_sender.PoolSender.plans = True
+        pool_receiver.PREBUILD = True
         tx.close()
         rx.close()
     ch = f"bench-route-host-{uuid.uuid4().hex[:8]}"
@@ -294,12 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     flat = rows["flat"]
     print(f"# bench_route_cpu {json.dumps(machine)}")
     print(f"\nhost CPU per message, {format_size(nbytes)} hidden state + ids + flag + metadata, median us "
-          f"(x the flat steps'); put* = put without the size it returns")
-    print(f"{'row':<7} {'put':>16} {'put*':>16} {'get':>16}")
-    for name in ("flat", "route", "host"):
+          f"(x the flat steps')")
+    print(f"{'row':<8} {'put':>16} {'get':>16}")
+    for name in ("flat", "route", "general", "host"):
         r = rows[name]
-        print(f"{name:<7} {r['put_us']:>8.1f} ({r['put_us'] / flat['put_us']:>4.1f}x) "
-              f"{r['put_core_us']:>8.1f} ({r['put_core_us'] / flat['put_us']:>4.1f}x) "
+        print(f"{name:<8} {r['put_us']:>8.1f} ({r['put_us'] / flat['put_us']:>4.1f}x) "
               f"{r['get_us']:>8.1f} ({r['get_us'] / flat['get_us']:>4.1f}x)")
     if args.json:
         with open(args.json, "w") as f:

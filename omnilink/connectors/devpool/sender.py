@@ -227,7 +227,7 @@ class PoolSender:
     # --------------------------------------------------------------------- send
     def send(self, key: str, payload: Any, deadline: Deadline, ctx: Any, publish: Any, *,
              size: int | None = None, room: Deadline | None = None, host_to_pool: int | None = None,
-             landing: bool = False, accept: Any = None) -> int | None:
+             landing: bool = False, accept: Any = None, planned: bool = True) -> int | None:
         """Copy the device tensors of ``payload`` into a block of the receiver's pool and
         hand ``publish`` the message that describes it (``{"d": manifest, "h": host
         part, "n": size}``, what ``PoolReceiver.land`` opens; the host part is the
@@ -249,8 +249,9 @@ class PoolSender:
         the ``[(path, tensor, kind)]`` the block would carry (``kind`` 2: a small host
         tensor; else a device one) before anything else is done; if
         it returns false, nothing is sent and ``send`` returns ``None`` (a transport that
-        routes a payload by where its tensors are, without walking it twice). Returns
-        ``size``.
+        routes a payload by where its tensors are, without walking it twice).
+        ``planned``: a send plan may take the payload (``send_planned``; false: the
+        caller asked it already). Returns ``size``.
 
         Raises
         ------
@@ -271,17 +272,10 @@ class PoolSender:
         ops = self.ops
         if host_to_pool is None:
             host_to_pool = HOST_TO_POOL_BYTES
-            if ctx is None and size is None:
-                tx = self.tx
-                plan = tx.plan if tx is not None else None
-                # (a plan carries small host tensors in the block: with ``landing``, only
-                # while the receiver still lands on its device)
-                if plan is not None and (not landing or not plan.host_items or tx.dir.get(LANDS)):
-                    got = plan.match(payload)
-                    if got is not None:
-                        sent = self._send_planned(tx, plan, got, key, payload, room or deadline, deadline)
-                        if sent is not None:
-                            return sent
+            if planned and ctx is None and size is None:
+                sent = self.send_planned(key, payload, deadline, room, landing)
+                if sent is not None:
+                    return sent
         is_dev = ops.is_device_tensor
         if landing and host_to_pool:
             tx = self.tx
@@ -405,6 +399,22 @@ class PoolSender:
                 tx.dir.set_rec_size(slot, seq, size)
             self._drain(tx)  # the blocks freed meanwhile, off the next put's path
         return size
+
+    def send_planned(self, key: str, payload: Any, deadline: Deadline, room: Deadline | None = None,
+                     landing: bool = False) -> int | None:
+        """``send`` of ``payload`` by this sender's send plan, when it has one and the
+        payload is of it (what ``send`` tries first; a transport's put may ask it before
+        it sets up the general way); ``None``: nothing was sent, send it by ``send``."""
+        tx = self.tx
+        plan = tx.plan if tx is not None and self.plans else None
+        # (a plan carries small host tensors in the block: with ``landing``, only while
+        # the receiver still lands on its device)
+        if plan is None or (landing and plan.host_items and not tx.dir.get(LANDS)):  # type: ignore[union-attr]
+            return None
+        got = plan.match(payload)
+        if got is None:
+            return None
+        return self._send_planned(tx, plan, got, key, payload, room or deadline, deadline)  # type: ignore[arg-type]
 
     def _send_planned(self, tx: _Attachment, plan: Any, got: tuple[Any, tuple[Any, ...], tuple[Any, ...]], key: str,
                       payload: Any, room: Deadline, deadline: Deadline) -> int | None:

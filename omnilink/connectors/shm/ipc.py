@@ -290,6 +290,14 @@ class DeviceIpcRoute:
         tx = self._tx
         if tx is None or not self._only_receiver_owns_pool():
             return None
+        if events is None and tx.plans:
+            # A stream of same-shaped payloads: its send plan, before anything of the
+            # general way is set up (same errors and fallbacks as ``_send``).
+            sent = self._send(tx, key, payload, deadline, None, None, None, planned_only=True)
+            if sent is not None:
+                if sent is not FELL_BACK:
+                    self.conn._count(ipc_puts=1)
+                return sent
         pool = self._tx_device
         ops = tx.ops
         device_of = ops.tensor_device
@@ -304,7 +312,7 @@ class DeviceIpcRoute:
             return found
 
         try:
-            sent = self._send(tx, key, payload, deadline, events, None, accept)
+            sent = self._send(tx, key, payload, deadline, events, None, accept, planned=False)
         except BlobEncodeError:
             # Something in the payload tensor_blob cannot carry (its message went
             # nowhere): the error names its place in the payload, not in the route's
@@ -332,10 +340,22 @@ class DeviceIpcRoute:
         return blob.nbytes
 
     def _send(self, tx: Any, key: str, payload: Any, deadline: Any, events: Any, size: int | None,
-              accept: Any) -> Any:
+              accept: Any, *, planned: bool = True, planned_only: bool = False) -> Any:
         """``PoolSender.send`` of ``payload`` with this route's publishing: its size, or
         ``None`` (not accepted), or ``FELL_BACK`` (the route could not take it; the
-        reason is kept)."""
+        reason is kept). ``planned_only``: only by the sender's send plan
+        (``PoolSender.send_planned``; ``None`` when it has none for the payload);
+        ``planned`` false: the plan was asked already."""
+        if planned_only:
+            try:
+                return tx.send_planned(key, payload, deadline, _short(deadline))
+            except (TransferTimeout, CapacityError) as exc:
+                self._fell_back(key, f"{type(exc).__name__}: {exc}")
+                return FELL_BACK
+            except (PeerLostError, ConfigurationError, CudaError) as exc:
+                self._fell_back(key, f"{type(exc).__name__}: {exc}")
+                self._drop_sender(f"{type(exc).__name__}: {exc}")
+                return FELL_BACK
         conn = self.conn
 
         def publish(msg: dict) -> None:
@@ -358,7 +378,7 @@ class DeviceIpcRoute:
             # The receiver of a routed payload lands it on its device: small host tensors
             # ride in the block (``send``'s default).
             return tx.send(key, payload, deadline, events, publish, size=size, room=_short(deadline),
-                           accept=accept)
+                           accept=accept, planned=planned)
         except _NotPublished as exc:
             raise exc.error from None
         except (TransferTimeout, CapacityError) as exc:
