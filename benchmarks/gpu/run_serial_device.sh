@@ -13,10 +13,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SIZES=${SIZES:-4KiB,1MiB,16MiB,64MiB,256MiB}
+N=${N:-40}  # payloads per size above 64 KiB (a stream's send plan and its views made ahead settle in)
 run() {  # name, extra args
   local name=$1; shift
   timeout 240 python3 benchmarks/bench_serial_gpu.py --sizes "$SIZES" --roads raw,shm,cuda_ipc,shm-ipc \
-    --lat-n 200 --json "$OUT/$name.json" "$@" \
+    --lat-n 200 --n "$N" --json "$OUT/$name.json" "$@" \
     > "$OUT/$name.txt" 2>&1
   echo "$name rc=$?"; grep -v -e Warning -e "closing its pool" "$OUT/$name.txt" | tail -9
 }

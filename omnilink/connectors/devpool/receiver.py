@@ -424,6 +424,9 @@ class PoolReceiver:
         d.set(ACK_GEN, want)
 
     def _slot_events(self, gen: int) -> list[Any]:
+        cached = self._events  # (replaced whole: read without the lock while it holds)
+        if cached is not None and cached[0] == gen and self.pool is not None:
+            return cached[1]
         pool = self._open()
         with self._events_lock:
             cached = self._events
