@@ -351,10 +351,10 @@ BLOCKS = (
           render_route_cpu),
     Block("serial-gpu-h200", ("serial-gpu-h200.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
-          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --n 40 --json FILE", render_serial),
     Block("serial-gpu-h200-mps", ("serial-gpu-h200-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
-          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
+          "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --n 40 --json FILE", render_serial),
     Block("serial-gpu-h100", ("serial-gpu-h100.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --json FILE", render_serial),
