@@ -342,3 +342,20 @@ def test_cuda_ipc_sends_by_plan_and_prebuilds():
         for a, b in zip(got, sent):
             _same(a, b)
         assert tx._sender.planned_puts == 10
+
+
+def test_a_planned_put_into_a_full_pool_waits_then_takes_the_host_road(pair):
+    tx, rx = pair
+    big = [{"hidden": torch.randn(1 << 19).to(torch.bfloat16) + i, "ids": torch.arange(16, dtype=torch.int64) + i,
+            "meta": {"i": i}} for i in range(7)]
+    for i in range(2):  # the layout's plan
+        _roundtrip(tx, rx, f"w{i}", big[i])
+    s = _sender(tx)
+    before = s.planned_puts
+    for i in range(7):  # nobody reads: a 4 MiB pool holds three 1 MiB payloads
+        assert tx.put(f"k{i}", big[i], timeout=5.0) == encoded_size(big[i])
+    st = tx.stats()
+    assert s.planned_puts - before == 3 and st.ipc_fallbacks == 4  # waited for room, then the host road
+    assert "TransferTimeout" in st.ipc_fallback_reason
+    for i in range(7):
+        _same(rx.get(f"k{i}", timeout=5.0), big[i])

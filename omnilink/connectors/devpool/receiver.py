@@ -88,6 +88,10 @@ RECORD_LOOKS = 16
 IDLE_S = 2.0
 
 
+def _is_int(x: Any, lo: int = 0, hi: int = INT64_MAX) -> bool:
+    return type(x) is int and lo <= x <= hi
+
+
 def next_block(blocks: Any) -> int | None:
     """The block the next payload most likely takes, from the blocks of the last ones
     (oldest first): the sender's allocator, given the same sizes and the same pattern of
@@ -473,9 +477,7 @@ class PoolReceiver:
         def bad(why: str) -> BlobDecodeError:
             return BlobDecodeError(f"cuda_ipc: key {key!r}: invalid device manifest: {why}")
 
-        def is_int(x: Any, lo: int = 0, hi: int = INT64_MAX) -> bool:
-            return type(x) is int and lo <= x <= hi
-
+        is_int = _is_int
         if type(m) is not list or not 6 <= len(m) <= 7:
             raise bad("not [generation, sequence, slot, block, size, tensors(, all in block)]")
         gen, seq, slot, block, total, entries = m[:6]

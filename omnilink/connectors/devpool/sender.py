@@ -400,11 +400,13 @@ class PoolSender:
             self._drain(tx)  # the blocks freed meanwhile, off the next put's path
         return size
 
-    def send_planned(self, key: str, payload: Any, deadline: Deadline, room: Deadline | None = None,
+    def send_planned(self, key: str, payload: Any, deadline: Deadline, room: Any = None,
                      landing: bool = False) -> int | None:
         """``send`` of ``payload`` by this sender's send plan, when it has one and the
         payload is of it (what ``send`` tries first; a transport's put may ask it before
-        it sets up the general way); ``None``: nothing was sent, send it by ``send``."""
+        it sets up the general way); ``None``: nothing was sent, send it by ``send``.
+        ``room``: as ``send``'s, or a function that makes it, called only if the put
+        has to wait for room."""
         tx = self.tx
         plan = tx.plan if tx is not None and self.plans else None
         # (a plan carries small host tensors in the block: with ``landing``, only while
@@ -764,7 +766,7 @@ class PoolSender:
             raise self._timeout(f"put ({what})", key, "the receiver", deadline.timeout)
         time.sleep(0 if rounds < 200 else min(0.0005, 0.00002 * (rounds - 199)))
 
-    def _alloc(self, tx: _Attachment, key: str, total: int, room: Deadline, deadline: Deadline) -> int:
+    def _alloc(self, tx: _Attachment, key: str, total: int, room: Any, deadline: Deadline) -> int:
         """A block of ``total`` bytes (its address, ``segment << SEG_SHIFT | offset``):
         first fit in the live segments in order; when none has room after
         ``GROW_AFTER_S`` (at once if ``total`` is larger than every segment), a new
@@ -803,6 +805,8 @@ class PoolSender:
                         f"receiver's pool ({max(seg.nbytes for seg in live)} bytes), and the pool cannot grow: "
                         f"{tx.refused[2] if tx.refused else 'refused'}"
                     )
+            if not isinstance(room, Deadline):  # made when first needed (``send_planned``)
+                room = room()
             self._wait_room(tx, key, room, "the receiver's pool is full", rounds)
             rounds += 1
 

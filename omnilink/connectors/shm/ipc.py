@@ -221,10 +221,10 @@ class DeviceIpcRoute:
             )
         pooled: list[Any] = [False, 0]
         got = rx.land(key, marker[IPC_MARK], deadline=deadline, pooled=pooled, sized=False)
-        from omnilink.cuda import map_tensors, payload_to_device
-
         if pooled[0] and device is not None and device.index == rx.index:
             return got  # every tensor a view of the pool, on that device already
+        from omnilink.cuda import map_tensors, payload_to_device
+
         if device is None:
             return map_tensors(got, lambda t: t.cpu() if t.is_cuda else t)
         if device.index != rx.index:
@@ -348,7 +348,7 @@ class DeviceIpcRoute:
         ``planned`` false: the plan was asked already."""
         if planned_only:
             try:
-                return tx.send_planned(key, payload, deadline, _short(deadline))
+                return tx.send_planned(key, payload, deadline, lambda: _short(deadline))
             except (TransferTimeout, CapacityError) as exc:
                 self._fell_back(key, f"{type(exc).__name__}: {exc}")
                 return FELL_BACK
