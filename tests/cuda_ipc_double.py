@@ -81,6 +81,10 @@ class HostDeviceOps:
         self.staged = 0
         self.waits: list[HostEvent] = []
         self.after_use_calls = 0
+        #: waits for a stage's last copy (``settle``), and copies that would wait for it
+        #: themselves (``copy_in_local`` not told it is done)
+        self.settles = 0
+        self.settles_in_copy = 0
 
     def is_device_tensor(self, t: Any) -> bool:
         return True
@@ -98,7 +102,10 @@ class HostDeviceOps:
         # otherwise by dtype is pinned by the plan's dtype check).
         return "False", "False"
 
-    def copy_in_local(self, index: int, items: list[tuple[int, Any]], event: Any, hosted: Any) -> None:
+    def copy_in_local(self, index: int, items: list[tuple[int, Any]], event: Any, hosted: Any,
+                      settled: bool = False) -> None:
+        if hosted is not None and not settled:
+            self.settles_in_copy += 1
         self.copy_in(index, items, event, None, hosted=hosted)
 
     @staticmethod
@@ -117,7 +124,7 @@ class HostDeviceOps:
         return len(stage)
 
     def settle(self, event: Any) -> None:
-        pass
+        self.settles += 1
 
     def device_index(self, device: Any) -> int:
         return 0

@@ -359,3 +359,37 @@ def test_a_planned_put_into_a_full_pool_waits_then_takes_the_host_road(pair):
     assert "TransferTimeout" in st.ipc_fallback_reason
     for i in range(7):
         _same(rx.get(f"k{i}", timeout=5.0), big[i])
+
+
+def test_a_planned_put_finds_its_stage_free_already(pair):
+    tx, rx = pair
+    s = _sender(tx)
+    for i in range(2 * len(s.tx.events) + 4):  # every event slot's stage made and reused
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    ops = s.ops
+    before, waited = ops.settles_in_copy, ops.settles
+    for i in range(20):
+        _roundtrip(tx, rx, f"k{i}", _payload(i))
+    assert s.planned_puts > 20
+    assert ops.settles_in_copy == before  # no put waited for its stage on its own path
+    assert ops.settles - waited == 20  # each put waited for the next one's, after its copy
+
+
+@pytest.mark.parametrize("error, dropped", [("PeerLostError", True), ("CapacityError", False)])
+def test_a_planned_put_that_fails_takes_the_host_road(pair, error, dropped):
+    tx, rx = pair
+    for i in range(3):
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    s = _sender(tx)
+    assert s.planned_puts == 1
+
+    def fail(*a: Any, **k: Any) -> None:
+        raise getattr(omnilink, error)("refused here")
+
+    s.send_planned = fail  # what a lost receiver, or a pool that cannot grow, raises
+    p = _payload(9)
+    assert tx.put("after", p, timeout=5.0) == encoded_size(p)
+    st = tx.stats()
+    assert st.ipc_fallbacks == 1 and st.ipc_fallback_reason == f"{error}: refused here"
+    assert (tx._ipc._tx is None) == dropped  # a lost receiver drops the route's sender
+    _same(rx.get("after", timeout=5.0), p)

@@ -350,12 +350,15 @@ class CudaDeviceOps:
             keep.append(after)  # the producer events live until the copy is done
         completer.submit(done, keep.clear)
 
-    def copy_in_local(self, index: int, items: list[tuple[int, Any]], event: Any, hosted: Any) -> None:
+    def copy_in_local(self, index: int, items: list[tuple[int, Any]], event: Any, hosted: Any,
+                      settled: bool = False) -> None:
         """``copy_in`` of tensors a send plan knows to be on the pool's device ``index``
         (no producer events): on the caller's current stream, the slot's event recorded
-        there (the first case of ``copy_in``, without asking each tensor its device)."""
+        there (the first case of ``copy_in``, without asking each tensor its device).
+        ``settled``: the copy out of ``hosted``'s stage that ``event`` last followed is
+        known to be done (not waited for again)."""
         if hosted is not None:
-            self._stage(hosted, event)
+            self._stage(hosted, event, settled)
         self._copy_and_record(index, items, event, current_raw_stream(index), hosted)
 
     def _copy_from_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any,
@@ -382,11 +385,13 @@ class CudaDeviceOps:
         ops.wait(stream, ops.ordering_event(src).record(s_src))
         self._copy_and_record(index, [], event, stream, hosted)
 
-    def _stage(self, hosted: Any, event: Any) -> None:
+    def _stage(self, hosted: Any, event: Any, settled: bool = False) -> None:
         """Gather the host tensors of ``hosted`` in its page-locked stage, once the copy
-        out of the stage that ``event`` last followed is done."""
+        out of the stage that ``event`` last followed is done (``settled``: the caller
+        knows it is)."""
         _dst, parts, _span, stage = hosted
-        self.settle(event)
+        if not settled:
+            self.settle(event)
         base = stage.data_ptr()
         memmove = ctypes.memmove
         for o, t in parts:

@@ -107,7 +107,7 @@ class _Attachment:
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
                  "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena", "plan",
-                 "last_entries")
+                 "last_entries", "settled")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -154,6 +154,9 @@ class _Attachment:
         #: when two in a row share it)
         self.plan: Any = None
         self.last_entries: Any = None
+        #: ``(slot, rec)``: the slot whose event was waited for after its record ``rec``
+        #: (its stage free), at the end of the put before (``_send_planned``)
+        self.settled = (-1, -1)
 
     def free(self, addr: int) -> None:
         """Give the block at address ``addr`` back to its segment's allocator."""
@@ -464,17 +467,21 @@ class PoolSender:
             base = tx.segs[blk >> SEG_SHIFT].ptr + (blk & SEG_MASK)  # type: ignore[union-attr]
             try:
                 hosted_arg = None
+                # The stage's last copy is known done when the put before waited for it
+                # (off this put's path) or the stage is new.
+                settled = tx.settled == (slot, tx.rec[slot])
                 if hosts:
                     first, span = plan.host_first, plan.host_span
                     stage = tx.stages.get(slot)
                     if stage is None or ops.stage_bytes(stage) < span:
-                        if stage is not None:
+                        if stage is not None and not settled:
                             ops.settle(tx.events[slot])
                         stage = tx.stages[slot] = self._new_stage(tx, slot, span)
+                        settled = True
                     hosted_arg = (base + first, [(o - first, t) for (o, _n), t in zip(plan.host_items, hosts)], span,
                                   stage)
                 ops.copy_in_local(tx.index, [(base + o, t) for (o, _n), t in zip(plan.dev_items, devs)],
-                                  tx.events[slot], hosted_arg)
+                                  tx.events[slot], hosted_arg, settled)
             except BaseException as exc:
                 self._copy_failed(tx, key, slot, seq, exc)
                 raise
@@ -483,7 +490,20 @@ class PoolSender:
             self.device_puts += 1
             self.planned_puts += 1
             self._drain(tx)
+            self._settle_next(tx)
         return size
+
+    def _settle_next(self, tx: _Attachment) -> None:
+        """Wait now, off the next put's path, for the last copy out of the stage of the
+        slot the next put will most likely take (the next in turn): that copy was queued
+        an event-slot count of payloads ago and is done, but asking costs a CUDA call."""
+        k = tx.next_slot
+        if k in tx.stages and tx.settled != (k, tx.rec[k]):
+            try:
+                self.ops.settle(tx.events[k])
+            except OmnilinkError:  # the next put waits itself (and sees the error)
+                return
+            tx.settled = (k, tx.rec[k])
 
     def _new_stage(self, tx: _Attachment, slot: int, span: int) -> Any:
         """A page-locked stage of at least ``span`` bytes for ``slot``: its slice of the

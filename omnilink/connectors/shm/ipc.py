@@ -293,10 +293,14 @@ class DeviceIpcRoute:
         if events is None and tx.plans:
             # A stream of same-shaped payloads: its send plan, before anything of the
             # general way is set up (same errors and fallbacks as ``_send``).
-            sent = self._send(tx, key, payload, deadline, None, None, None, planned_only=True)
+            try:
+                sent = tx.send_planned(key, payload, deadline, lambda: _short(deadline))
+            except (TransferTimeout, CapacityError, PeerLostError, ConfigurationError, CudaError) as exc:
+                return self._failed(key, exc)
             if sent is not None:
-                if sent is not FELL_BACK:
-                    self.conn._count(ipc_puts=1)
+                conn = self.conn
+                with conn._counter_lock:
+                    conn._counters["ipc_puts"] += 1
                 return sent
         pool = self._tx_device
         ops = tx.ops
@@ -340,22 +344,10 @@ class DeviceIpcRoute:
         return blob.nbytes
 
     def _send(self, tx: Any, key: str, payload: Any, deadline: Any, events: Any, size: int | None,
-              accept: Any, *, planned: bool = True, planned_only: bool = False) -> Any:
+              accept: Any, *, planned: bool = True) -> Any:
         """``PoolSender.send`` of ``payload`` with this route's publishing: its size, or
         ``None`` (not accepted), or ``FELL_BACK`` (the route could not take it; the
-        reason is kept). ``planned_only``: only by the sender's send plan
-        (``PoolSender.send_planned``; ``None`` when it has none for the payload);
-        ``planned`` false: the plan was asked already."""
-        if planned_only:
-            try:
-                return tx.send_planned(key, payload, deadline, lambda: _short(deadline))
-            except (TransferTimeout, CapacityError) as exc:
-                self._fell_back(key, f"{type(exc).__name__}: {exc}")
-                return FELL_BACK
-            except (PeerLostError, ConfigurationError, CudaError) as exc:
-                self._fell_back(key, f"{type(exc).__name__}: {exc}")
-                self._drop_sender(f"{type(exc).__name__}: {exc}")
-                return FELL_BACK
+        reason is kept). ``planned`` false: the sender's send plan was asked already."""
         conn = self.conn
 
         def publish(msg: dict) -> None:
@@ -381,13 +373,17 @@ class DeviceIpcRoute:
                            accept=accept, planned=planned)
         except _NotPublished as exc:
             raise exc.error from None
-        except (TransferTimeout, CapacityError) as exc:
-            self._fell_back(key, f"{type(exc).__name__}: {exc}")
-            return FELL_BACK
-        except (PeerLostError, ConfigurationError, CudaError) as exc:
-            self._fell_back(key, f"{type(exc).__name__}: {exc}")
+        except (TransferTimeout, CapacityError, PeerLostError, ConfigurationError, CudaError) as exc:
+            return self._failed(key, exc)
+
+    def _failed(self, key: str, exc: BaseException) -> Any:
+        """What a send the route could not make means: ``FELL_BACK`` (the host path takes
+        the payload, the reason kept); a lost receiver or a broken device also drops the
+        route's sender."""
+        self._fell_back(key, f"{type(exc).__name__}: {exc}")
+        if not isinstance(exc, (TransferTimeout, CapacityError)):
             self._drop_sender(f"{type(exc).__name__}: {exc}")
-            return FELL_BACK
+        return FELL_BACK
 
     def _fell_back(self, key: str, why: str) -> None:
         """Count a payload that the route could not take (``stats().ipc_fallbacks``)."""
