@@ -1425,12 +1425,12 @@ class ShmConnector(BaseConnector):
         if payload is _UNSET:
             payload = self._open_payload(key, got, count_get=True)
         if type(payload) is dict and IPC_MARK in payload:
-            from omnilink.cuda import Event, current_raw_stream
-
             dev = self._gpu_path().device_of(device)
             out = self._take_ipc(key, payload, dev, deadline)
             if now:  # get: the current stream already waits for the sender's copy
                 return StagePayloadHandle(out, None, dev, [])
+            from omnilink.cuda import Event, current_raw_stream
+
             # The current stream waits for the sender's copy (and any move): a handle
             # whose wait(stream) orders another stream after that point.
             raw = current_raw_stream(dev.index)
