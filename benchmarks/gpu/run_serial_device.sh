@@ -14,10 +14,11 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SIZES=${SIZES:-4KiB,1MiB,16MiB,64MiB,256MiB}
 N=${N:-40}  # payloads per size above 64 KiB (a stream's send plan and its views made ahead settle in)
+PAIRS=${PAIRS:-1}  # process pairs per road (a pair's row moves +-30% with the VM's speed)
 run() {  # name, extra args
   local name=$1; shift
-  timeout 240 python3 benchmarks/bench_serial_gpu.py --sizes "$SIZES" --roads raw,shm,cuda_ipc,shm-ipc \
-    --lat-n 200 --n "$N" --json "$OUT/$name.json" "$@" \
+  timeout $((240 * PAIRS)) python3 benchmarks/bench_serial_gpu.py --sizes "$SIZES" --roads raw,shm,cuda_ipc,shm-ipc \
+    --lat-n 200 --n "$N" --pairs "$PAIRS" --json "$OUT/$name.json" "$@" \
     > "$OUT/$name.txt" 2>&1
   echo "$name rc=$?"; grep -v -e Warning -e "closing its pool" "$OUT/$name.txt" | tail -9
 }

@@ -855,6 +855,7 @@ class PoolReceiver:
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():
             t.join(5)
+        self._pre = None  # views made ahead: nothing holds them, nobody will land them
         pool, self.pool = self.pool, None
         if pool is not None:
             d = pool.dir
