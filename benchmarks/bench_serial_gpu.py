@@ -435,6 +435,14 @@ def _connect(road: str, role: str, channel: str, dev: str, pool_bytes: int) -> A
     raise ValueError(road)
 
 
+def _pool_end(conn: Any, route_attr: str, own_attr: str) -> Any:
+    """The device pool's end of a connector (its sender or receiver), if it has one: the
+    shm backend's device-IPC route's, or the ``cuda_ipc`` connector's own."""
+    ipc = getattr(conn, "_ipc", None)
+    end = getattr(ipc, route_attr, None) if ipc is not None else None
+    return end if end is not None else getattr(conn, own_attr, None)
+
+
 def _payload(hidden: Any, i: int) -> dict[str, Any]:
     import torch
 
@@ -487,7 +495,10 @@ def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: s
                 ack.release()
             conn.send((t1s, [(n, a, b) for n, a, b in spans]))
         stats = rx.stats()
-        conn.send({f: getattr(stats, f) for f in stats.__struct_fields__})
+        out = {f: getattr(stats, f) for f in stats.__struct_fields__}
+        pool = _pool_end(rx, "_rx", "_receiver")
+        out["prebuilt_hits"] = getattr(pool, "prebuilt_hits", None)  # landings whose views were made ahead
+        conn.send(out)
     finally:
         rx.close()
 
@@ -550,6 +561,7 @@ def road_rows(road: str, src: str, dst: str, sizes: list[int], n: int, lat_n: in
         st = tx.stats()
         rstats.update({f"sender_{f}": getattr(st, f, None) for f in ("ipc_puts", "device_puts", "ipc_fallbacks",
                                                               "ipc_fallback_reason")})
+        rstats["sender_planned_puts"] = getattr(_pool_end(tx, "_tx", "_sender"), "planned_puts", None)
         proc.join(60)
     finally:
         finish(tx, proc, ack)
@@ -644,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                 if pp:
                     print(f"# pairs {r} {format_size(nbytes)}: p50 per pair " + " / ".join(f"{x:.1f}" for x in pp))
     for r, st in extra.items():
-        keep = {k: v for k, v in st.items() if v and any(w in k for w in ("ipc", "device", "fallback", "host"))}
+        keep = {k: v for k, v in st.items()
+                if v and any(w in k for w in ("ipc", "device", "fallback", "host", "planned", "prebuilt"))}
         print(f"# stats {r}: {keep}")
     traces = {}
     if args.trace:

@@ -1,7 +1,8 @@
 """``benchmarks/bench_serial_gpu.py``'s pure functions (no GPU): the two-process timeline
-(spans are assigned to the payload whose [t0, t1] holds their start, offsets are taken
-from that payload's t0, and functions that only some payloads ran say so), and the rows
-of a road run in several process pairs."""
+(spans are assigned to the payload whose [t0, t1] they overlap, offsets are taken from
+that payload's t0, negative for a span that began before it, and functions that only
+some payloads ran say so), the rows of a road run in several process pairs, and where a
+connector keeps its device pool's end."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def test_timeline_assigns_spans_to_their_payload_on_one_clock(bench):
     assert get["start_us"] == 150.0 and get["incl_us"] == 100.0 and get["calls"] == 1
     dec = rows[("receiver", "decode")]
     assert dec["payloads"] == 1 and dec["calls"] == 2 and dec["incl_us"] == 40.0
+    # A receiver's get that waited from before the payload's put: a negative start.
+    rx2 = rx + [("wait", 900 * us, 1140 * us)]
+    wait = {(r["side"], r["fn"]): r for r in bench.timeline(t0s, t1s, tx, rx2)}[("receiver", "wait")]
+    assert wait["payloads"] == 1 and wait["start_us"] == -100.0 and wait["incl_us"] == 240.0
     # Sender rows first, each side by start offset.
     order = [(r["side"], r["fn"]) for r in bench.timeline(t0s, t1s, tx, rx)]
     assert order.index(("sender", "put")) < order.index(("receiver", "get")) < order.index(("receiver", "decode"))
@@ -97,3 +102,22 @@ def test_knobs_resolve_and_switch_in_blocks(bench):
     knobs = [bench.resolve_knob(f"{mod}:_Holder.value=10,20,30")]
     seen = [(bench.set_knobs(knobs, i, 2), _Holder.value) for i in range(7)]
     assert seen == [(0, 10), (0, 10), (1, 20), (1, 20), (2, 30), (2, 30), (0, 10)]
+
+
+def test_pool_end_finds_the_route_s_or_the_connector_s_own(bench):
+    class Route:
+        _tx = "route sender"
+
+    class Shm:
+        _ipc = Route()
+
+    class Own:
+        _ipc = None
+        _sender = "own sender"
+
+    class Neither:
+        pass
+
+    assert bench._pool_end(Shm(), "_tx", "_sender") == "route sender"
+    assert bench._pool_end(Own(), "_tx", "_sender") == "own sender"
+    assert bench._pool_end(Neither(), "_tx", "_sender") is None
