@@ -393,3 +393,43 @@ def test_a_planned_put_that_fails_takes_the_host_road(pair, error, dropped):
     assert st.ipc_fallbacks == 1 and st.ipc_fallback_reason == f"{error}: refused here"
     assert (tx._ipc._tx is None) == dropped  # a lost receiver drops the route's sender
     _same(rx.get("after", timeout=5.0), p)
+
+
+def test_no_plan_for_tensors_on_another_device_than_the_pool():
+    class RemoteOps(double.HostDeviceOps):
+        @staticmethod
+        def tensor_device(t: Any) -> int:
+            return 1  # the payload's tensors live on another GPU than the pool (device 0)
+
+    class Remote(double.HostCudaIpc):
+        @staticmethod
+        def _make_ops() -> Any:
+            return RemoteOps()
+
+    with double.host_pair(f"t/plan-rm-{uuid.uuid4().hex[:8]}", sender=Remote) as (tx, rx):
+        for i in range(6):
+            p = {"h": torch.randn(64) + i, "m": {"i": i}}
+            tx.put(f"k{i}", p, timeout=5.0)
+            _same(rx.get(f"k{i}", timeout=5.0), p)
+        assert tx._sender.planned_puts == 0 and tx._sender.tx.plan is None  # a plan's copy is the local one
+
+
+def test_a_layout_no_plan_covers_is_compiled_once(pair, monkeypatch):
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    calls = []
+    real = pool_sender.compile_plan
+    monkeypatch.setattr(pool_sender, "compile_plan", lambda *a: calls.append(1) or real(*a))
+    tx, rx = pair
+    for i in range(8):
+        p = _payload(i, tags=["a", i])  # a list: not for a plan
+        _roundtrip(tx, rx, f"k{i}", p)
+    assert _sender(tx).planned_puts == 0 and len(calls) == 1  # tried once, not at every put
+    for i in range(3):  # another layout gets its plan
+        p = _payload(i)
+        p["hidden"] = torch.randn(1024).to(torch.bfloat16)
+        _roundtrip(tx, rx, f"n{i}", p)
+    assert _sender(tx).planned_puts == 1 and len(calls) == 2
+    for i in range(pool_sender.PLAN_RETRY + 2):  # the first one's tensors without the list:
+        _roundtrip(tx, rx, f"m{i}", _payload(i))  # its plan once the refusal has aged
+    assert _sender(tx).planned_puts > 1 and len(calls) == 3

@@ -78,6 +78,9 @@ HOST_TO_POOL_BYTES = 64 << 10
 #: tensors need more stages them in a buffer of its slot's own. 0: a buffer per slot.
 STAGE_SLICE_BYTES = 16 << 10
 _ENCODE = msgspec.msgpack.Encoder().encode
+#: Payloads after which a layout that no send plan could be made for is tried again
+#: (its tensors the same, the rest of a payload may have changed: a list gone).
+PLAN_RETRY = 64
 #: Seconds between liveness checks of the receiver.
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
@@ -107,7 +110,7 @@ class _Attachment:
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
                  "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena", "plan",
-                 "last_entries", "settled")
+                 "last_entries", "no_plan", "settled")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -154,6 +157,9 @@ class _Attachment:
         #: when two in a row share it)
         self.plan: Any = None
         self.last_entries: Any = None
+        #: the tensor list of a layout no plan could be made for, and the sequence
+        #: number before which it is not tried again
+        self.no_plan: tuple[Any, int] = (None, 0)
         #: ``(slot, rec)``: the slot whose event was waited for after its record ``rec``
         #: (its stage free), at the end of the put before (``_send_planned``)
         self.settled = (-1, -1)
@@ -368,11 +374,20 @@ class PoolSender:
             tx.by_block[blk] = key
             if self.lane_wake is not None and self.plans and not kept[0] and ctx is None and size is None \
                     and (host_to_pool == HOST_TO_POOL_BYTES or not host_items):
-                # Two payloads in a row laid out alike: the next ones go by a plan.
-                if entries == tx.last_entries and (tx.plan is None or tx.plan.entries != entries):
-                    tx.plan = compile_plan(payload, entries, chosen, total, tx.index, ops.plan_checks())
-                    if tx.plan is not None:
-                        tx.plan.calibrate(payload, host)
+                # Two payloads in a row laid out alike: the next ones go by a plan (whose
+                # copy is the local one: only for device tensors on the pool's device).
+                if entries == tx.last_entries and (tx.plan is None or tx.plan.entries != entries) \
+                        and (seq >= tx.no_plan[1] or entries != tx.no_plan[0]):
+                    plan = None
+                    if all(picked == 2 or ops.tensor_device(t) == tx.index for _, t, picked in chosen):
+                        plan = compile_plan(payload, entries, chosen, total, tx.index, ops.plan_checks())
+                        if plan is not None:
+                            plan.calibrate(payload, host)
+                    if plan is None or plan.size_base is None:
+                        # (a list in it, tensors on another GPU): not again for a while
+                        tx.no_plan = (entries, seq + PLAN_RETRY)
+                    else:
+                        tx.plan = plan
                 tx.last_entries = entries
             why = self._lost(tx)  # before any copy into its pool
             if why is not None:
