@@ -433,3 +433,33 @@ def test_a_layout_no_plan_covers_is_compiled_once(pair, monkeypatch):
     for i in range(pool_sender.PLAN_RETRY + 2):  # the first one's tensors without the list:
         _roundtrip(tx, rx, f"m{i}", _payload(i))  # its plan once the refusal has aged
     assert _sender(tx).planned_puts > 1 and len(calls) == 3
+
+
+def test_the_release_tracker_runs_once():
+    import gc
+    import threading
+
+    from omnilink.connectors.devpool.receiver import _Finalizer
+
+    class Lease:
+        pass
+
+    calls = []
+    lease = Lease()
+    fin = _Finalizer(lease, lambda *a: calls.append(a), "k", 1, 2)
+    assert fin.alive
+    del lease
+    gc.collect()
+    assert calls == [("k", 1, 2)] and not fin.alive  # when the lease died
+    fin()
+    assert calls == [("k", 1, 2)]  # not again when called
+    keep = Lease()
+    fin = _Finalizer(keep, lambda *a: calls.append(a), "j", 3, 4)
+    threads = [threading.Thread(target=fin) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del keep
+    gc.collect()
+    assert calls.count(("j", 3, 4)) == 1  # once, whichever thread (or the lease's death) came first
