@@ -4,12 +4,14 @@
 # without and with an MPS server, and cuda:0 -> cuda:1 when there are two GPUs.
 #
 #   (once, here) wheels of msgspec, posix_ipc and pyzmq for the device's Python in .whl/
+#   (or in $WHEELS)
 #   bash benchmarks/gpu/run_serial_device.sh   # there, from the repository root; OUT= a results dir
 set -uo pipefail
 OUT=${OUT:-/tmp/omnilink-serial-run}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+WHEELS=${WHEELS:-.whl}  # the wheels carried for the device's Python
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SIZES=${SIZES:-4KiB,1MiB,16MiB,64MiB,256MiB}
