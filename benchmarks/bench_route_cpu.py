@@ -23,7 +23,7 @@ other side):
              hidden state goes in the block as a device tensor, token ids and the flag as
              small host tensors, as on a GPU), ``get`` onto the pool's device, as a
              stream of same-shaped payloads runs: by the sender's send plan, the views
-             made while the receiver waited (``DeviceIpcRoute.idle``, untimed: a waiting
+             made while the receiver waited (``PoolReceiver.prebuild``, untimed: a waiting
              get does it before the payload comes).
 ``general``  the same route the general way (no send plan, no views made ahead),
              alternated with ``route`` in blocks of 50 messages of the one pair.
@@ -163,19 +163,7 @@ def _route_pair(channel: str) -> tuple[Any, Any]:
     import omnilink.cuda
     from tests import cuda_ipc_double as double
 
-    hostlike = (torch.int64, torch.bool)
-
-    class Ops(double.HostDeviceOps):
-        def is_device_tensor(self, t: Any) -> bool:
-            return t.dtype not in hostlike
-
-        def is_small_host_tensor(self, t: Any, most: int) -> bool:
-            return t.dtype in hostlike and t.nbytes <= most
-
-    class Route(double.HostDeviceIpcRoute):
-        @staticmethod
-        def _make_ops() -> Any:
-            return Ops()
+    Route = double.HostLikeIpcRoute
 
     # The double's pool is on "device 0" and a get without ``device`` asks for host
     # copies; on a GPU a get onto the pool's device returns the views as they are.
@@ -244,7 +232,7 @@ def _time_rows(args: argparse.Namespace, nbytes: int) -> dict[str, dict[str, flo
         pool_sender.PoolSender.plans = planned
         pool_receiver.PREBUILD = planned
         if planned:
-            route.idle()
+            rx._wait_hook()  # what a get that waits does first (``PoolReceiver.prebuild``)
         return 0 if planned else 1
 
     try:

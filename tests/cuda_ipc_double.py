@@ -90,7 +90,7 @@ class HostDeviceOps:
         return True
 
     def is_small_host_tensor(self, t: Any, most: int) -> bool:
-        return False  # every tensor is a "device" tensor here (HostOnlyOps below says otherwise)
+        return False  # every tensor is a "device" tensor here (HostLikeOps below says otherwise)
 
     @staticmethod
     def tensor_device(t: Any) -> int:
@@ -252,6 +252,30 @@ class HostDeviceIpcRoute(DeviceIpcRoute):
     @staticmethod
     def _unavailable() -> str | None:
         return None
+
+
+#: the dtypes ``HostLikeOps`` takes for host tensors
+HOSTLIKE = (torch.int64, torch.bool)
+
+
+class HostLikeOps(HostDeviceOps):
+    """Int64 and bool tensors stand for host tensors (small ones may ride in the pool
+    block), every other tensor for a device one: a vLLM-Omni chunk's bf16 hidden state,
+    token ids and flag take the roads they take on a GPU."""
+
+    def is_device_tensor(self, t: Any) -> bool:
+        return t.dtype not in HOSTLIKE
+
+    def is_small_host_tensor(self, t: Any, most: int) -> bool:
+        return t.dtype in HOSTLIKE and t.nbytes <= most
+
+
+class HostLikeIpcRoute(HostDeviceIpcRoute):
+    """``HostDeviceIpcRoute`` over ``HostLikeOps``."""
+
+    @staticmethod
+    def _make_ops() -> Any:
+        return HostLikeOps()
 
 
 def host_route(conn: Any, *, mode: str = "on", pool_bytes: int = 4 << 20, min_bytes: int | None = 0,

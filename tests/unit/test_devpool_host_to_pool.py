@@ -16,19 +16,8 @@ torch = pytest.importorskip("torch")
 from omnilink import encoded_size  # noqa: E402
 from omnilink._util import Deadline  # noqa: E402
 from omnilink.connectors.devpool import PoolReceiver, PoolSender  # noqa: E402
-from tests.cuda_ipc_double import HostCudaIpc, HostDeviceOps  # noqa: E402
-
-HOSTLIKE = (torch.int64, torch.bool)
-
-
-class HostOnlyOps(HostDeviceOps):
-    """Int64 and bool tensors are host tensors; small ones may go to the pool."""
-
-    def is_device_tensor(self, t):
-        return t.dtype not in HOSTLIKE
-
-    def is_small_host_tensor(self, t, most):
-        return t.dtype in HOSTLIKE and t.numel() * t.element_size() <= most
+from tests.cuda_ipc_double import HostCudaIpc  # noqa: E402
+from tests.cuda_ipc_double import HostLikeOps as HostOnlyOps  # noqa: E402
 
 
 def _pair():

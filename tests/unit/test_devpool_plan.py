@@ -21,22 +21,6 @@ from omnilink import encoded_size  # noqa: E402
 from omnilink.connectors.devpool.plan import compile_plan  # noqa: E402
 from tests import cuda_ipc_double as double  # noqa: E402
 
-HOSTLIKE = (torch.int64, torch.bool)
-
-
-class _Ops(double.HostDeviceOps):
-    def is_device_tensor(self, t: Any) -> bool:
-        return t.dtype not in HOSTLIKE
-
-    def is_small_host_tensor(self, t: Any, most: int) -> bool:
-        return t.dtype in HOSTLIKE and t.nbytes <= most
-
-
-class _Route(double.HostDeviceIpcRoute):
-    @staticmethod
-    def _make_ops() -> Any:
-        return _Ops()
-
 
 @pytest.fixture
 def pair():
@@ -44,8 +28,8 @@ def pair():
     rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
     tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
     try:
-        rx._ipc = _Route(rx, "on", 4 << 20, 0, None)
-        tx._ipc = _Route(tx, "on", 4 << 20, 0, None)
+        rx._ipc = double.HostLikeIpcRoute(rx, "on", 4 << 20, 0, None)
+        tx._ipc = double.HostLikeIpcRoute(tx, "on", 4 << 20, 0, None)
         # The sender maps the pool (shm's put takes the route first from then on, as it
         # does for a CUDA payload).
         double.route_put(tx, "attach", {"x": torch.zeros(8)})
@@ -245,7 +229,7 @@ def test_views_made_while_waiting_are_the_ones_landed(pair):
     prx = _rx_pool(rx)
     for i in range(6):
         _roundtrip(tx, rx, f"w{i}", _payload(i))
-    assert prx.prebuild()  # what a waiting get does (``DeviceIpcRoute.idle``)
+    assert prx.prebuild()  # what a waiting get does (the connector's ``_wait_hook``)
     made = prx._pre
     assert made is not None and not prx.prebuild()  # once
     p = _payload(6)

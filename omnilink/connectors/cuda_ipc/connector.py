@@ -37,18 +37,6 @@ DEFAULT_ARENA_BYTES = 16 << 20
 _Inner = ShmConnector
 
 
-def _prebuild_hook(rx: PoolReceiver) -> Any:
-    """The inner channel's wait hook: the pool's receiver prepares the next landing."""
-
-    def hook() -> None:
-        try:
-            rx.prebuild()
-        except Exception:  # pragma: no cover - a speculative step; the landing makes its own
-            logger.debug("cuda_ipc: prebuild failed", exc_info=True)
-
-    return hook
-
-
 def _check_values(*, pool_bytes: Any, event_slots: Any, max_blocks: Any, pool_max_bytes: Any = None) -> None:
     """The value checks of ``CudaIpcConnector``'s own options (its constructor and its
     ``check_options`` both call this; ``arena_bytes`` and ``linger`` are the inner shm
@@ -194,7 +182,7 @@ class CudaIpcConnector(BaseConnector):
                 # The sender puts each message in the pool's lane: the inner channel
                 # takes them as its own (no arena block, no frame to decode).
                 self._inner.attach_lane(rx.lane, lambda key, msg: rx.drop(key or "<lane>", msg))
-                self._inner._wait_hook = _prebuild_hook(rx)
+                self._inner._wait_hook = rx.prebuild
         except BaseException:
             self._close()
             raise

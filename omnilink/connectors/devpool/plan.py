@@ -47,11 +47,11 @@ class SendPlan:
     where they start in the block and how many bytes they span, ``total`` the block's
     bytes."""
 
-    __slots__ = ("match", "entries", "raw", "dev_items", "host_items", "host_first", "host_span", "total", "device",
-                 "source", "size_base", "data_len")
+    __slots__ = ("match", "entries", "raw", "dev_items", "host_items", "host_first", "host_span", "total",
+                 "size_base", "data_len")
 
     def __init__(self, match: Any, entries: list[list[Any]], dev_items: list[tuple[int, int]],
-                 host_items: list[tuple[int, int]], total: int, device: int, source: str) -> None:
+                 host_items: list[tuple[int, int]], total: int) -> None:
         #: ``size(host_bytes)``'s constants (``size_base`` ``None``: the plan cannot
         #: size its payloads; ``calibrate``)
         self.size_base: int | None = None
@@ -64,8 +64,6 @@ class SendPlan:
         self.host_first = host_items[0][0] if host_items else 0
         self.host_span = (host_items[-1][0] + host_items[-1][1] - self.host_first) if host_items else 0
         self.total = total
-        self.device = device
-        self.source = source
 
 
     def calibrate(self, payload: Any, host: Any) -> None:
@@ -107,10 +105,8 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
         return None
     # The manifest's order: device tensors in walk order, then host tensors.
     order = {tuple(e[4]): i for i, e in enumerate(entries)}
-    picks = {tuple(path): pick for path, _t, pick in chosen}
-    if len(order) != len(entries) or set(order) != set(picks):
-        return None
-    if not any(p != 2 for p in picks.values()):
+    tensors = {tuple(path): t for path, t, _pick in chosen}
+    if len(order) != len(entries) or set(order) != set(tensors) or all(p == 2 for *_, p in chosen):
         return None
     dev_check, host_check = checks
     dt_names: dict[Any, str] = {}
@@ -171,11 +167,7 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     for i, e in enumerate(entries):
         off, nbytes, shape = e[1], e[2], e[3]
         c = tvars[i]
-        t = None
-        for path, tt, _ in chosen:
-            if tuple(path) == tuple(e[4]):
-                t = tt
-        dt = t.dtype
+        dt = tensors[tuple(e[4])].dtype
         dn = dt_names.get(dt)
         if dn is None:
             dn = dt_names[dt] = const(dt)
@@ -196,4 +188,4 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     source = "def match(p):\n" + "\n".join(lines) + "\n"
     code_obj = compile(source, "<omnilink send plan>", "exec")
     exec(code_obj, ns)  # noqa: S102 - our own source, built from keys with repr()
-    return SendPlan(ns["match"], entries, dev_items, host_items, total, device, source)
+    return SendPlan(ns["match"], entries, dev_items, host_items, total)

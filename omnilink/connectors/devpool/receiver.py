@@ -687,7 +687,8 @@ class PoolReceiver:
         layout), so that a landing that finds its block and layout made only puts them
         in place (a stream of same-shaped payloads: the views were half of a landing's
         time on an H200). Nothing is held or tracked until a landing takes them; views
-        of a block the next payload does not take are dropped. Whether it made any."""
+        of a block the next payload does not take are dropped. Whether it made any; never
+        raises (a speculative step: the landing makes its own views)."""
         pool = self.pool
         layout = self._layout
         if not PREBUILD or self._pre is not None or pool is None or layout is None or pool.closed:
@@ -699,7 +700,11 @@ class PoolReceiver:
         seg = pool.segs[blk >> SEG_SHIFT]
         if seg is None or (blk & SEG_MASK) + total > seg[1]:
             return False
-        lease, views = self._views(seg[0] + (blk & SEG_MASK), total, pool.index, entries)
+        try:
+            lease, views = self._views(seg[0] + (blk & SEG_MASK), total, pool.index, entries)
+        except Exception:  # pragma: no cover - a device error: the landing meets it itself
+            logger.debug("cuda_ipc: making views ahead failed", exc_info=True)
+            return False
         self._pre = (blk, total, entries, seg[0], lease, views)
         return True
 
@@ -768,7 +773,6 @@ class PoolReceiver:
                 rec = rec_seq(slot)
                 if rec >= seq:
                     break
-            rec = rec_seq(slot)
             if rec & COPY_FAILED and rec & ~COPY_FAILED == seq:
                 raise TransportError(f"cuda_ipc: the sender could not copy key {key!r} on channel "
                                      f"{self.channel!r} into the pool; the payload is lost")

@@ -188,7 +188,7 @@ class PoolSender:
         The channel whose receiver's pool it sends into.
     """
 
-    #: whether ``send`` may send by a send plan (with ``lane_mark`` set)
+    #: whether ``send`` may send by a send plan (with ``lane_wake`` set)
     plans = True
 
     def __init__(self, ops: Any, channel: str) -> None:
@@ -397,11 +397,7 @@ class PoolSender:
                 if host_items:
                     first = host_items[0][0]
                     span = off - first
-                    stage = tx.stages.get(slot)
-                    if stage is None or ops.stage_bytes(stage) < span:
-                        if stage is not None:  # its last copy must be done before it goes back
-                            ops.settle(tx.events[slot])
-                        stage = tx.stages[slot] = self._new_stage(tx, slot, span)
+                    stage, _ = self._stage_for(tx, slot, span, False)
                     hosted_arg = (base + first, [(o - first, t) for o, t in host_items], span, stage)
                 ops.copy_in(tx.index, [(base + o, t) for o, t in items], tx.events[slot], ctx, hosted=hosted_arg)
             except BaseException as exc:
@@ -487,12 +483,7 @@ class PoolSender:
                 settled = tx.settled == (slot, tx.rec[slot])
                 if hosts:
                     first, span = plan.host_first, plan.host_span
-                    stage = tx.stages.get(slot)
-                    if stage is None or ops.stage_bytes(stage) < span:
-                        if stage is not None and not settled:
-                            ops.settle(tx.events[slot])
-                        stage = tx.stages[slot] = self._new_stage(tx, slot, span)
-                        settled = True
+                    stage, settled = self._stage_for(tx, slot, span, settled)
                     hosted_arg = (base + first, [(o - first, t) for (o, _n), t in zip(plan.host_items, hosts)], span,
                                   stage)
                 ops.copy_in_local(tx.index, [(base + o, t) for (o, _n), t in zip(plan.dev_items, devs)],
@@ -519,6 +510,19 @@ class PoolSender:
             except OmnilinkError:  # the next put waits itself (and sees the error)
                 return
             tx.settled = (k, tx.rec[k])
+
+    def _stage_for(self, tx: _Attachment, slot: int, span: int, settled: bool) -> tuple[Any, bool]:
+        """The page-locked stage of ``slot`` for ``span`` bytes of host tensors, and
+        whether its last copy is known done (``settled``, or the stage is new): the
+        slot's own if large enough, else a new one (the old one's last copy waited for
+        first: it goes back)."""
+        stage = tx.stages.get(slot)
+        if stage is not None and self.ops.stage_bytes(stage) >= span:
+            return stage, settled
+        if stage is not None and not settled:
+            self.ops.settle(tx.events[slot])
+        tx.stages[slot] = stage = self._new_stage(tx, slot, span)
+        return stage, True
 
     def _new_stage(self, tx: _Attachment, slot: int, span: int) -> Any:
         """A page-locked stage of at least ``span`` bytes for ``slot``: its slice of the

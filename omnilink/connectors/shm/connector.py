@@ -1530,9 +1530,9 @@ class ShmConnector(BaseConnector):
         return self._receive_handle(key, self._deadline(timeout), True, device)
 
     #: Called (no argument, must not raise) by a get that found nothing yet, once, before
-    #: it waits: a connector built on this one (``cuda_ipc``) lets its pool's receiver
-    #: prepare the next landing then (``PoolReceiver.prebuild``); the device-IPC route's
-    #: own is ``DeviceIpcRoute.idle``.
+    #: it waits: the device pool's receiver (the device-IPC route's, or that of a
+    #: ``cuda_ipc`` connector built on this one) prepares the next landing then
+    #: (``PoolReceiver.prebuild``).
     _wait_hook: Any = None
 
     def _claim_wait(self, key: str, deadline: Deadline | None, block: bool, *, count: bool = False,
@@ -1604,8 +1604,6 @@ class ShmConnector(BaseConnector):
                 hook = self._wait_hook
                 if hook is not None:
                     hook()
-                elif self._ipc is not None:
-                    self._ipc.idle()
             self._sleep_until_published(gen, deadline)
 
     def _missed(self, key: str, keys: list[str] | None, block: bool, deadline: Deadline) -> None:

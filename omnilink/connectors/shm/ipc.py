@@ -194,8 +194,10 @@ class DeviceIpcRoute:
                         rx.drop(key or "<lane>", marker[IPC_MARK])
 
                 # The pool's sender puts each message in the pool's lane: this channel
-                # takes them as its own (one claim, no arena block, no frame to decode).
+                # takes them as its own (one claim, no arena block, no frame to decode);
+                # a get that waits lets the pool's receiver prepare the next landing.
                 self.conn.attach_lane(rx.lane, drop)
+                self.conn._wait_hook = rx.prebuild
             if self._rx is None:
                 if strict:
                     raise CudaError(f"shm: device_ipc='on' on channel {self.conn.channel!r}: {why}")
@@ -232,18 +234,6 @@ class DeviceIpcRoute:
         # The payload's CPU tensors go to ``device`` too, as on every road (``get``'s
         # contract); the pool's views, already there, stay as they are.
         return payload_to_device(got, device)
-
-    def idle(self) -> None:
-        """A get of this connector found nothing yet and is about to wait (registered as
-        a waiter: a payload published meanwhile wakes it at once): the pool's receiver
-        makes the views of the block it expects the next payload in
-        (``PoolReceiver.prebuild``). Never fails the get."""
-        rx = self._rx
-        if rx is not None:
-            try:
-                rx.prebuild()
-            except Exception:  # pragma: no cover - a speculative step; the landing makes its own
-                logger.debug("shm: device pool prebuild failed", exc_info=True)
 
     # ================================================================ sender
     def min_bytes_for(self, blob: Any) -> int:
@@ -298,9 +288,7 @@ class DeviceIpcRoute:
             except (TransferTimeout, CapacityError, PeerLostError, ConfigurationError, CudaError) as exc:
                 return self._failed(key, exc)
             if sent is not None:
-                conn = self.conn
-                with conn._counter_lock:
-                    conn._counters["ipc_puts"] += 1
+                self.conn._count(ipc_puts=1)
                 return sent
         pool = self._tx_device
         ops = tx.ops
@@ -542,6 +530,7 @@ class DeviceIpcRoute:
         self._closed = True
         with self._lock:
             parts, self._tx, self._rx = (self._tx, self._rx), None, None
+        self.conn._wait_hook = None
         for part in parts:
             if part is not None:
                 try:
