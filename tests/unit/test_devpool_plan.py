@@ -164,6 +164,53 @@ def test_a_new_layout_twice_makes_a_new_plan(pair):
     assert _sender(tx).planned_puts == 2  # a2, b2
 
 
+def _decode_step(i: int) -> dict[str, Any]:
+    # another layout, as a thinker's decode chunk after its prefill chunks
+    return {"hidden": torch.randn(1, 64).to(torch.bfloat16), "ids": torch.tensor([i]),
+            "meta": {"finished": torch.tensor(False), "chunk_id": i}}
+
+
+@pytest.mark.parametrize("order", ["phases", "in_turn"])
+def test_layouts_sent_in_turn_keep_a_plan_each(pair, monkeypatch, order):
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    calls = []
+    real = pool_sender.compile_plan
+    monkeypatch.setattr(pool_sender, "compile_plan", lambda *a: calls.append(1) or real(*a))
+    tx, rx = pair
+    s = _sender(tx)
+    if order == "phases":  # a request's prefill chunks, then its decode chunks, request after request
+        kinds = [k for _ in range(4) for k in "p" * 6 + "d" * 6]
+    else:  # requests at different steps, stepped round robin: the layouts alternate
+        kinds = list("pd" * 24)
+    for i, k in enumerate(kinds):
+        _roundtrip(tx, rx, f"k{i}", _payload(i) if k == "p" else _decode_step(i))
+    # Each layout compiled once, then kept: every payload after the first two of each
+    # layout (phases), or after each layout was seen twice (in turn), went by a plan.
+    assert len(calls) == 2 and len(s.tx.plans) == 2
+    assert s.planned_puts == len(kinds) - 4
+
+
+def test_a_sender_keeps_at_most_max_plans(pair):
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    tx, rx = pair
+    s = _sender(tx)
+    n = pool_sender.MAX_PLANS + 2
+    for j in range(n):  # n layouts (sizes of the hidden state), three payloads each
+        for i in range(3):
+            p = _payload(i)
+            p["hidden"] = torch.randn(64 * (j + 1)).to(torch.bfloat16)
+            _roundtrip(tx, rx, f"l{j}-{i}", p)
+    kept = [p.entries[0][3] for p in s.tx.plans]
+    assert kept == [[64 * (j + 1)] for j in reversed(range(n))][: pool_sender.MAX_PLANS]
+    assert s.planned_puts == n  # the third payload of each layout
+    p = _payload(0)
+    p["hidden"] = torch.randn(64).to(torch.bfloat16)  # the first layout's plan was dropped
+    _roundtrip(tx, rx, "again", p)
+    assert s.planned_puts == n
+
+
 def test_a_key_still_unread_is_refused_as_the_general_way_refuses_it(pair):
     tx, rx = pair
     for i in range(3):

@@ -81,6 +81,10 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 #: Payloads after which a layout that no send plan could be made for is tried again
 #: (its tensors the same, the rest of a payload may have changed: a list gone).
 PLAN_RETRY = 64
+#: Send plans a sender keeps (most recently used first): a stage that sends a few
+#: layouts in turn (a thinker's prefill and decode chunks, the requests of a batch at
+#: different steps) keeps one for each instead of compiling them again at each change.
+MAX_PLANS = 4
 #: Seconds between liveness checks of the receiver.
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
@@ -110,7 +114,7 @@ class _Attachment:
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
                  "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena", "plan",
-                 "last_entries", "no_plan", "settled")
+                 "plans", "seen", "no_plan", "settled")
     dir: Directory
     gen: int
     #: the mapped segments by index (``None``: not live), and the live ones in order
@@ -152,11 +156,13 @@ class _Attachment:
         #: the page-locked buffer the slots' stages of at most ``STAGE_SLICE_BYTES`` are
         #: slices of (taken at the first payload with host tensors for the block)
         self.stage_arena: Any = None
-        #: the send plan of the payloads this attachment sends (``devpool.plan``), and
-        #: the tensor list of the last payload the general way sent (a plan is compiled
-        #: when two in a row share it)
+        #: the send plan this attachment used last (``devpool.plan``), every plan it
+        #: keeps (``MAX_PLANS``, most recently used first), and the tensor lists of the
+        #: last payloads the general way sent (a plan is compiled for a layout seen
+        #: twice among them: two in a row, or two of a few layouts sent in turn)
         self.plan: Any = None
-        self.last_entries: Any = None
+        self.plans: list[Any] = []
+        self.seen: list[Any] = []
         #: the tensor list of a layout no plan could be made for, and the sequence
         #: number before which it is not tried again
         self.no_plan: tuple[Any, int] = (None, 0)
@@ -374,9 +380,10 @@ class PoolSender:
             tx.by_block[blk] = key
             if self.lane_wake is not None and self.plans and not kept[0] and ctx is None and size is None \
                     and (host_to_pool == HOST_TO_POOL_BYTES or not host_items):
-                # Two payloads in a row laid out alike: the next ones go by a plan (whose
-                # copy is the local one: only for device tensors on the pool's device).
-                if entries == tx.last_entries and (tx.plan is None or tx.plan.entries != entries) \
+                # A layout the general way sent lately, again: the next ones go by a plan
+                # (whose copy is the local one: only for device tensors on the pool's
+                # device).
+                if entries in tx.seen and not any(p.entries == entries for p in tx.plans) \
                         and (seq >= tx.no_plan[1] or entries != tx.no_plan[0]):
                     plan = None
                     if all(picked == 2 or ops.tensor_device(t) == tx.index for _, t, picked in chosen):
@@ -388,7 +395,11 @@ class PoolSender:
                         tx.no_plan = (entries, seq + PLAN_RETRY)
                     else:
                         tx.plan = plan
-                tx.last_entries = entries
+                        tx.plans.insert(0, plan)
+                        del tx.plans[MAX_PLANS:]
+                if entries not in tx.seen:
+                    tx.seen.insert(0, entries)
+                    del tx.seen[MAX_PLANS:]
             why = self._lost(tx)  # before any copy into its pool
             if why is not None:
                 raise self._peer_lost(why, key)
@@ -416,19 +427,28 @@ class PoolSender:
 
     def send_planned(self, key: str, payload: Any, deadline: Deadline, room: Any = None,
                      landing: bool = False) -> int | None:
-        """``send`` of ``payload`` by this sender's send plan, when it has one and the
-        payload is of it (what ``send`` tries first; a transport's put may ask it before
-        it sets up the general way); ``None``: nothing was sent, send it by ``send``.
-        ``room``: as ``send``'s, or a function that makes it, called only if the put
-        has to wait for room."""
+        """``send`` of ``payload`` by one of this sender's send plans, when it has one
+        the payload is of (the one used last tried first; what ``send`` tries first; a
+        transport's put may ask it before it sets up the general way); ``None``:
+        nothing was sent, send it by ``send``. ``room``: as ``send``'s, or a function
+        that makes it, called only if the put has to wait for room."""
         tx = self.tx
         plan = tx.plan if tx is not None and self.plans else None
-        # (a plan carries small host tensors in the block: with ``landing``, only while
-        # the receiver still lands on its device)
-        if plan is None or (landing and plan.host_items and not tx.dir.get(LANDS)):  # type: ignore[union-attr]
+        if plan is None:
             return None
         got = plan.match(payload)
         if got is None:
+            for other in tx.plans:  # type: ignore[union-attr]
+                if other is not plan:
+                    got = other.match(payload)
+                    if got is not None:
+                        plan = tx.plan = other  # type: ignore[union-attr]
+                        break
+            else:
+                return None
+        # (a plan carries small host tensors in the block: with ``landing``, only while
+        # the receiver still lands on its device)
+        if landing and plan.host_items and not tx.dir.get(LANDS):  # type: ignore[union-attr]
             return None
         return self._send_planned(tx, plan, got, key, payload, room or deadline, deadline)  # type: ignore[arg-type]
 
