@@ -129,3 +129,27 @@ def test_measured_requests_wait_for_the_warm_up_to_finish():
     cfg2 = PipelineConfig(warmup=2, requests=4, concurrency=2)
     assert _may_admit(1, 0, cfg2) and not _may_admit(2, 1, cfg2) and _may_admit(2, 2, cfg2)
     assert _may_admit(0, 0, PipelineConfig(warmup=0, requests=2, concurrency=1))
+
+
+def test_trace_pipeline_puts_both_stages_on_one_clock(tmp_path):
+    # benchmarks/trace_pipeline.py: the pipeline's stage processes traced; every stage
+    # writes its spans, and the report lays the talker's gets beside the thinker's puts.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    before = _ours()
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "trace_pipeline.py"), str(tmp_path),
+                        "--only", ".put,.get,.get_nowait,.land", "--", *SMALL, "--connector", "omnilink-shm"],
+                       capture_output=True, text=True, timeout=240, cwd=root)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert _ours() == before, "the traced pipeline left shared memory behind"
+    spans = {s: json.loads((tmp_path / f"trace-{s}.json").read_text()) for s in ("thinker", "talker", "code2wav")}
+    thinker_puts = [x for x in spans["thinker"] if x[0] == "_bench.pipeline._Link.put"]
+    # warm-up + 2 requests, each 2 prefill chunks (128 / 64) and 6 decode steps
+    assert len(thinker_puts) == 3 * (2 + 6)
+    assert all(a <= b for _, a, b in thinker_puts)
+    assert sum(1 for x in spans["thinker"] if x[0] == "mark.prefill") == 3 * 2
+    assert any(x[0] == "_bench.pipeline._Link.get_nowait" or x[0] == "_bench.pipeline._Link.get"
+               for x in spans["talker"])
+    out = r.stdout
+    assert "prefill chunks (6)" in out and "decode chunks (18)" in out
+    section = out[out.index("prefill chunks (6)"):]
+    assert " tx _bench.pipeline._Link.put " in section and " rx _bench.pipeline._Link.get" in section
