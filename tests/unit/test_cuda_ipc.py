@@ -306,6 +306,26 @@ def test_repeated_tensor_entries_are_checked_against_each_block():
             assert rx.stats().blocks_in_use == 0
 
 
+def test_a_few_layouts_in_turn_are_each_parsed_once_and_checked_against_each_block():
+    from omnilink.connectors.devpool import receiver as pool_receiver
+
+    ch = _chan()
+    with HostCudaIpc(channel=ch, role="receiver", pool_bytes=4 << 20, event_slots=4) as rx:
+        r = rx._receiver
+        r._open()
+        layouts = [[[9, 0, 512, [128], ["x"]]], [[9, 0, 1024, [256], ["x"]]], [[5, 0, 64, [16], ["y"]]]]
+        first = [r.parse(f"a{i}", _m(1, 1 + i, 0, 0, 1024, e))[5] for i, e in enumerate(layouts)]
+        for i in range(6):  # in turn, as a sender's plans send them: the remembered copies
+            got = r.parse(f"b{i}", _m(1, 10 + i, 0, 0, 1024, layouts[i % 3]))[5]
+            assert got is first[i % 3] and r.parsed[2] is got
+        with pytest.raises(BlobDecodeError, match="past the block"):  # still checked against its block
+            r.parse("short", _m(1, 20, 0, 0, 512, layouts[1]))
+        for i in range(pool_receiver.PARSED_KEPT + 1):  # more layouts than kept: the oldest goes
+            r.parse(f"c{i}", _m(1, 30 + i, 0, 0, 1024, [[9, 0, 16 * (i + 1), [4 * (i + 1)], ["z"]]]))
+        assert len(r._recent) == pool_receiver.PARSED_KEPT
+        assert r.parse("d", _m(1, 40, 0, 0, 1024, layouts[0]))[5] is not first[0]  # parsed again
+
+
 def test_a_payload_that_is_one_tensor_and_tensors_inside_tuples_come_back_whole(pair):
     tx, rx = pair
     t = torch.arange(10, dtype=torch.float32)

@@ -83,6 +83,8 @@ PREDICT_PERIOD = 8
 #: Looks at a slot's ``rec_seq`` between two checks of the sender's liveness while a
 #: reader waits for the sender to queue its copy.
 RECORD_LOOKS = 16
+#: Valid tensor lists ``parse`` remembers (a sender's few layouts, sent in turn).
+PARSED_KEPT = 4
 #: Seconds a grown segment stays without a block this receiver holds before it is
 #: given back (``PoolReceiver.idle_s``).
 IDLE_S = 2.0
@@ -277,8 +279,10 @@ class PoolReceiver:
         #: (gen, events, opened) of the sender generation whose events are open
         self._events: tuple[int, list[Any], bool] | None = None
         self._events_lock = threading.Lock()
-        #: (tensor entries, their end, parsed) of the last valid manifest (``parse``)
+        #: (tensor entries, their end, parsed) of the last valid manifest (``parse``),
+        #: and of the last few (``PARSED_KEPT``, most recent first)
         self.parsed: tuple[list[Any], int, list[Any]] | None = None
+        self._recent: list[tuple[list[Any], int, list[Any]]] = []
         #: whether this receiver's gets land payloads on its device (``set_landing``)
         self.landing = False
         #: the blocks of the last payloads landed, and the last one's (block bytes,
@@ -524,7 +528,12 @@ class PoolReceiver:
         if type(entries) is not list or not 1 <= len(entries) <= MAX_TENSORS:
             raise bad("tensor list missing or too long")
         last = self.parsed
-        if last is not None and entries == last[0]:
+        if last is not None and entries != last[0]:
+            # a sender that sends a few layouts in turn (its send plans)
+            last = next((r for r in self._recent if entries == r[0]), None)
+            if last is not None:
+                self.parsed = last
+        if last is not None:
             # The tensors of the last valid manifest (a stream repeats them): only their
             # extent against this block's size is new. ``==`` may also match floats or
             # bools equal to those ints; what is used is the validated copy.
@@ -575,7 +584,9 @@ class PoolReceiver:
             end = max(end, off + nbytes)
         if len(out) > 1 and any(not t[6] for t in out):
             raise bad("the payload itself is a tensor, yet the manifest names more than one")
-        self.parsed = (entries, end, out)
+        self.parsed = parsed = (entries, end, out)
+        self._recent.insert(0, parsed)
+        del self._recent[PARSED_KEPT:]
         return gen, seq, slot, block, total, out
 
     def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None,
