@@ -117,19 +117,21 @@ def _load(outdir: str, stage: str) -> list[tuple[str, int, int]]:
         return []
 
 
-def summarize(outdir: str) -> str:
-    """The report of the traces in ``outdir`` (see the module docstring)."""
+def analyze(outdir: str) -> dict[str, Any]:
+    """The figures of the traces in ``outdir`` (see the module docstring):
+    ``{"stages": {stage: [{"name", "calls", "p50_us", "p90_us"}]}, "chunks": {kind:
+    {"count", "spans": [{"side", "name", "start_us", "dur_us", "per_chunk"}]}}}``."""
     st = {s: _load(outdir, s) for s in STAGES}
-    lines = []
+    report: dict[str, Any] = {"stages": {}, "chunks": {}}
     for s, spans in st.items():
         per: dict[str, list[float]] = collections.defaultdict(list)
         for n, a, b in spans:
             if not n.startswith(MARK):
                 per[n].append((b - a) / 1e3)
-        lines.append(f"{s}: calls, p50 / p90 us (inclusive)")
+        rows = report["stages"][s] = []
         for n, v in sorted(per.items()):
             v.sort()
-            lines.append(f"  {n:60s} {len(v):6d} {v[len(v) // 2]:9.1f} {v[len(v) * 9 // 10]:9.1f}")
+            rows.append({"name": n, "calls": len(v), "p50_us": v[len(v) // 2], "p90_us": v[len(v) * 9 // 10]})
     tx, rx = st["thinker"], st["talker"]
     marks = [(a, n[len(MARK):]) for n, a, _ in tx if n.startswith(MARK)]
     mark_t = [a for a, _ in marks]
@@ -154,13 +156,32 @@ def summarize(outdir: str) -> str:
                         per[(side, n)].append(((x - a) / 1e3, (y - x) / 1e3))
         if not count:
             continue
-        lines.append(f"\n{kind} chunks ({count}): spans from the thinker's put to the talker's next get's end, "
+        ordered = sorted(per.items(), key=lambda kv: statistics.median(x for x, _ in kv[1]))
+        report["chunks"][kind] = {"count": count, "spans": [
+            {"side": side, "name": n, "start_us": statistics.median(x for x, _ in v),
+             "dur_us": statistics.median(y for _, y in v), "per_chunk": len(v) / count}
+            for (side, n), v in ordered]}
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    """``analyze``'s figures as the printed report."""
+    lines = []
+    for s, rows in report["stages"].items():
+        lines.append(f"{s}: calls, p50 / p90 us (inclusive)")
+        for r in rows:
+            lines.append(f"  {r['name']:60s} {r['calls']:6d} {r['p50_us']:9.1f} {r['p90_us']:9.1f}")
+    for kind, c in report["chunks"].items():
+        lines.append(f"\n{kind} chunks ({c['count']}): spans from the thinker's put to the talker's next get's end, "
                      "median start (us from the put) / median duration / per chunk")
-        rows = sorted(per.items(), key=lambda kv: statistics.median(x for x, _ in kv[1]))
-        for (side, n), v in rows:
-            lines.append(f"  {side} {n:60s} {statistics.median(x for x, _ in v):9.1f} "
-                         f"{statistics.median(y for _, y in v):8.1f} {len(v) / count:5.2f}")
+        for r in c["spans"]:
+            lines.append(f"  {r['side']} {r['name']:60s} {r['start_us']:9.1f} {r['dur_us']:8.1f} {r['per_chunk']:5.2f}")
     return "\n".join(lines)
+
+
+def summarize(outdir: str) -> str:
+    """The printed report of the traces in ``outdir``."""
+    return render(analyze(outdir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("outdir")
     ap.add_argument("--only", default="", help="comma-separated name endings of the functions to trace")
     ap.add_argument("--rt", action="store_true", help="also time every cuda.bindings.runtime call")
+    ap.add_argument("--json", default=None, help="also write the figures, the machine and the command here")
     args = ap.parse_args(argv[:cut])
     os.makedirs(args.outdir, exist_ok=True)
     os.environ["OMNILINK_TRACE_PIPELINE_OUT"] = os.path.abspath(args.outdir)
@@ -180,8 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.rt:
         os.environ["OMNILINK_TRACE_PIPELINE_RT"] = "1"
     rc = pipeline.main(argv[cut + 1:])
+    report = analyze(args.outdir)
     print()
-    print(summarize(args.outdir))
+    print(render(report))
+    if args.json:
+        from omnilink._bench.machine import machine_record
+
+        report = {"machine": machine_record(include_cuda="cuda" in argv), "command": "python benchmarks/trace_pipeline.py " + " ".join(argv),
+                  "pipeline_rc": rc, **report}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return rc
 
 

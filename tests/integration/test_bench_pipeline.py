@@ -137,7 +137,7 @@ def test_trace_pipeline_puts_both_stages_on_one_clock(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     before = _ours()
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "trace_pipeline.py"), str(tmp_path),
-                        "--only", ".put,.get,.get_nowait,.land", "--", *SMALL, "--connector", "omnilink-shm"],
+                        "--only", ".put,.get,.get_nowait,.land", "--json", str(tmp_path / "t.json"), "--", *SMALL, "--connector", "omnilink-shm"],
                        capture_output=True, text=True, timeout=240, cwd=root)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
     assert _ours() == before, "the traced pipeline left shared memory behind"
@@ -153,3 +153,7 @@ def test_trace_pipeline_puts_both_stages_on_one_clock(tmp_path):
     assert "prefill chunks (6)" in out and "decode chunks (18)" in out
     section = out[out.index("prefill chunks (6)"):]
     assert " tx _bench.pipeline._Link.put " in section and " rx _bench.pipeline._Link.get" in section
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["pipeline_rc"] == 0 and report["machine"]["cores"] >= 1
+    assert report["chunks"]["prefill"]["count"] == 6 and report["chunks"]["decode"]["count"] == 18
+    assert {r["name"] for r in report["stages"]["thinker"]} >= {"_bench.pipeline._Link.put"}
