@@ -321,10 +321,10 @@ BLOCKS = (
           "--rounds 2 --json FILE", render_pipeline),
     Block("pipeline-cuda-h200-mps-c1", ("pipeline-cuda-h200-mps-c1.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
-          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 1 --json FILE", render_pipeline),
+          "--prompt-tokens 4096 --requests 8 --rounds 3 --concurrency 1 --json FILE", render_pipeline),
     Block("pipeline-cuda-h200-mps-c8", ("pipeline-cuda-h200-mps-c8.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
-          "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 8 --json FILE", render_pipeline),
+          "--prompt-tokens 4096 --requests 8 --rounds 3 --concurrency 8 --json FILE", render_pipeline),
     Block("pipeline-cuda-h100-mps-c1", ("pipeline-cuda-h100-mps-c1.json",),
           "nvidia-cuda-mps-control -d; omnilink bench pipeline --device cuda --connector omnilink-shm,vllm-omni-shm "
           "--prompt-tokens 4096 --requests 8 --rounds 1 --concurrency 1 --json FILE", render_pipeline),
