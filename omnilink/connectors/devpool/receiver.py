@@ -279,9 +279,8 @@ class PoolReceiver:
         #: (gen, events, opened) of the sender generation whose events are open
         self._events: tuple[int, list[Any], bool] | None = None
         self._events_lock = threading.Lock()
-        #: (tensor entries, their end, parsed) of the last valid manifest (``parse``),
-        #: and of the last few (``PARSED_KEPT``, most recent first)
-        self.parsed: tuple[list[Any], int, list[Any]] | None = None
+        #: (tensor entries, their end, parsed) of the last few valid manifests
+        #: (``parse``; ``PARSED_KEPT``, most recently used first)
         self._recent: list[tuple[list[Any], int, list[Any]]] = []
         #: whether this receiver's gets land payloads on its device (``set_landing``)
         self.landing = False
@@ -458,6 +457,12 @@ class PoolReceiver:
             d.set(SNAP_HEAD, d.get(RING_HEAD))
         d.set(ACK_GEN, want)
 
+    @property
+    def parsed(self) -> tuple[list[Any], int, list[Any]] | None:
+        """``(tensor entries, their end, parsed)`` of the valid manifest ``parse`` used
+        last (``None``: none yet)."""
+        return self._recent[0] if self._recent else None
+
     def _slot_events(self, gen: int) -> list[Any]:
         cached = self._events  # (replaced whole: read without the lock while it holds)
         if cached is not None and cached[0] == gen and self.pool is not None:
@@ -527,12 +532,14 @@ class PoolReceiver:
             raise bad(f"block size {total} is not a multiple of {ALIGN}")
         if type(entries) is not list or not 1 <= len(entries) <= MAX_TENSORS:
             raise bad("tensor list missing or too long")
-        last = self.parsed
-        if last is not None and entries != last[0]:
-            # a sender that sends a few layouts in turn (its send plans)
-            last = next((r for r in self._recent if entries == r[0]), None)
-            if last is not None:
-                self.parsed = last
+        recent = self._recent
+        last = None
+        for i, r in enumerate(recent):  # (a sender sends a few layouts in turn: its send plans)
+            if entries == r[0]:
+                last = r
+                if i:
+                    recent.insert(0, recent.pop(i))  # most recently used first
+                break
         if last is not None:
             # The tensors of the last valid manifest (a stream repeats them): only their
             # extent against this block's size is new. ``==`` may also match floats or
@@ -584,9 +591,8 @@ class PoolReceiver:
             end = max(end, off + nbytes)
         if len(out) > 1 and any(not t[6] for t in out):
             raise bad("the payload itself is a tensor, yet the manifest names more than one")
-        self.parsed = parsed = (entries, end, out)
-        self._recent.insert(0, parsed)
-        del self._recent[PARSED_KEPT:]
+        recent.insert(0, (entries, end, out))
+        del recent[PARSED_KEPT:]
         return gen, seq, slot, block, total, out
 
     def land(self, key: str, obj: Any, *, to_host: bool = False, deadline: Any = None,

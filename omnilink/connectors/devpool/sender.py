@@ -113,7 +113,7 @@ class _Attachment:
     allocator, the slots in use."""
 
     __slots__ = ("dir", "gen", "segs", "live", "retiring", "seg_gen", "refused", "index", "events", "rec", "next_slot",
-                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena", "plan",
+                 "seq", "sent", "by_block", "receiver_pid", "ring_cap", "lane", "stages", "stage_arena",
                  "plans", "seen", "no_plan", "settled")
     dir: Directory
     gen: int
@@ -156,11 +156,10 @@ class _Attachment:
         #: the page-locked buffer the slots' stages of at most ``STAGE_SLICE_BYTES`` are
         #: slices of (taken at the first payload with host tensors for the block)
         self.stage_arena: Any = None
-        #: the send plan this attachment used last (``devpool.plan``), every plan it
-        #: keeps (``MAX_PLANS``, most recently used first), and the tensor lists of the
-        #: last payloads the general way sent (a plan is compiled for a layout seen
-        #: twice among them: two in a row, or two of a few layouts sent in turn)
-        self.plan: Any = None
+        #: the send plans this attachment keeps (``devpool.plan``; ``MAX_PLANS``, most
+        #: recently used first), and the tensor lists of the last payloads the general
+        #: way sent (a plan is compiled for a layout seen twice among them: two in a
+        #: row, or two of a few layouts sent in turn)
         self.plans: list[Any] = []
         self.seen: list[Any] = []
         #: the tensor list of a layout no plan could be made for, and the sequence
@@ -169,6 +168,11 @@ class _Attachment:
         #: ``(slot, rec)``: the slot whose event was waited for after its record ``rec``
         #: (its stage free), at the end of the put before (``_send_planned``)
         self.settled = (-1, -1)
+
+    @property
+    def plan(self) -> Any:
+        """The send plan used last (``None``: none yet)."""
+        return self.plans[0] if self.plans else None
 
     def free(self, addr: int) -> None:
         """Give the block at address ``addr`` back to its segment's allocator."""
@@ -394,7 +398,6 @@ class PoolSender:
                         # (a list in it, tensors on another GPU): not again for a while
                         tx.no_plan = (entries, seq + PLAN_RETRY)
                     else:
-                        tx.plan = plan
                         tx.plans.insert(0, plan)
                         del tx.plans[MAX_PLANS:]
                 if entries not in tx.seen:
@@ -414,9 +417,7 @@ class PoolSender:
             except BaseException as exc:
                 self._copy_failed(tx, key, slot, seq, exc)
                 raise
-            tx.rec[slot] = seq
-            tx.dir.set_rec_seq(slot, seq)  # the copy and the slot's event are queued
-            self.device_puts += 1
+            self._recorded(tx, slot, seq)
             if size is None:
                 # Off the reader's path: it lands the payload meanwhile and reads the size
                 # last (or sizes the payload itself if this store comes late).
@@ -433,17 +434,18 @@ class PoolSender:
         nothing was sent, send it by ``send``. ``room``: as ``send``'s, or a function
         that makes it, called only if the put has to wait for room."""
         tx = self.tx
-        plan = tx.plan if tx is not None and self.plans else None
-        if plan is None:
+        plans = tx.plans if tx is not None and self.plans else None
+        if not plans:
             return None
+        plan = plans[0]
         got = plan.match(payload)
         if got is None:
-            for other in tx.plans:  # type: ignore[union-attr]
-                if other is not plan:
-                    got = other.match(payload)
-                    if got is not None:
-                        plan = tx.plan = other  # type: ignore[union-attr]
-                        break
+            for i in range(1, len(plans)):
+                got = plans[i].match(payload)
+                if got is not None:
+                    plan = plans.pop(i)
+                    plans.insert(0, plan)  # most recently used first
+                    break
             else:
                 return None
         # (a plan carries small host tensors in the block: with ``landing``, only while
@@ -511,13 +513,18 @@ class PoolSender:
             except BaseException as exc:
                 self._copy_failed(tx, key, slot, seq, exc)
                 raise
-            tx.rec[slot] = seq
-            tx.dir.set_rec_seq(slot, seq)  # the copy and the slot's event are queued
-            self.device_puts += 1
+            self._recorded(tx, slot, seq)
             self.planned_puts += 1
             self._drain(tx)
             self._settle_next(tx)
         return size
+
+    def _recorded(self, tx: _Attachment, slot: int, seq: int) -> None:
+        """The copy of sequence ``seq`` and the record of ``slot``'s event are queued:
+        said in the slot (its readers wait for this store) and counted."""
+        tx.rec[slot] = seq
+        tx.dir.set_rec_seq(slot, seq)
+        self.device_puts += 1
 
     def _settle_next(self, tx: _Attachment) -> None:
         """Wait now, off the next put's path, for the last copy out of the stage of the
