@@ -80,6 +80,9 @@ PREDICT_FROM = 18
 #: Whether ``prebuild`` makes views ahead (off: every landing makes its own).
 PREBUILD = True
 PREDICT_PERIOD = 8
+#: Most ``(block, bytes) -> next block`` successions ``prebuild`` remembers (forgotten
+#: all at once past it).
+SUCCESSORS_KEPT = 256
 #: Looks at a slot's ``rec_seq`` between two checks of the sender's liveness while a
 #: reader waits for the sender to queue its copy.
 RECORD_LOOKS = 16
@@ -288,6 +291,11 @@ class PoolReceiver:
         #: parsed tensors): what ``prebuild`` predicts the next block from
         self._blocks: collections.deque[int] = collections.deque(maxlen=PREDICT_FROM)
         self._layout: tuple[int, list[Any]] | None = None
+        #: ``(block, bytes) -> block`` of the landing that followed it last time: a
+        #: stage's payloads come in phases of layouts (prefill chunks, then decode
+        #: ones), and each phase takes the same blocks in the same order as the last
+        #: one did, where no period has settled yet
+        self._successor: dict[tuple[int, int], int] = {}
         #: views ``prebuild`` made of the block it expects next: ``(block, bytes, parsed
         #: tensors, segment pointer, lease, views)``, taken by the landing that finds them
         self._pre: tuple[Any, ...] | None = None
@@ -628,7 +636,13 @@ class PoolReceiver:
             return out
         pool = self._open()
         gen, seq, slot, blk, total, entries = self.parse(key, m)
-        self._blocks.append(blk)
+        blocks, last = self._blocks, self._layout
+        if blocks and last is not None and last[0] == total:  # (prebuild makes the last layout's)
+            follows = self._successor
+            if len(follows) >= SUCCESSORS_KEPT:
+                follows.clear()
+            follows[(blocks[-1], last[0])] = blk
+        blocks.append(blk)
         self._layout = (total, entries)
         if pooled is not None:
             pooled[0] = len(m) == 7 and not to_host
@@ -699,9 +713,10 @@ class PoolReceiver:
         return lease, views
 
     def prebuild(self) -> bool:
-        """While this receiver waits for a payload: make the views of the block the next
-        one will most likely take (``next_block`` of the last ones, the last one's
-        layout), so that a landing that finds its block and layout made only puts them
+        """While this receiver waits for a payload (or polls and finds none): make the
+        views of the block the next one will most likely take (the one that followed
+        the last one's block the last time it was landed in that layout, else
+        ``next_block`` of the last ones; the last one's layout), so that a landing that finds its block and layout made only puts them
         in place (a stream of same-shaped payloads: the views were half of a landing's
         time on an H200). Nothing is held or tracked until a landing takes them; views
         of a block the next payload does not take are dropped. Whether it made any; never
@@ -710,10 +725,13 @@ class PoolReceiver:
         layout = self._layout
         if not PREBUILD or self._pre is not None or pool is None or layout is None or pool.closed:
             return False
-        blk = next_block(self._blocks)
-        if blk is None or blk in pool.held:
-            return False
         total, entries = layout
+        blocks = self._blocks
+        blk = self._successor.get((blocks[-1], total)) if blocks else None
+        if blk is None or blk in pool.held:
+            blk = next_block(blocks)
+            if blk is None or blk in pool.held:
+                return False
         seg = pool.segs[blk >> SEG_SHIFT]
         if seg is None or (blk & SEG_MASK) + total > seg[1]:
             return False
