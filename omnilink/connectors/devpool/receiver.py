@@ -713,7 +713,7 @@ class PoolReceiver:
         return lease, views
 
     def prebuild(self) -> bool:
-        """While this receiver waits for a payload (or polls and finds none): make the
+        """While this receiver waits for a payload: make the
         views of the block the next one will most likely take (the one that followed
         the last one's block the last time it was landed in that layout, else
         ``next_block`` of the last ones; the last one's layout), so that a landing that finds its block and layout made only puts them

@@ -1529,11 +1529,10 @@ class ShmConnector(BaseConnector):
         validate_key(key)
         return self._receive_handle(key, self._deadline(timeout), True, device)
 
-    #: Called (no argument, must not raise; returns whether it did any work) by a get
-    #: that found nothing yet, once, before it waits, and by a ``get_nowait`` that finds
-    #: nothing: the device pool's receiver (the device-IPC route's, or that of a
+    #: Called (no argument, must not raise) by a get that found nothing yet, once, before
+    #: it waits: the device pool's receiver (the device-IPC route's, or that of a
     #: ``cuda_ipc`` connector built on this one) prepares the next landing then
-    #: (``PoolReceiver.prebuild``; it does nothing when that landing is prepared).
+    #: (``PoolReceiver.prebuild``).
     _wait_hook: Any = None
 
     def _claim_wait(self, key: str, deadline: Deadline | None, block: bool, *, count: bool = False,
@@ -1561,9 +1560,7 @@ class ShmConnector(BaseConnector):
             if self._peer_lost is None:
                 if self._closed:
                     self._check_open()
-                hook = self._wait_hook
-                if hook is None or not hook():  # (a poller's idle time makes the next views)
-                    _yield()
+                _yield()
                 raise WouldBlock(f"shm: key {key!r} is not on channel {self.channel!r} yet")
         rlock = self._rlock
         idle = block
