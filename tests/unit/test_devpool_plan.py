@@ -379,6 +379,28 @@ def test_landings_in_phases_of_layouts_find_their_views_made(pair):
             assert hits == landed - 1, (tag, r, hits)  # all but the phase's first
 
 
+@pytest.mark.parametrize("case", ["held", "segment gone"])
+def test_a_remembered_block_that_cannot_be_taken_gives_way_to_the_cycle(pair, case):
+    from omnilink.connectors.devpool.receiver import SEG_SHIFT
+
+    tx, rx = pair
+    prx = _rx_pool(rx)
+    for i in range(6):
+        _roundtrip(tx, rx, f"w{i}", _payload(i))
+    kept = _roundtrip(tx, rx, "keep", _payload(6))  # its block stays held
+    blocks = list(prx._blocks)
+    if case == "held":
+        (bad,) = prx.pool.held
+    else:  # a block of a segment this pool does not have (given back since)
+        gone = prx.pool.segs.index(None)
+        bad = gone << SEG_SHIFT
+    assert next_block(blocks) not in (None, bad)
+    prx._successor[(blocks[-1], prx._layout[0])] = bad  # what last time's phase said
+    assert prx.prebuild()
+    assert prx._pre[0] == next_block(blocks)
+    del kept
+
+
 def test_cuda_ipc_sends_by_plan_and_prebuilds():
     import threading
 

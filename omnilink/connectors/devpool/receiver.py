@@ -713,35 +713,36 @@ class PoolReceiver:
         return lease, views
 
     def prebuild(self) -> bool:
-        """While this receiver waits for a payload: make the
-        views of the block the next one will most likely take (the one that followed
-        the last one's block the last time it was landed in that layout, else
-        ``next_block`` of the last ones; the last one's layout), so that a landing that finds its block and layout made only puts them
-        in place (a stream of same-shaped payloads: the views were half of a landing's
-        time on an H200). Nothing is held or tracked until a landing takes them; views
-        of a block the next payload does not take are dropped. Whether it made any; never
-        raises (a speculative step: the landing makes its own views)."""
+        """While this receiver waits for a payload: make the views of the block the next
+        one will most likely take (the one that followed the last one's block the last
+        time it was landed in that layout, else ``next_block`` of the last ones; the last
+        one's layout), so that a landing that finds its block and layout made only puts
+        them in place (a stream of same-shaped payloads: the views were half of a
+        landing's time on an H200). Nothing is held or tracked until a landing takes
+        them; views of a block the next payload does not take are dropped. Whether it
+        made any; never raises (a speculative step: the landing makes its own views)."""
         pool = self.pool
         layout = self._layout
         if not PREBUILD or self._pre is not None or pool is None or layout is None or pool.closed:
             return False
         total, entries = layout
         blocks = self._blocks
-        blk = self._successor.get((blocks[-1], total)) if blocks else None
-        if blk is None or blk in pool.held:
-            blk = next_block(blocks)
+        if not blocks:
+            return False
+        for blk in (self._successor.get((blocks[-1], total)), next_block(blocks)):
             if blk is None or blk in pool.held:
+                continue
+            seg = pool.segs[blk >> SEG_SHIFT]
+            if seg is None or (blk & SEG_MASK) + total > seg[1]:
+                continue  # (a segment given back since)
+            try:
+                lease, views = self._views(seg[0] + (blk & SEG_MASK), total, pool.index, entries)
+            except Exception:  # pragma: no cover - a device error: the landing meets it itself
+                logger.debug("cuda_ipc: making views ahead failed", exc_info=True)
                 return False
-        seg = pool.segs[blk >> SEG_SHIFT]
-        if seg is None or (blk & SEG_MASK) + total > seg[1]:
-            return False
-        try:
-            lease, views = self._views(seg[0] + (blk & SEG_MASK), total, pool.index, entries)
-        except Exception:  # pragma: no cover - a device error: the landing meets it itself
-            logger.debug("cuda_ipc: making views ahead failed", exc_info=True)
-            return False
-        self._pre = (blk, total, entries, seg[0], lease, views)
-        return True
+            self._pre = (blk, total, entries, seg[0], lease, views)
+            return True
+        return False
 
     def _order_after_copy(self, key: str, pool: Any, gen: int, seq: int, slot: int, deadline: Any) -> None:
         """Order the current stream after the sender's copy of sequence ``seq`` (once it
