@@ -61,6 +61,10 @@ Figures (per connector, all from one run):
   compute), all stages together.
 - *chunks / bytes per edge*, and the SHA-256 of each request's audio: the audio must be
   bit-identical across connectors (same seed, same weights).
+- in the result file, each stage's connector counters summed over the rounds (warm-up
+  requests included; ``counts``): omnilink's ``stats()`` (which road the payloads took,
+  fallbacks) and, on the device-IPC route, the payloads sent by a send plan and the
+  landings that found their views made ahead.
 
 Benchmarks are hard: the three processes share the machine's cores with whatever else
 runs; on a small machine run it when it is quiet and take the best of a few runs.
@@ -298,8 +302,19 @@ class _Link:
     def _get_nowait(self, key: str) -> Any:
         raise NotImplementedError
 
+    def counts(self) -> dict[str, int]:
+        """The connector's own counters over the run, where it keeps any (omnilink's
+        ``stats()``: which road the payloads took, fallbacks), for the result file."""
+        return {}
+
     def close(self) -> None:
         raise NotImplementedError
+
+
+#: ``ConnectorStats`` fields that say how things stand now, not how many times something
+#: happened (left out of the counts a run adds up)
+_GAUGES = frozenset(("blocks_in_use", "bytes_in_use", "segments", "bytes_mapped", "bytes_held", "pool_segments",
+                     "pool_bytes_now"))
 
 
 class _OmnilinkLink(_Link):
@@ -323,6 +338,20 @@ class _OmnilinkLink(_Link):
 
     def _get_nowait(self, key: str) -> Any:
         return self.conn.get_nowait(key, device=self.device)
+
+    def counts(self) -> dict[str, int]:
+        stats = self.conn.stats()
+        out = {f: v for f in stats.__struct_fields__
+               if f not in _GAUGES and type(v := getattr(stats, f)) is int and v}
+        # The device pool's ends (shm's device-IPC route), where the payloads went by it:
+        # payloads sent by a send plan, landings that found their views made ahead.
+        ipc = getattr(self.conn, "_ipc", None)
+        for attr, name in (("_tx", "planned_puts"), ("_rx", "prebuilt_hits")):
+            end = getattr(ipc, attr, None) if ipc is not None else None
+            n = getattr(end, name, None) if end is not None else None
+            if type(n) is int:
+                out[name] = n
+        return out
 
     def close(self) -> None:
         conn = getattr(self, "conn", None)
@@ -781,6 +810,7 @@ def _stage_main(stage: str, cfg_json: bytes, connectors: list[str], tokens: list
             rec["spans"] = spans
             rec["puts"] = out_link.puts if out_link is not None else []
             rec["gets"] = in_link.gets if in_link is not None else []
+            rec["counts"] = {f"{link.role}:e{link.edge}": link.counts() for link in links}
             # Close only once every stage is done: vLLM-Omni's SharedMemoryConnector.close()
             # unlinks the segments its receiver has not read yet.
             barrier.wait(long_wait)
@@ -961,6 +991,7 @@ def _measure(cfg: PipelineConfig, results: dict[str, Any]) -> dict[str, Any]:
         # the run's wall time: a transport that burns CPU while waiting slows the others.
         "stage_cpu_s": {s: results[s]["cpu_s"] for s in STAGES},
         "stage_wall_s": {s: results[s]["wall_s"] for s in STAGES},
+        "counts": {s: results[s].get("counts", {}) for s in STAGES},
     }
     chunk_records: list[dict[str, Any]] = []
     for e, (src, dst) in enumerate((("thinker", "talker"), ("talker", "code2wav"))):
@@ -990,6 +1021,17 @@ def _measure(cfg: PipelineConfig, results: dict[str, Any]) -> dict[str, Any]:
         raw["edges"].append(edge)
     raw["timeline"] = _timeline(cfg, results, starts, audio, chunk_records)
     return raw
+
+
+def _summed(counts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """``{link: {counter: n}}`` of several rounds, added up."""
+    out: dict[str, dict[str, int]] = {}
+    for one in counts:
+        for link, c in one.items():
+            mine = out.setdefault(link, {})
+            for k, v in c.items():
+                mine[k] = mine.get(k, 0) + v
+    return out
 
 
 def _combine(connector: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1024,6 +1066,9 @@ def _combine(connector: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "stage_cpu_s": {s: sum(r["stage_cpu_s"][s] for r in runs) for s in STAGES},
         "stage_wall_s": {s: sum(r["stage_wall_s"][s] for r in runs) for s in STAGES},
         "edges": edges,
+        # each stage's connectors' counters (``stats()``, send plans, views made ahead),
+        # summed over the rounds: warm-up requests included
+        "counts": {s: _summed([r["counts"][s] for r in runs]) for s in STAGES},
         "audio_sha256": hashes[0],
         "rounds_identical": all(h == hashes[0] for h in hashes[1:]),
         "audio_samples": runs[0]["audio_samples"],

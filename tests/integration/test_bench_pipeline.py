@@ -62,6 +62,17 @@ def test_pipeline_runs_every_installed_connector_with_identical_audio(tmp_path):
         # frames, windows of 4 then 25 -> 2 windows (the second finishes). All read.
         assert e0["chunks"] == 2 * (128 // 64 + 6) and e0["unread"] == 0 and e0["bytes"] > 0
         assert e1["chunks"] == 2 * 2 and e1["unread"] == 0 and e1["bytes"] > 0
+        counts = x["counts"]
+        if x["connector"].startswith("omnilink-"):
+            # The connectors' own counters, warm-up request included: every chunk put and
+            # got once, the same bytes on both ends.
+            tx0, rx0 = counts["thinker"]["sender:e0"], counts["talker"]["receiver:e0"]
+            tx1, rx1 = counts["talker"]["sender:e1"], counts["code2wav"]["receiver:e1"]
+            assert tx0["puts"] == rx0["gets"] == 3 * e0["chunks"] // 2
+            assert tx1["puts"] == rx1["gets"] == 3 * e1["chunks"] // 2
+            assert tx0["bytes_put"] == rx0["bytes_got"] > 0 and "blocks_in_use" not in tx0
+        else:
+            assert counts["talker"] == {"receiver:e0": {}, "sender:e1": {}}
         tl = x["timeline"]
         assert tl["request"] == 1 and tl["transfers"] and all(tl["compute"][s] for s in tl["compute"])
         assert 0 < tl["first_audio_ms"] <= tl["last_audio_ms"]
