@@ -71,6 +71,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnilink.cuda import mps_serving  # noqa: E402
+from omnilink._bench.backends import pool_end as _pool_end  # noqa: E402
 from omnilink._bench.units import format_size, parse_sizes  # noqa: E402
 
 builtins_setattr = builtins.setattr
@@ -433,14 +434,6 @@ def _connect(road: str, role: str, channel: str, dev: str, pool_bytes: int) -> A
     if road == "shm-host":
         return omnilink.connect("shm", channel=channel, role=role, timeout=120.0, device_ipc="off")
     raise ValueError(road)
-
-
-def _pool_end(conn: Any, route_attr: str, own_attr: str) -> Any:
-    """The device pool's end of a connector (its sender or receiver), if it has one: the
-    shm backend's device-IPC route's, or the ``cuda_ipc`` connector's own."""
-    ipc = getattr(conn, "_ipc", None)
-    end = getattr(ipc, route_attr, None) if ipc is not None else None
-    return end if end is not None else getattr(conn, own_attr, None)
 
 
 def _payload(hidden: Any, i: int) -> dict[str, Any]:

@@ -41,6 +41,16 @@ from typing import Any, ClassVar
 __all__ = ["BACKENDS", "Backend", "LocalBackend", "PairContext", "get_backend", "probe"]
 
 
+def pool_end(conn: Any, route_attr: str, own_attr: str) -> Any:
+    """The device pool's end of an omnilink connector (its sender, ``"_tx"`` /
+    ``"_sender"``, or its receiver, ``"_rx"`` / ``"_receiver"``), if it has one: the
+    shm backend's device-IPC route's, or the ``cuda_ipc`` connector's own. For the
+    benchmarks' counters of what went by it (send plans, views made ahead)."""
+    ipc = getattr(conn, "_ipc", None)
+    end = getattr(ipc, route_attr, None) if ipc is not None else None
+    return end if end is not None else getattr(conn, own_attr, None)
+
+
 class PairContext:
     """What the two halves of a pair share, handed to both worker processes at spawn.
 

@@ -343,12 +343,12 @@ class _OmnilinkLink(_Link):
         stats = self.conn.stats()
         out = {f: v for f in stats.__struct_fields__
                if f not in _GAUGES and type(v := getattr(stats, f)) is int and v}
-        # The device pool's ends (shm's device-IPC route), where the payloads went by it:
-        # payloads sent by a send plan, landings that found their views made ahead.
-        ipc = getattr(self.conn, "_ipc", None)
-        for attr, name in (("_tx", "planned_puts"), ("_rx", "prebuilt_hits")):
-            end = getattr(ipc, attr, None) if ipc is not None else None
-            n = getattr(end, name, None) if end is not None else None
+        # The device pool's ends, where the payloads went by it: payloads sent by a send
+        # plan, landings that found their views made ahead.
+        from omnilink._bench.backends import pool_end
+
+        for route, own, name in (("_tx", "_sender", "planned_puts"), ("_rx", "_receiver", "prebuilt_hits")):
+            n = getattr(pool_end(self.conn, route, own), name, None)
             if type(n) is int:
                 out[name] = n
         return out

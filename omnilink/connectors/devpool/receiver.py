@@ -641,7 +641,7 @@ class PoolReceiver:
             follows = self._successor
             if len(follows) >= SUCCESSORS_KEPT:
                 follows.clear()
-            follows[(blocks[-1], last[0])] = blk
+            follows[(blocks[-1], total)] = blk
         blocks.append(blk)
         self._layout = (total, entries)
         if pooled is not None:
