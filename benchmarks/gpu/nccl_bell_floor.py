@@ -14,12 +14,19 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   the socket, allocates the tensor on a side stream, copies the message's bytes up on
   it, records an event and makes its current stream wait for it; then it synchronizes
   its device (as the ping-pong does);
+- ``nccl-bell``: the tensor by NCCL and only its size on the socket: the sender queues
+  ``ncclSend`` from the tensor on its current stream (no copy, no wait) and writes one
+  socket message; the receiver spins on the socket, allocates the tensor on a side
+  stream, queues ``ncclRecv`` into it there (posted only once the message came, as the
+  connector posts), records an event and makes its current stream wait for it; NCCL's
+  C API through ``omnilink.cuda.nccl``, one communicator of the two ranks;
 - ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor.
 
 Prints each mode's one-way p50 (half an exchange, timed on rank 0) and the receiver's
-and sender's step medians (rank 1). Nothing of omnilink but its CUDA calls
-(``omnilink.cuda.cuda_ops``: cuda-python): 2x H200, 2026-11-29, doorbell 100 us one-way
-against raw 89 us, where the connector took 367 us.
+and sender's step medians (rank 1). Nothing of omnilink but its CUDA and NCCL calls
+(``omnilink.cuda``: cuda-python, NCCL's library through ctypes): 2x H200, 2026-11-29,
+doorbell 99 / 160 us one-way against raw 62 / 92 us in two runs, where the connector
+took 237 us.
 """
 import argparse
 import multiprocessing as mp
@@ -64,6 +71,21 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
     pinned_np = pinned.numpy()
     pinned_ptr = pinned.data_ptr()
     copied = Event(rank)
+    from omnilink.cuda.nccl import nccl_library
+
+    nccl = nccl_library()
+    if rank == 0:
+        uid = nccl.unique_id()
+        s.setblocking(True)
+        s.sendall(uid)
+    else:
+        s.setblocking(True)
+        uid = b""
+        while len(uid) < 128:
+            uid += s.recv(128 - len(uid))
+    comm = nccl.init_rank(uid, 2, rank)
+    s.setblocking(False)
+    peer = 1 - rank
     length = struct.Struct("<I")
     steps: dict[str, list[int]] = {}
     buf = bytearray(1 << 20)
@@ -105,10 +127,39 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
         mark("get: stream waits", t0)
         return out
 
+    def put_nccl(t) -> None:
+        t0 = time.perf_counter_ns()
+        comm.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+        t0 = mark("nccl put: ncclSend", t0)
+        s.sendall(length.pack(4) + length.pack(t.nbytes))
+        mark("nccl put: socket send", t0)
+
+    def get_nccl():
+        while True:
+            try:
+                if s.recv_into(view, len(buf)):
+                    break
+            except BlockingIOError:
+                pass
+        t0 = time.perf_counter_ns()
+        (m,) = length.unpack_from(buf, 4)
+        prev = C._cuda_getCurrentStream(rank)
+        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+        out = torch.empty(m // 2, dtype=torch.bfloat16, device=dev)
+        C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        t0 = mark("nccl get: allocate", t0)
+        comm.recv(out.data_ptr(), m, peer, raw_side)
+        event = Event(rank).record(raw_side)
+        t0 = mark("nccl get: ncclRecv, record", t0)
+        ops.wait(C._cuda_getCurrentRawStream(rank), event)
+        mark("nccl get: stream waits", t0)
+        return out
+
     t = torch.zeros(2048, dtype=torch.bfloat16, device=dev)
-    lat: dict[str, list[float]] = {"doorbell": [], "raw": []}
+    modes = ("doorbell", "nccl-bell", "raw")
+    lat: dict[str, list[float]] = {mode: [] for mode in modes}
     for i in range(n + 5):
-        for mode in (("doorbell", "raw") if i % 2 else ("raw", "doorbell")):
+        for mode in (modes if i % 2 else modes[::-1]):
             dist.barrier(device_ids=[rank])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -120,19 +171,22 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
                     dist.recv(t, 0)
                     torch.cuda.synchronize()
                     dist.send(t, 0)
-            elif rank == 0:
-                put(t)
-                t = get()
             else:
-                t = get()
-                torch.cuda.synchronize()
-                put(t)
+                send, recv = (put, get) if mode == "doorbell" else (put_nccl, get_nccl)
+                if rank == 0:
+                    send(t)
+                    t = recv()
+                else:
+                    t = recv()
+                    torch.cuda.synchronize()
+                    send(t)
             torch.cuda.synchronize()
             if i >= 5:
                 lat[mode].append((time.perf_counter() - t0) / 2 * 1e6)
     q.put((rank, {k: statistics.median(v) for k, v in lat.items()},
            {k: statistics.median(v) / 1e3 for k, v in steps.items()}))
     s.close()
+    comm.destroy()
     dist.destroy_process_group()
 
 
@@ -153,7 +207,8 @@ def main() -> None:
     for p in procs:
         p.join(30)
     lat = out[0][0]
-    print(f"4 KiB one-way p50: doorbell floor {lat['doorbell']:.1f} us, raw torch.distributed {lat['raw']:.1f} us")
+    print(f"4 KiB one-way p50: doorbell floor {lat['doorbell']:.1f} us, NCCL + bell floor {lat['nccl-bell']:.1f} us, "
+          f"raw torch.distributed {lat['raw']:.1f} us")
     print("rank 1 steps (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out[1][1].items())))
 
 
