@@ -105,20 +105,28 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
         s.sendall(length.pack(t.nbytes) + pinned_np[: t.nbytes].tobytes())
         mark("put: socket send", t0)
 
-    def get():
+    def spin() -> int:
+        """Wait for one socket message (spinning); the time it came."""
         while True:
             try:
                 if s.recv_into(view, len(buf)):
-                    break
+                    return time.perf_counter_ns()
             except BlockingIOError:
                 pass
-        t0 = time.perf_counter_ns()
-        (m,) = length.unpack_from(buf, 0)
-        data = bytes(view[4: 4 + m])
+
+    def allocate(nbytes: int):
+        """A tensor of ``nbytes`` allocated on the side stream (the caller's comes back)."""
         prev = C._cuda_getCurrentStream(rank)
         C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
-        out = torch.empty(m // 2, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
         C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        return out
+
+    def get():
+        t0 = spin()
+        (m,) = length.unpack_from(buf, 0)
+        data = bytes(view[4: 4 + m])
+        out = allocate(m)
         t0 = mark("get: allocate", t0)
         ops.memcpy(out.data_ptr(), int(np.frombuffer(data, dtype=np.uint8).ctypes.data), m, raw_side)
         event = Event(rank).record(raw_side)
@@ -135,18 +143,9 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
         mark("nccl put: socket send", t0)
 
     def get_nccl():
-        while True:
-            try:
-                if s.recv_into(view, len(buf)):
-                    break
-            except BlockingIOError:
-                pass
-        t0 = time.perf_counter_ns()
+        t0 = spin()
         (m,) = length.unpack_from(buf, 4)
-        prev = C._cuda_getCurrentStream(rank)
-        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
-        out = torch.empty(m // 2, dtype=torch.bfloat16, device=dev)
-        C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        out = allocate(m)
         t0 = mark("nccl get: allocate", t0)
         comm.recv(out.data_ptr(), m, peer, raw_side)
         event = Event(rank).record(raw_side)
