@@ -128,6 +128,44 @@ def load_shared_memory_connector() -> Any:
     return mod.SharedMemoryConnector
 
 
+#: NIXL's builds, in the order the ``nixl`` package itself tries them without CUDA.
+_NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")
+
+
+def _nixl_api() -> Any:
+    """NIXL's ``_api`` module as ``nixl._api``. Where only a CUDA build is installed
+    (``pip install nixl-cu13``: no ``nixl`` package, which only forwards to one), ``nixl``
+    and ``nixl._api`` are made that build's, as the ``nixl`` package makes them: its
+    ``_bindings`` and ``_api`` names under ``nixl`` (vLLM-Omni's connector imports
+    ``nixl_thread_sync_t`` from ``nixl``).
+
+    Raises
+    ------
+    ImportError
+        No NIXL build is installed.
+    """
+    try:
+        return importlib.import_module("nixl._api")
+    except ImportError as exc:
+        first = exc
+    for build in _NIXL_BUILDS:
+        try:
+            bindings = importlib.import_module(f"{build}._bindings")
+            api = importlib.import_module(f"{build}._api")
+        except ImportError:
+            continue
+        alias = types.ModuleType("nixl")
+        for sub in (bindings, api):
+            alias.__dict__.update({k: v for k, v in vars(sub).items() if not k.startswith("__")})
+        alias._api = api
+        alias._bindings = bindings
+        sys.modules["nixl"] = alias
+        sys.modules["nixl._api"] = api
+        sys.modules["nixl._bindings"] = bindings
+        return api
+    raise first
+
+
 def load_nixl_connector() -> Any:
     """Return vLLM-Omni's ``NixlConnector`` class, loaded as ``load_shared_memory_connector``
     loads its shm connector (call in the process that uses it).
@@ -135,7 +173,8 @@ def load_nixl_connector() -> Any:
     The class imports ``NixlWrapper`` and ``nixl_agent_config`` from vLLM's
     ``vllm.distributed.nixl_utils``; where vLLM is not installed that module is a
     placeholder holding what vLLM puts there, NIXL's own ``nixl._api.nixl_agent`` and
-    ``nixl_agent_config``. Everything the connector does per put and get is its own.
+    ``nixl_agent_config`` (``_nixl_api``: from NIXL's CUDA build where the ``nixl``
+    package is missing). Everything the connector does per put and get is its own.
 
     Raises
     ------
@@ -145,9 +184,10 @@ def load_nixl_connector() -> Any:
     load_shared_memory_connector()  # the package stubs and placeholders
     if not _importable("vllm.distributed.nixl_utils"):
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            api = _nixl_api()
         except ImportError as exc:
             raise ImportError(f"vLLM-Omni's NixlConnector needs NIXL: {exc}; run `pip install nixl`") from exc
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         _placeholder("vllm.distributed", __path__=[])
         _placeholder("vllm.distributed.nixl_utils", NixlWrapper=nixl_agent, nixl_agent_config=nixl_agent_config)
     mod = importlib.import_module("vllm_omni.distributed.omni_connectors.connectors.nixl_connector")
