@@ -30,6 +30,23 @@ def nixl_pair(monkeypatch: Any, channel: str, tls: str = "tcp", **rx_options: An
         rx.close()
 
 
+def answered(tx: Any, timeout: float = 20.0) -> None:
+    """Wait until a nixl sender has the receiver's answer to every payload it put (a put
+    returns once its payload is published; the answer says it was indexed, or refused)."""
+    import time
+
+    s = tx._tx
+    end = time.monotonic() + timeout
+    while True:
+        with s.lock:
+            if not s.unacked:
+                return
+            s._look(s._open_sock("test"), "test")
+        if time.monotonic() > end:
+            raise AssertionError(f"no answer to {len(s.unacked)} payloads in {timeout} s")
+        time.sleep(0.001)
+
+
 def record_bell(tx: Any) -> list[Any]:
     """The messages a nixl sender puts on its doorbell from now on, in order (a list that
     fills as it sends)."""

@@ -28,6 +28,20 @@ def sender(tls: str, channel: str, endpoint: str | None, count: int, size: int, 
         time.sleep(120)  # killed by the test (or it times out)
 
 
+def sender_then_killed(tls: str, channel: str, count: int, size: int) -> None:
+    """Put ``count`` payloads and SIGKILL this process the moment the last put returns
+    (before the receiver can have answered it)."""
+    import signal
+
+    os.environ["UCX_TLS"] = tls
+    import omnilink
+
+    tx = omnilink.connect("nixl", channel=channel, role="sender", timeout=60.0)
+    for i in range(count):
+        tx.put(f"d{i}", payload(i, size))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def receiver(tls: str, channel: str, q, stop) -> None:
     """Open a receiver, report its endpoint, get one key, report, then wait. Any error is
     reported as ("error", traceback text) before the process exits with it.

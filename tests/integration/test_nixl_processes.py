@@ -77,6 +77,32 @@ def test_sender_process_zero_copy_then_killed(tls, procs):
         assert st.blocks_in_use == 0 and st.bytes_held == 0
 
 
+@pytest.mark.parametrize("size", [4096, 2 << 20], ids=["inline", "written"])
+@pytest.mark.parametrize("tls", TLS)
+def test_a_sender_killed_as_its_last_put_returns_loses_none(tls, size, procs):
+    """A put returns once its payload is published, before the receiver answers: a
+    sender SIGKILLed the moment its last put returned loses none of its payloads (the
+    receiver handles what the sender's doorbell still holds before it ends the
+    session), then ``get`` raises ``PeerLostError``."""
+    os.environ["UCX_TLS"] = tls
+    channel = f"olnx/kill-last-{os.getpid()}-{tls.replace(',', '')}-{size}"
+    count = 12
+    with omnilink.connect("nixl", channel=channel, role="receiver", pool_bytes=64 << 20, peer_timeout=0.5,
+                          timeout=60.0) as rx:
+        p = start_process(procs, workers.sender_then_killed, tls, channel, count, size)
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL
+        for i in range(count):
+            got = rx.get(f"d{i}", timeout=30.0)
+            want = workers.payload(i, size)
+            assert torch.equal(got["hidden"], want["hidden"]) and torch.equal(got["ids"], want["ids"]), i
+            del got
+        with pytest.raises(omnilink.PeerLostError):
+            rx.get("never", timeout=30.0)
+        st = rx.stats()
+        assert st.blocks_in_use == 0 and st.bytes_held == 0
+
+
 @pytest.mark.parametrize("tls", TLS)
 def test_sender_killed_while_streaming_payloads_published_ahead(tls, procs):
     """A sender SIGKILLed while it streams payloads published ahead of their WRITE (one

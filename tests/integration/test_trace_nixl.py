@@ -1,7 +1,6 @@
 """``benchmarks/trace_nixl.py`` on the host (UCX over tcp on loopback): the untraced
 figure and both processes' functions are reported, and the timeline is on one clock
-(the receiver handles a payload after the sender published it, and the sender's put
-ends after the receiver acknowledged)."""
+(the receiver handles a payload after the sender published it, and soon after)."""
 
 from __future__ import annotations
 
@@ -38,7 +37,8 @@ def test_trace_nixl_host_short():
     put = rows[("sender", "nixl.connector._Sender.put")]
     send = rows[("sender", "nixl.connector._Sender._send_bell")]
     publish = rows[("receiver", "nixl.connector._Receiver._publish")]
-    # One clock: the receiver takes the publish after the sender sent it, and the
-    # sender's put lasts past the receiver's handling (it waits for the ack).
-    assert send[0] < publish[0] < put[0] + put[1], (send, publish, put)
+    # One clock: the receiver takes the publish after the sender sent it, within the
+    # same few milliseconds (clocks of two processes that differed would put it seconds
+    # away, or before). The put itself does not wait for the receiver's answer.
+    assert put[0] < send[0] < publish[0] < send[0] + 20_000, (send, publish, put)
     assert ("sender", "blob.prepare") in rows and ("receiver", "blob.decode_parsed") in rows

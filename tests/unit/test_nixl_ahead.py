@@ -6,6 +6,7 @@ failed, or may still land, never publishes it nor frees its block too early."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -92,7 +93,7 @@ def test_large_payload_is_published_ahead_then_written(pair):
     assert not rx._rx.ahead_keys and all(not s.ahead for s in rx._rx.sessions.values())
 
 
-def test_not_gettable_before_written_and_pending_for_duplicates(pair, monkeypatch):
+def test_not_gettable_before_written_and_pending_for_duplicates(pair, monkeypatch, caplog):
     tx, rx = pair
     agent = tx._tx.agent
     real_wait = agent.wait
@@ -119,11 +120,17 @@ def test_not_gettable_before_written_and_pending_for_duplicates(pair, monkeypatc
         with pytest.raises(omnilink.WouldBlock):
             rx.get_nowait("k")
         assert rx.stats().blocks_in_use == 1  # its block is reserved
-        # Another sender's put of that key is a duplicate while the first is on its way.
+        # Another sender's put of that key is a duplicate while the first is on its way:
+        # the receiver refuses it, which that sender logs once the answer comes (a put
+        # waits for the receiver's verdict only for a key its connector put before; its
+        # close takes the last answers).
         other = omnilink.connect("nixl", channel=rx.channel, role="sender", endpoint=rx.endpoint, timeout=30.0)
         try:
-            with pytest.raises(omnilink.DuplicateKeyError):
+            with caplog.at_level(logging.WARNING, logger="omnilink.connectors.nixl.connector"):
                 other.put("k", {"t": torch.arange(3)})
+                other.close()
+            assert any("refused key 'k'" in r.getMessage() and "still pending" in r.getMessage()
+                       for r in caplog.records), [r.getMessage() for r in caplog.records]
         finally:
             other.close()
     finally:
@@ -289,16 +296,16 @@ def test_parsed_headers_kept_are_bounded(pair):
     assert 0 < len(r.headers) <= nixl_connector._HEADERS_KEPT
 
 
-def test_a_put_returns_only_once_its_payload_is_gettable(pair):
-    """The ack of a payload published ahead comes once it is indexed: a sender that closes
-    right after its put (its goodbye and its ``written`` travel on different sockets)
-    loses nothing."""
+def test_a_sender_that_closes_right_after_its_put_loses_nothing(pair):
+    """A put returns once its payload is published, before the receiver answers; the
+    answer to a payload published ahead comes once it is indexed, and a sender that
+    closes right after its put (its goodbye and its ``written`` travel on different
+    sockets) waits for that answer first: it loses nothing."""
     tx, rx = pair
     for i in range(12):
         other = omnilink.connect("nixl", channel=rx.channel, role="sender", endpoint=rx.endpoint, timeout=30.0)
         p = _payload(BIG, 100 + i)
         other.put(f"c{i}", p)
-        assert f"c{i}" not in rx._rx.ahead_keys  # answered: indexed already
         other.close()
         got = rx.get(f"c{i}", timeout=10.0)
         assert torch.equal(got["hidden"], p["hidden"])

@@ -13,7 +13,7 @@ import omnilink
 from omnilink.connectors import backend_unavailable, check_backend_options
 from omnilink.connectors.nixl import agent as nixl_agent
 from omnilink.connectors.nixl import wire
-from tests.nixl_pair import nixl_pair, ucx_tls
+from tests.nixl_pair import answered, nixl_pair, ucx_tls
 
 _REASON = backend_unavailable("nixl")
 needs_nixl = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -214,7 +214,8 @@ def test_a_waiting_get_publishes_in_its_own_thread(mode, monkeypatch):
         where.clear()
         waiting.clear()
         if mode == "no-get-waiting":
-            tx.put("k", {"a": torch.arange(8, dtype=torch.float32)})  # acked once published
+            tx.put("k", {"a": torch.arange(8, dtype=torch.float32)})
+            answered(tx)  # published (and answered) before the get
             got = rx.get("k", timeout=30.0)
             assert where[0].startswith("omnilink-nixl-rx-") and len(where) == 1, where
         else:
@@ -359,6 +360,7 @@ def test_a_get_that_waited_feeds_the_spin(monkeypatch):
     rx, tx = _tcp_pair(monkeypatch, f"olnx/adapt-{os.getpid()}", spin_us=200)
     try:
         tx.put("first", {"a": torch.zeros(4)})
+        answered(tx)
         assert rx.get("first")["a"].sum() == 0  # there already: no wait
         assert rx._rx.arrival_ns == 200_000
         t = threading.Timer(0.02, lambda: tx.put("late", {"a": torch.ones(4)}))
@@ -493,3 +495,42 @@ def test_only_the_receiver_runs_a_progress_thread(monkeypatch):
         tx.close()
         rx.close()
     assert sorted(made) == [("rx", True), ("tx", False)], made
+
+
+@needs_nixl
+def test_a_put_does_not_wait_for_the_receivers_answer_and_at_most_so_many_go_unanswered(monkeypatch):
+    """A put returns once its payload is published, not once the receiver answered (a
+    receiving process busy in Python answers late: its threads wait for its GIL); the
+    answers come with later puts. At most ``_UNACKED_MAX`` payloads go unanswered: the
+    next put waits, and gives up at its timeout having published nothing."""
+    import threading
+
+    from omnilink.connectors.nixl import connector as nixl_connector
+
+    gate = threading.Event()
+    real_ack = nixl_connector._Receiver._ack
+
+    def held_ack(self, s, seq, status, text=""):
+        assert gate.wait(30)
+        return real_ack(self, s, seq, status, text)
+
+    monkeypatch.setattr(nixl_connector, "_UNACKED_MAX", 5)
+    with nixl_pair(monkeypatch, f"olnx/unacked-{os.getpid()}") as (tx, rx):
+        tx.put("warm", {"t": torch.arange(4)})
+        answered(tx)
+        monkeypatch.setattr(nixl_connector._Receiver, "_ack", held_ack)
+        try:
+            for i in range(5):
+                tx.put(f"u{i}", {"t": torch.arange(4) + i}, timeout=30.0)  # no answer can come
+            assert sorted(tx._tx.unacked.values()) == [f"u{i}" for i in range(5)]
+            with pytest.raises(omnilink.TransferTimeout, match="answers to its earlier payloads"):
+                tx.put("u5", {"t": torch.arange(4)}, timeout=0.5)
+        finally:
+            gate.set()
+        answered(tx)
+        for i in range(5):
+            assert torch.equal(rx.get(f"u{i}", timeout=30.0)["t"], torch.arange(4) + i)
+        with pytest.raises(omnilink.WouldBlock):
+            rx.get_nowait("u5")  # its put gave up before publishing it
+        tx.put("u5", {"t": torch.arange(4) + 5}, timeout=30.0)
+        assert torch.equal(rx.get("u5", timeout=30.0)["t"], torch.arange(4) + 5)

@@ -5,6 +5,7 @@ inline publish is refused without losing the block or the session."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -15,7 +16,7 @@ import omnilink
 from omnilink._util import Deadline
 from omnilink.connectors import backend_unavailable
 from omnilink.connectors.nixl import wire
-from tests.nixl_pair import nixl_pair, record_bell
+from tests.nixl_pair import answered, nixl_pair, record_bell
 
 _REASON = backend_unavailable("nixl")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"nixl backend unavailable: {_REASON}")
@@ -123,7 +124,10 @@ def test_hostile_inline_publishes_are_refused_and_free_their_block(pair):
     assert rx.stats().blocks_in_use == 0
 
 
-def test_a_failed_pool_copy_is_refused_and_the_link_goes_on(pair, monkeypatch):
+def test_a_failed_pool_copy_is_refused_and_the_link_goes_on(pair, monkeypatch, caplog):
+    """The receiver refuses a payload whose inline data it cannot copy into its pool; the
+    sender, whose put returned once the payload was published, logs the refusal with the
+    answer; the key was never taken and the link goes on."""
     tx, rx = pair
     tx.put("warm", {"t": torch.arange(4)})
     rx.get("warm")
@@ -134,8 +138,11 @@ def test_a_failed_pool_copy_is_refused_and_the_link_goes_on(pair, monkeypatch):
         raise omnilink.CudaError("copy failed (test)")
 
     monkeypatch.setattr(pool, "write", broken)
-    with pytest.raises(omnilink.BlobDecodeError, match="copy failed"):
+    with caplog.at_level(logging.WARNING, logger="omnilink.connectors.nixl.connector"):
         tx.put("lost", {"t": torch.arange(8)})
+        answered(tx)
+    assert any("refused key 'lost'" in r.getMessage() and "copy failed" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     with pytest.raises(omnilink.WouldBlock):
         rx.get_nowait("lost")
     monkeypatch.setattr(pool, "write", real)

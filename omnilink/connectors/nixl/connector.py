@@ -30,7 +30,12 @@ Topology and one ``put``::
   at most ``wire.INLINE_MAX_BYTES`` of data for a host pool goes *inline*: no WRITE,
   its bytes in that one message, copied into the block by the receiver before it
   decodes (``INLINE_TO_DEVICE``). Either way the ack comes once the payload is
-  gettable: a put returns only then.
+  gettable. A put returns once its payload is published (and its WRITE done), without
+  waiting for the ack, unless its key was put before by this connector (it may still
+  be pending there: the ack says whether it is a duplicate); the acks come with later
+  puts, at most ``_UNACKED_MAX`` unanswered, and a closing sender takes the last ones
+  before its goodbye. A receiving process busy in Python, whose threads wait for its
+  GIL, acknowledges late: its senders do not wait for that.
 
   (``---->``: the zmq control channel; ``====>``: the doorbell, ``omnilink.connectors.bell``,
   a plain stream socket with no I/O thread between the ends: a zmq message crosses one
@@ -47,8 +52,9 @@ Topology and one ``put``::
   time holds them), then waits for them in ``poll()`` itself (one such get at a time;
   another sleeps on a condition variable), so a payload that comes while a get waits
   is published in the getter's own thread, woken once. The sender waits for
-  its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for the ack
-  for ``spin_us``, then in ``poll()``.
+  its WRITE as ``agent.Agent.wait`` says (a short spin, then a backoff), and for an
+  answer it needs (room, the ack of a key put before) for ``spin_us``, then in
+  ``poll()``.
 - **Sender-side allocation.** The receiver hands each sender extents of its pool; a
   sender allocates blocks inside them without asking, and learns which came free from
   the answers it gets anyway (``wire``). A receiver that sees a sender's extents too
@@ -57,9 +63,12 @@ Topology and one ``put``::
   full all the same asks for another extent, and waits (backpressure, bounded by its
   timeout) while the pool is full.
 - **Key contract, consume-once, deadlines**: as the ``zmq`` backend's (the receiver
-  refuses a pending key in its ack: ``DuplicateKeyError``; it remembers the last 65,536
-  consumed keys: ``KeyConsumedError``). One receiver per endpoint; any number of
-  senders.
+  refuses a pending key in its ack: ``DuplicateKeyError`` from a put of a key its
+  connector put before; a refusal of another key, which another sender holds pending,
+  or a payload the receiver could not take, comes with a later answer and is logged,
+  as the ``nccl`` backend does; it remembers the last 65,536 consumed keys:
+  ``KeyConsumedError``). One receiver per endpoint; any number of senders. A receiver
+  that loses a sender first handles what that sender's doorbell still holds.
 - **Faults.** Each connection is a session (its zmq routing id). A disconnection
   (zmq heartbeats: ``heartbeat_interval``, 3x for the timeout; a killed process's
   socket closes at once) ends the session on both sides: the sender's waiting ``put``
@@ -83,6 +92,7 @@ Topology and one ``put``::
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import os
 import secrets
@@ -228,7 +238,7 @@ class _Session:
     """What the receiver knows of one sender's connection."""
 
     __slots__ = ("ident", "session", "pid", "fd", "peer", "extents", "frees", "parked", "lost", "bell_r", "bell_w",
-                 "ahead")
+                 "ahead", "backlog", "losing")
 
     def __init__(self, ident: bytes, session: str, pid: int, fd: int, peer: str) -> None:
         self.ident = ident
@@ -248,6 +258,10 @@ class _Session:
         self.bell_w: Any = None
         #: payloads published ahead of their WRITE: seq -> ``_Ahead``
         self.ahead: dict[int, _Ahead] = {}
+        #: doorbell messages read and not yet handled (in order)
+        self.backlog: collections.deque[bytes] = collections.deque()
+        #: ``_lose`` is handling what the doorbell still held
+        self.losing = False
 
 
 class _Ahead:
@@ -282,6 +296,15 @@ _MAX_PENDING_BELLS = 64
 #: failed WRITE) may wait for room in the socket (each end reads what the other sends as
 #: it comes: a full socket means the reader is stuck or gone).
 _BELL_SEND_S = 1.0
+#: Payloads a sender may have published and not yet had answered (``_Sender.put``
+#: returns without waiting for the answer unless the key was put before).
+_UNACKED_MAX = 64
+#: Keys a sender remembers having put (any session): a put of one of them waits for the
+#: receiver's answer (a duplicate of a pending key raises ``DuplicateKeyError``).
+_SENT_KEYS_REMEMBERED = 4096
+#: Seconds a closing sender waits for the answers to its last payloads before its
+#: goodbye (which ends its session on the receiver).
+_CLOSE_ANSWERS_S = 10.0
 
 
 class _Receiver:
@@ -464,8 +487,9 @@ class _Receiver:
             return
         s.bell_r, s.bell_w = reader, _bell.BellWriter(reader.sock)
         self._bells_changed()
-        for raw in msgs[1:]:
-            self._on_bell(s, raw)
+        s.backlog.extend(msgs[1:])
+        while s.backlog and not s.lost:
+            self._on_bell(s, s.backlog.popleft())
         if reader.eof:
             self._lose(s, "its doorbell closed")
 
@@ -480,12 +504,13 @@ class _Receiver:
             try:
                 msgs = reader.read()
             except BlobDecodeError as exc:
-                self._lose(s, f"its doorbell sent a message too large ({exc})")
+                self._lose(s, f"its doorbell sent a message too large ({exc})", drain=False)
                 continue
-            for raw in msgs:
-                if s.lost:
-                    break
-                self._on_bell(s, raw)
+            backlog = s.backlog
+            backlog.extend(msgs)
+            # (a session lost meanwhile handled its backlog in ``_lose``)
+            while backlog and not s.lost:
+                self._on_bell(s, backlog.popleft())
             if reader.eof and not s.lost:
                 self._lose(s, "its doorbell closed")
 
@@ -548,7 +573,24 @@ class _Receiver:
                     if s.fd == fd and not s.lost:
                         self._lose(s, "disconnected")
 
-    def _lose(self, s: _Session, why: str) -> None:
+    def _lose(self, s: _Session, why: str, drain: bool = True) -> None:
+        """End sender session ``s``. ``drain``: handle what its doorbell still holds
+        first (not for a doorbell whose stream is broken)."""
+        if s.losing or s.lost:
+            return
+        s.losing = True
+        # What the sender's doorbell still holds was published before it went (a put
+        # returns once its payload is published): handled first, so that none of it is
+        # lost.
+        reader = s.bell_r
+        if reader is not None and drain:
+            try:
+                s.backlog.extend(reader.read())
+            except BlobDecodeError:
+                pass
+            while s.backlog:
+                self._on_bell(s, s.backlog.popleft())
+        s.backlog.clear()
         logger.info("nixl: channel %r lost sender session %s (pid %d): %s", self.channel, s.session, s.pid, why)
         s.lost = True
         self.agent.remove_remote(s.peer)
@@ -1138,6 +1180,10 @@ class _Sender:
         self.extents: dict[int, Blocks] = {}
         self.seq = 0
         self.acks: dict[int, wire.Ack] = {}
+        #: payloads of this session published and not yet answered: seq -> key
+        self.unacked: dict[int, str] = {}
+        #: keys put by this connector lately, in any session (``_SENT_KEYS_REMEMBERED``)
+        self.sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lost: str | None = None
         self.puts_in_session = 0
         self._cuda_ok: bool | None = None  # torch.cuda.is_available(), once asked
@@ -1177,6 +1223,7 @@ class _Sender:
         self.peer = None
         self.extents.clear()
         self.acks.clear()
+        self.unacked.clear()
 
     def _check_lost(self) -> str | None:
         """Read the connection's events; why the session ended, or ``None``."""
@@ -1252,27 +1299,11 @@ class _Sender:
         spin_end = time.perf_counter_ns() + self.spin_ns
         poller: Any = None
         while True:
-            raws = []
+            msgs = self._look(sock, what)
             reader = self.bell_r
-            if reader is not None:
-                try:
-                    raws = reader.read()
-                except BlobDecodeError as exc:
-                    self.lost = f"its doorbell sent a message too large ({exc})"
-                    raise self._peer_lost(what) from None
-                if reader.eof and not raws:
-                    self.lost = self.lost or "its doorbell closed"
-                    raise self._peer_lost(what)
-            if sock.get(zmq.EVENTS) & zmq.POLLIN:  # a look that finds nothing raises nothing
-                try:
-                    raws.append(sock.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    pass
-            if raws:
+            if msgs:
                 found = None
-                for raw in raws:
-                    msg = wire.decode_from_receiver(raw)
-                    self._apply(msg)
+                for msg in msgs:
                     if found is None and until(msg):
                         found = msg
                 if found is not None:
@@ -1293,6 +1324,46 @@ class _Sender:
                     poller.register(reader.fileno(), zmq.POLLIN)
             poller.poll(int(deadline.slice(_SLICE_MS / 1000) * 1000) or 1)
 
+    def _look(self, sock: Any, what: str) -> list[Any]:
+        """One look at the receiver's messages (doorbell and control channel), never
+        waiting: each one that came is applied (``_apply``) and returned."""
+        raws = []
+        reader = self.bell_r
+        if reader is not None:
+            try:
+                raws = reader.read()
+            except BlobDecodeError as exc:
+                self.lost = f"its doorbell sent a message too large ({exc})"
+                raise self._peer_lost(what) from None
+            if reader.eof and not raws:
+                self.lost = self.lost or "its doorbell closed"
+                raise self._peer_lost(what)
+        if sock.get(zmq.EVENTS) & zmq.POLLIN:  # a look that finds nothing raises nothing
+            try:
+                raws.append(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                pass
+        msgs = [wire.decode_from_receiver(raw) for raw in raws]
+        for msg in msgs:
+            self._apply(msg)
+        return msgs
+
+    def _settle(self, deadline: Deadline, key: str) -> None:
+        """Before a put: take the answers that came (blocks freed), and wait while
+        ``_UNACKED_MAX`` payloads are unanswered."""
+        self._look(self._open_sock("putting"), "putting")
+        if len(self.unacked) >= _UNACKED_MAX:
+            self._receive(deadline, lambda m: len(self.unacked) < _UNACKED_MAX, key,
+                          "waiting for the answers to its earlier payloads")
+
+    def _refused(self, key: str, ack: wire.Ack) -> None:
+        """The answer to a payload whose put did not wait for it says it was refused."""
+        if ack.status == wire.ACK_DUPLICATE_KEY:
+            why = "a payload under this key is still pending there (this one was dropped)"
+        else:
+            why = ack.text or f"status {ack.status}"
+        logger.warning("nixl: the receiver of channel %r refused key %r: %s", self.channel, key, why)
+
     def _apply(self, msg: Any) -> None:
         """What every answer carries: blocks come free, extents granted."""
         if isinstance(msg, (wire.Granted, wire.Ack)):
@@ -1304,7 +1375,11 @@ class _Sender:
                 self.extents[msg.offset] = Blocks(msg.length)
             self._return_empty()
         if isinstance(msg, wire.Ack):
-            self.acks[msg.seq] = msg
+            key = self.unacked.pop(msg.seq, None)
+            if key is None:
+                self.acks[msg.seq] = msg  # a put waits for it
+            elif msg.status != wire.ACK_OK:
+                self._refused(key, msg)
 
     def _return_empty(self) -> None:
         empty = sorted((off for off, b in self.extents.items() if not b.used_bytes),
@@ -1381,6 +1456,8 @@ class _Sender:
         prepared = prepare(payload)
         with self.lock:
             welcome = self._ensure_session(deadline)
+            if self.unacked:
+                self._settle(deadline, key)
             n = prepared.data_len
             off = 0
             seq = self.seq + 1
@@ -1432,6 +1509,19 @@ class _Sender:
                 self.seq = seq
                 self._send_bell(wire.Publish(seq=seq, key=key, offset=off, length=n, meta=prepared.meta,
                                              data=inline), deadline, key)
+            # The receiver's answer is waited for only by a key put before (it may still
+            # be pending there: a duplicate): the others return now, their answers taken
+            # by the next puts (a busy receiving process, whose threads wait for its GIL,
+            # answers late; its sender does not wait for that).
+            sent = self.sent_keys
+            again = key in sent
+            sent[key] = None
+            sent.move_to_end(key)
+            if len(sent) > _SENT_KEYS_REMEMBERED:
+                sent.popitem(last=False)
+            if not again:
+                self.unacked[seq] = key
+                return prepared.nbytes
             self._receive(deadline, lambda m: isinstance(m, wire.Ack) and m.seq == seq, key, "waiting for its ack")
             ack = self.acks.pop(seq)
         if ack.status == wire.ACK_OK:
@@ -1700,6 +1790,15 @@ class _Sender:
 
     def close(self) -> None:
         with self.lock:
+            if self.sock is not None and self.welcome is not None:
+                if self.unacked:
+                    # The goodbye ends the session on the receiver: the last payloads'
+                    # answers first (they travel on the doorbell, the goodbye does not).
+                    try:
+                        self._receive(Deadline(_CLOSE_ANSWERS_S), lambda m: not self.unacked, None, "closing")
+                    except OmnilinkError as exc:
+                        logger.warning("nixl: channel %r closed with %d payloads unanswered by its receiver: %s",
+                                       self.channel, len(self.unacked), exc)
             if self.sock is not None and self.welcome is not None:
                 try:
                     self.sock.send(wire.encode(wire.Bye()), zmq.NOBLOCK)
