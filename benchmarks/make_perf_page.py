@@ -234,6 +234,27 @@ def render_route_cpu(data: list[Any]) -> str:
             + _table(["row", "put", "get"], out, "<>>"))
 
 
+def render_busy(data: list[Any]) -> str:
+    """``benchmarks/bench_busy_receiver.py --json``: put time while the receiver computes."""
+    (run,) = data
+    m, rows, args = run["machine"], run["rows"], run["args"]
+    busy = sorted({r["busy_ms"] for r in rows})
+    idle, hot = busy[0], busy[-1]
+    out = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        by = {r["busy_ms"]: r for r in rows if r["backend"] == backend}
+        a, b = by.get(idle), by.get(hot)
+        if a is None or b is None:
+            continue
+        out.append([backend, f"{a['put_p50_us']:,.0f}", f"{b['put_p50_us']:,.0f}", f"{b['put_p90_us']:,.0f}",
+                    _ratio(b["put_p50_us"] / a["put_p50_us"])])
+    return (f"Run {run['time']} on: {machine_line(m)}. `put` time in microseconds, a 4 KiB bf16 hidden "
+            f"state and a flag every "
+            f"{args['gap_ms']:g} ms, {rows[0]['n']} payloads per row; the receiver runs {hot:g} ms of Python after "
+            f"each get (busy) or none (idle):\n\n"
+            + _table(["backend", "idle p50", "busy p50", "busy p90", "busy / idle"], out, "<>>>>"))
+
+
 def _nixl_cells(rows: list[dict[str, Any]], sizes: list[int], field: str, ref_name: str,
                 cell: Any) -> list[list[str]]:
     """Table rows of one UCX transport's ``rows``: per connector, ``cell(row, the
@@ -399,6 +420,10 @@ BLOCKS = (
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),
           "python benchmarks/bench_cuda_ipc.py --cases cross --sizes 256MiB,64MiB --latency-iters 200 --rounds 2 "
           "--json FILE", render_pivot),
+    Block("busy-receiver-epyc-2core", ("busy-receiver-epyc-2core.json",),
+          "python benchmarks/bench_busy_receiver.py --json FILE", render_busy),
+    Block("busy-receiver-epyc-2core-before", ("busy-receiver-epyc-2core-before.json",),
+          "python benchmarks/bench_busy_receiver.py --json FILE, with omnilink at commit 7882a13", render_busy),
     Block("nixl-cpu-epyc-2core", ("nixl-cpu-epyc-2core.jsonl",), "python benchmarks/bench_nixl.py --json FILE, at commit 0a6f314",
           render_nixl),
     Block("nixl-gpu-2xh200", ("nixl-gpu-2xh200.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 60 --json FILE, at commit fc0855d",
