@@ -2,7 +2,7 @@
 receiving process busy in Python, per backend.
 
 ``python benchmarks/bench_busy_receiver.py [--backends shm,zmq,nixl,nccl] [--busy-ms 0,20]
-[--n 60] [--gap-ms 7] [--json FILE]``
+[--n 60] [--gap-ms 7] [--device cpu|cuda] [--json FILE]``
 
 Two processes, one payload shaped as a stage's chunk (a 4 KiB bf16 hidden state and a
 flag). The sender puts a payload every ``--gap-ms`` and times each ``put``; the
@@ -16,6 +16,10 @@ microseconds (after 5 warm-up payloads), and busy over idle at p50.
 
 Backends: ``shm`` (its default options), ``zmq`` over tcp on loopback, ``nixl`` over
 UCX ``tcp`` on loopback (where NIXL is installed), ``nccl`` over gloo (host memory).
+With ``--device cuda`` the hidden state is a CUDA tensor of the sender's GPU (cuda:0)
+and the receiver's GPU is cuda:1 where there are two, else cuda:0: ``shm`` (device IPC
+as it chooses), ``cuda_ipc`` (its pool on the receiver's GPU), ``nixl`` (a device pool
+there, UCX's own transports) and ``nccl`` over NCCL (two GPUs only).
 """
 
 from __future__ import annotations
@@ -33,10 +37,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WAIT = 60.0
 
 
-def _payload() -> dict[str, Any]:
+def _payload(device: str) -> dict[str, Any]:
     import torch
 
-    return {"hidden_states.output": torch.zeros(2048, dtype=torch.bfloat16), "meta": {"finished": False}}
+    return {"hidden_states.output": torch.zeros(2048, dtype=torch.bfloat16, device=device),
+            "meta": {"finished": False}}
+
+
+def _devices(kind: str) -> tuple[str, str]:
+    """(sender's device, receiver's device)."""
+    if kind == "cpu":
+        return "cpu", "cpu"
+    import torch
+
+    return "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
 
 
 def _busy(ms: float) -> None:
@@ -46,32 +60,47 @@ def _busy(ms: float) -> None:
         x += 1
 
 
-def _open(backend: str, role: str, channel: str, ports: tuple[int, ...], endpoint: str | None) -> Any:
+def _open(backend: str, role: str, channel: str, ports: tuple[int, ...], endpoint: str | None, dev: str) -> Any:
     import omnilink
 
+    cuda = dev.startswith("cuda")
+    if cuda:
+        import torch
+
+        torch.cuda.set_device(torch.device(dev))
     if backend == "shm":
         return omnilink.connect("shm", channel=channel, role=role, timeout=WAIT)
+    if backend == "cuda_ipc":
+        extra = {"device": dev} if role == "receiver" else {}
+        return omnilink.connect("cuda_ipc", channel=channel, role=role, timeout=WAIT, **extra)
     if backend == "zmq":
         return omnilink.connect("zmq", channel=channel, role=role, timeout=WAIT,
                                 endpoint=endpoint or f"tcp://127.0.0.1:{ports[0]}")
     if backend == "nixl":
         os.environ["UCX_TLS"] = "tcp"
+        if cuda:
+            from omnilink.connectors.nixl.agent import nvidia_gpu_present
+
+            if nvidia_gpu_present():
+                del os.environ["UCX_TLS"]  # UCX's own choice (a CUDA transport among them)
         if role == "receiver":
-            return omnilink.connect("nixl", channel=channel, role=role, endpoint="tcp://127.0.0.1:*", timeout=WAIT)
+            extra = {"device": dev} if cuda else {}
+            return omnilink.connect("nixl", channel=channel, role=role, endpoint="tcp://127.0.0.1:*", timeout=WAIT,
+                                    **extra)
         return omnilink.connect("nixl", channel=channel, role=role, endpoint=endpoint, timeout=WAIT)
     if backend == "nccl":
         rank = 0 if role == "sender" else 1
-        conn = omnilink.connect("nccl", channel=channel, role=role, rank=rank, backend="gloo", device="cpu",
-                                master_port=ports[0], timeout=WAIT)
+        conn = omnilink.connect("nccl", channel=channel, role=role, rank=rank, backend="nccl" if cuda else "gloo",
+                                device=dev, master_port=ports[0], timeout=WAIT)
         conn.wait_connected(WAIT)
         return conn
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def _receiver(backend: str, channel: str, ports: tuple[int, ...], n: int, busy_ms: float, q: Any) -> None:
+def _receiver(backend: str, channel: str, ports: tuple[int, ...], n: int, busy_ms: float, dev: str, q: Any) -> None:
     if backend != "nixl":
         q.put(("endpoint", None))  # the sender may start (an nccl pair opens together)
-    conn = _open(backend, "receiver", channel, ports, None)
+    conn = _open(backend, "receiver", channel, ports, None, dev)
     try:
         if backend == "nixl":
             q.put(("endpoint", conn.endpoint))  # the port it bound
@@ -84,10 +113,10 @@ def _receiver(backend: str, channel: str, ports: tuple[int, ...], n: int, busy_m
 
 
 def _sender(backend: str, channel: str, ports: tuple[int, ...], n: int, gap_ms: float, endpoint: str | None,
-            q: Any, closing: Any) -> None:
-    conn = _open(backend, "sender", channel, ports, endpoint)
+            dev: str, q: Any, closing: Any) -> None:
+    conn = _open(backend, "sender", channel, ports, endpoint, dev)
     try:
-        payload = _payload()
+        payload = _payload(dev)
         times = []
         for i in range(n):
             t0 = time.perf_counter()
@@ -100,7 +129,7 @@ def _sender(backend: str, channel: str, ports: tuple[int, ...], n: int, gap_ms: 
         conn.close()
 
 
-def run_one(backend: str, busy_ms: float, n: int, gap_ms: float) -> dict[str, Any]:
+def run_one(backend: str, busy_ms: float, n: int, gap_ms: float, device: str = "cpu") -> dict[str, Any]:
     import multiprocessing as mp
 
     from omnilink._bench.ports import free_ports
@@ -110,12 +139,13 @@ def run_one(backend: str, busy_ms: float, n: int, gap_ms: float) -> dict[str, An
     channel = f"busy-{backend}-{os.getpid()}-{int(busy_ms)}"
     rq, sq = ctx.Queue(), ctx.Queue()
     closing = ctx.Event()
-    rx = ctx.Process(target=_receiver, args=(backend, channel, ports, n, busy_ms, rq), daemon=True)
+    src, dst = _devices(device)
+    rx = ctx.Process(target=_receiver, args=(backend, channel, ports, n, busy_ms, dst, rq), daemon=True)
     rx.start()
     procs = [rx]
     try:
         kind, endpoint = rq.get(timeout=WAIT)
-        tx = ctx.Process(target=_sender, args=(backend, channel, ports, n, gap_ms, endpoint, sq, closing),
+        tx = ctx.Process(target=_sender, args=(backend, channel, ports, n, gap_ms, endpoint, src, sq, closing),
                          daemon=True)
         tx.start()
         procs.append(tx)
@@ -130,7 +160,7 @@ def run_one(backend: str, busy_ms: float, n: int, gap_ms: float) -> dict[str, An
             if p.is_alive():
                 p.kill()
     ts = sorted(times[5:])
-    return {"backend": backend, "busy_ms": busy_ms, "gap_ms": gap_ms, "n": len(ts),
+    return {"backend": backend, "busy_ms": busy_ms, "gap_ms": gap_ms, "n": len(ts), "src": src, "dst": dst,
             "put_p50_us": statistics.median(ts), "put_p90_us": ts[int(len(ts) * 0.9)], "put_max_us": ts[-1]}
 
 
@@ -140,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy-ms", default="0,20", help="the receiver's Python work after each get, ms (comma-separated)")
     ap.add_argument("--n", type=int, default=60, help="payloads per row (5 more as warm-up)")
     ap.add_argument("--gap-ms", type=float, default=7.0, help="the sender's pause between puts")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the hidden state lives (cuda: cuda:0 to cuda:1, or cuda:0 to cuda:0)")
     ap.add_argument("--json", help="write the run here (one JSON object)")
     args = ap.parse_args(argv)
     from omnilink._bench.machine import machine_record
@@ -154,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{backend}: skipped ({why})", flush=True)
             continue
         for busy in (float(x) for x in args.busy_ms.split(",")):
-            r = run_one(backend, busy, args.n + 5, args.gap_ms)
+            r = run_one(backend, busy, args.n + 5, args.gap_ms, args.device)
             rows.append(r)
             print(f"{backend:5s} receiver busy {busy:5.1f} ms: put p50 {r['put_p50_us']:8.0f} us, "
                   f"p90 {r['put_p90_us']:8.0f} us, max {r['put_max_us']:8.0f} us", flush=True)
     import datetime
 
     run = {"scenario": "busy-receiver", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine_record(), "args": vars(args), "rows": rows,
+           "machine": machine_record(include_cuda=args.device == "cuda"), "args": vars(args), "rows": rows,
            "skipped": skipped, "switch_interval_s": sys.getswitchinterval()}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
