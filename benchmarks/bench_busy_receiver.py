@@ -2,10 +2,10 @@
 receiving process busy in Python, per backend.
 
 ``python benchmarks/bench_busy_receiver.py [--backends shm,zmq,nixl,nccl] [--busy-ms 0,20]
-[--n 60] [--gap-ms 7] [--device cpu|cuda] [--json FILE]``
+[--n 60] [--gap-ms 7] [--size 4KiB] [--device cpu|cuda] [--json FILE]``
 
-Two processes, one payload shaped as a stage's chunk (a 4 KiB bf16 hidden state and a
-flag). The sender puts a payload every ``--gap-ms`` and times each ``put``; the
+Two processes, one payload shaped as a stage's chunk (a bf16 hidden state of ``--size``
+and a flag). The sender puts a payload every ``--gap-ms`` and times each ``put``; the
 receiver gets each one, then runs ``--busy-ms`` of pure-Python work (a stage's step:
 it holds its GIL, as a model's Python code does between kernel launches), so with a
 busy time above the gap every payload arrives while the receiving process computes.
@@ -19,7 +19,9 @@ UCX ``tcp`` on loopback (where NIXL is installed), ``nccl`` over gloo (host memo
 With ``--device cuda`` the hidden state is a CUDA tensor of the sender's GPU (cuda:0)
 and the receiver's GPU is cuda:1 where there are two, else cuda:0: ``shm`` (device IPC
 as it chooses), ``cuda_ipc`` (its pool on the receiver's GPU), ``nixl`` (a device pool
-there, UCX's own transports) and ``nccl`` over NCCL (two GPUs only).
+there, UCX's own transports) and ``nccl`` over NCCL (two GPUs only); each row then also
+gives how long the sender's stream took to drain after each ``put`` (what it queued
+there: a copy, an NCCL send that waits for its receive to be posted).
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WAIT = 60.0
 
 
-def _payload(device: str) -> dict[str, Any]:
+def _payload(device: str, nbytes: int) -> dict[str, Any]:
     import torch
 
-    return {"hidden_states.output": torch.zeros(2048, dtype=torch.bfloat16, device=device),
+    return {"hidden_states.output": torch.zeros(max(1, nbytes // 2), dtype=torch.bfloat16, device=device),
             "meta": {"finished": False}}
 
 
@@ -113,23 +115,33 @@ def _receiver(backend: str, channel: str, ports: tuple[int, ...], n: int, busy_m
 
 
 def _sender(backend: str, channel: str, ports: tuple[int, ...], n: int, gap_ms: float, endpoint: str | None,
-            dev: str, q: Any, closing: Any) -> None:
+            dev: str, nbytes: int, q: Any, closing: Any) -> None:
     conn = _open(backend, "sender", channel, ports, endpoint, dev)
     try:
-        payload = _payload(dev)
-        times = []
+        payload = _payload(dev, nbytes)
+        stream = None
+        if dev.startswith("cuda"):
+            import torch
+
+            stream = torch.cuda.current_stream(torch.device(dev))
+        times, drains = [], []
         for i in range(n):
             t0 = time.perf_counter()
             conn.put(f"c{i}", payload, timeout=WAIT)
-            times.append((time.perf_counter() - t0) * 1e6)
+            t1 = time.perf_counter()
+            times.append((t1 - t0) * 1e6)
+            if stream is not None:
+                stream.synchronize()  # what put queued on this stream
+                drains.append((time.perf_counter() - t1) * 1e6)
             time.sleep(gap_ms / 1000)
-        q.put(("times", times))
+        q.put(("times", (times, drains)))
         closing.wait(WAIT)  # the receiver closes first (an nccl pair's store lives here)
     finally:
         conn.close()
 
 
-def run_one(backend: str, busy_ms: float, n: int, gap_ms: float, device: str = "cpu") -> dict[str, Any]:
+def run_one(backend: str, busy_ms: float, n: int, gap_ms: float, device: str = "cpu",
+            nbytes: int = 4096) -> dict[str, Any]:
     import multiprocessing as mp
 
     from omnilink._bench.ports import free_ports
@@ -145,11 +157,11 @@ def run_one(backend: str, busy_ms: float, n: int, gap_ms: float, device: str = "
     procs = [rx]
     try:
         kind, endpoint = rq.get(timeout=WAIT)
-        tx = ctx.Process(target=_sender, args=(backend, channel, ports, n, gap_ms, endpoint, src, sq, closing),
-                         daemon=True)
+        tx = ctx.Process(target=_sender, args=(backend, channel, ports, n, gap_ms, endpoint, src, nbytes, sq,
+                                               closing), daemon=True)
         tx.start()
         procs.append(tx)
-        kind, times = sq.get(timeout=WAIT + n * (busy_ms + gap_ms) / 1000)
+        kind, (times, drains) = sq.get(timeout=WAIT + n * (busy_ms + gap_ms) / 1000)
         rq.get(timeout=WAIT)
         rx.join(WAIT)
         closing.set()
@@ -160,8 +172,13 @@ def run_one(backend: str, busy_ms: float, n: int, gap_ms: float, device: str = "
             if p.is_alive():
                 p.kill()
     ts = sorted(times[5:])
-    return {"backend": backend, "busy_ms": busy_ms, "gap_ms": gap_ms, "n": len(ts), "src": src, "dst": dst,
-            "put_p50_us": statistics.median(ts), "put_p90_us": ts[int(len(ts) * 0.9)], "put_max_us": ts[-1]}
+    row = {"backend": backend, "busy_ms": busy_ms, "gap_ms": gap_ms, "n": len(ts), "src": src, "dst": dst,
+           "size": nbytes, "put_p50_us": statistics.median(ts), "put_p90_us": ts[int(len(ts) * 0.9)],
+           "put_max_us": ts[-1]}
+    if drains:
+        ds = sorted(drains[5:])
+        row.update(stream_p50_us=statistics.median(ds), stream_p90_us=ds[int(len(ds) * 0.9)])
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy-ms", default="0,20", help="the receiver's Python work after each get, ms (comma-separated)")
     ap.add_argument("--n", type=int, default=60, help="payloads per row (5 more as warm-up)")
     ap.add_argument("--gap-ms", type=float, default=7.0, help="the sender's pause between puts")
+    ap.add_argument("--size", default="4KiB", help="the hidden state's bytes (e.g. 4KiB, 1MiB)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the hidden state lives (cuda: cuda:0 to cuda:1, or cuda:0 to cuda:0)")
     ap.add_argument("--json", help="write the run here (one JSON object)")
     args = ap.parse_args(argv)
     from omnilink._bench.machine import machine_record
+    from omnilink._bench.units import parse_sizes
     from omnilink.connectors import backend_unavailable
+
+    (nbytes,) = parse_sizes(args.size)
 
     rows = []
     skipped = {}
@@ -186,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{backend}: skipped ({why})", flush=True)
             continue
         for busy in (float(x) for x in args.busy_ms.split(",")):
-            r = run_one(backend, busy, args.n + 5, args.gap_ms, args.device)
+            r = run_one(backend, busy, args.n + 5, args.gap_ms, args.device, nbytes)
             rows.append(r)
+            stream = (f"; its stream drained {r['stream_p50_us']:8.0f} us p50 after put"
+                      if "stream_p50_us" in r else "")
             print(f"{backend:5s} receiver busy {busy:5.1f} ms: put p50 {r['put_p50_us']:8.0f} us, "
-                  f"p90 {r['put_p90_us']:8.0f} us, max {r['put_max_us']:8.0f} us", flush=True)
+                  f"p90 {r['put_p90_us']:8.0f} us, max {r['put_max_us']:8.0f} us{stream}", flush=True)
     import datetime
 
     run = {"scenario": "busy-receiver", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

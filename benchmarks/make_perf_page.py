@@ -248,8 +248,8 @@ def render_busy(data: list[Any]) -> str:
             continue
         out.append([backend, f"{a['put_p50_us']:,.0f}", f"{b['put_p50_us']:,.0f}", f"{b['put_p90_us']:,.0f}",
                     _ratio(b["put_p50_us"] / a["put_p50_us"])])
-    return (f"Run {run['time']} on: {machine_line(m)}. `put` time in microseconds, a 4 KiB bf16 hidden "
-            f"state and a flag every "
+    return (f"Run {run['time']} on: {machine_line(m)}. `put` time in microseconds, a "
+            f"{_size(rows[0].get('size', 4096))} bf16 hidden state and a flag every "
             f"{args['gap_ms']:g} ms, {rows[0]['n']} payloads per row; the receiver runs {hot:g} ms of Python after "
             f"each get (busy) or none (idle):\n\n"
             + _table(["backend", "idle p50", "busy p50", "busy p90", "busy / idle"], out, "<>>>>"))
