@@ -160,8 +160,9 @@ CONSUMED_KEYS_REMEMBERED = 1 << 16
 class ConsumedKeys:
     """A bounded memory of the keys a receiver consumed or discarded, oldest forgotten
     first, so that a ``get`` of one raises ``KeyConsumedError`` instead of waiting out
-    its timeout. A key put again is forgotten (it can be received again). Not
-    thread-safe: callers hold their receive lock."""
+    its timeout. A key put again is forgotten (it can be received again). (The nixl
+    sender keeps one of the keys it put, the same bounded memory.) Not thread-safe:
+    callers hold their lock."""
 
     __slots__ = ("_keys", "_limit")
 

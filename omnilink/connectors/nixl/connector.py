@@ -487,9 +487,7 @@ class _Receiver:
             return
         s.bell_r, s.bell_w = reader, _bell.BellWriter(reader.sock)
         self._bells_changed()
-        s.backlog.extend(msgs[1:])
-        while s.backlog and not s.lost:
-            self._on_bell(s, s.backlog.popleft())
+        self._handle_bells(s, msgs[1:])
         if reader.eof:
             self._lose(s, "its doorbell closed")
 
@@ -506,13 +504,17 @@ class _Receiver:
             except BlobDecodeError as exc:
                 self._lose(s, f"its doorbell sent a message too large ({exc})", drain=False)
                 continue
-            backlog = s.backlog
-            backlog.extend(msgs)
-            # (a session lost meanwhile handled its backlog in ``_lose``)
-            while backlog and not s.lost:
-                self._on_bell(s, backlog.popleft())
+            self._handle_bells(s, msgs)
             if reader.eof and not s.lost:
                 self._lose(s, "its doorbell closed")
+
+    def _handle_bells(self, s: _Session, msgs: list[bytes]) -> None:
+        """Handle doorbell messages of session ``s`` in order, through its backlog: a
+        session lost on the way (``_lose``) has handled the rest there."""
+        backlog = s.backlog
+        backlog.extend(msgs)
+        while backlog and not s.lost:
+            self._on_bell(s, backlog.popleft())
 
     def _on_bell(self, s: _Session, raw: bytes) -> None:
         """One message on a sender's doorbell: a ``publish`` or a ``written`` (nothing else goes there)."""
@@ -585,11 +587,10 @@ class _Receiver:
         reader = s.bell_r
         if reader is not None and drain:
             try:
-                s.backlog.extend(reader.read())
+                msgs = reader.read()
             except BlobDecodeError:
-                pass
-            while s.backlog:
-                self._on_bell(s, s.backlog.popleft())
+                msgs = []
+            self._handle_bells(s, msgs)  # (``s.lost`` is set below)
         s.backlog.clear()
         logger.info("nixl: channel %r lost sender session %s (pid %d): %s", self.channel, s.session, s.pid, why)
         s.lost = True
@@ -1183,7 +1184,7 @@ class _Sender:
         #: payloads of this session published and not yet answered: seq -> key
         self.unacked: dict[int, str] = {}
         #: keys put by this connector lately, in any session (``_SENT_KEYS_REMEMBERED``)
-        self.sent_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.sent_keys = ConsumedKeys(_SENT_KEYS_REMEMBERED)
         self.lost: str | None = None
         self.puts_in_session = 0
         self._cuda_ok: bool | None = None  # torch.cuda.is_available(), once asked
@@ -1513,12 +1514,8 @@ class _Sender:
             # be pending there: a duplicate): the others return now, their answers taken
             # by the next puts (a busy receiving process, whose threads wait for its GIL,
             # answers late; its sender does not wait for that).
-            sent = self.sent_keys
-            again = key in sent
-            sent[key] = None
-            sent.move_to_end(key)
-            if len(sent) > _SENT_KEYS_REMEMBERED:
-                sent.popitem(last=False)
+            again = key in self.sent_keys
+            self.sent_keys.add(key, "put")
             if not again:
                 self.unacked[seq] = key
                 return prepared.nbytes
