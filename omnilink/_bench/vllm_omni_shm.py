@@ -28,8 +28,6 @@ import sys
 import types
 from typing import Any
 
-from omnilink.connectors.nixl.agent import _CANDIDATES
-
 __all__ = ["PIP_HINT", "load_nixl_connector", "load_shared_memory_connector", "probe"]
 
 PIP_HINT = "pip install --no-deps vllm-omni==0.30.0"
@@ -130,8 +128,8 @@ def load_shared_memory_connector() -> Any:
     return mod.SharedMemoryConnector
 
 
-#: NIXL's builds, in the order the nixl backend looks for them (``agent._CANDIDATES``).
-_NIXL_BUILDS = tuple(c.rpartition(".")[0] for c in _CANDIDATES if not c.startswith("nixl."))
+#: NIXL's builds, in the order the ``nixl`` package itself tries them without CUDA.
+_NIXL_BUILDS = ("nixl_cu13", "nixl_cu12")
 
 
 def _nixl_api() -> Any:
