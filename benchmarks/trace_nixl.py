@@ -2,9 +2,10 @@
 
 ``python benchmarks/trace_nixl.py [--device cpu|cuda] [--size 4KiB] [--n 260] [--warm 120]``
 
-A receiver (its pool on cuda:1 with ``--device cuda``, else host memory) and a sender
-(a bf16 tensor on cuda:0, or on the host) in two processes; the sender puts one payload
-(the tensor plus a flag), the receiver gets it and answers over a pipe, then the next.
+A receiver (its pool on cuda:1 with ``--device cuda``, on cuda:0 where the machine has
+one GPU, else host memory) and a sender (a bf16 tensor on cuda:0, or on the host) in two
+processes; the sender puts one payload (the tensor plus a flag), the receiver gets it
+and answers over a pipe, then the next.
 The first ``--warm`` payloads run untraced (their p50 is printed: the figure without
 the wrappers); the rest run with every function of the nixl backend, ``omnilink.blob``,
 ``omnilink._util``, the connector base and ``omnilink.cuda.runtime`` wrapped
@@ -55,8 +56,9 @@ def _receiver(opts: dict[str, Any], pipe: Any, out: Any) -> None:
     if opts["device"] == "cuda":
         import torch
 
-        torch.cuda.set_device(1)
-        dev = "cuda:1"
+        idx = 1 if torch.cuda.device_count() > 1 else 0  # one GPU: both processes on it
+        torch.cuda.set_device(idx)
+        dev = f"cuda:{idx}"
     conn = omnilink.connect("nixl", channel="trace/nixl", role="receiver", endpoint="tcp://127.0.0.1:*",
                             pool_bytes=max(64 << 20, 4 * opts["size"]), device=dev, timeout=WAIT)
     pipe.send(conn.endpoint)

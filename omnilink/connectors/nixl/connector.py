@@ -299,6 +299,9 @@ _BELL_SEND_S = 1.0
 #: Payloads a sender may have published and not yet had answered (``_Sender.put``
 #: returns without waiting for the answer unless the key was put before).
 _UNACKED_MAX = 64
+#: Whether a put takes the receiver's answers that came (blocks freed, extents granted)
+#: after it published its payload (false: before, on the receiver's path).
+ANSWERS_AFTER_PUBLISH = True
 #: Keys a sender remembers having put (any session): a put of one of them waits for the
 #: receiver's answer (a duplicate of a pending key raises ``DuplicateKeyError``).
 _SENT_KEYS_REMEMBERED = 4096
@@ -1349,6 +1352,20 @@ class _Sender:
             self._apply(msg)
         return msgs
 
+    def _look_after(self) -> None:
+        """After a put published its payload: take the answers that came meanwhile
+        (blocks freed, extents granted), off the receiver's path (taken before the
+        publish, they delayed every payload by as much). A loss seen here is the next
+        put's to report (``_ensure_session``); the payload just published is the
+        receiver's, as a put that returned before the loss."""
+        sock = self.sock
+        if sock is None:
+            return
+        try:
+            self._look(sock, "putting")
+        except PeerLostError:
+            logger.debug("nixl: channel %r: the receiver was lost after a put", self.channel)
+
     def _settle(self, deadline: Deadline, key: str) -> None:
         """Before a put: take the answers that came (blocks freed), and wait while
         ``_UNACKED_MAX`` payloads are unanswered."""
@@ -1439,11 +1456,16 @@ class _Sender:
         if round_up(n) > pool_bytes:
             raise CapacityError(f"nixl: a payload of {n} data bytes can never fit the {pool_bytes}-byte pool of "
                                 f"the receiver of channel {self.channel!r} (its pool_bytes option)")
+        looked = not self.unacked  # (no answer to look for)
         while True:
             for ext, blocks in self.extents.items():
                 off = blocks.alloc(n)
                 if off is not None:
                     return ext + off
+            if not looked:  # the answers that came free blocks first (``_look_after``)
+                looked = True
+                self._look(self._open_sock("asking for room"), "asking for room")
+                continue
             self._send(wire.Extent(need=round_up(n)), deadline, "asking for room in its pool")
             self._receive(deadline, lambda m: isinstance(m, wire.Granted), key, "waiting for room in its pool")
 
@@ -1457,7 +1479,7 @@ class _Sender:
         prepared = prepare(payload)
         with self.lock:
             welcome = self._ensure_session(deadline)
-            if self.unacked:
+            if len(self.unacked) >= _UNACKED_MAX or (self.unacked and not ANSWERS_AFTER_PUBLISH):
                 self._settle(deadline, key)
             n = prepared.data_len
             off = 0
@@ -1518,6 +1540,8 @@ class _Sender:
             self.sent_keys.add(key, "put")
             if not again:
                 self.unacked[seq] = key
+                if ANSWERS_AFTER_PUBLISH:
+                    self._look_after()
                 return prepared.nbytes
             self._receive(deadline, lambda m: isinstance(m, wire.Ack) and m.seq == seq, key, "waiting for its ack")
             ack = self.acks.pop(seq)
