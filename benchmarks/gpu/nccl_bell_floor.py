@@ -26,7 +26,10 @@ Prints each mode's one-way p50 (half an exchange, timed on rank 0) and the recei
 and sender's step medians (rank 1). Nothing of omnilink but its CUDA and NCCL calls
 (``omnilink.cuda``: cuda-python, NCCL's library through ctypes): 2x H200, 2026-11-29,
 doorbell 99 / 160 us one-way against raw 62 / 92 us in two runs, where the connector
-took 237 us.
+took 237 us; in three later runs in one call, nccl-bell 82 / 124 / 102 us, doorbell
+84 / 127 / 107 us, raw 58 / 72 / 72 us. ``BELL_DEBUG=1`` prints each rank's progress
+(NCCL connects a pair of ranks inside their first send / receive host calls, which
+wait for each other: the communicator makes one exchange both ways before the runs).
 """
 import argparse
 import multiprocessing as mp
@@ -85,6 +88,21 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
             uid += s.recv(128 - len(uid))
     comm = nccl.init_rank(uid, 2, rank)
     s.setblocking(False)
+    say = (lambda *a: print(f"[rank {rank}]", *a, file=sys.stderr, flush=True)) if os.environ.get("BELL_DEBUG") else (
+        lambda *a: None)
+    say("communicator up")
+    # NCCL connects a pair of ranks at their first send / receive, inside the host call,
+    # which waits for the peer's matching call: one exchange both ways now (the
+    # connector's link does the same when it opens), not a first send that blocks while
+    # its peer waits on the socket for the message sent after it.
+    warm = torch.zeros(1024, dtype=torch.uint8, device=dev)
+    stream0 = C._cuda_getCurrentRawStream(rank)
+    comm.group_start()
+    comm.send(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
+    comm.recv(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
+    comm.group_end()
+    torch.cuda.synchronize()
+    say("connected")
     peer = 1 - rank
     length = struct.Struct("<I")
     steps: dict[str, list[int]] = {}
@@ -159,6 +177,8 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
     lat: dict[str, list[float]] = {mode: [] for mode in modes}
     for i in range(n + 5):
         for mode in (modes if i % 2 else modes[::-1]):
+            if i < 2:
+                say("exchange", i, mode)
             dist.barrier(device_ids=[rank])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
