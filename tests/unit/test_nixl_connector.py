@@ -534,3 +534,69 @@ def test_a_put_does_not_wait_for_the_receivers_answer_and_at_most_so_many_go_una
             rx.get_nowait("u5")  # its put gave up before publishing it
         tx.put("u5", {"t": torch.arange(4) + 5}, timeout=30.0)
         assert torch.equal(rx.get("u5", timeout=30.0)["t"], torch.arange(4) + 5)
+
+
+@needs_nixl
+@pytest.mark.parametrize("after", [True, False])
+def test_a_put_takes_the_answers_after_it_published(monkeypatch, after):
+    """A put takes the receiver's answers to earlier payloads (blocks freed, extents
+    granted) once its own payload is published, so that the receiver gets it sooner;
+    ``ANSWERS_AFTER_PUBLISH`` false takes them first, as before."""
+    from omnilink.connectors.nixl import connector as nixl_connector
+
+    monkeypatch.setattr(nixl_connector, "ANSWERS_AFTER_PUBLISH", after)
+    with nixl_pair(monkeypatch, f"olnx/after-{os.getpid()}-{after}") as (tx, rx):
+        for i in range(3):
+            tx.put(f"w{i}", {"t": torch.arange(4) + i})
+            assert torch.equal(rx.get(f"w{i}", timeout=30.0)["t"], torch.arange(4) + i)
+        s = tx._tx
+        order: list[str] = []
+        real_look, real_bell = nixl_connector._Sender._look, nixl_connector._Sender._send_bell
+
+        def look(self, sock, what):
+            order.append("look")
+            return real_look(self, sock, what)
+
+        def bell(self, msg, deadline, key):
+            order.append(type(msg).__name__)
+            return real_bell(self, msg, deadline, key)
+
+        monkeypatch.setattr(nixl_connector._Sender, "_look", look)
+        monkeypatch.setattr(nixl_connector._Sender, "_send_bell", bell)
+        if not after:
+            assert s.unacked  # the last payload's answer, taken at the next put's start
+        tx.put("k", {"t": torch.arange(4)})
+        assert order == (["Publish", "look"] if after else ["look", "Publish"])
+        assert torch.equal(rx.get("k", timeout=30.0)["t"], torch.arange(4))
+
+
+@needs_nixl
+def test_what_taking_the_answers_after_a_put_meets_is_the_next_puts_to_raise(monkeypatch):
+    """A malformed answer taken after a put has published its payload does not make that
+    put fail (its payload was put: a caller that put it again would duplicate it); the
+    next put raises it, as it did when the answers were taken at its start."""
+    from omnilink.connectors.nixl import connector as nixl_connector
+
+    with nixl_pair(monkeypatch, f"olnx/deferred-{os.getpid()}") as (tx, rx):
+        tx.put("w", {"t": torch.arange(4)})
+        assert torch.equal(rx.get("w", timeout=30.0)["t"], torch.arange(4))
+        s = tx._tx
+        real_look = nixl_connector._Sender._look
+        broken = {"on": True}
+
+        def look(self, sock, what):
+            if broken["on"]:
+                broken["on"] = False
+                raise omnilink.BlobDecodeError("nixl: malformed control message from the receiver: (test)")
+            return real_look(self, sock, what)
+
+        monkeypatch.setattr(nixl_connector._Sender, "_look", look)
+        assert tx.put("k", {"t": torch.arange(4) + 1}) > 0  # published: no error here
+        assert s.deferred is not None
+        assert torch.equal(rx.get("k", timeout=30.0)["t"], torch.arange(4) + 1)
+        with pytest.raises(omnilink.BlobDecodeError, match="malformed control message"):
+            tx.put("k2", {"t": torch.arange(4)})
+        with pytest.raises(omnilink.WouldBlock):
+            rx.get_nowait("k2")  # that put raised before publishing anything
+        tx.put("k3", {"t": torch.arange(4) + 3})
+        assert torch.equal(rx.get("k3", timeout=30.0)["t"], torch.arange(4) + 3)

@@ -1186,6 +1186,8 @@ class _Sender:
         self.acks: dict[int, wire.Ack] = {}
         #: payloads of this session published and not yet answered: seq -> key
         self.unacked: dict[int, str] = {}
+        #: what taking the answers after a put met (``_look_after``): the next put's
+        self.deferred: OmnilinkError | None = None
         #: keys put by this connector lately, in any session (``_SENT_KEYS_REMEMBERED``)
         self.sent_keys = ConsumedKeys(_SENT_KEYS_REMEMBERED)
         self.lost: str | None = None
@@ -1355,16 +1357,17 @@ class _Sender:
     def _look_after(self) -> None:
         """After a put published its payload: take the answers that came meanwhile
         (blocks freed, extents granted), off the receiver's path (taken before the
-        publish, they delayed every payload by as much). A loss seen here is the next
-        put's to report (``_ensure_session``); the payload just published is the
-        receiver's, as a put that returned before the loss."""
+        publish, they delayed every payload by as much). What this meets (a lost
+        receiver, a malformed answer) is the next put's to raise, as it was when the
+        answers were taken at its start: the payload just published was put."""
         sock = self.sock
         if sock is None:
             return
         try:
             self._look(sock, "putting")
-        except PeerLostError:
-            logger.debug("nixl: channel %r: the receiver was lost after a put", self.channel)
+        except OmnilinkError as exc:
+            logger.debug("nixl: channel %r: after a put: %s", self.channel, exc)
+            self.deferred = exc
 
     def _settle(self, deadline: Deadline, key: str) -> None:
         """Before a put: take the answers that came (blocks freed), and wait while
@@ -1478,6 +1481,9 @@ class _Sender:
     def put(self, key: str, payload: Any, deadline: Deadline) -> int:
         prepared = prepare(payload)
         with self.lock:
+            if self.deferred is not None:
+                exc, self.deferred = self.deferred, None
+                raise exc
             welcome = self._ensure_session(deadline)
             if len(self.unacked) >= _UNACKED_MAX or (self.unacked and not ANSWERS_AFTER_PUBLISH):
                 self._settle(deadline, key)
