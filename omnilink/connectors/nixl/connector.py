@@ -33,7 +33,8 @@ Topology and one ``put``::
   gettable. A put returns once its payload is published (and its WRITE done), without
   waiting for the ack, unless its key was put before by this connector (it may still
   be pending there: the ack says whether it is a duplicate); the acks come with later
-  puts, at most ``_UNACKED_MAX`` unanswered, and a closing sender takes the last ones
+  puts (each takes them once its own payload is published: ``ANSWERS_AFTER_PUBLISH``),
+  at most ``_UNACKED_MAX`` unanswered, and a closing sender takes the last ones
   before its goodbye. A receiving process busy in Python, whose threads wait for its
   GIL, acknowledges late: its senders do not wait for that.
 
