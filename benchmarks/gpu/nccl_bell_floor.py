@@ -1,7 +1,8 @@
 """The floor of the nccl connector's doorbell path for a small device payload, beside raw
 ``torch.distributed`` send/recv, on two GPUs.
 
-``python benchmarks/gpu/nccl_bell_floor.py [--n 200]`` (a machine with two GPUs)
+``python benchmarks/gpu/nccl_bell_floor.py [--n 200] [--modes doorbell,nccl-bell,raw] [--eager]``
+(a machine with two GPUs)
 
 Two processes (cuda:0 and cuda:1) join one torch.distributed NCCL group and one Unix
 socket. A 4 KiB bf16 tensor goes back and forth (a ping-pong, a barrier before each
@@ -20,7 +21,18 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   stream, queues ``ncclRecv`` into it there (posted only once the message came, as the
   connector posts), records an event and makes its current stream wait for it; NCCL's
   C API through ``omnilink.cuda.nccl``, one communicator of the two ranks;
-- ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor.
+- ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor;
+- ``nccl-ahead`` (only with ``--modes``; not run on a GPU yet): the receive posted
+  ahead. Before each exchange (after its barrier, untimed, as a receiver would post
+  the next receive right after a get) each rank posts ``ncclRecv`` into a slot of its
+  own on a side stream, on a communicator per direction (a waiting receive on one, the
+  rank's send on the other), and records an event after it; the sender queues
+  ``ncclSend`` and writes the size on the socket at once, so the transfer and the
+  socket message overlap; the receiver spins on the socket and makes its current
+  stream wait for the event. A receive waiting on the GPU makes a first-time kernel
+  launch in its process wait under CUDA's lazy module loading: every kernel the
+  exchanges use runs once before any receive is posted ahead, and ``--eager`` sets
+  ``CUDA_MODULE_LOADING=EAGER`` in both processes.
 
 Prints each mode's one-way p50 (half an exchange, timed on rank 0) and the receiver's
 and sender's step medians (rank 1). Nothing of omnilink but its CUDA and NCCL calls
@@ -43,7 +55,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def worker(rank: int, port: int, name: str, n: int, q) -> None:
+def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = ("doorbell", "nccl-bell", "raw"),
+           eager: bool = False) -> None:
+    if eager:
+        os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts in this process
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -102,6 +117,30 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
     comm.recv(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
     comm.group_end()
     torch.cuda.synchronize()
+    # nccl-ahead: a communicator per direction (a receive waiting on one, the rank's own
+    # send on the other); rank 0 sends on ``fwd``, rank 1 on ``back``.
+    fwd = back = None
+    if "nccl-ahead" in modes:
+        comms = []
+        for _ in range(2):
+            if rank == 0:
+                uid2 = nccl.unique_id()
+                s.setblocking(True)
+                s.sendall(uid2)
+            else:
+                s.setblocking(True)
+                uid2 = b""
+                while len(uid2) < 128:
+                    uid2 += s.recv(128 - len(uid2))
+            c2 = nccl.init_rank(uid2, 2, rank)
+            c2.group_start()
+            c2.send(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
+            c2.recv(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
+            c2.group_end()
+            torch.cuda.synchronize()
+            comms.append(c2)
+        s.setblocking(False)
+        fwd, back = comms
     say("connected")
     peer = 1 - rank
     length = struct.Struct("<I")
@@ -172,8 +211,34 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
         mark("nccl get: stream waits", t0)
         return out
 
+    slot = torch.empty(2048, dtype=torch.bfloat16, device=dev)
+    posted = Event(rank)
+
+    def post_ahead() -> None:
+        """The receive of the next message, posted on the side stream (untimed)."""
+        comm_in = back if rank == 0 else fwd
+        comm_in.recv(slot.data_ptr(), slot.nbytes, peer, raw_side)
+        posted.record(raw_side)
+
+    def put_ahead(t) -> None:
+        t0 = time.perf_counter_ns()
+        comm_out = fwd if rank == 0 else back
+        comm_out.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+        t0 = mark("ahead put: ncclSend", t0)
+        s.sendall(length.pack(4) + length.pack(t.nbytes))
+        mark("ahead put: socket send", t0)
+
+    def get_ahead():
+        t0 = spin()
+        ops.wait(C._cuda_getCurrentRawStream(rank), posted)
+        mark("ahead get: stream waits", t0)
+        return slot
+
     t = torch.zeros(2048, dtype=torch.bfloat16, device=dev)
-    modes = ("doorbell", "nccl-bell", "raw")
+    # Every kernel the exchanges launch, once, before any receive waits on the GPU.
+    t.add_(0)
+    dist.barrier(device_ids=[rank])
+    torch.cuda.synchronize()
     lat: dict[str, list[float]] = {mode: [] for mode in modes}
     for i in range(n + 5):
         for mode in (modes if i % 2 else modes[::-1]):
@@ -181,6 +246,12 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
                 say("exchange", i, mode)
             dist.barrier(device_ids=[rank])
             torch.cuda.synchronize()
+            if mode == "nccl-ahead":
+                # Posted now (a device-wide synchronize with a receive waiting would wait
+                # for its message), untimed: each rank's next receive, as a receiver
+                # posts it after a get; the peer's send may come before it, and neither
+                # waits for the socket message.
+                post_ahead()
             t0 = time.perf_counter()
             if mode == "raw":
                 if rank == 0:
@@ -191,7 +262,8 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
                     torch.cuda.synchronize()
                     dist.send(t, 0)
             else:
-                send, recv = (put, get) if mode == "doorbell" else (put_nccl, get_nccl)
+                send, recv = {"doorbell": (put, get), "nccl-bell": (put_nccl, get_nccl),
+                              "nccl-ahead": (put_ahead, get_ahead)}[mode]
                 if rank == 0:
                     send(t)
                     t = recv()
@@ -199,12 +271,17 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
                     t = recv()
                     torch.cuda.synchronize()
                     send(t)
+            if mode == "nccl-ahead" and rank == 0:
+                t = t.clone()  # (the slot is the next receive's)
             torch.cuda.synchronize()
             if i >= 5:
                 lat[mode].append((time.perf_counter() - t0) / 2 * 1e6)
     q.put((rank, {k: statistics.median(v) for k, v in lat.items()},
            {k: statistics.median(v) / 1e3 for k, v in steps.items()}))
     s.close()
+    for c in (fwd, back):
+        if c is not None:
+            c.destroy()
     comm.destroy()
     dist.destroy_process_group()
 
@@ -212,22 +289,31 @@ def worker(rank: int, port: int, name: str, n: int, q) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="exchanges per mode (after 5 warm-ups)")
+    ap.add_argument("--modes", default="doorbell,nccl-bell,raw",
+                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, raw")
+    ap.add_argument("--eager", action="store_true", help="CUDA_MODULE_LOADING=EAGER in both processes")
     args = ap.parse_args()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "raw")]
+    if bad or not modes:
+        ap.error(f"unknown modes {bad}" if bad else "no mode")
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, f"bellfloor{os.getpid()}", args.n, q)) for r in (0, 1)]
+    procs = [ctx.Process(target=worker, args=(r, port, f"bellfloor{os.getpid()}", args.n, q, modes, args.eager))
+             for r in (0, 1)]
     for p in procs:
         p.start()
     out = dict((r, (lat, steps)) for r, lat, steps in (q.get(timeout=300) for _ in procs))
     for p in procs:
         p.join(30)
     lat = out[0][0]
-    print(f"4 KiB one-way p50: doorbell floor {lat['doorbell']:.1f} us, NCCL + bell floor {lat['nccl-bell']:.1f} us, "
-          f"raw torch.distributed {lat['raw']:.1f} us")
+    names = {"doorbell": "doorbell floor", "nccl-bell": "NCCL + bell floor", "nccl-ahead": "NCCL posted ahead floor",
+             "raw": "raw torch.distributed"}
+    print("4 KiB one-way p50: " + ", ".join(f"{names[m]} {lat[m]:.1f} us" for m in modes))
     print("rank 1 steps (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out[1][1].items())))
 
 
