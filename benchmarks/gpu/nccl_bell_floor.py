@@ -1,8 +1,8 @@
 """The floor of the nccl connector's doorbell path for a small device payload, beside raw
 ``torch.distributed`` send/recv, on two GPUs.
 
-``python benchmarks/gpu/nccl_bell_floor.py [--n 200] [--modes doorbell,nccl-bell,raw] [--eager]``
-(a machine with two GPUs)
+``python benchmarks/gpu/nccl_bell_floor.py [--n 200] [--modes doorbell,nccl-bell,raw] [--eager]
+[--json FILE]`` (a machine with two GPUs)
 
 Two processes (cuda:0 and cuda:1) join one torch.distributed NCCL group and one Unix
 socket. A 4 KiB bf16 tensor goes back and forth (a ping-pong, a barrier before each
@@ -292,6 +292,7 @@ def main() -> None:
     ap.add_argument("--modes", default="doorbell,nccl-bell,raw",
                     help="comma-separated: doorbell, nccl-bell, nccl-ahead, raw")
     ap.add_argument("--eager", action="store_true", help="CUDA_MODULE_LOADING=EAGER in both processes")
+    ap.add_argument("--json", default=None, help="also write the figures and the machine record to FILE")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
     bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "raw")]
@@ -315,6 +316,17 @@ def main() -> None:
              "raw": "raw torch.distributed"}
     print("4 KiB one-way p50: " + ", ".join(f"{names[m]} {lat[m]:.1f} us" for m in modes))
     print("rank 1 steps (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out[1][1].items())))
+    if args.json:
+        import json
+
+        from omnilink._bench.machine import machine_record
+
+        record = {"scenario": "nccl-bell-floor", "command": " ".join(["python", *sys.argv]), "n": args.n,
+                  "eager": args.eager, "modes": list(modes), "one_way_p50_us": {m: lat[m] for m in modes},
+                  "rank1_steps_median_us": out[1][1], "machine": machine_record(include_cuda=True),
+                  "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
