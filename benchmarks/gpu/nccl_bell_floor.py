@@ -92,55 +92,39 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
     from omnilink.cuda.nccl import nccl_library
 
     nccl = nccl_library()
-    if rank == 0:
-        uid = nccl.unique_id()
-        s.setblocking(True)
-        s.sendall(uid)
-    else:
-        s.setblocking(True)
-        uid = b""
-        while len(uid) < 128:
-            uid += s.recv(128 - len(uid))
-    comm = nccl.init_rank(uid, 2, rank)
-    s.setblocking(False)
     say = (lambda *a: print(f"[rank {rank}]", *a, file=sys.stderr, flush=True)) if os.environ.get("BELL_DEBUG") else (
         lambda *a: None)
-    say("communicator up")
-    # NCCL connects a pair of ranks at their first send / receive, inside the host call,
-    # which waits for the peer's matching call: one exchange both ways now (the
-    # connector's link does the same when it opens), not a first send that blocks while
-    # its peer waits on the socket for the message sent after it.
     warm = torch.zeros(1024, dtype=torch.uint8, device=dev)
     stream0 = C._cuda_getCurrentRawStream(rank)
-    comm.group_start()
-    comm.send(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
-    comm.recv(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
-    comm.group_end()
-    torch.cuda.synchronize()
+
+    def connect():
+        """A communicator of the two ranks (its unique id from rank 0 over the socket),
+        connected: NCCL connects a pair of ranks at their first send / receive, inside
+        the host call, which waits for the peer's matching call, so one exchange both
+        ways now (the connector's link does the same when it opens), not a first send
+        that blocks while its peer waits on the socket for the message sent after it."""
+        s.setblocking(True)
+        if rank == 0:
+            uid = nccl.unique_id()
+            s.sendall(uid)
+        else:
+            uid = b""
+            while len(uid) < 128:
+                uid += s.recv(128 - len(uid))
+        c = nccl.init_rank(uid, 2, rank)
+        c.group_start()
+        c.send(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
+        c.recv(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
+        c.group_end()
+        torch.cuda.synchronize()
+        s.setblocking(False)
+        return c
+
+    comm = connect()
+    say("communicator up")
     # nccl-ahead: a communicator per direction (a receive waiting on one, the rank's own
     # send on the other); rank 0 sends on ``fwd``, rank 1 on ``back``.
-    fwd = back = None
-    if "nccl-ahead" in modes:
-        comms = []
-        for _ in range(2):
-            if rank == 0:
-                uid2 = nccl.unique_id()
-                s.setblocking(True)
-                s.sendall(uid2)
-            else:
-                s.setblocking(True)
-                uid2 = b""
-                while len(uid2) < 128:
-                    uid2 += s.recv(128 - len(uid2))
-            c2 = nccl.init_rank(uid2, 2, rank)
-            c2.group_start()
-            c2.send(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
-            c2.recv(warm.data_ptr(), warm.numel(), 1 - rank, stream0)
-            c2.group_end()
-            torch.cuda.synchronize()
-            comms.append(c2)
-        s.setblocking(False)
-        fwd, back = comms
+    fwd, back = (connect(), connect()) if "nccl-ahead" in modes else (None, None)
     say("connected")
     peer = 1 - rank
     length = struct.Struct("<I")
