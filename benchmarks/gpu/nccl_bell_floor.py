@@ -176,12 +176,17 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         mark("get: stream waits", t0)
         return out
 
-    def put_nccl(t) -> None:
+    def send_then_bell(c, what: str, t) -> None:
+        """``ncclSend`` of ``t`` on communicator ``c`` (the current stream), then its
+        size on the socket; steps marked ``what``."""
         t0 = time.perf_counter_ns()
-        comm.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
-        t0 = mark("nccl put: ncclSend", t0)
+        c.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+        t0 = mark(f"{what}: ncclSend", t0)
         s.sendall(length.pack(4) + length.pack(t.nbytes))
-        mark("nccl put: socket send", t0)
+        mark(f"{what}: socket send", t0)
+
+    def put_nccl(t) -> None:
+        send_then_bell(comm, "nccl put", t)
 
     def get_nccl():
         t0 = spin()
@@ -205,12 +210,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         posted.record(raw_side)
 
     def put_ahead(t) -> None:
-        t0 = time.perf_counter_ns()
-        comm_out = fwd if rank == 0 else back
-        comm_out.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
-        t0 = mark("ahead put: ncclSend", t0)
-        s.sendall(length.pack(4) + length.pack(t.nbytes))
-        mark("ahead put: socket send", t0)
+        send_then_bell(fwd if rank == 0 else back, "ahead put", t)
 
     def get_ahead():
         t0 = spin()
