@@ -38,8 +38,8 @@ Prints each mode's one-way p50 (half an exchange, timed on rank 0) and the recei
 and sender's step medians (rank 1). Nothing of omnilink but its CUDA and NCCL calls
 (``omnilink.cuda``: cuda-python, NCCL's library through ctypes): 2x H200, 2026-11-29,
 doorbell 99 / 160 us one-way against raw 62 / 92 us in two runs, where the connector
-took 237 us; in three later runs in one call, nccl-bell 82 / 124 / 102 us, doorbell
-84 / 127 / 107 us, raw 58 / 72 / 72 us. ``BELL_DEBUG=1`` prints each rank's progress
+took 237 us; in three later runs (two calls), nccl-bell 82 / 124 / 102 us, doorbell
+84 / 127 / 107 us, raw 58 / 72 / 72 us (``benchmarks/results/nccl-bell-floor-2xh200.json``). ``BELL_DEBUG=1`` prints each rank's progress
 (NCCL connects a pair of ranks inside their first send / receive host calls, which
 wait for each other: the communicator makes one exchange both ways before the runs).
 """
