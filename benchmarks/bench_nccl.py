@@ -41,7 +41,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--bell-bytes 65536] [--latency-ab OPTION=VALUE] [--profile]
+        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo). A worker that hangs prints every thread's Python stack
@@ -429,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-iters", type=int, default=200, help="4 KiB ping-pongs (0: skip)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds the whole run may take")
     ap.add_argument("--json", help="append one JSON object per cell to this file")
-    ap.add_argument("--bell-bytes", type=int, default=64 << 10,
-                    help="the connector's bell_bytes: device data that rides the doorbell (default 65536)")
+    ap.add_argument("--bell-bytes", type=int, default=0,
+                    help="the connector's bell_bytes: device data that rides the doorbell (default 0, the "
+                         "connector's: none)")
     ap.add_argument("--pack-bytes", type=int, default=1 << 20,
                     help="the connector's pack_bytes: device tensors up to this size sent together in one "
                          "pack (default 1048576)")

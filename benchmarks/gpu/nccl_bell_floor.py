@@ -21,6 +21,10 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   stream, queues ``ncclRecv`` into it there (posted only once the message came, as the
   connector posts), records an event and makes its current stream wait for it; NCCL's
   C API through ``omnilink.cuda.nccl``, one communicator of the two ranks;
+- ``nccl-first``: as ``nccl-bell`` with the socket message first (the sender writes
+  the size, then queues ``ncclSend``, so the receiver posts its receive while the
+  sender's host call runs) and the receive into a slot allocated beforehand (a receive
+  pool), not a fresh tensor;
 - ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor;
 - ``nccl-ahead`` (only with ``--modes``; not run on a GPU yet): the receive posted
   ahead. Before each exchange (after its barrier, untimed, as a receiver would post
@@ -212,6 +216,26 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
     def put_ahead(t) -> None:
         send_then_bell(fwd if rank == 0 else back, "ahead put", t)
 
+    def put_first(t) -> None:
+        """The size on the socket first, then ``ncclSend``: the receiver posts its
+        receive while the sender's host call runs."""
+        t0 = time.perf_counter_ns()
+        s.sendall(length.pack(4) + length.pack(t.nbytes))
+        t0 = mark("first put: socket send", t0)
+        comm.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+        mark("first put: ncclSend", t0)
+
+    def get_first():
+        """Into a slot allocated beforehand (a receive pool), posted once the size came."""
+        t0 = spin()
+        (m,) = length.unpack_from(buf, 4)
+        comm.recv(slot.data_ptr(), m, peer, raw_side)
+        posted.record(raw_side)
+        t0 = mark("first get: ncclRecv, record", t0)
+        ops.wait(C._cuda_getCurrentRawStream(rank), posted)
+        mark("first get: stream waits", t0)
+        return slot
+
     def get_ahead():
         t0 = spin()
         ops.wait(C._cuda_getCurrentRawStream(rank), posted)
@@ -247,7 +271,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
                     dist.send(t, 0)
             else:
                 send, recv = {"doorbell": (put, get), "nccl-bell": (put_nccl, get_nccl),
-                              "nccl-ahead": (put_ahead, get_ahead)}[mode]
+                              "nccl-ahead": (put_ahead, get_ahead), "nccl-first": (put_first, get_first)}[mode]
                 if rank == 0:
                     send(t)
                     t = recv()
@@ -255,7 +279,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
                     t = recv()
                     torch.cuda.synchronize()
                     send(t)
-            if mode == "nccl-ahead" and rank == 0:
+            if mode in ("nccl-ahead", "nccl-first") and rank == 0:
                 t = t.clone()  # (the slot is the next receive's)
             torch.cuda.synchronize()
             if i >= 5:
@@ -274,12 +298,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="exchanges per mode (after 5 warm-ups)")
     ap.add_argument("--modes", default="doorbell,nccl-bell,raw",
-                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, raw")
+                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, nccl-first, raw")
     ap.add_argument("--eager", action="store_true", help="CUDA_MODULE_LOADING=EAGER in both processes")
     ap.add_argument("--json", default=None, help="also write the figures and the machine record to FILE")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
-    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "raw")]
+    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "nccl-first", "raw")]
     if bad or not modes:
         ap.error(f"unknown modes {bad}" if bad else "no mode")
     probe = socket.socket()
@@ -297,6 +321,7 @@ def main() -> None:
         p.join(30)
     lat = out[0][0]
     names = {"doorbell": "doorbell floor", "nccl-bell": "NCCL + bell floor", "nccl-ahead": "NCCL posted ahead floor",
+             "nccl-first": "bell first, NCCL into a slot floor",
              "raw": "raw torch.distributed"}
     print("4 KiB one-way p50: " + ", ".join(f"{names[m]} {lat[m]:.1f} us" for m in modes))
     print("rank 1 steps (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out[1][1].items())))

@@ -189,16 +189,76 @@ def test_many_payloads_small_window_any_order():
             rx.get("k5", timeout=WAIT)
 
 
+@pytest.fixture
+def bell_pair():
+    """A pair whose small device payloads ride the doorbell (``bell_bytes`` set; the
+    default, 0, sends them by NCCL)."""
+    store = dist.HashStore()
+    tx = omnilink.connect("nccl", channel="gpu/bell-pair", role="sender", device="cuda:0", store=store,
+                          bell_bytes=1 << 16)
+    rx = omnilink.connect("nccl", channel="gpu/bell-pair", role="receiver", device="cuda:1", store=store,
+                          bell_bytes=1 << 16)
+    try:
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
 @pytest.mark.multigpu
-def test_small_device_payload_rides_the_doorbell(gpu_pair):
-    """A payload whose device tensors are small (at most bell_bytes) and that has nothing
-    else for NCCL costs no NCCL operation: put copies them to host (its stream reaches
-    the copy first), the doorbell carries them, and on cuda:1 they are views of one
-    region buffer, bit-exact, ordered on the getter's stream; the sender may overwrite
-    them on its stream right after put."""
-    from omnilink.connectors.nccl import wire
+def test_small_device_payload_by_nccl_by_default(gpu_pair):
+    """By default (``bell_bytes=0``) a small device payload goes by NCCL, one send and
+    one receive, bit-exact, and ``put`` returns without waiting for its stream."""
+    tx, rx = gpu_pair
+    assert tx.bell_bytes == 0
+    tx.wait_connected(WAIT)
+    rx.wait_connected(WAIT)
+    hidden = torch.randn(2048, device="cuda:0").to(torch.bfloat16)  # 4 KiB
+    ops = (tx._p2p_ops, rx._p2p_ops)
+    for i in range(10):
+        tx.put(f"small{i}", {"hidden_states.output": hidden, "meta": {"finished": i == 9}}, timeout=WAIT)
+        got = rx.get(f"small{i}", timeout=WAIT)
+        assert got["meta"] == {"finished": i == 9}
+        assert torch.equal(_bits(got["hidden_states.output"]), _bits(hidden.cpu()))
+    assert (tx._p2p_ops - ops[0], rx._p2p_ops - ops[1]) == (10, 10)
+
+
+@pytest.mark.multigpu
+def test_a_send_that_fails_after_its_bell_fails_the_link(gpu_pair, monkeypatch):
+    """The bell is rung before the sends: a send that fails after it leaves a receive
+    no send will match, so the put raises and the link is failed (the next put says so)
+    instead of going on."""
+    from omnilink.connectors.nccl import connector as nccl_connector
 
     tx, rx = gpu_pair
+    tx.wait_connected(WAIT)
+    rx.wait_connected(WAIT)
+    assert nccl_connector.BELL_BEFORE_SENDS
+    t = torch.ones(1024, device="cuda:0")
+    tx.put("before", {"t": t}, timeout=WAIT)
+    assert rx.get("before", timeout=WAIT)["t"].sum().item() == 1024.0
+
+    def broken(bulk):
+        raise omnilink.CudaError("injected: ncclSend failed")
+
+    monkeypatch.setattr(tx, "_send_nccl", broken)
+    with pytest.raises(omnilink.CudaError, match="injected"):
+        tx.put("lost", {"t": t}, timeout=WAIT)
+    monkeypatch.undo()
+    with pytest.raises(omnilink.TransportError):
+        tx.put("after", {"t": t}, timeout=WAIT)
+
+
+@pytest.mark.multigpu
+def test_small_device_payload_rides_the_doorbell(bell_pair):
+    """With ``bell_bytes`` set, a payload whose device tensors are small (at most
+    bell_bytes) and that has nothing else for NCCL costs no NCCL operation: put copies
+    them to host (its stream reaches the copy first), the doorbell carries them, and on
+    cuda:1 they are views of one region buffer, bit-exact, ordered on the getter's
+    stream; the sender may overwrite them on its stream right after put."""
+    from omnilink.connectors.nccl import wire
+
+    tx, rx = bell_pair
     tx.wait_connected(WAIT)
     rx.wait_connected(WAIT)
     g = torch.Generator(device="cuda:0").manual_seed(9)
