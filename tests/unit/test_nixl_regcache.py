@@ -134,3 +134,48 @@ def test_an_allocation_the_agent_will_not_register_whole_is_left_to_per_write_re
     assert c.refused == 1 and len(c) == 0 and agent.live == {}  # tried once, not per write
     drv.allocs[0] = {0x1000: (1 << 20, 2)}  # that memory freed; a new allocation there
     assert c.covers(0x1000, 4096, 0) and len(c) == 1
+
+
+def test_an_allocation_holding_the_senders_own_registration_is_never_registered_whole():
+    """NIXL's registrations must not overlap: the allocation that holds the sender's
+    staging buffer is not registered whole (its tensors register per write), and one
+    registered before the staging buffer moved into it is deregistered."""
+    agent, drv = _Agent(), _Driver()
+    drv.allocs[0][0x10_0000] = (20 << 20, 1)  # a segment holding a tensor and the staging
+    drv.allocs[0][0x800_0000] = (1 << 20, 2)
+    c = RegistrationCache(agent, drv)
+    c.avoid(0, 0x10_0000 + (4 << 20), 1 << 20)
+    assert not c.covers(0x10_0000, 1 << 20, 0)
+    assert not c.covers(0x10_0000, 1 << 20, 0)  # remembered: not looked at again
+    assert agent.log == [] and c.refused == 1
+    assert c.covers(0x800_0000, 4096, 0)  # another allocation: registered whole
+    # The staging buffer moves into an allocation already registered whole.
+    c.avoid(0, 0x800_0000 + 8192, 4096)
+    assert agent.log[-1] == ("dereg", 0x800_0000, 1 << 20) and len(c) == 0
+    assert not c.covers(0x800_0000, 4096, 0)
+    assert not agent.live
+    # On another device the range means nothing.
+    drv.allocs[1][0x10_0000] = (20 << 20, 3)
+    assert c.covers(0x10_0000, 4096, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["covers", "avoid"]), st.integers(0, 7), st.integers(0, 3)),
+                max_size=40))
+def test_no_registration_of_the_cache_ever_overlaps_the_avoided_range(steps):
+    agent, drv = _Agent(), _Driver()
+    for i in range(8):
+        drv.allocs[0][i << 24] = (1 << 24, i + 1)
+    c = RegistrationCache(agent, drv, max_entries=3)
+    avoided = None
+    for op, alloc, part in steps:
+        addr = (alloc << 24) + part * (1 << 20)
+        if op == "avoid":
+            c.avoid(0, addr, 1 << 20)
+            avoided = (addr, 1 << 20)
+        else:
+            c.covers(addr, 4096, 0)
+        if avoided is not None:
+            for a, n, _d in agent.live.values():
+                assert not (a < avoided[0] + avoided[1] and avoided[0] < a + n)
+        assert len(agent.live) == len(c) <= 3

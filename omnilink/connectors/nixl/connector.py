@@ -1657,6 +1657,9 @@ class _Sender:
             if ops is None:
                 return None
             cache = self.regs = RegistrationCache(self.agent, ops.allocation)
+            for st in self.dev_staging.values():  # registered before the cache existed
+                if st.nbytes:
+                    cache.avoid(st.dev, st.addr, st.nbytes)
         return cache
 
     def _write_direct(self, prepared: Any, sources: list[tuple[int, int, Any]], welcome: wire.Welcome, off: int,
@@ -1745,7 +1748,14 @@ class _Sender:
         st = self.dev_staging.get(index)
         if st is None:
             st = self.dev_staging[index] = Staging(self.agent, torch.device("cuda", index))
+            st.on_registered = self._staging_registered
         return st
+
+    def _staging_registered(self, dev: int, addr: int, nbytes: int) -> None:
+        """A device staging buffer registered (anew): no allocation holding it is
+        registered whole by the cache (NIXL's registrations must not overlap)."""
+        if self.regs is not None:
+            self.regs.avoid(dev, addr, nbytes)
 
     def _fill_device(self, prepared: Any, staging: Staging, sources: list[Any] | None = None) -> None:
         """Copy every tensor (``sources``: ``(offset in the staging buffer, nbytes,

@@ -339,6 +339,8 @@ class Staging:
         self.tensor: Any = None
         self._mm: mmap.mmap | None = None
         self._reg: Any = None
+        #: called with ``(dev, addr, nbytes)`` once the buffer is registered anew
+        self.on_registered: Any = None
 
     def ensure(self, nbytes: int) -> None:
         if nbytes <= self.nbytes:
@@ -358,6 +360,8 @@ class Staging:
             self.addr = self.tensor.data_ptr()
         self._reg = self._agent.register(self.addr, size, self.mem, self.dev)
         self.nbytes = size
+        if self.on_registered is not None:
+            self.on_registered(self.dev, self.addr, size)
 
     def close(self) -> None:
         if self._reg is not None:

@@ -16,6 +16,12 @@ gone: it is deregistered first. At most ``max_entries`` stay registered (the lea
 recently used go). Registered device memory pins nothing. An allocation the agent will
 not register whole (a range only partly mapped, as torch's expandable segments make) is
 remembered and its tensors are registered per write, as without the cache.
+
+Nor is an allocation registered whole where it holds memory the sender registered for
+itself (its device staging buffer, ``avoid``): NIXL looks a transfer's memory up among
+registrations that must not overlap (with two over the same bytes, preparing a WRITE
+failed with ``NIXL_ERR_NOT_FOUND`` on 2x H200). Tensors of such an allocation are
+registered per write.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class RegistrationCache:
         #: allocations the agent would not register whole (counted; remembered by id)
         self.refused = 0
         self._refused: set[tuple[int, int]] = set()
+        #: per device, the range the sender registered itself (``avoid``)
+        self._avoid: dict[int, tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -86,22 +94,40 @@ class RegistrationCache:
         for k, e in list(self._entries.items()):
             if e.dev == dev and e.base < base + size and base < e.base + e.size:
                 self._drop(k)
+        own = self._avoid.get(dev)
+        if own is not None and own[0] < base + size and base < own[0] + own[1]:
+            self._refuse(key)  # it holds the sender's own registered memory
+            return False
         try:
             descs = self.agent.register(base, size, "VRAM", dev)
         except Exception:  # noqa: BLE001 - e.g. a range only partly mapped (torch's expandable segments)
             # The tensor alone may still register (the caller does, per write).
             logger.debug("nixl: registering the allocation [%#x, +%d) failed; its tensors register per write",
                          base, size, exc_info=True)
-            self.refused += 1
-            if len(self._refused) >= 4 * self.max_entries:
-                self._refused.clear()
-            self._refused.add(key)  # not tried again
+            self._refuse(key)
             return False
         self._entries[key] = _Entry(base, size, dev, descs)
         self.misses += 1
         while len(self._entries) > self.max_entries:
             self._drop(next(iter(self._entries)))
         return True
+
+    def _refuse(self, key: tuple[int, int]) -> None:
+        self.refused += 1
+        if len(self._refused) >= 4 * self.max_entries:
+            self._refused.clear()
+        self._refused.add(key)  # not tried again
+
+    def avoid(self, dev: int, addr: int, nbytes: int) -> None:
+        """``[addr, addr + nbytes)`` on ``dev`` is registered by the sender itself (its
+        staging buffer; replaces the device's former range): an entry whose allocation
+        holds any of it is deregistered (its tensors then register per write), and no
+        such allocation is registered whole from now on."""
+        self._avoid[dev] = (addr, nbytes)
+        for k, e in list(self._entries.items()):
+            if e.dev == dev and e.base < addr + nbytes and addr < e.base + e.size:
+                self._drop(k)
+                self._refuse(k)
 
     def _drop(self, key: tuple[int, int]) -> None:
         entry = self._entries.pop(key)
