@@ -982,3 +982,42 @@ def test_spin_adapts_within_its_bounds():
     for _ in range(20):
         adapt(end, 10_000)  # then at once: never below spin_us
     assert end._spin_ns == lo
+
+
+@pytest.mark.parametrize("bell_first", [True, False])
+def test_the_doorbell_of_an_nccl_payload_goes_just_before_its_sends(store, monkeypatch, bell_first):
+    """On an NCCL link a payload's doorbell is rung just before its sends are queued
+    (``BELL_BEFORE_SENDS``; after them when off), and a send that fails after its
+    doorbell fails the link: the next put says so. Driven through ``_put`` with the
+    link's NCCL calls stood in for (no GPU here)."""
+    from omnilink.connectors.nccl import connector as nccl_connector
+
+    monkeypatch.setattr(nccl_connector, "BELL_BEFORE_SENDS", bell_first)
+    with _open(store, "sender", connect_timeout=2.0) as tx, _open(store, "receiver", connect_timeout=2.0) as rx:
+        tx.wait_connected(WAIT)
+        rx.wait_connected(WAIT)
+        order = []
+        buf = torch.zeros(64, dtype=torch.uint8)
+        plan = wire.SendPlan(_meta({"t": buf}), [wire.P2P], [], [buf], 64)
+        monkeypatch.setattr(wire, "plan_send", lambda *a, **k: plan)
+        monkeypatch.setattr(tx, "_is_nccl", True)
+        monkeypatch.setattr(tx, "_ring_bell", lambda raw, key, deadline: order.append(("bell", key)))
+        monkeypatch.setattr(tx, "_send_nccl", lambda bulk: order.append(("send", len(bulk))))
+        tx.put("a", {"t": buf}, timeout=WAIT)
+        assert order == ([("bell", "a"), ("send", 1)] if bell_first else [("send", 1), ("bell", "a")])
+
+        def broken(bulk):
+            raise omnilink.CudaError("injected: ncclSend failed")
+
+        monkeypatch.setattr(tx, "_send_nccl", broken)
+        with pytest.raises(omnilink.CudaError, match="injected"):
+            tx.put("b", {"t": buf}, timeout=WAIT)
+        if bell_first:
+            assert order[-1] == ("bell", "b")
+            with pytest.raises(omnilink.PeerLostError, match="after its doorbell"):
+                tx.put("c", {"t": buf}, timeout=WAIT)
+        else:
+            assert order[-1] == ("bell", "a")  # nothing announced: the link goes on
+            assert tx._link_error is None
+        monkeypatch.setattr(tx, "_is_nccl", False)
+        tx._send_seq = 0  # nothing was really sent: close need not wait for credits
