@@ -111,10 +111,11 @@ Semantics, chosen and tested:
   device tensors ride the doorbell (at most ``bell_bytes`` together, nothing else for
   NCCL) is copied to pinned host memory on the caller's stream and ``put`` waits for
   that copy: it returns once the caller's stream has reached it (the default, 0, keeps
-  every device tensor on NCCL and ``put`` asynchronous). Host data on a gloo link is snapshotted (one memcpy)
-  because gloo reads it whenever the receiver is ready. Host tensors ride inside the
-  envelope when small (``inline_bytes``); larger ones go by gloo, or on an NCCL link are
-  staged through the device (copied up, sent, copied back to host on the receiver).
+  every device tensor on NCCL and ``put`` asynchronous). Host data on a gloo link is
+  snapshotted (one memcpy) because gloo reads it whenever the receiver is ready. Host
+  tensors ride inside the envelope when small (``inline_bytes``); larger ones go by
+  gloo, or on an NCCL link are staged through the device (copied up, sent, copied back
+  to host on the receiver).
 - ``get`` returns the payload with the caller's current stream ordered after its bytes
   (``wait_event``: the host does not wait for the GPU; use the tensors on that stream,
   or synchronise as for any CUDA tensor). Host data that came through the device
