@@ -10,10 +10,11 @@ variants alternate round by round:
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
                 tensor, "meta": {...}}`` (protocol 5): the header rides the doorbell
-                message (ZeroMQ) the sender sends once the tensor's send is queued;
-                the receiving ``get`` reads it, posts the receive into a freshly
-                allocated tensor and returns with its stream ordered after the bytes
-                (a payload of at most ``--bell-bytes`` rides the doorbell whole);
+                message (a plain socket) the sender sends just before it queues the
+                tensor's send; the receiving ``get`` reads it, posts the receive into
+                a freshly allocated tensor and returns with its stream ordered after
+                the bytes (with ``--bell-bytes`` set, a payload of at most that many
+                device bytes rides the doorbell whole);
 - ``omnilink +16 small`` (1 MiB and up) the same plus 16 small tensors of 4 KiB
                 (positions, masks, ids...), which travel together in one packed send;
                 its ``vs plain`` column is its GB/s over the ``omnilink`` row's;
