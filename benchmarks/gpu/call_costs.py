@@ -10,6 +10,12 @@ of what a serial consumer pays) so that a two-process timeline
 be compared (the first line, a pure-Python loop, is the interpreter's speed).
 
     python benchmarks/gpu/call_costs.py [--json FILE]   # on a CUDA machine; MPS or not alike
+
+``--cold MS`` also times each operation once after the thread slept MS milliseconds
+(a stage idle between chunks), round after round over all operations (``--rounds``),
+and prints the median beside the warm figure: a message that follows a pause runs its
+code cold (caches, branch predictors, the core's clock), which on the device VMs
+costs two to ten times the warm figure, and more for some calls than for others.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def measure(number: int = 2000) -> list[dict[str, Any]]:
-    """``[{"op": ..., "us": ...}]``: the mean time of each operation over ``number`` calls."""
+def measure(number: int = 2000, cold_ms: float = 0.0, rounds: int = 50) -> list[dict[str, Any]]:
+    """``[{"op": ..., "us": ...}]``: the mean time of each operation over ``number`` calls
+    (and with ``cold_ms``, ``"cold_us"``: the median of ``rounds`` single calls, each
+    after a sleep of ``cold_ms`` milliseconds)."""
+    import time
+
     import posix_ipc
     import torch
 
@@ -90,7 +100,18 @@ def measure(number: int = 2000) -> list[dict[str, Any]]:
         ("weakref.finalize", "weakref.finalize(_Lease(1, 2), int)"),
         ("POSIX semaphore post + take (uncontended)", "sem.release(); sem.acquire()"),
         ("torch.cuda.synchronize (idle)", "torch.cuda.synchronize()"),
+        ("torch.empty 4 KiB bf16 on the device", "torch.empty(2048, dtype=torch.bfloat16, device=dev)"),
+        ("view(torch.uint8) of a device tensor", "h.view(torch.uint8)"),
+        ("record_stream of a new device tensor", "torch.empty(2048, dtype=torch.bfloat16, device=dev).record_stream(side)"),
     ]
+    from omnilink.connectors.nccl.wire import plan_send
+
+    cases.append(("nccl plan_send of a 4 KiB hidden state and a flag (its plan cached)",
+                  "plan_send(p4, device=dev, nccl=True, inline_bytes=65536, max_inline_total=1 << 20, key='k', "
+                  "pack_bytes=1 << 20, pad=pad)"))
+    env.update(side=torch.cuda.Stream(dev), plan_send=plan_send,
+               p4={"hidden_states.output": h, "meta": {"finished": False}},
+               pad=torch.zeros(64, dtype=torch.uint8, device=dev))
     out = []
     try:
         torch.cuda.synchronize()
@@ -99,6 +120,21 @@ def measure(number: int = 2000) -> list[dict[str, Any]]:
             us = timeit.timeit(stmt, number=n, globals=env) / n * 1e6
             out.append({"op": name, "stmt": stmt, "us": us})
         torch.cuda.synchronize()
+        if cold_ms:
+            import statistics
+
+            code = [compile(stmt, "<op>", "exec") for _name, stmt in cases]
+            clock = time.perf_counter_ns
+            samples: list[list[int]] = [[] for _ in cases]
+            for _ in range(rounds):
+                for i, c in enumerate(code):
+                    time.sleep(cold_ms / 1e3)
+                    t0 = clock()
+                    exec(c, env)
+                    samples[i].append(clock() - t0)
+                torch.cuda.synchronize()
+            for row, xs in zip(out, samples):
+                row["cold_us"] = statistics.median(xs) / 1e3
     finally:
         sem.unlink()
         rt.cudaEventDestroy(ipc_event)
@@ -110,20 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--number", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cold", type=float, default=0.0, metavar="MS",
+                    help="also time each operation once after a sleep of MS milliseconds (median of --rounds)")
+    ap.add_argument("--rounds", type=int, default=50)
     args = ap.parse_args(argv)
     import torch
 
-    rows = measure(args.number)
+    rows = measure(args.number, args.cold, args.rounds)
     from omnilink.cuda import mps_serving
 
     mps = mps_serving()
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, MPS {'on' if mps else 'off'}")
+    if args.cold:
+        print(f"# warm: mean of repeated calls; after {args.cold:g} ms asleep: median of {args.rounds} single calls")
     for r in rows:
-        print(f"{r['us']:9.2f} us  {r['op']}")
+        cold = f"{r['cold_us']:9.2f} us  " if "cold_us" in r else ""
+        print(f"{r['us']:9.2f} us  {cold}{r['op']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "mps": mps, "rows": rows},
-                      f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "mps": mps,
+                       "cold_ms": args.cold, "rounds": args.rounds, "rows": rows}, f, indent=1)
     return 0
 
 
