@@ -25,6 +25,11 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   the size, then queues ``ncclSend``, so the receiver posts its receive while the
   sender's host call runs) and the receive into a slot allocated beforehand (a receive
   pool), not a fresh tensor;
+- ``lean``: the nccl connector's own wire steps for the payload it would send (its
+  cached send plan, the envelope, the checked doorbell, the allocation on a side
+  stream, ``ncclRecv``, an event, the views and the tree, the stream wait and
+  ``record_stream``), the doorbell first, without the connector around them (no lock,
+  index, credits, keeper or pump): what the connector's path could cost;
 - ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor;
 - ``nccl-ahead`` (only with ``--modes``; not run on a GPU yet): the receive posted
   ahead. Before each exchange (after its barrier, untimed, as a receiver would post
@@ -236,6 +241,62 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         mark("first get: stream waits", t0)
         return slot
 
+    # lean: the connector's own wire steps (its send plan, envelope, checked doorbell,
+    # allocation, views, tree, stream wait and record_stream), the doorbell first as
+    # the connector rings it, without the connector around them (no lock, index,
+    # credits, keeper, pump).
+    from omnilink import blob
+    from omnilink.connectors.nccl import wire
+
+    pad = torch.zeros(blob.FRAME_ALIGN, dtype=torch.uint8, device=dev)
+    seqs = {"out": 0, "in": 0}
+    bell_cache: dict = {}
+    cur_stream = {}
+
+    def put_lean(t) -> None:
+        t0 = time.perf_counter_ns()
+        key = f"req{seqs['out']}_0_0"
+        sp = wire.plan_send({"hidden_states.output": t, "meta": {"finished": False}}, device=dev, nccl=True,
+                            inline_bytes=1 << 16, max_inline_total=1 << 20, key=key, pack_bytes=1 << 20, pad=pad)
+        raw = wire.encode_envelope(wire.Envelope(seqs["out"], key, sp.meta, sp.plan, sp.inline, 0, b""))
+        seqs["out"] += 1
+        t0 = mark("lean put: plan, envelope", t0)
+        s.sendall(length.pack(len(raw)) + raw)
+        t0 = mark("lean put: socket send", t0)
+        p = sp.p2p[0]
+        comm.send(p.data_ptr(), p.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+        mark("lean put: ncclSend", t0)
+
+    def get_lean():
+        t0 = spin()
+        (m,) = length.unpack_from(buf, 0)
+        ann = wire.read_bell(bytes(view[4: 4 + m]), seq=seqs["in"], max_header_bytes=1 << 20,
+                             max_message_bytes=1 << 32, nccl=True, cache=bell_cache)
+        seqs["in"] += 1
+        allocs, _ = wire.receive_allocs(ann.header, ann.env.plan)
+        t0 = mark("lean get: read, check", t0)
+        prev = C._cuda_getCurrentStream(rank)
+        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+        bufs = [torch.empty(a[0], dtype=a[1], device=dev) for a in allocs]
+        C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        t0 = mark("lean get: allocate", t0)
+        comm.recv(bufs[0].data_ptr(), ann.sizes[0], peer, raw_side)
+        event = Event(rank).record(raw_side)
+        t0 = mark("lean get: ncclRecv, record", t0)
+        views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, bufs, device=dev)
+        got = wire.decode_tree(ann.header, views)
+        t0 = mark("lean get: views, tree", t0)
+        ops.wait(C._cuda_getCurrentRawStream(rank), event)
+        ids_now = C._cuda_getCurrentStream(rank)
+        stream = cur_stream.get(ids_now)
+        if stream is None:
+            stream = cur_stream[ids_now] = torch.cuda.Stream(stream_id=ids_now[0], device_index=ids_now[1],
+                                                            device_type=ids_now[2])
+        for b in bufs:
+            b.record_stream(stream)
+        mark("lean get: stream waits, record_stream", t0)
+        return got["hidden_states.output"]
+
     def get_ahead():
         t0 = spin()
         ops.wait(C._cuda_getCurrentRawStream(rank), posted)
@@ -271,7 +332,8 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
                     dist.send(t, 0)
             else:
                 send, recv = {"doorbell": (put, get), "nccl-bell": (put_nccl, get_nccl),
-                              "nccl-ahead": (put_ahead, get_ahead), "nccl-first": (put_first, get_first)}[mode]
+                              "nccl-ahead": (put_ahead, get_ahead), "nccl-first": (put_first, get_first),
+                              "lean": (put_lean, get_lean)}[mode]
                 if rank == 0:
                     send(t)
                     t = recv()
@@ -298,12 +360,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="exchanges per mode (after 5 warm-ups)")
     ap.add_argument("--modes", default="doorbell,nccl-bell,raw",
-                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, nccl-first, raw")
+                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, nccl-first, lean, raw")
     ap.add_argument("--eager", action="store_true", help="CUDA_MODULE_LOADING=EAGER in both processes")
     ap.add_argument("--json", default=None, help="also write the figures and the machine record to FILE")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
-    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "nccl-first", "raw")]
+    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "nccl-first", "lean", "raw")]
     if bad or not modes:
         ap.error(f"unknown modes {bad}" if bad else "no mode")
     probe = socket.socket()
@@ -322,6 +384,7 @@ def main() -> None:
     lat = out[0][0]
     names = {"doorbell": "doorbell floor", "nccl-bell": "NCCL + bell floor", "nccl-ahead": "NCCL posted ahead floor",
              "nccl-first": "bell first, NCCL into a slot floor",
+             "lean": "the connector's wire steps alone",
              "raw": "raw torch.distributed"}
     print("4 KiB one-way p50: " + ", ".join(f"{names[m]} {lat[m]:.1f} us" for m in modes))
     print("rank 1 steps (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out[1][1].items())))
