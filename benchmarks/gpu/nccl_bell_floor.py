@@ -43,6 +43,11 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   exchanges use runs once before any receive is posted ahead, and ``--eager`` sets
   ``CUDA_MODULE_LOADING=EAGER`` in both processes.
 
+``--pin N`` pins each rank's process to N CPUs of physical cores of its own (2x H200,
+one hardware thread per core: alternating pinned and unpinned runs, the pinned ones
+were no faster, raw 55 / 86 us against 61 / 79, lean 153 / 231 against 161 / 218; the
+spread between runs is the machine's over time, not where the threads ran).
+
 Prints each mode's one-way p50 (half an exchange, timed on rank 0) and the receiver's
 and sender's step medians (rank 1). Nothing of omnilink but its CUDA and NCCL calls
 (``omnilink.cuda``: cuda-python, NCCL's library through ctypes): 2x H200, 2026-11-29,
@@ -64,8 +69,27 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+def pinned_sets(count: int = 4) -> list[set[int]]:
+    """Two disjoint sets of ``count`` CPUs, one per rank, each CPU on a physical core of
+    its own whose other hardware threads neither rank gets (``lscpu -p``)."""
+    import subprocess
+
+    cores: dict[tuple[str, str], list[int]] = {}
+    for line in subprocess.run(["lscpu", "-p=CPU,CORE,SOCKET"], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        if line and not line.startswith("#"):
+            cpu, core, sock = line.split(",")
+            cores.setdefault((sock, core), []).append(int(cpu))
+    firsts = [cpus[0] for cpus in cores.values() if set(cpus) <= os.sched_getaffinity(0)]
+    if len(firsts) < 2 * count + 1:
+        raise SystemExit(f"--pin needs {2 * count + 1} physical cores; this machine has {len(firsts)}")
+    return [set(firsts[1:1 + count]), set(firsts[1 + count:1 + 2 * count])]
+
+
 def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = ("doorbell", "nccl-bell", "raw"),
-           eager: bool = False) -> None:
+           eager: bool = False, cpus: set[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before any thread starts: NCCL's and torch's follow
     if eager:
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"  # before CUDA starts in this process
     import numpy as np
@@ -363,6 +387,8 @@ def main() -> None:
                     help="comma-separated: doorbell, nccl-bell, nccl-ahead, nccl-first, lean, raw")
     ap.add_argument("--eager", action="store_true", help="CUDA_MODULE_LOADING=EAGER in both processes")
     ap.add_argument("--json", default=None, help="also write the figures and the machine record to FILE")
+    ap.add_argument("--pin", type=int, default=0, metavar="N",
+                    help="pin each rank's process to N CPUs of physical cores of its own (0: not pinned)")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
     bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "nccl-first", "lean", "raw")]
@@ -374,7 +400,9 @@ def main() -> None:
     probe.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, f"bellfloor{os.getpid()}", args.n, q, modes, args.eager))
+    sets = pinned_sets(args.pin) if args.pin else [None, None]
+    procs = [ctx.Process(target=worker, args=(r, port, f"bellfloor{os.getpid()}", args.n, q, modes, args.eager,
+                                              sets[r]))
              for r in (0, 1)]
     for p in procs:
         p.start()
@@ -394,7 +422,7 @@ def main() -> None:
         from omnilink._bench.machine import machine_record
 
         record = {"scenario": "nccl-bell-floor", "command": " ".join(["python", *sys.argv]), "n": args.n,
-                  "eager": args.eager, "modes": list(modes), "one_way_p50_us": {m: lat[m] for m in modes},
+                  "eager": args.eager, "pinned": [sorted(c) for c in sets] if args.pin else None, "modes": list(modes), "one_way_p50_us": {m: lat[m] for m in modes},
                   "rank1_steps_median_us": out[1][1], "machine": machine_record(include_cuda=True),
                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         with open(args.json, "w") as f:
