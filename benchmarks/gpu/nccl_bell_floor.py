@@ -31,8 +31,9 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   ``record_stream``), the doorbell first, without the connector around them (no lock,
   index, credits, keeper or pump): what the connector's path could cost;
 - ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor;
-- ``nccl-ahead`` (only with ``--modes``; not run on a GPU yet): the receive posted
-  ahead. Before each exchange (after its barrier, untimed, as a receiver would post
+- ``nccl-ahead`` (only with ``--modes``): the receive posted ahead (2x H200: 52.5 us
+  one-way against raw 53.3 in the run that first ran it, a floor only: the connector
+  cannot post ahead, see its docs). Before each exchange (after its barrier, untimed, as a receiver would post
   the next receive right after a get) each rank posts ``ncclRecv`` into a slot of its
   own on a side stream, on a communicator per direction (a waiting receive on one, the
   rank's send on the other), and records an event after it; the sender queues
@@ -50,7 +51,8 @@ spread between runs is the machine's over time, not where the threads ran).
 
 Prints each mode's one-way p50 (half an exchange, timed on rank 0) and the receiver's
 and sender's step medians (rank 1). Nothing of omnilink but its CUDA and NCCL calls
-(``omnilink.cuda``: cuda-python, NCCL's library through ctypes): 2x H200, 2026-11-29,
+(``omnilink.cuda``: cuda-python, NCCL's library through ctypes; ``lean`` also its nccl
+wire functions): 2x H200, 2026-11-29,
 doorbell 99 / 160 us one-way against raw 62 / 92 us in two runs, where the connector
 took 237 us; in three later runs (two calls), nccl-bell 82 / 124 / 102 us, doorbell
 84 / 127 / 107 us, raw 58 / 72 / 72 us (``benchmarks/results/nccl-bell-floor-2xh200.json``). ``BELL_DEBUG=1`` prints each rank's progress
@@ -188,11 +190,11 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
             except BlockingIOError:
                 pass
 
-    def allocate(nbytes: int):
-        """A tensor of ``nbytes`` allocated on the side stream (the caller's comes back)."""
+    def allocate(shape, dtype=torch.bfloat16):
+        """A tensor allocated on the side stream (the caller's comes back)."""
         prev = C._cuda_getCurrentStream(rank)
         C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
-        out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(shape, dtype=dtype, device=dev)
         C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
         return out
 
@@ -200,7 +202,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         t0 = spin()
         (m,) = length.unpack_from(buf, 0)
         data = bytes(view[4: 4 + m])
-        out = allocate(m)
+        out = allocate(m // 2)
         t0 = mark("get: allocate", t0)
         ops.memcpy(out.data_ptr(), int(np.frombuffer(data, dtype=np.uint8).ctypes.data), m, raw_side)
         event = Event(rank).record(raw_side)
@@ -209,14 +211,21 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         mark("get: stream waits", t0)
         return out
 
-    def send_then_bell(c, what: str, t) -> None:
-        """``ncclSend`` of ``t`` on communicator ``c`` (the current stream), then its
-        size on the socket; steps marked ``what``."""
+    def send_then_bell(c, what: str, t, bell_first: bool = False) -> None:
+        """``ncclSend`` of ``t`` on communicator ``c`` (the current stream) and its size
+        on the socket, the send first (or the socket message, ``bell_first``); steps
+        marked ``what``."""
+        def send() -> None:
+            c.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+
+        def bell() -> None:
+            s.sendall(length.pack(4) + length.pack(t.nbytes))
+
+        steps = ((bell, "socket send"), (send, "ncclSend"))
         t0 = time.perf_counter_ns()
-        c.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
-        t0 = mark(f"{what}: ncclSend", t0)
-        s.sendall(length.pack(4) + length.pack(t.nbytes))
-        mark(f"{what}: socket send", t0)
+        for step, name in steps if bell_first else steps[::-1]:
+            step()
+            t0 = mark(f"{what}: {name}", t0)
 
     def put_nccl(t) -> None:
         send_then_bell(comm, "nccl put", t)
@@ -224,7 +233,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
     def get_nccl():
         t0 = spin()
         (m,) = length.unpack_from(buf, 4)
-        out = allocate(m)
+        out = allocate(m // 2)
         t0 = mark("nccl get: allocate", t0)
         comm.recv(out.data_ptr(), m, peer, raw_side)
         event = Event(rank).record(raw_side)
@@ -248,11 +257,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
     def put_first(t) -> None:
         """The size on the socket first, then ``ncclSend``: the receiver posts its
         receive while the sender's host call runs."""
-        t0 = time.perf_counter_ns()
-        s.sendall(length.pack(4) + length.pack(t.nbytes))
-        t0 = mark("first put: socket send", t0)
-        comm.send(t.data_ptr(), t.nbytes, peer, C._cuda_getCurrentRawStream(rank))
-        mark("first put: ncclSend", t0)
+        send_then_bell(comm, "first put", t, bell_first=True)
 
     def get_first():
         """Into a slot allocated beforehand (a receive pool), posted once the size came."""
@@ -299,10 +304,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         seqs["in"] += 1
         allocs, _ = wire.receive_allocs(ann.header, ann.env.plan)
         t0 = mark("lean get: read, check", t0)
-        prev = C._cuda_getCurrentStream(rank)
-        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
-        bufs = [torch.empty(a[0], dtype=a[1], device=dev) for a in allocs]
-        C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        bufs = [allocate(shape, dtype) for shape, dtype in allocs]
         t0 = mark("lean get: allocate", t0)
         comm.recv(bufs[0].data_ptr(), ann.sizes[0], peer, raw_side)
         event = Event(rank).record(raw_side)
