@@ -436,11 +436,17 @@ def _connect(road: str, role: str, channel: str, dev: str, pool_bytes: int) -> A
     raise ValueError(road)
 
 
+#: ``--payload``: ``vllm`` (token ids and the flag on the host, as vLLM-Omni sends them) or
+#: ``device`` (the same tensors, all on the sender's device: no host tensor to move)
+PAYLOAD = "vllm"
+
+
 def _payload(hidden: Any, i: int) -> dict[str, Any]:
     import torch
 
-    return {"hidden_states.output": hidden, "ids.output": torch.arange(16, dtype=torch.int64) + i,
-            "meta": {"finished": torch.tensor(False), "request_id": "req-7", "chunk_id": i}}
+    dev = hidden.device if PAYLOAD == "device" else None
+    return {"hidden_states.output": hidden, "ids.output": torch.arange(16, dtype=torch.int64, device=dev) + i,
+            "meta": {"finished": torch.tensor(False, device=dev), "request_id": "req-7", "chunk_id": i}}
 
 
 def _ol_receiver(road: str, channel: str, dst: str, pool_bytes: int, ack_name: str, conn: Any,
@@ -589,9 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", default=None, help="a road whose two processes are traced (a second run)")
     ap.add_argument("--trace-sizes", default="4KiB")
     ap.add_argument("--trace-json", default=None)
+    ap.add_argument("--payload", choices=("vllm", "device"), default="vllm",
+                    help="vllm: token ids and flag on the host (default); device: every tensor on the sender's GPU")
     ap.add_argument("--trace-only", default="",
                     help="comma-separated name endings: trace only those functions (e.g. '.put,.send')")
     args = ap.parse_args(argv)
+    global PAYLOAD
+    PAYLOAD = args.payload
     if args.cpus:
         os.environ["OMNILINK_BENCH_CPUS"] = args.cpus  # read by the spawned receivers too
         pin(0)
@@ -601,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     roads = [r for r in args.roads.split(",") if r]
     machine = {"gpu_src": torch.cuda.get_device_name(torch.device(args.src)),
                "gpu_dst": torch.cuda.get_device_name(torch.device(args.dst)),
-               "src": args.src, "dst": args.dst, "mps": mps_serving(), "torch": torch.__version__,
+               "src": args.src, "dst": args.dst, "mps": mps_serving(), "payload": PAYLOAD, "torch": torch.__version__,
                "host": platform.node(), "cpus": os.cpu_count(), "pinned": args.cpus,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"# bench_serial_gpu {json.dumps(machine)}", flush=True)

@@ -388,6 +388,13 @@ BLOCKS = (
     Block("serial-gpu-cross-2xh200-publish-mps", ("serial-gpu-cross-2xh200-publish-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--roads raw,shm,cuda_ipc,shm-ipc --lat-n 200 --src cuda:0 --dst cuda:1 --json FILE", render_serial),
+    Block("serial-gpu-cross-2xh200-mps", ("serial-gpu-cross-2xh200-mps.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc --src cuda:0 --dst cuda:1 --lat-n 200 --n 20 --json FILE", render_serial),
+    Block("serial-gpu-cross-2xh200-mps-plans", ("serial-gpu-cross-2xh200-mps-plans.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc,shm-ipc --src cuda:0 --dst cuda:1 --lat-n 200 --n 20 --json FILE "
+          "(send plans for another GPU's tensors; `shm` still by the host road below 16 MiB)", render_serial),
     Block("serial-gpu-2xh200", ("serial-gpu-2xh200.json",),
           "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --json FILE "
           "(benchmarks/gpu/run_serial_device.sh)", render_serial),

@@ -85,6 +85,8 @@ class HostDeviceOps:
         #: themselves (``copy_in_local`` not told it is done)
         self.settles = 0
         self.settles_in_copy = 0
+        #: plan copies from a device other than the pool's (``copy_in_peer``)
+        self.peer_copies = 0
 
     def is_device_tensor(self, t: Any) -> bool:
         return True
@@ -107,6 +109,11 @@ class HostDeviceOps:
         if hosted is not None and not settled:
             self.settles_in_copy += 1
         self.copy_in(index, items, event, None, hosted=hosted)
+
+    def copy_in_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any, hosted: Any,
+                     settled: bool = False) -> None:
+        self.peer_copies += 1
+        self.copy_in_local(index, items, event, hosted, settled)
 
     @staticmethod
     def to_host(t: Any) -> Any:

@@ -235,6 +235,30 @@ def test_dual_connector_routes_to_its_own_pool():
         assert s.ipc_puts == 1 and s.ipc_gets == 1
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_auto_routes_small_payloads_across_gpus_while_an_mps_server_serves_the_host(monkeypatch):
+    # Under MPS a payload on cuda:0 for a pool on cuda:1 goes by device IPC at any size
+    # (peer copies, then a send plan), its tensors arriving on cuda:1.
+    from omnilink.connectors.shm import ipc
+
+    monkeypatch.setattr(ipc, "mps_serving", lambda: True)
+    ch = _chan()
+    with omnilink.connect("shm", channel=ch, role="receiver") as rx, \
+            omnilink.connect("shm", channel=ch, role="sender", linger=0) as tx:
+        small = torch.arange(64, device="cuda:0")
+        tx.put("k0", {"ids": small}, timeout=30)  # no pool yet: the host path
+        assert torch.equal(rx.get("k0", timeout=30, device="cuda:1")["ids"].cpu(), small.cpu())  # opens the pool
+        _wait_probe()
+        for i in range(1, 6):
+            hidden = torch.randn(2048, device="cuda:0").to(torch.bfloat16)
+            tx.put(f"k{i}", {"h": hidden, "cpu": torch.ones(3) * i, "meta": {"i": i}}, timeout=30)
+            got = rx.get(f"k{i}", timeout=30, device="cuda:1")
+            assert got["h"].device == torch.device("cuda:1") and torch.equal(got["h"].cpu(), hidden.cpu())
+            assert torch.equal(got["cpu"].cpu(), torch.ones(3) * i) and got["meta"] == {"i": i}
+        assert tx.stats().ipc_puts == 5, tx.stats()
+        assert tx._ipc._tx.planned_puts >= 2
+
+
 def test_auto_routes_small_payloads_while_an_mps_server_serves_the_host(monkeypatch):
     from omnilink.connectors.shm import ipc
 

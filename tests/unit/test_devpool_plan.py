@@ -474,7 +474,15 @@ def test_a_planned_put_that_fails_takes_the_host_road(pair, error, dropped):
     _same(rx.get("after", timeout=5.0), p)
 
 
-def test_no_plan_for_tensors_on_another_device_than_the_pool():
+@pytest.mark.parametrize("peer", [True, False])
+def test_a_plan_for_tensors_on_another_device_than_the_pool_copies_peer_to_peer(monkeypatch, peer):
+    """A layout whose device tensors all live on one GPU other than the pool's goes by a
+    send plan too, its copies by ``copy_in_peer`` (``PLAN_PEER``; off: the general way
+    every time), and arrives the same."""
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    monkeypatch.setattr(pool_sender, "PLAN_PEER", peer)
+
     class RemoteOps(double.HostDeviceOps):
         @staticmethod
         def tensor_device(t: Any) -> int:
@@ -490,7 +498,12 @@ def test_no_plan_for_tensors_on_another_device_than_the_pool():
             p = {"h": torch.randn(64) + i, "m": {"i": i}}
             tx.put(f"k{i}", p, timeout=5.0)
             _same(rx.get(f"k{i}", timeout=5.0), p)
-        assert tx._sender.planned_puts == 0 and tx._sender.tx.plan is None  # a plan's copy is the local one
+        s = tx._sender
+        if peer:
+            assert s.planned_puts >= 3 and s.ops.peer_copies == s.planned_puts
+            assert [p.device for p in s.tx.plans] == [1]
+        else:
+            assert s.planned_puts == 0 and s.tx.plans == [] and s.ops.peer_copies == 0
 
 
 def test_a_layout_no_plan_covers_is_compiled_once(pair, monkeypatch):

@@ -199,6 +199,39 @@ def test_a_put_takes_the_route_before_preparing_the_payload(monkeypatch):
         rx.close()
 
 
+@pytest.mark.parametrize("peer", [True, False])
+def test_a_payload_on_another_gpu_takes_the_route_first_when_it_reaches_the_pool(monkeypatch, peer):
+    # Tensors all on one GPU other than the pool's: the route takes them first (peer
+    # copies, then by a send plan) when that GPU reaches the pool's by peer access;
+    # otherwise the general way, which prepares the payload.
+    torch = pytest.importorskip("torch")
+    from omnilink.connectors.shm import connector as shm_connector
+    from tests.cuda_ipc_double import HostDeviceOps
+
+    tx, rx = _routed(_chan())
+    try:
+        _warm(tx, rx)
+        monkeypatch.setattr(HostDeviceOps, "tensor_device", staticmethod(lambda t: 1))  # pool: device 0
+        tx._ipc._peer_ok[(1, 0)] = peer
+        prepared = []
+        real = shm_connector._prepare
+        monkeypatch.setattr(shm_connector, "_prepare", lambda p: prepared.append(p) or real(p))
+        for i in range(6):
+            payload = {"hidden": torch.randn(300), "ids": torch.arange(16) + i, "meta": {"i": i}}
+            assert tx.put(f"k{i}", payload, timeout=5) == omnilink.encoded_size(payload)
+            got = rx.get(f"k{i}", timeout=5)
+            assert torch.equal(got["hidden"], payload["hidden"]) and got["meta"] == {"i": i}
+        sender = tx._ipc._tx
+        if peer:
+            assert prepared == [] and tx.stats().ipc_puts == 7
+            assert sender.planned_puts >= 3 and sender.ops.peer_copies == sender.planned_puts
+        else:
+            assert len(prepared) == 6 and sender.ops.peer_copies == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_payload_the_route_cannot_take_first_goes_by_the_host_path_once(monkeypatch):
     torch = pytest.importorskip("torch")
     from tests.cuda_ipc_double import HostDeviceOps

@@ -361,6 +361,16 @@ class CudaDeviceOps:
             self._stage(hosted, event, settled)
         self._copy_and_record(index, items, event, current_raw_stream(index), hosted)
 
+    def copy_in_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any, hosted: Any,
+                     settled: bool = False) -> None:
+        """``copy_in`` of tensors a send plan knows to live on device ``src``, not the
+        pool's device ``index`` (no producer events): peer copies on ``src``'s current
+        stream, the slot's event on the pool device (``_copy_from_peer``), without asking
+        each tensor its device. ``settled``: as ``copy_in_local``'s."""
+        if hosted is not None:
+            self._stage(hosted, event, settled)
+        self._copy_from_peer(index, src, items, event, hosted)
+
     def _copy_from_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any,
                         hosted: Any) -> None:
         """``copy_in`` of tensors that all live on another device ``src``: the peer copies

@@ -15,7 +15,8 @@ is sent, only how fast.
 What a plan covers: a ``dict`` payload of ``str`` keys whose values are tensors, plain
 scalars (``str``, ``int``, ``float``, ``bool``, ``None``) and dicts of the same, every
 tensor in the block (device tensors on the pool's device first, then small host tensors),
-at least one device tensor. Anything else (lists, tuples, bytes, a host tensor left in
+at least one device tensor, all of them on one device (the pool's, or one other GPU:
+then the copies are peer copies). Anything else (lists, tuples, bytes, a host tensor left in
 the host part) is sent the general way every time.
 """
 
@@ -48,10 +49,12 @@ class SendPlan:
     bytes."""
 
     __slots__ = ("match", "entries", "raw", "dev_items", "host_items", "host_first", "host_span", "total",
-                 "size_base", "data_len")
+                 "size_base", "data_len", "device")
 
     def __init__(self, match: Any, entries: list[list[Any]], dev_items: list[tuple[int, int]],
-                 host_items: list[tuple[int, int]], total: int) -> None:
+                 host_items: list[tuple[int, int]], total: int, device: int = 0) -> None:
+        #: the device index its device tensors live on (the pool's, or one other GPU's)
+        self.device = device
         #: ``size(host_bytes)``'s constants (``size_base`` ``None``: the plan cannot
         #: size its payloads; ``calibrate``)
         self.size_base: int | None = None
@@ -96,6 +99,8 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     (``pick`` 2: a small host tensor), ``total`` its block's bytes, ``device`` the pool's
     device index, ``checks`` the device operations' tests (``plan_checks``) that a tensor
     ``{v}`` is not a device tensor of ``{device}``, and not a host tensor for the block.
+    ``device``: where the payload's device tensors live (the pool's device, or the one
+    other GPU they all live on); the plan's payloads must have theirs there too.
     ``None`` when the payload is not of the kind a plan covers."""
     import torch
 
@@ -188,4 +193,4 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     source = "def match(p):\n" + "\n".join(lines) + "\n"
     code_obj = compile(source, "<omnilink send plan>", "exec")
     exec(code_obj, ns)  # noqa: S102 - our own source, built from keys with repr()
-    return SendPlan(ns["match"], entries, dev_items, host_items, total)
+    return SendPlan(ns["match"], entries, dev_items, host_items, total, device)

@@ -85,6 +85,11 @@ PLAN_RETRY = 64
 #: layouts in turn (a thinker's prefill and decode chunks, the requests of a batch at
 #: different steps) keeps one for each instead of compiling them again at each change.
 MAX_PLANS = 4
+#: Whether a layout whose device tensors all live on one GPU other than the pool's gets
+#: a send plan too (its copies peer to peer, ``copy_in_peer``), as one on the pool's
+#: device does: a stage on cuda:0 sending to a pool on cuda:1 otherwise walks every
+#: payload the general way.
+PLAN_PEER = True
 #: Seconds between liveness checks of the receiver.
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
@@ -390,8 +395,11 @@ class PoolSender:
                 if entries in tx.seen and not any(p.entries == entries for p in tx.plans) \
                         and (seq >= tx.no_plan[1] or entries != tx.no_plan[0]):
                     plan = None
-                    if all(picked == 2 or ops.tensor_device(t) == tx.index for _, t, picked in chosen):
-                        plan = compile_plan(payload, entries, chosen, total, tx.index, ops.plan_checks())
+                    # Every device tensor on one device: the pool's, or (``PLAN_PEER``)
+                    # one other GPU, whose plan copies peer to peer.
+                    where = {ops.tensor_device(t) for _, t, picked in chosen if picked != 2}
+                    if len(where) == 1 and (PLAN_PEER or tx.index in where):
+                        plan = compile_plan(payload, entries, chosen, total, where.pop(), ops.plan_checks())
                         if plan is not None:
                             plan.calibrate(payload, host)
                     if plan is None or plan.size_base is None:
@@ -508,8 +516,11 @@ class PoolSender:
                     stage, settled = self._stage_for(tx, slot, span, settled)
                     hosted_arg = (base + first, [(o - first, t) for (o, _n), t in zip(plan.host_items, hosts)], span,
                                   stage)
-                ops.copy_in_local(tx.index, [(base + o, t) for (o, _n), t in zip(plan.dev_items, devs)],
-                                  tx.events[slot], hosted_arg, settled)
+                items = [(base + o, t) for (o, _n), t in zip(plan.dev_items, devs)]
+                if plan.device == tx.index:
+                    ops.copy_in_local(tx.index, items, tx.events[slot], hosted_arg, settled)
+                else:
+                    ops.copy_in_peer(tx.index, plan.device, items, tx.events[slot], hosted_arg, settled)
             except BaseException as exc:
                 self._copy_failed(tx, key, slot, seq, exc)
                 raise

@@ -238,21 +238,16 @@ class DeviceIpcRoute:
     # ================================================================ sender
     def min_bytes_for(self, blob: Any) -> int:
         """The least CUDA bytes of the prepared payload ``blob`` for this route: the
-        ``min_bytes`` given, or (``None``) 0 while an MPS server serves this host and
-        every CUDA tensor of the payload is on the pool's device (the pool's device not
-        known yet counts as that), else ``IPC_MIN_BYTES``. Without MPS, two processes
-        on one GPU take turns on it, and a device-IPC message makes both contexts take
-        a turn: below 16 MiB the host path was faster there; under MPS device IPC is
-        faster at every size (an H100: 4 KiB 142 against 253 us one payload at a time).
-        Across two GPUs the host path stays ahead below 16 MiB with MPS too."""
+        ``min_bytes`` given, or (``None``) 0 while an MPS server serves this host, else
+        ``IPC_MIN_BYTES``. Without MPS, two processes on one GPU take turns on it, and
+        a device-IPC message makes both contexts take a turn: below 16 MiB the host path
+        was faster there (across two GPUs too: the sender records the copy's event on
+        the pool's GPU); under MPS device IPC is faster at every size (an H100: 4 KiB
+        142 against 253 us one payload at a time; 2x H200, cuda:0 -> cuda:1 by a send
+        plan: 4 KiB 94 against 310 us)."""
         if self.min_bytes is not None:
             return self.min_bytes
-        if not self._mps_on():
-            return IPC_MIN_BYTES
-        pool = self._tx_device
-        if pool is None:
-            return 0
-        return 0 if all(dev.index == pool for dev in blob.devices()) else IPC_MIN_BYTES
+        return 0 if self._mps_on() else IPC_MIN_BYTES
 
     def routes_first(self) -> bool:
         """Whether a put tries this route before it prepares the payload's tensor_blob:
@@ -274,9 +269,10 @@ class DeviceIpcRoute:
     def put_first(self, key: str, payload: Any, deadline: Any, events: Any) -> int | None:
         """``put`` before any tensor_blob walk (``routes_first``): one walk of the payload
         picks its tensors for the pool block, and the route takes it if it holds CUDA
-        tensors, all on the pool's device (its size is computed after the copy is
-        queued). ``None``: the payload is not for this route, try it the general way;
-        ``FELL_BACK``: the route could not take it, send it by the host path."""
+        tensors, all on one device: the pool's, or another that reaches it by peer
+        access (peer copies; its size is computed after the copy is queued). ``None``:
+        the payload is not for this route, try it the general way; ``FELL_BACK``: the
+        route could not take it, send it by the host path."""
         tx = self._tx
         if tx is None or not self._only_receiver_owns_pool():
             return None
@@ -295,13 +291,16 @@ class DeviceIpcRoute:
         device_of = ops.tensor_device
 
         def accept(chosen: list[Any]) -> bool:
-            found = False
+            where = None
             for _path, t, kind in chosen:
                 if kind != 2:  # a device tensor (2: a small host one for the block)
-                    if device_of(t) != pool:
-                        return False  # another GPU: the general way (peer access, sizes)
-                    found = True
-            return found
+                    d = device_of(t)
+                    if where is None:
+                        where = d
+                    elif d != where:
+                        return False  # several GPUs: the general way
+            # (another GPU than the pool's: by peer copies, if it reaches the pool)
+            return where is not None and (where == pool or self._peer(where, pool))
 
         try:
             sent = self._send(tx, key, payload, deadline, events, None, accept, planned=False)
@@ -472,17 +471,19 @@ class DeviceIpcRoute:
         """Whether every CUDA device of the prepared payload ``blob`` can reach the pool's
         device (peer access)."""
         pool = self._tx_device
-        for dev in blob.devices():
-            if dev.index == pool:
-                continue
-            ok = self._peer_ok.get((dev.index, pool))
-            if ok is None:
-                import torch
+        return all(dev.index == pool or self._peer(dev.index, pool) for dev in blob.devices())
 
-                ok = self._peer_ok[(dev.index, pool)] = bool(torch.cuda.can_device_access_peer(dev.index, pool))
-            if not ok:
-                return False
-        return True
+    def _peer(self, src: int, pool: Any) -> bool:
+        """Whether device ``src`` can reach the pool's device ``pool`` by peer access
+        (asked once per pair)."""
+        if pool is None:
+            return False
+        ok = self._peer_ok.get((src, pool))
+        if ok is None:
+            import torch
+
+            ok = self._peer_ok[(src, pool)] = bool(torch.cuda.can_device_access_peer(src, pool))
+        return ok
 
     def has_pool(self) -> bool:
         """Whether this receiver owns a device pool (device-IPC payloads may name it)."""
