@@ -14,9 +14,9 @@ is sent, only how fast.
 
 What a plan covers: a ``dict`` payload of ``str`` keys whose values are tensors, plain
 scalars (``str``, ``int``, ``float``, ``bool``, ``None``) and dicts of the same, every
-tensor in the block (device tensors on the pool's device first, then small host tensors),
-at least one device tensor, all of them on one device (the pool's, or one other GPU:
-then the copies are peer copies). Anything else (lists, tuples, bytes, a host tensor left in
+tensor in the block (device tensors first, then small host tensors), at least one device
+tensor, all of them on one device (the pool's, or one other GPU: then the copies are peer
+copies). Anything else (lists, tuples, bytes, a host tensor left in
 the host part) is sent the general way every time.
 """
 

@@ -403,7 +403,7 @@ class PoolSender:
                         if plan is not None:
                             plan.calibrate(payload, host)
                     if plan is None or plan.size_base is None:
-                        # (a list in it, tensors on another GPU): not again for a while
+                        # (a list in it, tensors on several GPUs): not again for a while
                         tx.no_plan = (entries, seq + PLAN_RETRY)
                     else:
                         tx.plans.insert(0, plan)

@@ -481,9 +481,9 @@ class ShmConnector(BaseConnector):
         ``ipc_fallback_reason``).
     ipc_min_bytes : int, optional
         Sender, ``"auto"``: least CUDA bytes of a payload for device IPC. Default
-        ``None``: every size while an MPS server serves the host and the payload is on
-        the pool's GPU (device IPC is faster there), else 16 MiB (below it the host path
-        was faster on one GPU that two processes time-slice, and across two GPUs).
+        ``None``: every size while an MPS server serves the host (device IPC is faster
+        there, on the pool's GPU and across two GPUs), else 16 MiB (below it the host
+        path was faster on one GPU that two processes time-slice, and across two GPUs).
     ipc_device : str, optional
         Receiver, ``"on"``: the pool's device (default: the current CUDA device).
     pipeline_bytes : int
@@ -709,8 +709,9 @@ class ShmConnector(BaseConnector):
         ipc = self._ipc
         host_only = False
         if ipc is not None and ipc.routes_first():
-            # Device IPC takes every payload on its pool's device: it walks the payload
-            # once and sizes it after the copy is queued, no tensor_blob walk first.
+            # Device IPC takes every payload on one GPU (the pool's, or one that reaches
+            # it): it walks the payload once and sizes it after the copy is queued, no
+            # tensor_blob walk first.
             if deadline is None:
                 deadline = Deadline.after(self.timeout)
             sent = ipc.put_first(key, payload, deadline, events)

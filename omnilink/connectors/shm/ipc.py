@@ -101,8 +101,9 @@ class DeviceIpcRoute:
         Size of the receiver's device pool.
     min_bytes : int or None
         In ``"auto"``, payloads with fewer bytes of CUDA tensors take the host path;
-        ``None``: 0 while an MPS server serves this host and the payload's tensors are
-        on the pool's device, else ``IPC_MIN_BYTES`` (``min_bytes_for``).
+        ``None``: 0 while an MPS server serves this host (the payload's tensors on the
+        pool's device or on another GPU that reaches it), else ``IPC_MIN_BYTES``
+        (``min_bytes_for``).
     device : str, optional
         ``"on"``: the receiver's pool device (default: the current device).
     pool_max_bytes : int, optional
@@ -251,9 +252,8 @@ class DeviceIpcRoute:
 
     def routes_first(self) -> bool:
         """Whether a put tries this route before it prepares the payload's tensor_blob:
-        a pool sender is attached, and every size goes by device IPC when the payload is
-        on the pool's device (``min_bytes`` 0, or under MPS: ``min_bytes_for``), so the
-        route needs no size to decide."""
+        a pool sender is attached, and every size goes by device IPC (``min_bytes`` 0,
+        or under MPS: ``min_bytes_for``), so the route needs no size to decide."""
         if self._tx is None or self._closed:
             return False
         if self.min_bytes is not None:
