@@ -30,6 +30,14 @@ exchange, as ``bench_nccl.py``'s latency), alternately:
   stream, ``ncclRecv``, an event, the views and the tree, the stream wait and
   ``record_stream``), the doorbell first, without the connector around them (no lock,
   index, credits, keeper or pump): what the connector's path could cost;
+- ``template`` (only with ``--modes``): what a path for a stream of one payload shape
+  could cost at least with the checks a connector cannot skip: the sender matches the
+  payload against the shape it sent last and sends the shape's number, the sequence
+  number, the key and the tree's other values (msgpack), the doorbell first; the
+  receiver checks them, carves the tensor out of a slab allocated beforehand for many
+  payloads (a receive pool), posts ``ncclRecv``, records one of a few reused events,
+  builds the payload and makes its current stream wait (``record_stream`` too). Not
+  run on a GPU yet;
 - ``raw``: ``dist.send`` / ``dist.recv`` of the same tensor;
 - ``nccl-ahead`` (only with ``--modes``): the receive posted ahead (2x H200: 52.5 us
   one-way against raw 53.3 in the run that first ran it, a floor only: the connector
@@ -323,6 +331,77 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         mark("lean get: stream waits, record_stream", t0)
         return got["hidden_states.output"]
 
+    # template: what a path for a stream of one payload shape could cost at least, with
+    # the checks a connector cannot skip: the sender matches the payload against the
+    # shape it sent last (keys, dtype, shape, device, layout) and sends an envelope of
+    # the shape's number, the sequence number, the key and the tree's other values; the
+    # receiver checks sequence, shape number and key, carves the tensor out of a slab
+    # it allocated beforehand for many payloads (a receive pool; a slab lives on while
+    # a tensor cut from it does), posts ``ncclRecv``, records one of a few events it
+    # reuses, builds the payload from the shape and makes the current stream wait.
+    import msgspec
+
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder()
+    tmpl_head = struct.Struct("<IIQ")  # length, shape number, seq
+    tmpl = {"keys": None, "dtype": None, "shape": None}
+    slab_items = 256
+    slab = {"t": None, "at": slab_items}
+    events = [Event(rank) for _ in range(4)]
+    ev_at = [0]
+    strided = torch.strided
+    Tensor = torch.Tensor
+
+    def put_template(t) -> None:
+        t0 = time.perf_counter_ns()
+        p = {"hidden_states.output": t, "meta": {"finished": False}}
+        h = p["hidden_states.output"]
+        if not (type(p) is dict and p.keys() == tmpl["keys"] and type(h) is Tensor and h.dtype is tmpl["dtype"]
+                and h.shape == tmpl["shape"] and h.is_cuda and h.get_device() == rank and h.layout is strided
+                and not h.requires_grad and h.is_contiguous()):
+            tmpl["keys"], tmpl["dtype"], tmpl["shape"] = p.keys(), h.dtype, h.shape  # (a new shape: sent as is)
+        key = f"req{seqs['out']}_0_0".encode()
+        body = enc.encode((key, p["meta"]))
+        raw = tmpl_head.pack(len(body) + 12, 7, seqs["out"]) + body
+        seqs["out"] += 1
+        t0 = mark("template put: match, envelope", t0)
+        s.sendall(raw)
+        t0 = mark("template put: socket send", t0)
+        comm.send(h.data_ptr(), h.nbytes, peer, C._cuda_getCurrentRawStream(rank))
+        mark("template put: ncclSend", t0)
+
+    def get_template():
+        t0 = spin()
+        m, tid, seq = tmpl_head.unpack_from(buf, 0)
+        if tid != 7 or seq != seqs["in"] or m > len(buf):
+            raise RuntimeError("template: bad envelope")
+        key, meta = dec.decode(view[16: 4 + m])
+        if not key or len(key) > 256:
+            raise RuntimeError("template: bad key")
+        seqs["in"] += 1
+        t0 = mark("template get: read, check", t0)
+        if slab["at"] == slab_items:
+            slab["t"] = allocate((slab_items, 2048))
+            slab["at"] = 0
+        out = slab["t"][slab["at"]]
+        slab["at"] += 1
+        t0 = mark("template get: carve", t0)
+        comm.recv(out.data_ptr(), 4096, peer, raw_side)
+        ev = events[ev_at[0] % 4]
+        ev_at[0] += 1
+        ev.record(raw_side)
+        t0 = mark("template get: ncclRecv, record", t0)
+        got = {"hidden_states.output": out, "meta": meta}
+        ops.wait(C._cuda_getCurrentRawStream(rank), ev)
+        ids_now = C._cuda_getCurrentStream(rank)
+        stream = cur_stream.get(ids_now)
+        if stream is None:
+            stream = cur_stream[ids_now] = torch.cuda.Stream(stream_id=ids_now[0], device_index=ids_now[1],
+                                                            device_type=ids_now[2])
+        out.record_stream(stream)
+        mark("template get: payload, stream wait, record_stream", t0)
+        return got["hidden_states.output"]
+
     def get_ahead():
         t0 = spin()
         ops.wait(C._cuda_getCurrentRawStream(rank), posted)
@@ -359,7 +438,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
             else:
                 send, recv = {"doorbell": (put, get), "nccl-bell": (put_nccl, get_nccl),
                               "nccl-ahead": (put_ahead, get_ahead), "nccl-first": (put_first, get_first),
-                              "lean": (put_lean, get_lean)}[mode]
+                              "lean": (put_lean, get_lean), "template": (put_template, get_template)}[mode]
                 if rank == 0:
                     send(t)
                     t = recv()
@@ -386,14 +465,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="exchanges per mode (after 5 warm-ups)")
     ap.add_argument("--modes", default="doorbell,nccl-bell,raw",
-                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, nccl-first, lean, raw")
+                    help="comma-separated: doorbell, nccl-bell, nccl-ahead, nccl-first, lean, template, raw")
     ap.add_argument("--eager", action="store_true", help="CUDA_MODULE_LOADING=EAGER in both processes")
     ap.add_argument("--json", default=None, help="also write the figures and the machine record to FILE")
     ap.add_argument("--pin", type=int, default=0, metavar="N",
                     help="pin each rank's process to N CPUs of physical cores of its own (0: not pinned)")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
-    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "nccl-first", "lean", "raw")]
+    bad = [m for m in modes if m not in ("doorbell", "nccl-bell", "nccl-ahead", "nccl-first", "lean", "template",
+                                         "raw")]
     if bad or not modes:
         ap.error(f"unknown modes {bad}" if bad else "no mode")
     probe = socket.socket()
@@ -415,6 +495,7 @@ def main() -> None:
     names = {"doorbell": "doorbell floor", "nccl-bell": "NCCL + bell floor", "nccl-ahead": "NCCL posted ahead floor",
              "nccl-first": "bell first, NCCL into a slot floor",
              "lean": "the connector's wire steps alone",
+             "template": "a path for one payload shape, checked",
              "raw": "raw torch.distributed"}
     print("4 KiB one-way p50: " + ", ".join(f"{names[m]} {lat[m]:.1f} us" for m in modes))
     print("rank 1 steps (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out[1][1].items())))
