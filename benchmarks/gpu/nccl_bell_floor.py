@@ -290,6 +290,18 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
     bell_cache: dict = {}
     cur_stream = {}
 
+    def wait_and_keep(event, bufs) -> None:
+        """The current stream waits for ``event``; ``bufs`` (allocated on the side
+        stream) kept for it (``record_stream``), as the connector's get does."""
+        ops.wait(C._cuda_getCurrentRawStream(rank), event)
+        ids_now = C._cuda_getCurrentStream(rank)
+        stream = cur_stream.get(ids_now)
+        if stream is None:
+            stream = cur_stream[ids_now] = torch.cuda.Stream(stream_id=ids_now[0], device_index=ids_now[1],
+                                                            device_type=ids_now[2])
+        for b in bufs:
+            b.record_stream(stream)
+
     def put_lean(t) -> None:
         t0 = time.perf_counter_ns()
         key = f"req{seqs['out']}_0_0"
@@ -320,14 +332,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, bufs, device=dev)
         got = wire.decode_tree(ann.header, views)
         t0 = mark("lean get: views, tree", t0)
-        ops.wait(C._cuda_getCurrentRawStream(rank), event)
-        ids_now = C._cuda_getCurrentStream(rank)
-        stream = cur_stream.get(ids_now)
-        if stream is None:
-            stream = cur_stream[ids_now] = torch.cuda.Stream(stream_id=ids_now[0], device_index=ids_now[1],
-                                                            device_type=ids_now[2])
-        for b in bufs:
-            b.record_stream(stream)
+        wait_and_keep(event, bufs)
         mark("lean get: stream waits, record_stream", t0)
         return got["hidden_states.output"]
 
@@ -392,13 +397,7 @@ def worker(rank: int, port: int, name: str, n: int, q, modes: tuple[str, ...] = 
         ev.record(raw_side)
         t0 = mark("template get: ncclRecv, record", t0)
         got = {"hidden_states.output": out, "meta": meta}
-        ops.wait(C._cuda_getCurrentRawStream(rank), ev)
-        ids_now = C._cuda_getCurrentStream(rank)
-        stream = cur_stream.get(ids_now)
-        if stream is None:
-            stream = cur_stream[ids_now] = torch.cuda.Stream(stream_id=ids_now[0], device_index=ids_now[1],
-                                                            device_type=ids_now[2])
-        out.record_stream(stream)
+        wait_and_keep(ev, [out])
         mark("template get: payload, stream wait, record_stream", t0)
         return got["hidden_states.output"]
 

@@ -3,8 +3,11 @@ off), bytes, host gets of routed payloads, put_async, discard, and two processes
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -235,20 +238,29 @@ def test_dual_connector_routes_to_its_own_pool():
         assert s.ipc_puts == 1 and s.ipc_gets == 1
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_auto_routes_small_payloads_across_gpus_while_an_mps_server_serves_the_host(monkeypatch):
-    # Under MPS a payload on cuda:0 for a pool on cuda:1 goes by device IPC at any size
-    # (peer copies, then a send plan), its tensors arriving on cuda:1.
+@contextlib.contextmanager
+def _mps_pair(monkeypatch: Any, src: str, dst: str) -> Iterator[tuple[Any, Any]]:
+    """A shm sender and receiver as under an MPS server (``mps_serving`` says so), the
+    receiver's pool opened on ``dst`` by a first payload from ``src`` (the host path)
+    and found by the sender's probe: ``(tx, rx)``."""
     from omnilink.connectors.shm import ipc
 
     monkeypatch.setattr(ipc, "mps_serving", lambda: True)
     ch = _chan()
     with omnilink.connect("shm", channel=ch, role="receiver") as rx, \
             omnilink.connect("shm", channel=ch, role="sender", linger=0) as tx:
-        small = torch.arange(64, device="cuda:0")
+        small = torch.arange(64, device=src)
         tx.put("k0", {"ids": small}, timeout=30)  # no pool yet: the host path
-        assert torch.equal(rx.get("k0", timeout=30, device="cuda:1")["ids"].cpu(), small.cpu())  # opens the pool
+        assert torch.equal(rx.get("k0", timeout=30, device=dst)["ids"].cpu(), small.cpu())  # opens the pool
         _wait_probe()
+        yield tx, rx
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_auto_routes_small_payloads_across_gpus_while_an_mps_server_serves_the_host(monkeypatch):
+    # Under MPS a payload on cuda:0 for a pool on cuda:1 goes by device IPC at any size
+    # (peer copies, then a send plan), its tensors arriving on cuda:1.
+    with _mps_pair(monkeypatch, "cuda:0", "cuda:1") as (tx, rx):
         for i in range(1, 6):
             hidden = torch.randn(2048, device="cuda:0").to(torch.bfloat16)
             tx.put(f"k{i}", {"h": hidden, "cpu": torch.ones(3) * i, "meta": {"i": i}}, timeout=30)
@@ -260,16 +272,8 @@ def test_auto_routes_small_payloads_across_gpus_while_an_mps_server_serves_the_h
 
 
 def test_auto_routes_small_payloads_while_an_mps_server_serves_the_host(monkeypatch):
-    from omnilink.connectors.shm import ipc
-
-    monkeypatch.setattr(ipc, "mps_serving", lambda: True)
-    ch = _chan()
-    with omnilink.connect("shm", channel=ch, role="receiver") as rx, \
-            omnilink.connect("shm", channel=ch, role="sender", linger=0) as tx:
+    with _mps_pair(monkeypatch, "cuda:0", "cuda:0") as (tx, rx):
         small = torch.arange(64, device="cuda")
-        tx.put("k0", {"ids": small}, timeout=30)  # no pool yet: the host path
-        assert torch.equal(rx.get("k0", timeout=30, device="cuda:0")["ids"], small)  # opens the pool
-        _wait_probe()
         tx.put("k1", {"ids": small, "cpu": torch.ones(3)}, timeout=30)
         assert tx.stats().ipc_puts == 1, tx.stats()
         got = rx.get("k1", timeout=30, device="cuda:0")
