@@ -92,6 +92,62 @@ def test_the_views_are_the_pool(pair):
         assert lo <= t.data_ptr() < hi  # zero-copy: the decoded tensor is the pool's memory
 
 
+@pytest.mark.parametrize("first", [None, 0])
+def test_a_planned_payload_copies_before_its_message_from_copy_first_bytes(pair, monkeypatch, first):
+    # ``COPY_FIRST_BYTES``: a planned payload at least that large queues its copy before
+    # its message is published (None: the message first, as every payload before).
+    from omnilink.connectors.devpool import lane as pool_lane
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    monkeypatch.setattr(pool_sender, "COPY_FIRST_BYTES", first)
+    tx, rx = pair
+    s = _sender(tx)
+    order: list[str] = []
+    real_copy = s.ops.copy_in_local
+    monkeypatch.setattr(s.ops, "copy_in_local", lambda *a, **k: order.append("copy") or real_copy(*a, **k))
+    real_write = pool_lane.LaneWriter.write_body
+    monkeypatch.setattr(pool_lane.LaneWriter, "write_body",
+                        lambda self, *a, **k: order.append("publish") or real_write(self, *a, **k))
+    for i in range(6):
+        order.clear()
+        _roundtrip(tx, rx, f"k{i}", _payload(i))
+    assert s.planned_puts == 4
+    assert order == (["copy", "publish"] if first == 0 else ["publish", "copy"])
+
+
+def test_a_copied_payload_whose_message_the_lane_refuses_frees_its_block_after_the_copy(pair, monkeypatch):
+    # Copy first, then the lane cannot take the message: the block goes back only once
+    # the copy into it is done (no later copy races it), and the payload goes the
+    # general way.
+    from omnilink.connectors.devpool import lane as pool_lane
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    monkeypatch.setattr(pool_sender, "COPY_FIRST_BYTES", 0)
+    tx, rx = pair
+    for i in range(3):
+        _roundtrip(tx, rx, f"k{i}", _payload(i))
+    s = _sender(tx)
+    planned = s.planned_puts
+    events: list[Any] = []
+    real_settle = s.ops.settle
+    monkeypatch.setattr(s.ops, "settle", lambda ev: events.append("settle") or real_settle(ev))
+    real_free = pool_sender._Attachment.free
+    monkeypatch.setattr(pool_sender._Attachment, "free", lambda self, blk: events.append("free") or real_free(self, blk))
+    refused = [True]
+    real_write = pool_lane.LaneWriter.write_body
+
+    def write_body(self: Any, *a: Any, **k: Any) -> bool:
+        if refused[0]:
+            refused[0] = False
+            return False  # the planned message: not taken
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(pool_lane.LaneWriter, "write_body", write_body)
+    _roundtrip(tx, rx, "late", _payload(9))
+    assert s.planned_puts == planned  # the general way sent it
+    assert events[:2] == ["settle", "free"]
+
+
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
                  st.floats(allow_nan=False), st.text(max_size=300))
 
