@@ -15,7 +15,7 @@ from typing import Any
 
 from omnilink.blob import DTYPE_CODES
 
-__all__ = ["BadPath", "ITEMSIZE", "MAX_NDIM", "MAX_TENSORS", "INT64_MAX", "dtypes", "place", "split",
+__all__ = ["BadPath", "ITEMSIZE", "MAX_NDIM", "MAX_TENSORS", "INT64_MAX", "dtypes", "one_device", "place", "split",
            "tensor_type"]
 
 #: Most dimensions and tensors a manifest may name (bounded before use).
@@ -54,6 +54,21 @@ def tensor_type() -> Any:
     import torch
 
     return torch.Tensor
+
+
+def one_device(chosen: list[tuple[Any, Any, Any]], device_of: Any) -> int | None:
+    """The device index every device tensor of ``chosen`` (``split``'s ``[(path, tensor,
+    pick)]``, pick 2: a small host tensor for the block) lives on (``device_of``), or
+    ``None`` when there is none or they live on several."""
+    where = None
+    for _path, t, pick in chosen:
+        if pick != 2:
+            d = device_of(t)
+            if where is None:
+                where = d
+            elif d != where:
+                return None
+    return where
 
 
 def split(payload: Any, is_device: Any, tensor_type: Any,

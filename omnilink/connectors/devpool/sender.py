@@ -58,7 +58,7 @@ from omnilink.connectors.devpool.directory import (
     find_directories,
 )
 from omnilink.connectors.devpool.lane import LANE_RECORD, LaneWriter
-from omnilink.connectors.devpool.manifest import dtypes, split, tensor_type
+from omnilink.connectors.devpool.manifest import dtypes, one_device, split, tensor_type
 from omnilink.connectors.devpool.plan import compile_plan
 from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, LOCAL_SENDERS, local_lock, start_heartbeat
 from omnilink.connectors.shmem import HostLock, pid_alive, read_prefix
@@ -403,9 +403,9 @@ class PoolSender:
                     plan = None
                     # Every device tensor on one device: the pool's, or (``PLAN_PEER``)
                     # one other GPU, whose plan copies peer to peer.
-                    where = {ops.tensor_device(t) for _, t, picked in chosen if picked != 2}
-                    if len(where) == 1 and (PLAN_PEER or tx.index in where):
-                        plan = compile_plan(payload, entries, chosen, total, where.pop(), ops.plan_checks())
+                    where = one_device(chosen, ops.tensor_device)
+                    if where is not None and (PLAN_PEER or where == tx.index):
+                        plan = compile_plan(payload, entries, chosen, total, where, ops.plan_checks())
                         if plan is not None:
                             plan.calibrate(payload, host)
                     if plan is None or plan.size_base is None:

@@ -245,7 +245,7 @@ class DeviceIpcRoute:
         was faster there (across two GPUs too: the sender records the copy's event on
         the pool's GPU); under MPS device IPC is faster at every size (an H100: 4 KiB
         142 against 253 us one payload at a time; 2x H200, cuda:0 -> cuda:1 by a send
-        plan: 4 KiB 94 against 310 us)."""
+        plan: 4 KiB 94 against 311 us, `serial-gpu-cross-2xh200-mps-plans.json`)."""
         if self.min_bytes is not None:
             return self.min_bytes
         return 0 if self._mps_on() else IPC_MIN_BYTES
@@ -286,20 +286,15 @@ class DeviceIpcRoute:
             if sent is not None:
                 self.conn._count(ipc_puts=1)
                 return sent
+        from omnilink.connectors.devpool.manifest import one_device  # (loaded with the sender)
+
         pool = self._tx_device
-        ops = tx.ops
-        device_of = ops.tensor_device
+        device_of = tx.ops.tensor_device
 
         def accept(chosen: list[Any]) -> bool:
-            where = None
-            for _path, t, kind in chosen:
-                if kind != 2:  # a device tensor (2: a small host one for the block)
-                    d = device_of(t)
-                    if where is None:
-                        where = d
-                    elif d != where:
-                        return False  # several GPUs: the general way
-            # (another GPU than the pool's: by peer copies, if it reaches the pool)
+            # All device tensors on one GPU (several: the general way); another GPU than
+            # the pool's by peer copies, if it reaches the pool.
+            where = one_device(chosen, device_of)
             return where is not None and (where == pool or self._peer(where, pool))
 
         try:
