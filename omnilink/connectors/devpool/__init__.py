@@ -152,6 +152,7 @@ from __future__ import annotations
 
 from omnilink.connectors.devpool.blocks import round_up
 from omnilink.connectors.devpool.directory import live_pool_owner
+from omnilink.connectors.devpool.manifest import one_device
 from omnilink.connectors.devpool.ops import CudaDeviceOps, cuda_ipc_unavailable
 from omnilink.connectors.devpool.receiver import PoolReceiver
 from omnilink.connectors.devpool.sender import PoolSender
@@ -165,6 +166,7 @@ __all__ = [
     "PoolSender",
     "cuda_ipc_unavailable",
     "live_pool_owner",
+    "one_device",
     "round_up",
 ]
 

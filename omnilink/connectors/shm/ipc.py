@@ -286,7 +286,7 @@ class DeviceIpcRoute:
             if sent is not None:
                 self.conn._count(ipc_puts=1)
                 return sent
-        from omnilink.connectors.devpool.manifest import one_device  # (loaded with the sender)
+        from omnilink.connectors.devpool import one_device  # (loaded with the sender)
 
         pool = self._tx_device
         device_of = tx.ops.tensor_device
