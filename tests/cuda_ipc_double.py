@@ -119,6 +119,12 @@ class HostDeviceOps:
     def to_host(t: Any) -> Any:
         return t.clone()  # a copy of its own, out of the pool, as the real one's .cpu()
 
+    #: what ``mps_serving`` answers
+    MPS = True
+
+    def mps_serving(self) -> bool:
+        return self.MPS
+
     def new_stage(self, nbytes: int) -> Any:
         return bytearray(nbytes)
 

@@ -72,10 +72,13 @@ def test_two_processes_round_trip_bf16_mixed_zero_copy(procs, tmp_path):
 
 
 @needs_backend
-def test_put_and_get_do_not_block_the_host_and_sources_may_be_overwritten(procs, tmp_path):
+@pytest.mark.parametrize("src", ["cuda:0", pytest.param("cuda:1", marks=pytest.mark.multigpu)])
+def test_put_and_get_do_not_block_the_host_and_sources_may_be_overwritten(procs, tmp_path, src):
+    # src cuda:1: the copies are pulled by the pool's GPU after the producer's stream,
+    # which then waits for them (the fill after put must not reach the copy).
     ch, out = _chan(), str(tmp_path / "out.json")
     with omnilink.connect("cuda_ipc", channel=ch, role="receiver", device="cuda:0", pool_bytes=64 << 20) as rx:
-        p = start_process(procs, sender, ch, "overwrite", "cuda:0", out)
+        p = start_process(procs, sender, ch, "overwrite", src, out)
         rx.get("warm", timeout=120)
         torch.cuda.synchronize()
         got = rx.get("ow", timeout=120)

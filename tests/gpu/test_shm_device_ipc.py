@@ -243,9 +243,11 @@ def _mps_pair(monkeypatch: Any, src: str, dst: str) -> Iterator[tuple[Any, Any]]
     """A shm sender and receiver as under an MPS server (``mps_serving`` says so), the
     receiver's pool opened on ``dst`` by a first payload from ``src`` (the host path)
     and found by the sender's probe: ``(tx, rx)``."""
+    from omnilink.connectors.devpool import ops as pool_ops
     from omnilink.connectors.shm import ipc
 
     monkeypatch.setattr(ipc, "mps_serving", lambda: True)
+    monkeypatch.setattr(pool_ops, "mps_serving", lambda: True)  # (host tensors in the block across GPUs)
     ch = _chan()
     with omnilink.connect("shm", channel=ch, role="receiver") as rx, \
             omnilink.connect("shm", channel=ch, role="sender", linger=0) as tx:

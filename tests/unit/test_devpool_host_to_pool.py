@@ -74,6 +74,52 @@ def test_small_host_tensors_ride_in_the_block_after_the_device_ones(most):
         rx.close()
 
 
+@pytest.mark.parametrize("remote", [False, True])
+@pytest.mark.parametrize("mps", [False, True])
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_host_tensors_beside_another_gpus_tensors_stay_in_the_host_part_without_mps(monkeypatch, remote, mps,
+                                                                                    setting):
+    """``HOSTS_ACROSS_GPUS``: host tensors ride in the block beside device tensors of
+    another GPU than the pool's only under an MPS server (``None``) or when set; beside
+    the pool's own device tensors, always."""
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    monkeypatch.setattr(pool_sender, "HOSTS_ACROSS_GPUS", setting)
+
+    class Ops(HostOnlyOps):
+        MPS = mps
+
+        @staticmethod
+        def tensor_device(t):
+            return 1 if remote else 0
+
+    ch = f"h2p-{uuid.uuid4().hex[:8]}"
+    ops = Ops()
+    rx = PoolReceiver(ops, ch, device=None, pool_bytes=4 << 20, event_slots=4, max_blocks=64)
+    tx = PoolSender(ops, ch)
+    try:
+        rx._open()
+        carried = not remote or (mps if setting is None else setting)
+        for i in range(3):
+            payload = {"hidden": torch.randn(64) + i, "ids": torch.arange(16) + i,
+                       "meta": {"finished": torch.tensor(i == 2), "chunk": i}}
+            msg = _send(tx, f"k{i}", payload, 1 << 10)
+            assert (msg["h"]["ids"] is None) == carried and (msg["h"]["meta"]["finished"] is None) == carried
+            assert [e[4] for e in msg["d"][5]] == ([["hidden"], ["ids"], ["meta", "finished"]] if carried
+                                                  else [["hidden"]])
+            got = rx.land(f"k{i}", msg)
+            lo, hi = rx.pool.ptr, rx.pool.ptr + rx.pool.nbytes
+            assert lo <= got["hidden"].data_ptr() < hi
+            assert (lo <= got["ids"].data_ptr() < hi) == carried
+            assert torch.equal(got["ids"], payload["ids"]) and torch.equal(got["hidden"], payload["hidden"])
+            assert bool(got["meta"]["finished"]) == (i == 2) and got["meta"]["chunk"] == i
+            del got
+        assert ops.staged == (3 if carried else 0)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_landing_send_carries_host_tensors_only_while_the_receiver_lands_on_device():
     ops, tx, rx = _pair()
     try:

@@ -7,6 +7,7 @@ shm's ``put`` drives it for CUDA payloads)."""
 from __future__ import annotations
 
 import os
+import types
 import uuid
 
 import pytest
@@ -227,6 +228,60 @@ def test_a_payload_on_another_gpu_takes_the_route_first_when_it_reaches_the_pool
             assert sender.planned_puts >= 3 and sender.ops.peer_copies == sender.planned_puts
         else:
             assert len(prepared) == 6 and sender.ops.peer_copies == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_without_mps_a_sender_on_another_gpu_routes_every_size_first(monkeypatch, tmp_path, across):
+    # No MPS server, ipc_min_bytes left to the route: a sender whose current GPU is not
+    # the pool's takes its payloads (all on that GPU) by device IPC at every size, first,
+    # then by a send plan; on the pool's GPU the threshold holds (the host path below it).
+    torch = pytest.importorskip("torch")
+    from omnilink.connectors.shm import connector as shm_connector
+    from omnilink.connectors.shm import ipc
+    from tests.cuda_ipc_double import HostDeviceOps, host_route
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no MPS server's pid file there
+    ch = _chan()
+    rx = omnilink.connect("shm", channel=ch, role="receiver", device_ipc="off")
+    tx = omnilink.connect("shm", channel=ch, role="sender", linger=0, device_ipc="off")
+    try:
+        host_route(rx)
+        route = host_route(tx, mode="auto", min_bytes=None)
+        where = 1 if across else 0  # the pool is on device 0
+        monkeypatch.setattr(HostDeviceOps, "device_index", lambda self, device: where)
+        monkeypatch.setattr(HostDeviceOps, "tensor_device", staticmethod(lambda t: where))
+        route._peer_ok[(1, 0)] = True
+        assert not route.routes_first()  # not attached yet
+        # The general way's threshold, for a payload on that GPU, attaches the route's
+        # sender (its probe) to learn the pool's device: 0 from another GPU.
+        on_gpu = types.SimpleNamespace(devices=lambda: [torch.device("cuda", where)])
+        assert route.min_bytes_for(on_gpu) == (0 if across else ipc.IPC_MIN_BYTES)
+        assert route._tx is not None
+        prepared = []
+        real = shm_connector._prepare
+        monkeypatch.setattr(shm_connector, "_prepare", lambda p: prepared.append(p) or real(p))
+        for i in range(6):
+            payload = {"hidden": torch.randn(300), "ids": torch.arange(16) + i, "meta": {"i": i}}
+            assert tx.put(f"k{i}", payload, timeout=5) == omnilink.encoded_size(payload)
+            got = rx.get(f"k{i}", timeout=5)
+            assert torch.equal(got["hidden"], payload["hidden"]) and got["meta"] == {"i": i}
+            assert torch.equal(got["ids"], payload["ids"])
+        sender = route._tx
+        assert route.routes_first() is across
+        if across:
+            assert prepared == [] and tx.stats().ipc_puts == 6
+            assert sender.planned_puts >= 3 and sender.ops.peer_copies == sender.planned_puts
+            # A payload on the pool's own GPU from that sender: not below the threshold.
+            monkeypatch.setattr(HostDeviceOps, "tensor_device", staticmethod(lambda t: 0))
+            payload = {"hidden": torch.randn(100), "meta": {"i": 9}}
+            assert tx.put("own", payload, timeout=5) == omnilink.encoded_size(payload)
+            assert torch.equal(rx.get("own", timeout=5)["hidden"], payload["hidden"])
+            assert len(prepared) == 1 and tx.stats().ipc_puts == 6
+        else:
+            assert len(prepared) == 6 and tx.stats().ipc_puts == 0
     finally:
         tx.close()
         rx.close()

@@ -24,6 +24,7 @@ from omnilink.cuda import (
     cuda_devices_of,
     cuda_ops,
     current_raw_stream,
+    mps_serving,
     record_producer_events,
 )
 
@@ -127,6 +128,11 @@ class CudaDeviceOps:
         """A host copy of the pool view ``t`` (after the current stream's work: a
         synchronous copy on it)."""
         return t.cpu()
+
+    @staticmethod
+    def mps_serving() -> bool:
+        """Whether an MPS server serves this host's CUDA processes (no CUDA call)."""
+        return mps_serving()
 
     def new_stage(self, nbytes: int) -> Any:
         """A page-locked host buffer of ``nbytes`` for host tensors copied into the pool."""
@@ -262,10 +268,20 @@ class CudaDeviceOps:
 
     # ------------------------------------------------------------------ copies
     def _copy_stream(self, index: int) -> int:
+        """This process's copy stream on device ``index``, made once by cuda-python (a
+        non-blocking stream torch does not know: on 2x H200 without an MPS server, a
+        cross-GPU payload's copies and record on a torch stream of the pool's GPU ran
+        a few hundred microseconds after they were queued)."""
         s = self._streams.get(index)
         if s is None:
-            s = self._streams[index] = self._torch.cuda.Stream(device=index)
-        return int(s.cuda_stream)
+            rt = self.rt
+            prev = self._on(index)
+            try:
+                s = self._streams[index] = int(self._check(
+                    rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
+            finally:
+                self._ops.restore_device(prev)
+        return s
 
     def _enable_peer(self, a: int, b: int) -> None:
         """Peer access both ways between ``a`` and ``b`` (imported memory reaches another
@@ -373,27 +389,31 @@ class CudaDeviceOps:
 
     def _copy_from_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any,
                         hosted: Any) -> None:
-        """``copy_in`` of tensors that all live on another device ``src``: the peer copies
-        go on ``src``'s current stream (the one that produced the tensors: no ordering
-        event before them, and torch's caching allocator keeps their memory for that
-        stream's later work, so nothing is kept alive on the host), then the pool
-        device's copy stream waits for them and records the slot's event there (an
+        """``copy_in`` of tensors that all live on another device ``src``, pulled: the
+        peer copies, the staged host tensors' copy and the slot's event (an
         interprocess event must be recorded on a stream of the device that owns the
-        memory), after the staged host tensors' copy if any. No new event, no
-        completion thread: a new event and a hand-off per payload cost a cross-GPU
-        put twice a one-GPU one."""
+        memory) all go on the pool device's copy stream, after ``src``'s current stream
+        (the one that produced the tensors: when it has nothing left to run, no wait at
+        all; else it waits for an event recorded there, on the device, the host not
+        blocked); then ``src``'s current stream waits for the copies, so that what the
+        caller queues there next (writing its tensors again, or torch's caching
+        allocator handing their memory to new work) comes after they were read. No new
+        event, no completion thread. On 2x H200 without an MPS server the copies pushed
+        from ``src``'s stream instead, the pool's stream waiting for them, reached the
+        receiver about 300 us later at 4 KiB; under MPS the two took the same time."""
         ops = self._ops
         if (index, src) not in self._peers:
             self._enable_peer(index, src)
-        s_src = current_raw_stream(src)
-        prev = self._on(src)
-        try:
-            self._copy_items(items, s_src)
-        finally:
-            ops.restore_device(prev)
+        s_src, idle = ops.current_stream_idle(src)
         stream = self._copy_stream(index)
-        ops.wait(stream, ops.ordering_event(src).record(s_src))
-        self._copy_and_record(index, [], event, stream, hosted)
+        if not idle:
+            prev = self._on(index)
+            try:
+                ops.wait(stream, ops.ordering_event(src).record(s_src))
+            finally:
+                ops.restore_device(prev)
+        self._copy_and_record(index, items, event, stream, hosted)
+        ops.wait_current(src, ops.ordering_event(index).record(stream))
 
     def _stage(self, hosted: Any, event: Any, settled: bool = False) -> None:
         """Gather the host tensors of ``hosted`` in its page-locked stage, once the copy
@@ -473,7 +493,7 @@ class CudaDeviceOps:
         """Block until the copy stream of ``index`` has finished (close only)."""
         s = self._streams.get(index)
         if s is not None:
-            s.synchronize()
+            self._check(self.rt.cudaStreamSynchronize(s), "cudaStreamSynchronize")
 
     def drain(self) -> None:
         """Wait until every deferred callback queued so far has run."""

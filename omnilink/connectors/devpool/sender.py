@@ -90,6 +90,13 @@ MAX_PLANS = 4
 #: device does: a stage on cuda:0 sending to a pool on cuda:1 otherwise walks every
 #: payload the general way.
 PLAN_PEER = True
+#: Whether small host tensors ride in the pool block (``HOST_TO_POOL_BYTES``) with device
+#: tensors that live on another GPU than the pool's. ``None``: only under an MPS server.
+#: Without one, two processes time-slice the pool's GPU, and on 2x H200 a cuda:0 ->
+#: cuda:1 payload with its token ids and flag staged and copied up beside its hidden
+#: state reached the receiver about 200 us later at 4 KiB than with them left in the
+#: host part (wherever that copy was queued, on either GPU).
+HOSTS_ACROSS_GPUS: bool | None = None
 #: Planned payloads of at least this many bytes in the block queue their copy before
 #: their message is published (the copy starts a lane write and a wake-up earlier; the
 #: receiver, woken after, has nothing to wait for but the copy it would wait for anyway);
@@ -243,8 +250,20 @@ class PoolSender:
         self.lane_wake: Any = None
         #: payloads sent by a plan
         self.planned_puts = 0
+        #: ``HOSTS_ACROSS_GPUS`` resolved (at the first payload that asks)
+        self._hosts_across: bool | None = None
 
     # ------------------------------------------------------------------ helpers
+    def _hosts_across_gpus(self) -> bool:
+        """``HOSTS_ACROSS_GPUS``, ``None`` resolved once: whether an MPS server runs."""
+        got = self._hosts_across
+        if got is None:
+            got = HOSTS_ACROSS_GPUS
+            if got is None:
+                got = bool(self.ops.mps_serving())
+            self._hosts_across = got
+        return got
+
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError(f"cuda_ipc connector on channel {self.channel!r} is closed")
@@ -325,6 +344,18 @@ class PoolSender:
                 return 1 if is_dev(t) else 2 if small(t, host_to_pool) else 0
 
             host, chosen = split(payload, pick, tensor_type(), kept)
+            if any(c[2] == 2 for c in chosen) and not self._hosts_across_gpus():
+                # Host tensors for the block beside device tensors of another GPU than
+                # the pool's, without an MPS server: they stay in the host part.
+                tx = self.tx
+                if tx is None:
+                    with self.lock:
+                        self._check_open()
+                        tx = self._attached(deadline)
+                where = one_device(chosen, ops.tensor_device)
+                if where is not None and where != tx.index:
+                    kept[0] = 0
+                    host, chosen = split(payload, is_dev, tensor_type(), kept)
         else:
             host, chosen = split(payload, is_dev, tensor_type(), kept)
         if accept is not None and not accept(chosen):

@@ -128,6 +128,8 @@ class DeviceIpcRoute:
         self._rx_tried = False
         self._tx: PoolSender | None = None
         self._tx_device: int | None = None
+        #: ``(pool device, whether the sender's current device is another)`` (``_across``)
+        self._across_for: tuple[int, bool] | None = None
         self._owner: int | None = None
         #: participants generation at which the pool's owner was the only receiver
         self._owner_ok_gen = -1
@@ -245,20 +247,44 @@ class DeviceIpcRoute:
         was faster there (across two GPUs too: the sender records the copy's event on
         the pool's GPU); under MPS device IPC is faster at every size (an H100: 4 KiB
         142 against 253 us one payload at a time; 2x H200, cuda:0 -> cuda:1 by a send
-        plan: 4 KiB 94 against 311 us, `serial-gpu-cross-2xh200-mps-plans.json`)."""
+        plan: 4 KiB 94 against 311 us, `serial-gpu-cross-2xh200-mps-plans.json`).
+        Without MPS, a sender whose current GPU is another than the pool's routes every
+        size first all the same (``routes_first``)."""
         if self.min_bytes is not None:
             return self.min_bytes
-        return 0 if self._mps_on() else IPC_MIN_BYTES
+        if self._mps_on():
+            return 0
+        if self._sender() is not None and self._across():
+            pool = self._tx_device
+            if all(dev.index != pool for dev in blob.devices()):
+                return 0  # from another GPU (``_across``)
+        return IPC_MIN_BYTES
 
     def routes_first(self) -> bool:
         """Whether a put tries this route before it prepares the payload's tensor_blob:
         a pool sender is attached, and every size goes by device IPC (``min_bytes`` 0,
-        or under MPS: ``min_bytes_for``), so the route needs no size to decide."""
+        or under MPS: ``min_bytes_for``; or this sender is on another GPU than the
+        pool's: ``_across``), so the route needs no size to decide."""
         if self._tx is None or self._closed:
             return False
         if self.min_bytes is not None:
             return self.min_bytes == 0
-        return self._mps_on()
+        return self._mps_on() or self._across()
+
+    def _across(self) -> bool:
+        """Whether this thread's current CUDA device is another GPU than the pool's (a
+        stage sending to the next stage's GPU; looked up once per pool device). Without
+        an MPS server such a payload goes by device IPC at every size, first
+        (``put_first``): on 2x H200 (cuda:0 -> cuda:1, one payload at a time) 217 against
+        293 us by the general way at 16 MiB, 843 against 930 at 256 MiB, and as fast as
+        the host path below; one on the pool's GPU keeps the threshold."""
+        pool = self._tx_device
+        if pool is None or self._tx is None:
+            return False
+        known = self._across_for
+        if known is None or known[0] != pool:
+            known = self._across_for = (pool, self._tx.ops.device_index(None) != pool)
+        return known[1]
 
     def _mps_on(self) -> bool:
         """``mps_serving()``, looked up at the first payload."""
@@ -269,8 +295,9 @@ class DeviceIpcRoute:
     def put_first(self, key: str, payload: Any, deadline: Any, events: Any) -> int | None:
         """``put`` before any tensor_blob walk (``routes_first``): one walk of the payload
         picks its tensors for the pool block, and the route takes it if it holds CUDA
-        tensors, all on one device: the pool's, or another that reaches it by peer
-        access (peer copies; its size is computed after the copy is queued). ``None``:
+        tensors, all on one device: another GPU that reaches the pool's by peer access
+        (peer copies), or the pool's own while every size goes by the route (``min_bytes``
+        0, or MPS); its size is computed after the copy is queued. ``None``:
         the payload is not for this route, try it the general way; ``FELL_BACK``: the
         route could not take it, send it by the host path."""
         tx = self._tx
@@ -291,11 +318,16 @@ class DeviceIpcRoute:
         pool = self._tx_device
         device_of = tx.ops.tensor_device
 
+        same_ok = self.min_bytes == 0 or self._mps_on()
+
         def accept(chosen: list[Any]) -> bool:
             # All device tensors on one GPU (several: the general way); another GPU than
-            # the pool's by peer copies, if it reaches the pool.
+            # the pool's by peer copies, if it reaches the pool; the pool's own only
+            # while every size takes the route (else the general way, by its size).
             where = one_device(chosen, device_of)
-            return where is not None and (where == pool or self._peer(where, pool))
+            if where is None:
+                return False
+            return self._peer(where, pool) if where != pool else same_ok
 
         try:
             sent = self._send(tx, key, payload, deadline, events, None, accept, planned=False)
