@@ -391,6 +391,17 @@ BLOCKS = (
     Block("serial-gpu-cross-2xh200-mps", ("serial-gpu-cross-2xh200-mps.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--roads raw,shm,cuda_ipc --src cuda:0 --dst cuda:1 --lat-n 200 --n 20 --json FILE", render_serial),
+    Block("serial-gpu-cross-2xh200-pull", ("serial-gpu-cross-2xh200-pull.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --roads raw,shm,cuda_ipc "
+          "--src cuda:0 --dst cuda:1 --lat-n 200 --n 20 --json FILE, at commit 0ed639c", render_serial),
+    Block("serial-gpu-cross-2xh200-pull-device", ("serial-gpu-cross-2xh200-pull-device.json",),
+          "python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB --roads raw,shm,cuda_ipc "
+          "--src cuda:0 --dst cuda:1 --lat-n 200 --n 20 --payload device --json FILE, at commit 0ed639c",
+          render_serial),
+    Block("serial-gpu-cross-2xh200-mps-pull", ("serial-gpu-cross-2xh200-mps-pull.json",),
+          "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
+          "--roads raw,shm,cuda_ipc --src cuda:0 --dst cuda:1 --lat-n 200 --json FILE, the pulled copies in",
+          render_serial),
     Block("serial-gpu-cross-2xh200-mps-plans", ("serial-gpu-cross-2xh200-mps-plans.json",),
           "nvidia-cuda-mps-control -d; python benchmarks/bench_serial_gpu.py --sizes 4KiB,1MiB,16MiB,64MiB,256MiB "
           "--roads raw,shm,cuda_ipc,shm-ipc --src cuda:0 --dst cuda:1 --lat-n 200 --n 20 --json FILE "
@@ -427,6 +438,9 @@ BLOCKS = (
     Block("cuda-ipc-2xh200", ("cuda-ipc-2xh200.json",),
           "python benchmarks/bench_cuda_ipc.py --cases cross --sizes 256MiB,64MiB --latency-iters 200 --rounds 2 "
           "--json FILE", render_pivot),
+    Block("cuda-ipc-2xh200-pull", ("cuda-ipc-2xh200-pull.json",),
+          "python benchmarks/bench_cuda_ipc.py --sizes 256MiB,1MiB --rounds 3 --latency-iters 200 --json FILE, "
+          "at commit 0ed639c", render_pivot),
     Block("busy-receiver-epyc-2core", ("busy-receiver-epyc-2core.json",),
           "python benchmarks/bench_busy_receiver.py --json FILE", render_busy),
     Block("busy-receiver-h200", ("busy-receiver-h200.json",),
