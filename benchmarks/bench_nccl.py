@@ -42,7 +42,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile]
+        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile] [--trace]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo). A worker that hangs prints every thread's Python stack
@@ -113,17 +113,43 @@ def install_step_timers() -> dict[str, list[int]]:
     return acc
 
 
-def ping_pong(conn: Any, rank: int, sync: Any, ping: str, pong: str, payload: Any) -> None:
+#: What ``--trace`` wraps with span recorders in both processes (every function and
+#: method defined there; ``bench_serial_gpu.install_tracer``).
+NCCL_TRACED = (
+    "omnilink.blob", "omnilink._util", "omnilink.connectors.base", "omnilink.connectors.nccl.connector",
+    "omnilink.connectors.nccl.wire", "omnilink.cuda.nccl", "omnilink.cuda.runtime", "omnilink.cuda.events",
+    "omnilink.connectors.nccl", "omnilink.cuda",
+)
+
+
+def ping_pong(conn: Any, rank: int, sync: Any, ping: str, pong: str, payload: Any,
+              marks: list[int] | None = None) -> None:
     """One exchange of the 4 KiB latency: rank 0 puts ``ping`` and waits for ``pong``;
-    rank 1 gets ``ping``, synchronizes its device, and puts it back as ``pong``."""
+    rank 1 gets ``ping``, synchronizes its device, and puts it back as ``pong``.
+    ``marks``: rank 0 appends when its put begins, rank 1 once the ping is on its host
+    (``perf_counter_ns``, one clock for both processes)."""
     if rank == 0:
+        if marks is not None:
+            marks.append(time.perf_counter_ns())
         conn.put(ping, payload)
         conn.get(pong)
         sync()
     else:
         got = conn.get(ping)
         sync()
+        if marks is not None:
+            marks.append(time.perf_counter_ns())
         conn.put(pong, got)
+
+
+def trace_rows(marks0: list[int], marks1: list[int], spans0: list, spans1: list) -> list[dict[str, Any]]:
+    """The ping half of each traced exchange on one clock (``bench_serial_gpu.timeline``):
+    rank 0's spans as the sender's, rank 1's as the receiver's, from rank 0's put to the
+    ping on rank 1's host."""
+    import bench_serial_gpu
+
+    n = min(len(marks0), len(marks1))
+    return bench_serial_gpu.timeline(marks0[:n], marks1[:n], spans0, spans1)
 
 
 #: Connector options ``--latency-ab`` may set.
@@ -306,7 +332,23 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
             ok = ok and t.device == dev and torch.equal(t.view(torch.int16), ref.view(torch.int16))
         return ok
 
+    marks: list[int] | None = [] if opts.get("trace") else None
+    spans: list = []
+
     def latency(n: int) -> dict[str, list[float]]:
+        uninstall = None
+        if marks is not None:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import bench_serial_gpu
+
+            uninstall = bench_serial_gpu.install_tracer(spans, modules=NCCL_TRACED)
+        try:
+            return _latency(n)
+        finally:
+            if uninstall is not None:
+                uninstall()
+
+    def _latency(n: int) -> dict[str, list[float]]:
         buf = torch.zeros(LATENCY_BYTES // 2, dtype=torch.bfloat16, device=dev)
         payload = {"hidden_states.output": buf, "meta": {"finished": False}}
         names = ("raw", "omnilink", "omnilink-ab") if conn_ab is not None else ("raw", "omnilink")
@@ -325,7 +367,9 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                         dist.send(buf, dst=0)
                     sync()
                 else:
-                    ping_pong(conn if name == "omnilink" else conn_ab, rank, sync, f"ping{i}", f"pong{i}", payload)
+                    traced = marks if name == "omnilink" and i >= 5 else None
+                    ping_pong(conn if name == "omnilink" else conn_ab, rank, sync, f"ping{i}", f"pong{i}", payload,
+                              traced)
                 if i >= 5:
                     one_way[name].append((time.perf_counter() - t0) / 2)
         return one_way
@@ -371,6 +415,9 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
                     "p50_us": statistics.median(ts) * 1e6,
                     "p99_us": sorted(ts)[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e6,
                 })
+        if marks is not None:
+            results.append({"size": 0, "variant": f"trace rank {rank}", "marks": marks,
+                            "spans": [(n_, a, b) for n_, a, b in spans]})
         if steps is not None:
             results.append({"size": 0, "variant": f"steps rank {rank}", "steps": {
                 name: {"total_ms": ns / 1e6, "calls": calls, "us_per_call": ns / calls / 1e3 if calls else 0.0}
@@ -442,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                          "processes: the row omnilink-ab")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
+    ap.add_argument("--trace", action="store_true",
+                    help="the 4 KiB ping-pong with both processes' omnilink calls on one clock: where a "
+                         "one-way trip's time goes (a span recorder around every call distorts it a little)")
     args = ap.parse_args(argv)
     import torch
 
@@ -464,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
         "latency_iters": args.latency_iters, "bell_bytes": args.bell_bytes, "pack_bytes": args.pack_bytes,
-        "profile": args.profile, "hang_s": max(5.0, args.timeout - 15.0), "latency_ab": latency_ab,
+        "profile": args.profile, "trace": args.trace, "hang_s": max(5.0, args.timeout - 15.0), "latency_ab": latency_ab,
     }
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -505,6 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         print("benchmark failed:", error, file=sys.stderr)
         return 1
+    traces = {r["variant"]: r for r in results if r["variant"].startswith("trace rank")}
+    results = [r for r in results if not r["variant"].startswith("trace rank")]
+    if len(traces) == 2:
+        t0, t1 = traces["trace rank 0"], traces["trace rank 1"]
+        rows = trace_rows(t0["marks"], t1["marks"], t0["spans"], t1["spans"])
+        results.append({"size": LATENCY_BYTES, "variant": "trace", "timeline": rows})
     order = {"raw": 0, "omnilink": 1, "omnilink +16 small": 2, "raw serial": 3, "omnilink serial": 4}
     results.sort(key=lambda r: (r["variant"].startswith("latency"), r["size"], order.get(r["variant"], 9)))
     rec = machine(backend, opts)
@@ -536,6 +592,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name.removeprefix('latency '):<11} {r['p50_us']:9.1f} / {r['p99_us']:9.1f}   "
                   f"x{r['ratio_vs_raw']:.2f} of raw")
     for r in results:
+        if "timeline" in r:
+            print("\n4 KiB ping on one clock (rank 0 sends, rank 1 receives): median start offset from "
+                  "rank 0's put, median time inside, calls per payload (us)")
+            for row in r["timeline"]:
+                print(f"  {row['side']:<8} {row['start_us']:9.1f} {row['incl_us']:9.1f} {row['calls']:5g}  {row['fn']}")
+    for r in results:
         if "steps" in r:
             print(f"\n{r['variant']}: us per call (calls), over the whole run")
             for name, st in sorted(r["steps"].items(), key=lambda kv: -kv[1]["total_ms"]):
@@ -544,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             for r in results:
-                scenario = "nccl-steps" if "steps" in r else "nccl-vs-raw"
+                scenario = "nccl-steps" if "steps" in r else "nccl-trace" if "timeline" in r else "nccl-vs-raw"
                 f.write(json.dumps({"scenario": scenario, "time": stamp, **r, "machine": rec}) + "\n")
     return 0
 

@@ -155,10 +155,10 @@ TRACED = (
 )
 
 
-def install_tracer(spans: list, only: tuple[str, ...] = ()) -> Any:
-    """Wrap every function and method defined in TRACED (or, with ``only``, those whose
-    name ends with one of ``only``: fewer wrappers, less distortion) with a span
-    recorder; returns a function that puts the originals back."""
+def install_tracer(spans: list, only: tuple[str, ...] = (), modules: tuple[str, ...] = TRACED) -> Any:
+    """Wrap every function and method defined in ``modules`` (default ``TRACED``; or,
+    with ``only``, those whose name ends with one of ``only``: fewer wrappers, less
+    distortion) with a span recorder; returns a function that puts the originals back."""
     import functools
     import importlib
     import inspect
@@ -183,7 +183,7 @@ def install_tracer(spans: list, only: tuple[str, ...] = ()) -> Any:
                 spans.append((name, t, clock()))
         return traced
 
-    for modname in TRACED:
+    for modname in modules:
         try:
             mod = importlib.import_module(modname)
         except ImportError:
@@ -198,13 +198,13 @@ def install_tracer(spans: list, only: tuple[str, ...] = ()) -> Any:
                         setattr(obj, m, wrap(f, f"{short}.{attr}.{m}"))
     # Names imported before wrapping (from x import f) still point at the originals in
     # the importing modules: rebind them there too.
-    for modname in TRACED:
+    for modname in modules:
         mod = sys.modules.get(modname)
         if mod is None:
             continue
         for attr, obj in list(vars(mod).items()):
             src = getattr(obj, "__module__", None)
-            if inspect.isfunction(obj) and src in TRACED and src != modname and not hasattr(obj, "__wrapped__"):
+            if inspect.isfunction(obj) and src in modules and src != modname and not hasattr(obj, "__wrapped__"):
                 # by the function's own name: ``from x import f as _f`` binds ``_f`` here
                 new = getattr(sys.modules[src], obj.__name__, None)
                 if new is not None and hasattr(new, "__wrapped__"):
