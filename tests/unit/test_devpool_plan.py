@@ -92,14 +92,18 @@ def test_the_views_are_the_pool(pair):
         assert lo <= t.data_ptr() < hi  # zero-copy: the decoded tensor is the pool's memory
 
 
-@pytest.mark.parametrize("first", [None, 0])
+@pytest.mark.parametrize("first", [None, 0, "default"])
 def test_a_planned_payload_copies_before_its_message_from_copy_first_bytes(pair, monkeypatch, first):
     # ``COPY_FIRST_BYTES``: a planned payload at least that large queues its copy before
-    # its message is published (None: the message first, as every payload before).
+    # its message is published (None: the message first, as every payload before; the
+    # default, 128 MiB: a small one publishes first).
     from omnilink.connectors.devpool import lane as pool_lane
     from omnilink.connectors.devpool import sender as pool_sender
 
-    monkeypatch.setattr(pool_sender, "COPY_FIRST_BYTES", first)
+    if first == "default":
+        assert pool_sender.COPY_FIRST_BYTES == 128 << 20
+    else:
+        monkeypatch.setattr(pool_sender, "COPY_FIRST_BYTES", first)
     tx, rx = pair
     s = _sender(tx)
     order: list[str] = []

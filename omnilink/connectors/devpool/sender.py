@@ -101,8 +101,12 @@ HOSTS_ACROSS_GPUS: bool | None = None
 #: their message is published (the copy starts a lane write and a wake-up earlier; the
 #: receiver, woken after, has nothing to wait for but the copy it would wait for anyway);
 #: smaller ones publish first (the receiver lands them while the copy is queued).
-#: ``None``: always publish first. Not measured on a GPU yet, so off.
-COPY_FIRST_BYTES: int | None = None
+#: ``None``: always publish first. On 2x H200 with an MPS server (alternated in one
+#: process pair, ``benchmarks/gpu/ab_serial.py``), copying first from 16 MiB took
+#: ``cuda_ipc`` cuda:0 -> cuda:1 from 862 to 794 us at 256 MiB and from 327 to 273 at
+#: 64 MiB, and ``shm`` on one GPU from 225 to 211 us at 256 MiB but from 119 to 130 at
+#: 64 MiB: so from 128 MiB.
+COPY_FIRST_BYTES: int | None = 128 << 20
 #: Seconds between liveness checks of the receiver.
 HEARTBEAT_S = 0.25
 #: Event slots a put looks at for one already waited on before it takes the next in turn.
