@@ -200,13 +200,30 @@ def test_a_put_takes_the_route_before_preparing_the_payload(monkeypatch):
         rx.close()
 
 
+def _six_put_and_got(tx, rx, monkeypatch) -> list:
+    """Six same-shaped payloads put on ``tx`` and got back on ``rx`` (compared); returns
+    those put prepared as a tensor_blob on the way (the general way's walk)."""
+    torch = pytest.importorskip("torch")
+    from omnilink.connectors.shm import connector as shm_connector
+
+    prepared: list = []
+    real = shm_connector._prepare
+    monkeypatch.setattr(shm_connector, "_prepare", lambda p: prepared.append(p) or real(p))
+    for i in range(6):
+        payload = {"hidden": torch.randn(300), "ids": torch.arange(16) + i, "meta": {"i": i}}
+        assert tx.put(f"k{i}", payload, timeout=5) == omnilink.encoded_size(payload)
+        got = rx.get(f"k{i}", timeout=5)
+        assert torch.equal(got["hidden"], payload["hidden"]) and got["meta"] == {"i": i}
+        assert torch.equal(got["ids"], payload["ids"])
+    return prepared
+
+
 @pytest.mark.parametrize("peer", [True, False])
 def test_a_payload_on_another_gpu_takes_the_route_first_when_it_reaches_the_pool(monkeypatch, peer):
     # Tensors all on one GPU other than the pool's: the route takes them first (peer
     # copies, then by a send plan) when that GPU reaches the pool's by peer access;
     # otherwise the general way, which prepares the payload.
-    torch = pytest.importorskip("torch")
-    from omnilink.connectors.shm import connector as shm_connector
+    pytest.importorskip("torch")
     from tests.cuda_ipc_double import HostDeviceOps
 
     tx, rx = _routed(_chan())
@@ -214,14 +231,7 @@ def test_a_payload_on_another_gpu_takes_the_route_first_when_it_reaches_the_pool
         _warm(tx, rx)
         monkeypatch.setattr(HostDeviceOps, "tensor_device", staticmethod(lambda t: 1))  # pool: device 0
         tx._ipc._peer_ok[(1, 0)] = peer
-        prepared = []
-        real = shm_connector._prepare
-        monkeypatch.setattr(shm_connector, "_prepare", lambda p: prepared.append(p) or real(p))
-        for i in range(6):
-            payload = {"hidden": torch.randn(300), "ids": torch.arange(16) + i, "meta": {"i": i}}
-            assert tx.put(f"k{i}", payload, timeout=5) == omnilink.encoded_size(payload)
-            got = rx.get(f"k{i}", timeout=5)
-            assert torch.equal(got["hidden"], payload["hidden"]) and got["meta"] == {"i": i}
+        prepared = _six_put_and_got(tx, rx, monkeypatch)
         sender = tx._ipc._tx
         if peer:
             assert prepared == [] and tx.stats().ipc_puts == 7
@@ -239,7 +249,6 @@ def test_without_mps_a_sender_on_another_gpu_routes_every_size_first(monkeypatch
     # the pool's takes its payloads (all on that GPU) by device IPC at every size, first,
     # then by a send plan; on the pool's GPU the threshold holds (the host path below it).
     torch = pytest.importorskip("torch")
-    from omnilink.connectors.shm import connector as shm_connector
     from omnilink.connectors.shm import ipc
     from tests.cuda_ipc_double import HostDeviceOps, host_route
 
@@ -260,15 +269,7 @@ def test_without_mps_a_sender_on_another_gpu_routes_every_size_first(monkeypatch
         on_gpu = types.SimpleNamespace(devices=lambda: [torch.device("cuda", where)])
         assert route.min_bytes_for(on_gpu) == (0 if across else ipc.IPC_MIN_BYTES)
         assert route._tx is not None
-        prepared = []
-        real = shm_connector._prepare
-        monkeypatch.setattr(shm_connector, "_prepare", lambda p: prepared.append(p) or real(p))
-        for i in range(6):
-            payload = {"hidden": torch.randn(300), "ids": torch.arange(16) + i, "meta": {"i": i}}
-            assert tx.put(f"k{i}", payload, timeout=5) == omnilink.encoded_size(payload)
-            got = rx.get(f"k{i}", timeout=5)
-            assert torch.equal(got["hidden"], payload["hidden"]) and got["meta"] == {"i": i}
-            assert torch.equal(got["ids"], payload["ids"])
+        prepared = _six_put_and_got(tx, rx, monkeypatch)
         sender = route._tx
         assert route.routes_first() is across
         if across:
