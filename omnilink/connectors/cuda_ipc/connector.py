@@ -244,7 +244,10 @@ class CudaIpcConnector(BaseConnector):
         land on a device says so in its pool's directory: the sender then carries the
         payload's small host tensors in the pool block with the device tensors, and they
         arrive as views of the pool instead of being copied to the device one by one
-        here (a get without ``device`` turns those back into host tensors)."""
+        here (a get without ``device`` turns those back into host tensors); beside
+        device tensors of another GPU than the pool's without an MPS server it leaves
+        them in the message (``devpool.sender.HOSTS_ACROSS_GPUS``), and they are copied
+        here."""
         rx = self._receiver
         landing = device is not None
         if rx is not None and rx.landing != landing:
