@@ -120,6 +120,48 @@ def test_host_tensors_beside_another_gpus_tensors_stay_in_the_host_part_without_
         rx.close()
 
 
+def test_a_stream_from_another_gpu_without_mps_is_walked_once_per_payload(monkeypatch):
+    """Without MPS, host tensors beside another GPU's device tensors stay in the host part;
+    a stream of such payloads walks each once (the first twice), and a payload on the
+    pool's own device carries its host tensors in the block again."""
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    monkeypatch.setattr(pool_sender, "HOSTS_ACROSS_GPUS", None)
+    walks = []
+    real = pool_sender.split
+    monkeypatch.setattr(pool_sender, "split", lambda *a, **k: walks.append(1) or real(*a, **k))
+    where = [1]
+
+    class Ops(HostOnlyOps):
+        MPS = False
+
+        @staticmethod
+        def tensor_device(t):
+            return where[0]
+
+    ch = f"h2p-{uuid.uuid4().hex[:8]}"
+    ops = Ops()
+    rx = PoolReceiver(ops, ch, device=None, pool_bytes=4 << 20, event_slots=4, max_blocks=64)
+    tx = PoolSender(ops, ch)
+    try:
+        rx._open()
+        for i, dev in enumerate([1, 1, 1, 0, 0, 1, 1]):
+            where[0] = dev
+            walks.clear()
+            payload = {"hidden": torch.randn(64) + i, "ids": torch.arange(16) + i, "meta": {"i": i}}
+            msg = _send(tx, f"k{i}", payload, 1 << 10)
+            carried = dev == 0
+            assert (msg["h"]["ids"] is None) == carried, i
+            # two walks where the guess (the payload before's kind) was wrong
+            assert len(walks) == (2 if i in (0, 3, 5) else 1), (i, len(walks))
+            got = rx.land(f"k{i}", msg)
+            assert torch.equal(got["ids"], payload["ids"]) and torch.equal(got["hidden"], payload["hidden"])
+            del got
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_landing_send_carries_host_tensors_only_while_the_receiver_lands_on_device():
     ops, tx, rx = _pair()
     try:

@@ -256,6 +256,10 @@ class PoolSender:
         self.planned_puts = 0
         #: ``HOSTS_ACROSS_GPUS`` resolved (at the first payload that asks)
         self._hosts_across: bool | None = None
+        #: the last payload's host tensors stayed in the host part beside device tensors
+        #: of another GPU than the pool's (``HOSTS_ACROSS_GPUS``): the next is walked so
+        #: first
+        self._left_across = False
 
     # ------------------------------------------------------------------ helpers
     def _hosts_across_gpus(self) -> bool:
@@ -347,19 +351,31 @@ class PoolSender:
                 # (asked once per tensor: the loop below reads the answer)
                 return 1 if is_dev(t) else 2 if small(t, host_to_pool) else 0
 
-            host, chosen = split(payload, pick, tensor_type(), kept)
-            if any(c[2] == 2 for c in chosen) and not self._hosts_across_gpus():
-                # Host tensors for the block beside device tensors of another GPU than
-                # the pool's, without an MPS server: they stay in the host part.
-                tx = self.tx
-                if tx is None:
-                    with self.lock:
-                        self._check_open()
-                        tx = self._attached(deadline)
+            tx = self.tx
+            if self._left_across and tx is not None:
+                # The last payload's device tensors lived on another GPU than the pool's
+                # and its host tensors stayed in the host part: this one's most likely
+                # too (one walk; the other one if not).
+                host, chosen = split(payload, is_dev, tensor_type(), kept)
                 where = one_device(chosen, ops.tensor_device)
-                if where is not None and where != tx.index:
+                if where is None or where == tx.index:
+                    self._left_across = False
                     kept[0] = 0
-                    host, chosen = split(payload, is_dev, tensor_type(), kept)
+                    host, chosen = split(payload, pick, tensor_type(), kept)
+            else:
+                host, chosen = split(payload, pick, tensor_type(), kept)
+                if any(c[2] == 2 for c in chosen) and not self._hosts_across_gpus():
+                    # Host tensors for the block beside device tensors of another GPU
+                    # than the pool's, without an MPS server: they stay in the host part.
+                    if tx is None:
+                        with self.lock:
+                            self._check_open()
+                            tx = self._attached(deadline)
+                    where = one_device(chosen, ops.tensor_device)
+                    if where is not None and where != tx.index:
+                        self._left_across = True
+                        kept[0] = 0
+                        host, chosen = split(payload, is_dev, tensor_type(), kept)
         else:
             host, chosen = split(payload, is_dev, tensor_type(), kept)
         if accept is not None and not accept(chosen):
