@@ -155,10 +155,13 @@ TRACED = (
 )
 
 
-def install_tracer(spans: list, only: tuple[str, ...] = (), modules: tuple[str, ...] = TRACED) -> Any:
-    """Wrap every function and method defined in ``modules`` (default ``TRACED``; or,
-    with ``only``, those whose name ends with one of ``only``: fewer wrappers, less
-    distortion) with a span recorder; returns a function that puts the originals back."""
+def install_tracer(spans: list, only: tuple[str, ...] = (), modules: tuple[str, ...] | None = None) -> Any:
+    """Wrap every function and method defined in ``modules`` (default: this module's
+    ``TRACED`` as it is at the call, which other scripts set; or, with ``only``, those
+    whose name ends with one of ``only``: fewer wrappers, less distortion) with a span
+    recorder; returns a function that puts the originals back."""
+    if modules is None:
+        modules = TRACED
     import functools
     import importlib
     import inspect
