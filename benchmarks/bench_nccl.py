@@ -9,7 +9,7 @@ variants alternate round by round:
                 the default process group, received into a preallocated tensor (the
                 ceiling: no header, no allocation, no flow control);
 - ``omnilink``  ``NcclConnector.put``/``get`` of ``{"hidden_states.output": bf16
-                tensor, "meta": {...}}`` (protocol 5): the header rides the doorbell
+                tensor, "meta": {...}}`` (protocol 6): the header rides the doorbell
                 message (a plain socket) the sender sends just before it queues the
                 tensor's send; the receiving ``get`` reads it, posts the receive into
                 a freshly allocated tensor and returns with its stream ordered after
@@ -34,7 +34,7 @@ round trip, p50 over the iterations. Both variants wait for each receive on the 
 (``torch.cuda.synchronize`` on NCCL) before they answer (``get`` orders the caller's
 stream after the bytes; the host does not wait by itself). ``--latency-ab
 OPTION=VALUE`` adds a second connector with those options (``bell_bytes``,
-``pack_bytes``, ``inline_bytes``, ``spin_us``) whose ping-pongs interleave with the
+``pack_bytes``, ``inline_bytes``, ``spin_us``, ``templates`` 0/1) whose ping-pongs interleave with the
 first's in the same pair of processes (row ``omnilink-ab``): an A/B out of reach of the
 spread between process pairs.
 
@@ -42,7 +42,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile] [--trace]
+        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile] [--trace] [--templates]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo). A worker that hangs prints every thread's Python stack
@@ -153,7 +153,7 @@ def trace_rows(marks0: list[int], marks1: list[int], spans0: list, spans1: list)
 
 
 #: Connector options ``--latency-ab`` may set.
-_AB_OPTIONS = ("bell_bytes", "pack_bytes", "inline_bytes", "spin_us")
+_AB_OPTIONS = ("bell_bytes", "pack_bytes", "inline_bytes", "spin_us", "templates")
 
 
 def join_pair(rank: int, port: int, backend: str) -> tuple[Any, Any, Any]:
@@ -209,6 +209,7 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
     conn = omnilink.connect(
         "nccl", channel="bench/nccl", role="dual", rank=rank, backend=backend, device=str(dev),
         master_port=ports[1], timeout=120.0, bell_bytes=opts["bell_bytes"], pack_bytes=opts["pack_bytes"],
+        templates=opts["templates"],
     )
     conn.wait_connected(120.0)
     # ``--latency-ab``: a second connector (its own channel and communicators) with the
@@ -218,7 +219,8 @@ def _worker(rank: int, ports: tuple[int, int], opts: dict[str, Any], out: Any) -
         conn_ab = omnilink.connect(
             "nccl", channel="bench/nccl-ab", role="dual", rank=rank, backend=backend, device=str(dev),
             master_port=ports[2], timeout=120.0,
-            **{"bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"], **opts["latency_ab"]},
+            **{"bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"], "templates": opts["templates"],
+               **opts["latency_ab"]},
         )
         conn_ab.wait_connected(120.0)
     results: list[dict[str, Any]] = []
@@ -442,7 +444,8 @@ def machine(backend: str, opts: dict[str, Any]) -> dict[str, Any]:
     rec = machine_record()
     rec["torch"] = torch.__version__
     rec["backend"] = backend
-    rec["connector"] = {"protocol": 5, "bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"]}
+    rec["connector"] = {"protocol": 6, "bell_bytes": opts["bell_bytes"], "pack_bytes": opts["pack_bytes"],
+                        "templates": opts["templates"]}
     if opts.get("latency_ab"):
         rec["connector_ab"] = dict(opts["latency_ab"])
     if backend != "nccl":
@@ -489,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                          "processes: the row omnilink-ab")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
+    ap.add_argument("--templates", action="store_true",
+                    help="the connector sends a stream of payloads of one shape by templates (templates=True)")
     ap.add_argument("--trace", action="store_true",
                     help="the 4 KiB ping-pong with both processes' omnilink calls on one clock: where a "
                          "one-way trip's time goes (a span recorder around every call distorts it a little)")
@@ -507,13 +512,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--latency-ab: {key!r} is not one of {', '.join(_AB_OPTIONS)}", file=sys.stderr)
             return 2
         try:
-            latency_ab[key] = int(text, 0)
+            latency_ab[key] = int(text, 0) if key != "templates" else bool(int(text, 0))
         except ValueError:
             print(f"--latency-ab: {key} takes an int, got {text!r}", file=sys.stderr)
             return 2
     opts = {
         "backend": backend, "sizes": parse_sizes(args.sizes), "rounds": args.rounds, "iters": args.iters,
         "latency_iters": args.latency_iters, "bell_bytes": args.bell_bytes, "pack_bytes": args.pack_bytes,
+        "templates": args.templates,
         "profile": args.profile, "trace": args.trace, "hang_s": max(5.0, args.timeout - 15.0), "latency_ab": latency_ab,
     }
     ctx = mp.get_context("spawn")

@@ -271,6 +271,7 @@ def connect(
     header_addr: str | None = None,
     bell_bytes: int = ...,
     spin_us: int = ...,
+    templates: bool = False,
 ) -> NcclConnector: ...
 
 

@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of the nccl backend's doorbell decoder (``wire.read_bell``).
 
-The doorbell message is the whole header of a payload (protocol 5): the receiver sizes
+The doorbell message is the whole header of a payload (protocol 6): the receiver sizes
 and allocates its receive buffers from it alone, so ``read_bell`` must turn any bytes
 into either a validated announcement or a named error (``BlobDecodeError``, or
 ``CapacityError`` for a payload over ``max_message_bytes``) and never anything else.
@@ -418,3 +418,79 @@ def test_a_hidden_state_is_received_into_itself():
     region = torch.empty((1, 64), dtype=torch.bfloat16)
     views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, [], device=torch.device("cpu"), region=region)
     assert wire.decode_tree(ann.header, views)["hidden"] is region
+
+
+# ------------------------------------------------------------------ templates
+_TEMPLATE_PAYLOAD = {"hidden": torch.arange(40, dtype=torch.float32), "ids": torch.arange(4),
+                     "meta": {"finished": False, "chunk": 3, "name": "r"}}
+
+
+def _template_link():
+    """A receiver's template table holding template 0 (defined by a valid message of
+    ``_TEMPLATE_PAYLOAD``) and the sender's template of it."""
+    dev = torch.device("cpu")
+    pad = torch.zeros(64, dtype=torch.uint8)
+    sp = wire.plan_send(_TEMPLATE_PAYLOAD, device=dev, nccl=False, inline_bytes=64, max_inline_total=1 << 20,
+                        key="d", pack_bytes=256, pad=pad)
+    send = wire.compile_template(_TEMPLATE_PAYLOAD, sp, 0, nccl=False, device=dev)
+    assert send is not None
+    templates: dict = {}
+    raw = wire.encode_envelope(wire.Envelope(0, "d", sp.meta, sp.plan, sp.inline, wire.FLAG_DEFINE, b"", 0))
+    wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False,
+                   templates=templates)
+    got = wire.send_by_template(send, _TEMPLATE_PAYLOAD, device=dev, nccl=False, inline_bytes=64,
+                                max_inline_total=1 << 20, key="k", pack_bytes=256, pad=pad, bell_bytes=0)
+    assert got is not None
+    return templates, got
+
+
+@fuzz(300)
+@given(
+    tmpl=st.integers(-3, wire.MAX_TEMPLATES + 1),
+    flags=st.integers(0, 3),
+    host=st.one_of(st.binary(max_size=64), st.builds(msgspec.msgpack.encode, st.recursive(
+        st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+        max_leaves=8))),
+    inline=st.one_of(st.none(), st.lists(st.binary(max_size=24), max_size=3)),
+)
+def test_templated_messages_are_announced_or_named_errors(tmpl, flags, host, inline):
+    """Any templated envelope against a receiver that holds template 0: a named error, or
+    an announcement whose payload builds from buffers of its sizes (or names what is
+    wrong with its tree)."""
+    templates, (sp, _host) = _template_link()
+    raw = wire.encode_envelope(wire.Envelope(1, "k", b"", [], sp.inline if inline is None else inline, flags,
+                                             b"", tmpl, host))
+    try:
+        ann = wire.read_bell(raw, seq=1, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False,
+                             templates=templates)
+    except (BlobDecodeError, CapacityError):
+        return
+    assert tmpl == 0 and not flags & wire.FLAG_DEFINE and type(ann.host) is dict
+    assert ann.env.plan == templates[0].plan and ann.sizes == templates[0].sizes
+    bufs = [torch.zeros(n, dtype=torch.uint8) for n in ann.sizes]
+    views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, bufs, device=torch.device("cpu"))
+    try:
+        out = wire.payload_of(ann, views)
+    except BlobDecodeError:
+        return
+    assert out["hidden"].shape == (40,) and out["ids"].shape == (4,)
+
+
+def test_a_templated_payload_is_sized_and_built_as_sent():
+    templates, (sp, host) = _template_link()
+    raw = wire.encode_envelope(wire.Envelope(1, "k", b"", [], sp.inline, 0, b"", 0, host))
+    ann = wire.read_bell(raw, seq=1, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False,
+                         templates=templates)
+    assert ann.frame == sp.nbytes == blob.encoded_size(_TEMPLATE_PAYLOAD)
+    views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, [t.clone() for t in sp.p2p],
+                             device=torch.device("cpu"))
+    out = wire.payload_of(ann, views)
+    assert torch.equal(out["hidden"], _TEMPLATE_PAYLOAD["hidden"]) and torch.equal(out["ids"], _TEMPLATE_PAYLOAD["ids"])
+    assert out["meta"] == _TEMPLATE_PAYLOAD["meta"]
+    # Refused without templates, and a template the table does not hold.
+    with pytest.raises(BlobDecodeError, match="not defined"):
+        wire.read_bell(raw, seq=1, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False)
+    with pytest.raises(CapacityError, match="max_message_bytes"):
+        wire.read_bell(raw, seq=1, max_header_bytes=MAX_HEADER, max_message_bytes=sp.nbytes - 1, nccl=False,
+                       templates=templates)

@@ -1,5 +1,5 @@
 """Unit tests of the nccl backend over gloo (CPU): options, rank and peer mismatches,
-flow control, inline host data, clean peer close, the doorbell (protocol 5: the header
+flow control, inline host data, clean peer close, the doorbell (protocol 6: the header
 on the doorbell message, receives posted by the reader in doorbell order, the keeper)
 and the envelope wire format."""
 

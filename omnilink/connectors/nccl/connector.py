@@ -1,6 +1,6 @@
 """The ``nccl`` backend: payloads between two processes through ``torch.distributed``.
 
-Protocol 5 (the device run, on two GPUs: ``benchmarks/gpu/run_nccl_device.sh``). Tensor bytes travel by point-to-point
+Protocol 6 (the device run, on two GPUs: ``benchmarks/gpu/run_nccl_device.sh``). Tensor bytes travel by point-to-point
 send/recv: between GPUs through NCCL's own library (``omnilink.cuda.nccl``: ``ncclSend``
 / ``ncclRecv`` on the streams below, no process group and its per-operation cost),
 between CPUs through a gloo process group (so CI runs the same protocol), received
@@ -233,6 +233,12 @@ _HEADER_SLACK = 1 << 20
 #: Envelopes whose parsed tensor_blob header is kept for the next payload of the same
 #: structure (a stage sends the same tree, shapes and dtypes chunk after chunk).
 _META_CACHE = 256
+#: Payload shapes (plan, dtypes, shapes) a sender with ``templates`` remembers having sent
+#: whole lately (a shape sent whole again gets a template), and shapes it compiled a
+#: template for once (not again: a stream whose trees change under the same tensors
+#: would compile one per payload).
+_TEMPLATE_SHAPES_SEEN = 16
+_TEMPLATE_SHAPES_TRIED = 64
 #: How long the doorbell stays unread after a ``get`` stopped reading it before the
 #: keeper thread reads it (gets that follow each other closely never meet the keeper).
 _KEEPER_GRACE_S = 0.001
@@ -409,6 +415,7 @@ def _check_values(
     header_addr: Any,
     bell_bytes: Any = 0,
     spin_us: Any = 200,
+    templates: Any = False,
 ) -> None:
     """The value checks of ``NcclConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -447,6 +454,8 @@ def _check_values(
             raise ConfigurationError(f"nccl: {name} must be an int >= {low}, got {value!r}")
     if isinstance(spin_us, bool) or not isinstance(spin_us, int) or not 0 <= spin_us <= 100_000:
         raise ConfigurationError(f"nccl: spin_us must be an int in [0, 100000], got {spin_us!r}")
+    if not isinstance(templates, bool):
+        raise ConfigurationError(f"nccl: templates must be True or False, got {templates!r}")
     if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or not connect_timeout >= 0:
         raise ConfigurationError(f"nccl: connect_timeout must be a number of seconds >= 0, got {connect_timeout!r}")
     if header_addr is not None and (not isinstance(header_addr, str) or not header_addr):
@@ -567,6 +576,14 @@ class NcclConnector(BaseConnector):
         ``SPIN_GROWTH`` (10) x ``spin_us``; past the first ``spin_us`` the thread yields
         the CPU at every look. The cost is up to the current spin of CPU per ``get``
         that has to wait.
+    templates : bool
+        Send a stream of payloads of one shape by a template (default False): once a
+        shape (a dict of ``str`` keys holding tensors, scalars and dicts of the same)
+        was sent twice, the second one also defines a template on the receiver, and the
+        next ones are checked against it by one compiled function and sent without
+        their tensor_blob header (the tree's scalars only); the receiver puts the
+        received tensors in that tree. Any other payload is sent whole. Receivers take
+        templated payloads whatever this is set to.
 
     Raises
     ------
@@ -604,7 +621,7 @@ class NcclConnector(BaseConnector):
             or missing for ``role="dual"``; ``send_window``, ``max_inflight_bytes``,
             ``max_pending_bytes`` or ``max_message_bytes`` below 1, ``max_inline_bytes``,
             ``pack_bytes``, ``bell_bytes`` or ``inline_bytes`` below 0; ``spin_us`` outside
-            [0, 100000]; ``connect_timeout`` not a number
+            [0, 100000]; ``templates`` not a bool; ``connect_timeout`` not a number
             >= 0; an empty ``header_addr``; ``backend`` not ``"auto"``, ``"nccl"`` or
             ``"gloo"``; a ``device`` torch cannot parse or of the wrong kind for
             ``backend``; no ``store`` and ``master_port`` missing, outside [0, 65535],
@@ -637,6 +654,7 @@ class NcclConnector(BaseConnector):
         header_addr: str | None = None,
         bell_bytes: int = 0,
         spin_us: int = 200,
+        templates: bool = False,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
@@ -645,6 +663,7 @@ class NcclConnector(BaseConnector):
             max_inflight_bytes=max_inflight_bytes, max_pending_bytes=max_pending_bytes,
             inline_bytes=inline_bytes, max_inline_bytes=max_inline_bytes, max_message_bytes=max_message_bytes,
             pack_bytes=pack_bytes, header_addr=header_addr, bell_bytes=bell_bytes, spin_us=spin_us,
+            templates=templates,
         )
         import torch
         import torch.distributed as dist
@@ -667,6 +686,7 @@ class NcclConnector(BaseConnector):
         self.pack_bytes = pack_bytes
         self.bell_bytes = bell_bytes
         self.spin_us = spin_us
+        self.templates = templates
         self._spin_ns = spin_us * 1000  # the spin now (adaptive, see _adapt_spin)
         self._spin_min_ns = spin_us * 1000
         self._spin_max_ns = spin_us * 1000 * SPIN_GROWTH
@@ -810,6 +830,15 @@ class NcclConnector(BaseConnector):
         self._bell_authed = False
         self._bell_eof = False  # the doorbell's writer closed its end (the pumper's)
         self._meta_cache: dict[Any, Any] = {}
+        # Templates (``templates``): the sender's, most recently used first, and by id
+        # (under _send_lock; ``_tmpl_out`` is replaced, never changed, so that a put may
+        # read it unlocked); shapes sent whole lately and shapes compiled once
+        # (``_define``); the receiver's by id (the pumper's).
+        self._tmpl_out: list[wire.SendTemplate] = []
+        self._tmpl_by_id: dict[int, wire.SendTemplate] = {}
+        self._tmpl_seen: collections.OrderedDict[Any, None] = collections.OrderedDict()
+        self._tmpl_tried: collections.OrderedDict[Any, None] = collections.OrderedDict()
+        self._tmpl_in: dict[int, wire.RecvTemplate] = {}
         #: Point-to-point operations this end posted on its data groups (a test seam).
         self._p2p_ops = 0
         self._ctl_pg: Any = None
@@ -1323,11 +1352,20 @@ class NcclConnector(BaseConnector):
             )
         self._wait_ready(deadline, key)
         peer = self._peer
-        sp = wire.plan_send(
-            payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
-            max_inline_total=self.max_inline_bytes, key=key, pack_bytes=self.pack_bytes, pad=self._pad,
-            bell_bytes=self.bell_bytes,
-        )
+        used: wire.SendTemplate | None = None
+        tree = b""
+        for t in self._tmpl_out if self.templates else ():
+            got = wire.send_by_template(
+                t, payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
+                max_inline_total=self.max_inline_bytes, key=key, pack_bytes=self.pack_bytes, pad=self._pad,
+                bell_bytes=self.bell_bytes,
+            )
+            if got is not None:
+                sp, tree = got
+                used = t
+                break
+        else:
+            sp = self._plan(payload, key)
         limit = peer.max_message_bytes
         if limit is not None and sp.nbytes > limit:
             raise CapacityError(
@@ -1336,14 +1374,26 @@ class NcclConnector(BaseConnector):
             )
         with self._send_lock:
             self._check_send_state(key)
+            if used is not None and self._tmpl_by_id.get(used.tid) is not used:
+                # Its id was given to another shape meanwhile (another thread's put):
+                # this one goes whole.
+                used = None
+                sp = self._plan(payload, key)
             # Small device tensors that ride the doorbell: to host now (the caller's
             # stream reaches the copy before put goes on).
             region: Any = self._stage_region(sp) if sp.bell else b""
             repeat = key in self._sent_keys
             seq = self._send_seq
-            raw = wire.encode_envelope(
-                wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline, wire.FLAG_REPEAT if repeat else 0, region)
-            )
+            flags = wire.FLAG_REPEAT if repeat else 0
+            defined = self._define(payload, sp) if self.templates and used is None else None
+            if used is not None:
+                env = wire.Envelope(seq, key, b"", [], sp.inline, flags, region, used.tid, tree)
+            elif defined is not None:
+                env = wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline, flags | wire.FLAG_DEFINE, region,
+                                    defined.tid)
+            else:
+                env = wire.Envelope(seq, key, sp.meta, sp.plan, sp.inline, flags, region)
+            raw = wire.encode_envelope(env)
             hlimit = self._peer_header_limit
             if hlimit is not None and len(raw) > hlimit:
                 raise CapacityError(
@@ -1373,6 +1423,13 @@ class NcclConnector(BaseConnector):
                 self._verdicts.pop(seq, None)
                 raise
             self._send_seq = seq + 1
+            if defined is not None:
+                # Rung: the receiver has it before any payload sent by it.
+                self._tried(defined.key)
+                self._tmpl_by_id[defined.tid] = defined
+                self._tmpl_out = [defined, *(t for t in self._tmpl_out if t.tid != defined.tid)]
+            elif used is not None and self._tmpl_out[0] is not used:
+                self._tmpl_out = [used, *(t for t in self._tmpl_out if t is not used)]
             self._inflight.append((seq, wire_bytes))
             self._inflight_bytes += wire_bytes
             sent = self._sent_keys
@@ -1384,6 +1441,47 @@ class NcclConnector(BaseConnector):
                 # Under the send lock: the credits are read here only.
                 self._check_repeat(key, seq, deadline)
         return sp.nbytes
+
+    def _plan(self, payload: Any, key: str) -> wire.SendPlan:
+        """``wire.plan_send`` of ``payload`` with this connector's options."""
+        return wire.plan_send(
+            payload, device=self.device, nccl=self._is_nccl, inline_bytes=self.inline_bytes,
+            max_inline_total=self.max_inline_bytes, key=key, pack_bytes=self.pack_bytes, pad=self._pad,
+            bell_bytes=self.bell_bytes,
+        )
+
+    def _define(self, payload: Any, sp: wire.SendPlan) -> wire.SendTemplate | None:
+        """A template for ``payload``'s shape to define with its envelope (under
+        ``_send_lock``; installed once the envelope is rung), or ``None``: the shape was
+        not sent whole just before, a template of it was compiled once already, or the
+        payload is not of a template's shape. Its id: a free one, else the least recently
+        used template's."""
+        prepared = sp.prepared
+        if prepared is None:
+            return None
+        shape = (tuple(sp.plan), tuple((d.dtype, tuple(d.shape)) for d in prepared._descs))
+        seen = self._tmpl_seen
+        if shape not in seen:
+            seen[shape] = None
+            if len(seen) > _TEMPLATE_SHAPES_SEEN:
+                seen.popitem(last=False)
+            return None
+        if shape in self._tmpl_tried:
+            return None
+        free = [i for i in range(wire.MAX_TEMPLATES) if i not in self._tmpl_by_id]
+        tid = free[0] if free else self._tmpl_out[-1].tid
+        t = wire.compile_template(payload, sp, tid, nccl=self._is_nccl, device=self.device)
+        if t is None:
+            self._tried(shape)  # not of a template's shape: not compiled again
+        else:
+            t.key = shape  # tried once it is defined (``_put``)
+        return t
+
+    def _tried(self, shape: Any) -> None:
+        tried = self._tmpl_tried
+        tried[shape] = None
+        if len(tried) > _TEMPLATE_SHAPES_TRIED:
+            tried.popitem(last=False)
 
     def _stage_region(self, sp: wire.SendPlan) -> Any:
         """The region of a payload's BELL tensors, in this end's pinned staging buffer
@@ -1753,7 +1851,7 @@ class NcclConnector(BaseConnector):
         ann = wire.read_bell(
             raw, seq=self._bell_seq, max_header_bytes=self.max_header_bytes,
             max_message_bytes=self.max_message_bytes, nccl=self._is_nccl, cache=self._meta_cache,
-            cache_size=_META_CACHE,
+            cache_size=_META_CACHE, templates=self._tmpl_in,
         )
         # Queued before it is counted, and taken off the queue only once listed: a get
         # that sees the peer gone then finds it somewhere (``_more_may_come``).
@@ -1899,7 +1997,7 @@ class NcclConnector(BaseConnector):
         if allocs is not None or not works or wire.early_ready(header, env.plan, nccl=self._is_nccl):
             try:
                 views = wire.build_views(header, env.plan, env.inline, bufs, device=self.device, region=region)
-                item.payload = wire.decode_tree(header, views)
+                item.payload = wire.payload_of(ann, views)
             except OmnilinkError as exc:
                 # Its bytes are (being) received: the stream stays in step, so this bad
                 # payload is an error for its key only and the link keeps serving.
@@ -2094,7 +2192,7 @@ class NcclConnector(BaseConnector):
             ann, bufs, region = item.build
             env = ann.env
             views = wire.build_views(ann.header, env.plan, env.inline, bufs, device=self.device, region=region)
-            item.payload = wire.decode_tree(ann.header, views)
+            item.payload = wire.payload_of(ann, views)
             item.build = None
         event = item.event
         if event is not None:

@@ -1,6 +1,6 @@
 """What the ``nccl`` backend sends for one payload, and how the receiver rebuilds it.
 
-Protocol 5. Each payload is at most ONE set of point-to-point operations on the
+Protocol 6 (5 with templates). Each payload is at most ONE set of point-to-point operations on the
 direction's *bulk* process group (one NCCL communicator; a coalesced group of sends
 / receives), plus ONE ZeroMQ message, the *doorbell*, that the sender sends once those
 sends are queued. The doorbell carries the payload's header (its envelope, below): the
@@ -13,7 +13,7 @@ host by the sender and back to the device by the receiver.
     doorbell message (one ZeroMQ frame, at most the receiver's ``max_header_bytes``;
     the first message on the socket is the session id)
 
-    envelope  msgpack array  [seq, key, meta, plan, inline, flags, region]
+    envelope  msgpack array  [seq, key, meta, plan, inline, flags, region, tmpl, host]
       seq     u64     position in the sender's stream (0, 1, 2, ...); the receiver
                       takes doorbells in this order only
       key     str     the payload's key (1..512 UTF-8 bytes, no NUL)
@@ -29,9 +29,17 @@ host by the sender and back to the device by the receiver.
                         5 BELL    small device data (NCCL only), in ``region``
       inline  [bytes] the INLINE tensors' bytes, in descriptor order
       flags   u8      bit 0 REPEAT: the sender put this key recently and waits for
-                      the receiver's verdict (a duplicate or not) on this payload
+                      the receiver's verdict (a duplicate or not) on this payload;
+                      bit 1 DEFINE: this payload's shape is template ``tmpl`` from now
+                      on (a payload of a template's shape, sent whole)
       region  bytes   the BELL tensors, each at the next multiple of 64 in descriptor
                       order (the pack's rule); the gaps are zero; empty when none
+      tmpl    i8      -1, or the template this envelope defines (DEFINE) or is sent by
+                      (0 .. MAX_TEMPLATES - 1)
+      host    bytes   sent by a template (``meta``, ``plan`` and ``region`` empty): the
+                      payload's tree as msgpack, ``None`` where each tensor goes; the
+                      receiver takes the descriptors, the plan and the transfer sizes
+                      from the template (see "templates" below)
 
     bulk buffers, in this order, one coalesced group: the pack (if any PACK tensor),
                     then one per P2P/STAGED descriptor
@@ -70,8 +78,10 @@ __all__ = [
     "BELL",
     "CREDIT_SIZE",
     "EMPTY",
+    "FLAG_DEFINE",
     "FLAG_REPEAT",
     "INLINE",
+    "MAX_TEMPLATES",
     "P2P",
     "PACK",
     "PACK_MAX_BYTES",
@@ -80,10 +90,13 @@ __all__ = [
     "Endpoints",
     "Envelope",
     "Hello",
+    "RecvTemplate",
     "SendPlan",
+    "SendTemplate",
     "bell_layout",
     "build_views",
     "check_sizes",
+    "compile_template",
     "decode_credit",
     "decode_endpoints",
     "decode_envelope",
@@ -96,18 +109,31 @@ __all__ = [
     "encode_hello",
     "pack_layout",
     "parse_meta",
+    "payload_of",
     "plan_send",
     "read_bell",
+    "send_by_template",
     "staged_transfers",
 ]
 
 EMPTY, P2P, STAGED, INLINE, PACK, BELL = 0, 1, 2, 3, 4, 5
 _PLAN_NAMES = {EMPTY: "EMPTY", P2P: "P2P", STAGED: "STAGED", INLINE: "INLINE", PACK: "PACK", BELL: "BELL"}
 FLAG_REPEAT = 1
-_FLAGS_KNOWN = FLAG_REPEAT
+FLAG_DEFINE = 2
+_FLAGS_KNOWN = FLAG_REPEAT | FLAG_DEFINE
 
 #: Version of this protocol; both ends must speak the same one.
-PROTOCOL = 5
+PROTOCOL = 6
+
+#: Templates a sender may have defined at once on one direction (ids 0 ..
+#: ``MAX_TEMPLATES - 1``; a new definition under an id replaces the old one).
+MAX_TEMPLATES = 8
+#: Leaves a template's tree may hold besides tensors: what msgpack gives back as the
+#: same type.
+_LEAVES = frozenset((str, int, float, bool, type(None)))
+#: Most tensors and dict nodes a template is compiled for.
+MAX_TEMPLATE_TENSORS = 64
+MAX_TEMPLATE_NODES = 256
 
 #: Most bytes one payload's pack holds; further small tensors get their own transfer
 #: (the pack costs the sender a copy and the receiver one buffer shared by its views).
@@ -130,6 +156,12 @@ class Envelope(msgspec.Struct, array_like=True, frozen=True):
     #: decoded as a view of the received message (no copy: the receiver copies it to the
     #: device straight from there)
     region: memoryview = memoryview(b"")
+    #: the template this envelope defines (``FLAG_DEFINE``) or is sent by (``meta`` and
+    #: ``plan`` empty); -1: none
+    tmpl: int = -1
+    #: a templated envelope's tree: msgpack of the payload with ``None`` in place of
+    #: each tensor
+    host: bytes = b""
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True):
@@ -245,16 +277,24 @@ class Announced:
         ``sum(sizes)`` plus the region: what the receiver allocates for it.
     frame : int
         The payload's tensor_blob frame size (what ``get`` counts).
+    host : dict or None
+        A templated payload's tree, ``None`` in place of each tensor (``payload_of`` puts
+        the tensors there); ``None`` for a payload sent whole.
+    paths : tuple or None
+        Where each descriptor's tensor goes in ``host`` (the template's).
     """
 
-    __slots__ = ("env", "header", "sizes", "nbytes", "frame")
+    __slots__ = ("env", "header", "sizes", "nbytes", "frame", "host", "paths")
 
-    def __init__(self, env: Envelope, header: Any, sizes: list[int], frame: int) -> None:
+    def __init__(self, env: Envelope, header: Any, sizes: list[int], frame: int, host: Any = None,
+                 paths: Any = None) -> None:
         self.env = env
         self.header = header
         self.sizes = sizes
         self.nbytes = sum(sizes) + len(env.region)
         self.frame = frame
+        self.host = host
+        self.paths = paths
 
 
 def read_bell(
@@ -266,6 +306,7 @@ def read_bell(
     nccl: bool,
     cache: dict[Any, tuple[Any, list[int], int]] | None = None,
     cache_size: int = 256,
+    templates: dict[int, RecvTemplate] | None = None,
 ) -> Announced:
     """Validate one doorbell message; return what it announces. Allocates nothing but
     the decoded envelope (bounded by the message's size, itself bounded first).
@@ -284,13 +325,19 @@ def read_bell(
     cache : dict, optional
         Parsed headers of earlier messages, keyed by (meta, plan, inline sizes, region
         size); filled here (cleared when it holds ``cache_size``).
+    templates : dict, optional
+        This direction's templates by id: an envelope that defines one
+        (``FLAG_DEFINE``) is checked as any other, then its template is kept here; a
+        templated envelope is read against its template. ``None``: templates refused.
 
     Raises
     ------
     BlobDecodeError
         Too long, not an envelope, unknown flags, out of sequence, an invalid key, a
         malformed tensor_blob header, a plan that disagrees with it or with the link,
-        inline parts or a region that disagree with the plan.
+        inline parts or a region that disagree with the plan; a template unknown, out of
+        range or not a template's shape, a templated envelope with a header, a plan or
+        a region of its own, or a tree that is not msgpack of a map.
     CapacityError
         The payload is larger than ``max_message_bytes``.
     """
@@ -303,6 +350,15 @@ def read_bell(
     key = env.key
     if not key or "\x00" in key or len(key) > _MAX_KEY_BYTES or len(key.encode("utf-8", "replace")) > _MAX_KEY_BYTES:
         raise BlobDecodeError(f"nccl: doorbell message {seq} names an invalid key {key[:64]!r}")
+    if env.tmpl >= 0 and not env.flags & FLAG_DEFINE:
+        return _read_templated(env, templates, max_message_bytes)
+    if env.flags & FLAG_DEFINE and (templates is None or not 0 <= env.tmpl < MAX_TEMPLATES):
+        raise BlobDecodeError(
+            f"nccl: doorbell message {seq} (key {key!r}) defines template {env.tmpl}, outside "
+            f"0..{MAX_TEMPLATES - 1} or on a link that takes none"
+        )
+    if env.host or env.tmpl < -1 or (env.tmpl != -1 and not env.flags & FLAG_DEFINE):
+        raise BlobDecodeError(f"nccl: doorbell message {seq} (key {key!r}) has a template field without a template")
     ck = (env.meta, tuple(env.plan), tuple(len(p) for p in env.inline), len(env.region))
     hit = cache.get(ck) if cache is not None else None
     if hit is None:
@@ -322,7 +378,37 @@ def read_bell(
             f"max_message_bytes={max_message_bytes}; nothing was allocated, and the link cannot "
             "continue (the sender ignored the limit)"
         )
+    if env.flags & FLAG_DEFINE:
+        cast(dict, templates)[env.tmpl] = RecvTemplate.of(env, header, sizes, frame)
     return Announced(env, header, sizes, frame)
+
+
+def _read_templated(env: Envelope, templates: dict[int, RecvTemplate] | None, max_message_bytes: int) -> Announced:
+    """``read_bell`` of an envelope sent by a template (see there)."""
+    key = env.key
+    t = templates.get(env.tmpl) if templates is not None else None
+    if t is None:
+        raise BlobDecodeError(f"nccl: key {key!r} is sent by template {env.tmpl}, which was not defined")
+    if env.meta or env.plan or len(env.region):
+        raise BlobDecodeError(f"nccl: key {key!r} is sent by a template, yet brings a header, a plan or a region")
+    if [len(p) for p in env.inline] != t.inline_sizes:
+        raise BlobDecodeError(
+            f"nccl: key {key!r}: inline parts of {[len(p) for p in env.inline]} bytes, its template "
+            f"has {t.inline_sizes}"
+        )
+    try:
+        host = _HOST_DECODER.decode(env.host)
+    except (msgspec.DecodeError, msgspec.ValidationError, BlobDecodeError, RecursionError, ValueError) as exc:
+        raise BlobDecodeError(f"nccl: key {key!r}: its tree is not a msgpack map of plain data: {exc}") from None
+    frame = t.size(len(env.host))
+    if frame > max_message_bytes:
+        raise CapacityError(
+            f"nccl: doorbell message {env.seq} announces key {key!r} of {frame} bytes, more than "
+            f"max_message_bytes={max_message_bytes}; nothing was allocated, and the link cannot "
+            "continue (the sender ignored the limit)"
+        )
+    whole = Envelope(env.seq, key, t.meta, t.plan, env.inline, env.flags, env.region)
+    return Announced(whole, t.header, t.sizes, frame, host, t.paths)
 
 
 def _check_plan(header: blob.BlobHeader, env: Envelope, nccl: bool) -> None:
@@ -392,12 +478,14 @@ class SendPlan:
         tensor_blob frame size of the payload (what ``put`` returns).
     """
 
-    __slots__ = ("meta", "plan", "inline", "bell", "region_bytes", "p2p", "nbytes", "p2p_bytes")
+    __slots__ = ("meta", "plan", "inline", "bell", "region_bytes", "p2p", "nbytes", "p2p_bytes", "prepared")
 
     def __init__(
         self, meta: bytes, plan: list[int], inline: list[bytes], p2p: list[Any], nbytes: int,
         bell: list[tuple[int, Any, int]] | None = None, region_bytes: int = 0,
     ) -> None:
+        #: the tensor_blob ``plan_send`` planned it from (``compile_template``)
+        self.prepared: Any = None
         self.meta = meta
         self.plan = plan
         self.inline = inline
@@ -476,9 +564,11 @@ def plan_send(
 
     prepared = blob.prepare(payload)
     if not (nccl and device.type == "cuda"):
-        return _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
-                           max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
-                           bell_bytes=bell_bytes)
+        sp = _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
+                         max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
+                         bell_bytes=bell_bytes)
+        sp.prepared = prepared
+        return sp
     # What the decisions depend on: each tensor's kind, dtype, byte size and number of
     # dimensions (not the tree's values, which change from payload to payload), the
     # device and the options. Looked up first by the descriptors' ids: ``prepare`` hands
@@ -501,6 +591,7 @@ def plan_send(
     if cached is not None:
         sp = cached.apply(torch, prepared, pad)
         if sp is not None:
+            sp.prepared = prepared
             return sp
     sp = _plan_fresh(torch, prepared, device=device, nccl=nccl, inline_bytes=inline_bytes,
                      max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
@@ -510,6 +601,7 @@ def plan_send(
         if recipe is not None:
             _remember(_SEND_PLANS, sk, recipe)
             _remember(_SEND_PLANS_BY_ID, ik, (descs, recipe))
+    sp.prepared = prepared
     return sp
 
 
@@ -1214,3 +1306,306 @@ def _typed(whole: Any, dt: Any) -> Any:
 def decode_tree(header: blob.BlobHeader, views: list[Any]) -> Any:
     """The payload tree of ``header`` with tensor references replaced by ``views``."""
     return blob._decode_tree(header, views)
+
+
+# ================================================================== templates
+# A stream of payloads of one shape (a stage's chunk every step: the same dict of the
+# same tensors, other scalars) is sent by a template once the sender has seen that shape
+# twice: the envelope that sends it whole the second time also defines the template
+# (``FLAG_DEFINE``, ``tmpl``: its id), and the next ones are sent by it: their envelope
+# carries no tensor_blob header and no plan, only ``tmpl``, the INLINE parts and the
+# tree as msgpack with ``None`` in place of each tensor (``host``). The sender checks
+# each payload against the template with one compiled function (``SendTemplate.match``:
+# its dict keys, the type of every leaf, each tensor's type, dtype, shape, device and
+# layout) instead of walking it into a tensor_blob, and the receiver builds it by putting
+# the received tensors in the tree it decodes (``payload_of``) instead of decoding a
+# header and a tree of references. What a payload of a template may hold: nested dicts
+# of ``str`` keys whose leaves are tensors (each planned EMPTY, P2P, PACK or INLINE) and
+# plain scalars (``str``, ``int``, ``float``, ``bool``, ``None``); any other payload, or
+# one that differs from every template, is sent whole.
+
+
+def _no_ext(code: int, data: memoryview) -> Any:
+    raise BlobDecodeError(f"an extension type ({code}) in a plain tree")
+
+
+_HOST_DECODER = msgspec.msgpack.Decoder(dict, ext_hook=_no_ext)
+_HOST_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def _size_of(size_base: int, data_len: int, host_len: int) -> int:
+    """The tensor_blob frame size of a payload of a template whose tree's msgpack (with
+    ``None`` for each tensor) is ``host_len`` bytes: its header differs from the
+    template's payload's only there (each tensor a 6-byte reference in the header, a
+    1-byte ``None`` in the tree)."""
+    return ((blob.PREFIX_SIZE + size_base + host_len + blob.FRAME_ALIGN - 1) & -blob.FRAME_ALIGN) + data_len
+
+
+def _tree_paths(tree: Any, is_tensor: Any) -> tuple[list[tuple[str, ...]], Any] | None:
+    """The paths of the tensors of ``tree`` in walk order (tensor_blob's: dict order,
+    depth first) and the tree with ``None`` in their place, or ``None`` when ``tree`` is
+    not a template's shape (see above)."""
+    paths: list[tuple[str, ...]] = []
+    nodes = [0]
+
+    def walk(x: Any, path: tuple[str, ...]) -> Any:
+        nodes[0] += 1
+        if nodes[0] > MAX_TEMPLATE_NODES:
+            raise ValueError
+        out = {}
+        for k, v in x.items():
+            if type(k) is not str:
+                raise ValueError
+            p = (*path, k)
+            if is_tensor(v):
+                paths.append(p)
+                out[k] = None
+            elif type(v) is dict:
+                out[k] = walk(v, p)
+            elif type(v) in _LEAVES:
+                out[k] = v
+            else:
+                raise ValueError
+        return out
+
+    if type(tree) is not dict:
+        return None
+    try:
+        host = walk(tree, ())
+    except ValueError:
+        return None
+    if not paths or len(paths) > MAX_TEMPLATE_TENSORS:
+        return None
+    return paths, host
+
+
+class _Shim:
+    """What ``_plan_fresh`` and ``_SendRecipe.apply`` read of a prepared payload: a
+    template's descriptors with a new payload's tensors."""
+
+    __slots__ = ("_descs", "_sources", "meta", "nbytes")
+
+    def __init__(self, descs: list[Any], sources: list[tuple[int, Any]], nbytes: int) -> None:
+        self._descs = descs
+        self._sources = sources
+        self.meta = b""
+        self.nbytes = nbytes
+
+
+class SendTemplate:
+    """The sender's template of one payload shape (``compile_template``).
+
+    ``match(payload)`` -> ``(tree, tensors)``: the tree with ``None`` for each tensor and
+    the tensors in descriptor order, or ``None`` at the first difference."""
+
+    __slots__ = ("tid", "match", "descs", "plan", "recipe", "size_base", "data_len", "key")
+
+    def size(self, host_len: int) -> int:
+        return _size_of(self.size_base, self.data_len, host_len)
+
+
+def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device: Any) -> SendTemplate | None:
+    """The template of ``payload``, which ``plan_send`` planned as ``sp`` (``sp.prepared``
+    its tensor_blob), under id ``tid``; ``None`` when the payload is not of a template's
+    shape (see above) or its plan has STAGED or BELL tensors."""
+    import torch
+
+    prepared = sp.prepared
+    if prepared is None or sp.bell or any(c not in (EMPTY, P2P, PACK, INLINE) for c in sp.plan):
+        return None
+    found = _tree_paths(payload, lambda v: isinstance(v, torch.Tensor))
+    if found is None:
+        return None
+    paths, host = found
+    sources = prepared._sources
+    descs = prepared._descs
+    if len(paths) != len(sources) or any(kind != blob.KIND_TORCH for kind, _ in sources):
+        return None
+    ns: dict[str, Any] = {"_T": torch.Tensor, "_L": _LEAVES, "_S": torch.strided}
+    lines: list[str] = []
+    counter = [0]
+    tensors: dict[tuple[str, ...], str] = {}
+    consts: dict[str, Any] = {}
+
+    def const(value: Any) -> str:
+        name = f"c{len(consts)}"
+        consts[name] = value
+        return name
+
+    def var() -> str:
+        counter[0] += 1
+        return f"v{counter[0]}"
+
+    def node(x: Any, name: str, path: tuple[str, ...]) -> str:
+        lines.append(f"    if type({name}) is not dict or tuple({name}) != {const(tuple(x))}: return None")
+        parts = []
+        for k, v in x.items():
+            p = (*path, k)
+            c = var()
+            lines.append(f"    {c} = {name}[{k!r}]")
+            if isinstance(v, torch.Tensor):
+                tensors[p] = c
+                parts.append(f"{k!r}: None")
+            elif type(v) is dict:
+                parts.append(f"{k!r}: {node(v, c, p)}")
+            else:
+                lines.append(f"    if type({c}) not in _L: return None")
+                parts.append(f"{k!r}: {c}")
+        return "{" + ", ".join(parts) + "}"
+
+    expr = node(payload, "p", ())
+    index = device.index if device.type == "cuda" else None
+    order = []
+    for i, (p, (_kind, src), d, code) in enumerate(zip(paths, sources, descs, sp.plan)):
+        c = tensors[p]
+        # The tensor at the path must be the one tensor_blob described there.
+        t = payload
+        for step in p:
+            t = t[step]
+        if t is not src or src.requires_grad:
+            return None
+        if nccl and code in (P2P, PACK):
+            where = f"not {c}.is_cuda or {c}.get_device() != {index}"
+        elif code == EMPTY:
+            where = f"{c}.device != {const(src.device)}"
+        else:
+            where = f"not {c}.is_cpu"
+        lines.append(
+            f"    if type({c}) is not _T or {c}.dtype is not {const(src.dtype)} or {c}.shape != "
+            f"{const(src.shape)} or {where} or {c}.layout is not _S or not {c}.is_contiguous() "
+            f"or {c}.requires_grad or {c}.is_neg() or {c}.is_conj(): return None"
+        )
+        order.append(c)
+        del i, d
+    tup = "(" + "".join(f"{c}, " for c in order) + ")"
+    lines.append(f"    return {expr}, {tup}")
+    ns.update(consts)
+    source = "def match(p):\n" + "\n".join(lines) + "\n"
+    exec(compile(source, "<omnilink nccl template>", "exec"), ns)  # noqa: S102 - our own source, keys by repr()
+    t = SendTemplate()
+    t.key = None
+    t.tid = tid
+    t.match = ns["match"]
+    t.descs = descs
+    t.plan = list(sp.plan)
+    t.recipe = _SendRecipe.of(prepared, sp, index) if nccl and index is not None else None
+    h = len(_HOST_ENCODE(host))
+    t.size_base, t.data_len = prepared.header_len - h, prepared.data_len
+    if t.size(h) != prepared.nbytes:  # pragma: no cover - the format changed under the template
+        return None
+    return t
+
+
+def send_by_template(
+    t: SendTemplate, payload: Any, *, device: Any, nccl: bool, inline_bytes: int, max_inline_total: int, key: str,
+    pack_bytes: int, pad: Any, bell_bytes: int,
+) -> tuple[SendPlan, bytes] | None:
+    """The plan of ``payload`` by template ``t`` and its tree's msgpack, or ``None``
+    when it is not of the template (send it whole)."""
+    got = t.match(payload)
+    if got is None:
+        return None
+    host, tensors = got
+    try:
+        raw = _HOST_ENCODE(host)
+    except (OverflowError, TypeError, ValueError):  # an int past 64 bits: sent whole, named there
+        return None
+    import torch
+
+    shim = _Shim(t.descs, [(blob.KIND_TORCH, x) for x in tensors], t.size(len(raw)))
+    try:
+        if t.recipe is not None:
+            sp = t.recipe.apply(torch, shim, pad)
+        else:
+            sp = _plan_fresh(torch, shim, device=device, nccl=nccl, inline_bytes=inline_bytes,
+                             max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
+                             bell_bytes=bell_bytes)
+    except (ConfigurationError, RuntimeError):
+        return None
+    if sp is None or sp.plan != t.plan or sp.bell:
+        return None
+    return sp, raw
+
+
+class RecvTemplate:
+    """The receiver's template of one id: the defining payload's header, plan and
+    transfer sizes, where each tensor goes in the tree, and how the frame size follows
+    from the tree's size."""
+
+    __slots__ = ("meta", "header", "plan", "sizes", "paths", "inline_sizes", "size_base", "data_len")
+
+    def size(self, host_len: int) -> int:
+        return _size_of(self.size_base, self.data_len, host_len)
+
+    @classmethod
+    def of(cls, env: Envelope, header: blob.BlobHeader, sizes: list[int], frame: int) -> RecvTemplate:
+        """The template ``env`` (already checked) defines.
+
+        Raises
+        ------
+        BlobDecodeError
+            The payload is not of a template's shape (what a sender never defines).
+        """
+        if env.region or any(c not in (EMPTY, P2P, PACK, INLINE) for c in env.plan):
+            raise BlobDecodeError(f"nccl: key {env.key!r} defines a template with STAGED or BELL tensors")
+
+        class Ref:
+            __slots__ = ()
+
+        refs = [Ref() for _ in header.tensors]
+        try:
+            tree = blob._decode_tree(header, refs)
+        except BlobDecodeError as exc:
+            raise BlobDecodeError(f"nccl: key {env.key!r} defines a template whose tree is malformed: {exc}") from None
+        found = _tree_paths(tree, lambda v: type(v) is Ref)
+        ids = {id(r): i for i, r in enumerate(refs)}
+        if found is not None:
+            paths, host = found
+            at = []
+            for p in paths:
+                v = tree
+                for step in p:
+                    v = v[step]
+                at.append(ids[id(v)])
+            if at != list(range(len(refs))):
+                found = None  # each tensor once, in descriptor order
+        if found is None:
+            raise BlobDecodeError(f"nccl: key {env.key!r} defines a template, but its payload is not of a template's shape")
+        t = cls()
+        t.meta = env.meta
+        t.header = header
+        t.plan = list(env.plan)
+        t.sizes = sizes
+        t.paths = tuple(paths)
+        t.inline_sizes = [len(p) for p in env.inline]
+        h = len(_HOST_ENCODE(host))
+        t.size_base = len(env.meta) - blob.PREFIX_SIZE - h
+        t.data_len = frame - ((len(env.meta) + blob.FRAME_ALIGN - 1) & -blob.FRAME_ALIGN)
+        if t.size(h) != frame:  # pragma: no cover - the format changed under the template
+            raise BlobDecodeError(f"nccl: key {env.key!r} defines a template whose size does not follow its tree")
+        return t
+
+
+def payload_of(ann: Announced, views: list[Any]) -> Any:
+    """The payload of ``ann`` with ``views`` (one per descriptor) in it: its tensor_blob
+    tree, or a templated payload's tree with each view put where its template says.
+
+    Raises
+    ------
+    BlobDecodeError
+        The tree has no ``None`` where the template puts a tensor.
+    """
+    if ann.paths is None:
+        return decode_tree(ann.header, views)
+    out = ann.host
+    for path, v in zip(ann.paths, views):
+        node = out
+        for step in path[:-1]:
+            node = node.get(step) if type(node) is dict else None
+        last = path[-1]
+        if type(node) is not dict or last not in node or node[last] is not None:
+            raise BlobDecodeError(
+                f"nccl: key {ann.env.key!r}: its tree has no free place at {list(path)} for a tensor of its template"
+            )
+        node[last] = v
+    return out
