@@ -303,6 +303,8 @@ def test_a_template_compiles_only_the_shapes_it_can_carry():
 
     ok = {"a": torch.arange(3), "b": {"c": 1.5, "d": None, "e": True, "f": "s"}}
     assert wire.compile_template(ok, plan(ok), 0, nccl=False, device=dev) is not None
-    for bad in ({"a": torch.arange(3), "l": [1]}, {"a": torch.arange(3), "t": (1,)}, {"x": 1},
+    wide = {"a": torch.arange(3), **{f"k{i}": i for i in range(wire.MAX_TEMPLATE_NODES)}}
+    param = {"a": torch.nn.Parameter(torch.ones(3), requires_grad=False)}
+    for bad in (wide, param, {"a": torch.arange(3), "l": [1]}, {"a": torch.arange(3), "t": (1,)}, {"x": 1},
                 {"a": torch.arange(3), "n": __import__("numpy").arange(3)}, [torch.arange(3)]):
         assert wire.compile_template(bad, plan(bad), 0, nccl=False, device=dev) is None, bad

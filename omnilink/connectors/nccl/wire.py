@@ -131,9 +131,9 @@ MAX_TEMPLATES = 8
 #: Leaves a template's tree may hold besides tensors: what msgpack gives back as the
 #: same type.
 _LEAVES = frozenset((str, int, float, bool, type(None)))
-#: Most tensors and dict nodes a template is compiled for.
+#: Most tensors, and dicts and entries, a template is compiled for.
 MAX_TEMPLATE_TENSORS = 64
-MAX_TEMPLATE_NODES = 256
+MAX_TEMPLATE_NODES = 512
 
 #: Most bytes one payload's pack holds; further small tensors get their own transfer
 #: (the pack costs the sender a copy and the receiver one buffer shared by its views).
@@ -1354,7 +1354,8 @@ def _tree_paths(tree: Any, is_tensor: Any) -> tuple[list[tuple[str, ...]], Any] 
             raise ValueError
         out = {}
         for k, v in x.items():
-            if type(k) is not str:
+            nodes[0] += 1
+            if type(k) is not str or nodes[0] > MAX_TEMPLATE_NODES:
                 raise ValueError
             p = (*path, k)
             if is_tensor(v):
@@ -1413,7 +1414,8 @@ def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device
     prepared = sp.prepared
     if prepared is None or sp.bell or any(c not in (EMPTY, P2P, PACK, INLINE) for c in sp.plan):
         return None
-    found = _tree_paths(payload, lambda v: isinstance(v, torch.Tensor))
+    tensor = torch.Tensor
+    found = _tree_paths(payload, lambda v: type(v) is tensor)  # (a subclass: not a template's)
     if found is None:
         return None
     paths, host = found
@@ -1443,7 +1445,7 @@ def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device
             p = (*path, k)
             c = var()
             lines.append(f"    {c} = {name}[{k!r}]")
-            if isinstance(v, torch.Tensor):
+            if type(v) is tensor:
                 tensors[p] = c
                 parts.append(f"{k!r}: None")
             elif type(v) is dict:
