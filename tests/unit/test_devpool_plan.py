@@ -566,6 +566,43 @@ def test_a_plan_for_tensors_on_another_device_than_the_pool_copies_peer_to_peer(
             assert s.planned_puts == 0 and s.tx.plans == [] and s.ops.peer_copies == 0
 
 
+@pytest.mark.parametrize("kept_bytes", [64, 4096])
+def test_a_stream_from_another_gpu_without_mps_goes_by_a_plan_that_keeps_its_host_tensors(monkeypatch, kept_bytes):
+    """Without MPS, small host tensors beside another GPU's device tensors stay in the host
+    part (``HOSTS_ACROSS_GPUS``); a stream of such payloads still goes by a send plan,
+    which keeps them there (the lane record carries them), and arrives the same, sized
+    as tensor_blob sizes it; host tensors past ``MAX_KEPT_BYTES`` leave it to the
+    general way."""
+    from omnilink.connectors.devpool import sender as pool_sender
+
+    monkeypatch.setattr(pool_sender, "HOSTS_ACROSS_GPUS", None)
+
+    class RemoteOps(double.HostLikeOps):
+        MPS = False
+
+        @staticmethod
+        def tensor_device(t: Any) -> int:
+            return 1  # the payload's device tensors live on another GPU than the pool (device 0)
+
+    class Remote(double.HostCudaIpc):
+        @staticmethod
+        def _make_ops() -> Any:
+            return RemoteOps()
+
+    with double.host_pair(f"t/plan-keep-{uuid.uuid4().hex[:8]}", sender=Remote) as (tx, rx):
+        for i in range(8):
+            p = {"h": torch.randn(64) + i, "ids": torch.arange(kept_bytes // 8) + i,
+                 "m": {"flag": torch.tensor(i % 2 == 0), "i": i, "s": "x" * i}}
+            assert tx.put(f"k{i}", p, timeout=5.0) == encoded_size(p)
+            _same(rx.get(f"k{i}", timeout=5.0, device="cpu"), p)  # (landing on the receiver's device)
+        s = tx._sender
+        if kept_bytes <= 1024:
+            assert s.planned_puts >= 4 and s.ops.peer_copies == s.planned_puts
+            assert [pl.kept for pl in s.tx.plans] == [2]
+        else:
+            assert s.planned_puts == 0 and s.tx.plans == []
+
+
 def test_a_layout_no_plan_covers_is_compiled_once(pair, monkeypatch):
     from omnilink.connectors.devpool import sender as pool_sender
 

@@ -150,6 +150,18 @@ def encode_record(key: str, message: Any) -> bytes:
         raise NotPlain from None
 
 
+def encode_host(host: Any) -> bytes:
+    """The msgpack of a pool message's host part as ``encode_record`` writes it (small
+    CPU tensors as extensions: a send plan whose payloads keep host tensors there);
+    ``NotPlain`` as there."""
+    import torch
+
+    try:
+        return _ENCODER.encode(_plain(host, 1, torch, dtypes()[0]))
+    except (OverflowError, TypeError, msgspec.EncodeError):
+        raise NotPlain from None
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code != EXT_TENSOR or len(data) < _HEAD.size:
         raise BadRecord(f"unknown msgpack extension {code} in a lane record")

@@ -16,8 +16,9 @@ What a plan covers: a ``dict`` payload of ``str`` keys whose values are tensors,
 scalars (``str``, ``int``, ``float``, ``bool``, ``None``) and dicts of the same, every
 tensor in the block (device tensors first, then small host tensors), at least one device
 tensor, all of them on one device (the pool's, or one other GPU: then the copies are peer
-copies). Anything else (lists, tuples, bytes, a host tensor left in
-the host part) is sent the general way every time.
+copies); with ``keep_host``, small host tensors may also stay in the host part (at most
+``MAX_KEPT_BYTES`` together; the lane carries them). Anything else (lists, tuples, bytes,
+another host tensor left in the host part) is sent the general way every time.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ _LEAVES = frozenset((str, int, float, bool, type(None)))
 #: Most tensors and nodes a plan is compiled for (a larger payload goes the general way).
 MAX_PLAN_TENSORS = 64
 MAX_PLAN_NODES = 256
+#: Most bytes of host tensors a plan keeps in the host part (``keep_host``): the lane
+#: record holds them, its manifest and the rest of the host part.
+MAX_KEPT_BYTES = 1024
 
 
 class SendPlan:
@@ -49,12 +53,14 @@ class SendPlan:
     bytes."""
 
     __slots__ = ("match", "entries", "raw", "dev_items", "host_items", "host_first", "host_span", "total",
-                 "size_base", "data_len", "device")
+                 "size_base", "data_len", "device", "kept")
 
     def __init__(self, match: Any, entries: list[list[Any]], dev_items: list[tuple[int, int]],
                  host_items: list[tuple[int, int]], total: int, device: int = 0) -> None:
         #: the device index its device tensors live on (the pool's, or one other GPU's)
         self.device = device
+        #: host tensors its payloads keep in the host part (``keep_host``)
+        self.kept = 0
         #: ``size(host_bytes)``'s constants (``size_base`` ``None``: the plan cannot
         #: size its payloads; ``calibrate``)
         self.size_base: int | None = None
@@ -69,15 +75,17 @@ class SendPlan:
         self.total = total
 
 
-    def calibrate(self, payload: Any, host: Any) -> None:
+    def calibrate(self, payload: Any, host: Any, encode: Any = None) -> None:
         """Learn how the tensor_blob size of this plan's payloads follows from their host
         part's msgpack (``size``), from ``payload`` (``host``: its host part): a payload
         of the plan has the same tensor descriptors and tree, but for its scalars, which
         msgpack encodes alike in the host part and in the tensor_blob header; every
         tensor is a 1-byte ``None`` in the one and a 6-byte reference in the other. Kept
-        only if it gives ``payload``'s own size back."""
+        only if it gives ``payload``'s own size back. ``encode``: how the host part is
+        encoded (``lane.encode_host`` for a plan that keeps host tensors there: each a
+        fixed-length extension for its dtype and shape)."""
         blob = prepare(payload)
-        h = len(msgspec.msgpack.encode(host))
+        h = len((encode or msgspec.msgpack.encode)(host))
         self.size_base, self.data_len = blob.header_len - h, blob.data_len
         if self.size(h) != blob.nbytes:  # pragma: no cover - the format changed under the plan
             self.size_base = None
@@ -93,7 +101,7 @@ class _Unplannable(Exception):
 
 
 def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any, Any, int]], total: int,
-                 device: int, checks: tuple[str, str]) -> SendPlan | None:
+                 device: int, checks: tuple[str, str], keep_host: bool = False) -> SendPlan | None:
     """The plan of ``payload`` as the general ``send`` laid it out: ``entries`` its
     manifest's tensor list, ``chosen`` the ``[(path, tensor, pick)]`` its walk picked
     (``pick`` 2: a small host tensor), ``total`` its block's bytes, ``device`` the pool's
@@ -101,7 +109,9 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     ``{v}`` is not a device tensor of ``{device}``, and not a host tensor for the block.
     ``device``: where the payload's device tensors live (the pool's device, or the one
     other GPU they all live on); the plan's payloads must have theirs there too.
-    ``None`` when the payload is not of the kind a plan covers."""
+    ``keep_host``: small host tensors outside ``chosen`` stay in the host part (each
+    pinned to its dtype and shape; ``SendPlan.kept`` counts them). ``None`` when the
+    payload is not of the kind a plan covers."""
     import torch
 
     if type(payload) is not dict or not chosen or len(chosen) > MAX_PLAN_TENSORS:
@@ -119,6 +129,7 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     lines: list[str] = []
     tvars: dict[int, str] = {}
     counter = [0, 0]
+    kept = [0, 0]  # host tensors kept in the host part, their bytes
 
     def var() -> str:
         counter[0] += 1
@@ -156,6 +167,15 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
                 parts.append(f"{k!r}: {c}")
             elif type(v) is dict:
                 parts.append(f"{k!r}: {node(v, c, p, indent)}")
+            elif keep_host and type(v) is torch.Tensor and v.is_cpu and v.layout is torch.strided:
+                # A small host tensor the host part keeps (the lane encodes it).
+                kept[0] += 1
+                kept[1] += v.numel() * v.element_size()
+                if kept[1] > MAX_KEPT_BYTES:
+                    raise _Unplannable
+                lines.append(f"{indent}if type({c}) is not _T or not {c}.is_cpu or {c}.layout is not _S "
+                             f"or {c}.dtype is not {const(v.dtype)} or {c}.shape != {const(v.shape)}: return None")
+                parts.append(f"{k!r}: {c}")
             else:
                 raise _Unplannable  # a host tensor left in the host part, a list, ...
         return "{" + ", ".join(parts) + "}"
@@ -193,4 +213,6 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
     source = "def match(p):\n" + "\n".join(lines) + "\n"
     code_obj = compile(source, "<omnilink send plan>", "exec")
     exec(code_obj, ns)  # noqa: S102 - our own source, built from keys with repr()
-    return SendPlan(ns["match"], entries, dev_items, host_items, total, device)
+    plan = SendPlan(ns["match"], entries, dev_items, host_items, total, device)
+    plan.kept = kept[0]
+    return plan

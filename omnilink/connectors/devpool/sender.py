@@ -57,7 +57,7 @@ from omnilink.connectors.devpool.directory import (
     Directory,
     find_directories,
 )
-from omnilink.connectors.devpool.lane import LANE_RECORD, LaneWriter
+from omnilink.connectors.devpool.lane import LANE_RECORD, LaneWriter, NotPlain, encode_host
 from omnilink.connectors.devpool.manifest import dtypes, one_device, split, tensor_type
 from omnilink.connectors.devpool.plan import compile_plan
 from omnilink.connectors.devpool.process import LOCAL_EVENTS, LOCAL_POOLS, LOCAL_SENDERS, local_lock, start_heartbeat
@@ -444,8 +444,11 @@ class PoolSender:
                 raise
             tx.sent[key] = (blk, slot, seq)
             tx.by_block[blk] = key
-            if self.lane_wake is not None and self.plans and not kept[0] and ctx is None and size is None \
-                    and (host_to_pool == HOST_TO_POOL_BYTES or not host_items):
+            # (host tensors left in the host part: only those of a stream from another GPU
+            # without MPS, which a plan keeps there too)
+            keep_host = bool(kept[0]) and self._left_across
+            if self.lane_wake is not None and self.plans and (not kept[0] or keep_host) and ctx is None \
+                    and size is None and (host_to_pool == HOST_TO_POOL_BYTES or not host_items):
                 # A layout the general way sent lately, again: the next ones go by a plan
                 # (whose copy is the local one: only for device tensors on the pool's
                 # device).
@@ -456,9 +459,9 @@ class PoolSender:
                     # one other GPU, whose plan copies peer to peer.
                     where = one_device(chosen, ops.tensor_device)
                     if where is not None and (PLAN_PEER or where == tx.index):
-                        plan = compile_plan(payload, entries, chosen, total, where, ops.plan_checks())
+                        plan = compile_plan(payload, entries, chosen, total, where, ops.plan_checks(), keep_host)
                         if plan is not None:
-                            plan.calibrate(payload, host)
+                            plan.calibrate(payload, host, encode_host if plan.kept else None)
                     if plan is None or plan.size_base is None:
                         # (a list in it, tensors on several GPUs): not again for a while
                         tx.no_plan = (entries, seq + PLAN_RETRY)
@@ -530,8 +533,8 @@ class PoolSender:
         if key in tx.sent or not lane.has_room() or lane.pending(key) or plan.size_base is None:
             return None
         try:
-            raw = _ENCODE(host)
-        except (OverflowError, TypeError, ValueError):  # an int past 64 bits: the general way
+            raw = encode_host(host) if plan.kept else _ENCODE(host)
+        except (OverflowError, TypeError, ValueError, NotPlain):  # an int past 64 bits: the general way
             return None
         if len(raw) >= LANE_RECORD:
             return None  # not for the lane
@@ -553,7 +556,10 @@ class PoolSender:
                     tx.free(blk)  # never published; a copy that failed to queue wrote nothing
                     raise
             try:
-                msg = {"d": [tx.gen, seq, slot, blk, total, plan.raw, 1], "h": msgspec.Raw(raw), "n": size}
+                # (a seventh item 1: every tensor is in the block; not with host tensors kept)
+                manifest = [tx.gen, seq, slot, blk, total, plan.raw] if plan.kept else \
+                    [tx.gen, seq, slot, blk, total, plan.raw, 1]
+                msg = {"d": manifest, "h": msgspec.Raw(raw), "n": size}
                 mark = self.lane_mark
                 body = _ENCODE([key, msg if mark is None else {mark: msg}])
                 written = lane.write_body(key, body)
