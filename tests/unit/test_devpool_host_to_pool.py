@@ -74,6 +74,32 @@ def test_small_host_tensors_ride_in_the_block_after_the_device_ones(most):
         rx.close()
 
 
+def _lands_as_sent(rx, key, msg, payload):
+    """``rx.land`` of ``msg`` gives back ``payload``'s hidden state and ids."""
+    got = rx.land(key, msg)
+    assert torch.equal(got["ids"], payload["ids"]) and torch.equal(got["hidden"], payload["hidden"])
+
+
+def _placed_pair(mps, device_now):
+    """``(ops, sender, receiver)`` over ``HostOnlyOps`` as under an MPS server or not,
+    every device tensor on the device ``device_now()`` says (the pool's is 0); the
+    receiver's pool open."""
+
+    class Ops(HostOnlyOps):
+        MPS = mps
+
+        @staticmethod
+        def tensor_device(t):
+            return device_now()
+
+    ch = f"h2p-{uuid.uuid4().hex[:8]}"
+    ops = Ops()
+    rx = PoolReceiver(ops, ch, device=None, pool_bytes=4 << 20, event_slots=4, max_blocks=64)
+    tx = PoolSender(ops, ch)
+    rx._open()
+    return ops, tx, rx
+
+
 @pytest.mark.parametrize("remote", [False, True])
 @pytest.mark.parametrize("mps", [False, True])
 @pytest.mark.parametrize("setting", [None, True, False])
@@ -86,19 +112,8 @@ def test_host_tensors_beside_another_gpus_tensors_stay_in_the_host_part_without_
 
     monkeypatch.setattr(pool_sender, "HOSTS_ACROSS_GPUS", setting)
 
-    class Ops(HostOnlyOps):
-        MPS = mps
-
-        @staticmethod
-        def tensor_device(t):
-            return 1 if remote else 0
-
-    ch = f"h2p-{uuid.uuid4().hex[:8]}"
-    ops = Ops()
-    rx = PoolReceiver(ops, ch, device=None, pool_bytes=4 << 20, event_slots=4, max_blocks=64)
-    tx = PoolSender(ops, ch)
+    ops, tx, rx = _placed_pair(mps, lambda: 1 if remote else 0)
     try:
-        rx._open()
         carried = not remote or (mps if setting is None else setting)
         for i in range(3):
             payload = {"hidden": torch.randn(64) + i, "ids": torch.arange(16) + i,
@@ -132,19 +147,8 @@ def test_a_stream_from_another_gpu_without_mps_is_walked_once_per_payload(monkey
     monkeypatch.setattr(pool_sender, "split", lambda *a, **k: walks.append(1) or real(*a, **k))
     where = [1]
 
-    class Ops(HostOnlyOps):
-        MPS = False
-
-        @staticmethod
-        def tensor_device(t):
-            return where[0]
-
-    ch = f"h2p-{uuid.uuid4().hex[:8]}"
-    ops = Ops()
-    rx = PoolReceiver(ops, ch, device=None, pool_bytes=4 << 20, event_slots=4, max_blocks=64)
-    tx = PoolSender(ops, ch)
+    ops, tx, rx = _placed_pair(False, lambda: where[0])
     try:
-        rx._open()
         for i, dev in enumerate([1, 1, 1, 0, 0, 1, 1]):
             where[0] = dev
             walks.clear()
@@ -154,9 +158,7 @@ def test_a_stream_from_another_gpu_without_mps_is_walked_once_per_payload(monkey
             assert (msg["h"]["ids"] is None) == carried, i
             # two walks where the guess (the payload before's kind) was wrong
             assert len(walks) == (2 if i in (0, 3, 5) else 1), (i, len(walks))
-            got = rx.land(f"k{i}", msg)
-            assert torch.equal(got["ids"], payload["ids"]) and torch.equal(got["hidden"], payload["hidden"])
-            del got
+            _lands_as_sent(rx, f"k{i}", msg, payload)
     finally:
         tx.close()
         rx.close()
@@ -171,9 +173,7 @@ def test_landing_send_carries_host_tensors_only_while_the_receiver_lands_on_devi
             msg = _send(tx, f"k{i}", payload, 1 << 10, landing=True)
             assert (msg["h"]["ids"] is None) == landing
             assert [len(e) for e in msg["d"][5]] == ([5, 6] if landing else [5])  # the host mark
-            got = rx.land(f"k{i}", msg)
-            assert torch.equal(got["ids"], payload["ids"]) and torch.equal(got["hidden"], payload["hidden"])
-            del got
+            _lands_as_sent(rx, f"k{i}", msg, payload)
     finally:
         tx.close()
         rx.close()

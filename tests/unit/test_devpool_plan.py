@@ -534,6 +534,25 @@ def test_a_planned_put_that_fails_takes_the_host_road(pair, error, dropped):
     _same(rx.get("after", timeout=5.0), p)
 
 
+def _remote(ops_base: type, mps: bool = True) -> type:
+    """A ``HostCudaIpc`` whose ops (a subclass of ``ops_base``, MPS or not) put every
+    tensor of a payload on device 1, another GPU than the pool's (device 0)."""
+
+    class RemoteOps(ops_base):  # type: ignore[misc,valid-type]
+        MPS = mps
+
+        @staticmethod
+        def tensor_device(t: Any) -> int:
+            return 1
+
+    class Remote(double.HostCudaIpc):
+        @staticmethod
+        def _make_ops() -> Any:
+            return RemoteOps()
+
+    return Remote
+
+
 @pytest.mark.parametrize("peer", [True, False])
 def test_a_plan_for_tensors_on_another_device_than_the_pool_copies_peer_to_peer(monkeypatch, peer):
     """A layout whose device tensors all live on one GPU other than the pool's goes by a
@@ -543,17 +562,7 @@ def test_a_plan_for_tensors_on_another_device_than_the_pool_copies_peer_to_peer(
 
     monkeypatch.setattr(pool_sender, "PLAN_PEER", peer)
 
-    class RemoteOps(double.HostDeviceOps):
-        @staticmethod
-        def tensor_device(t: Any) -> int:
-            return 1  # the payload's tensors live on another GPU than the pool (device 0)
-
-    class Remote(double.HostCudaIpc):
-        @staticmethod
-        def _make_ops() -> Any:
-            return RemoteOps()
-
-    with double.host_pair(f"t/plan-rm-{uuid.uuid4().hex[:8]}", sender=Remote) as (tx, rx):
+    with double.host_pair(f"t/plan-rm-{uuid.uuid4().hex[:8]}", sender=_remote(double.HostDeviceOps)) as (tx, rx):
         for i in range(6):
             p = {"h": torch.randn(64) + i, "m": {"i": i}}
             tx.put(f"k{i}", p, timeout=5.0)
@@ -577,19 +586,8 @@ def test_a_stream_from_another_gpu_without_mps_goes_by_a_plan_that_keeps_its_hos
 
     monkeypatch.setattr(pool_sender, "HOSTS_ACROSS_GPUS", None)
 
-    class RemoteOps(double.HostLikeOps):
-        MPS = False
-
-        @staticmethod
-        def tensor_device(t: Any) -> int:
-            return 1  # the payload's device tensors live on another GPU than the pool (device 0)
-
-    class Remote(double.HostCudaIpc):
-        @staticmethod
-        def _make_ops() -> Any:
-            return RemoteOps()
-
-    with double.host_pair(f"t/plan-keep-{uuid.uuid4().hex[:8]}", sender=Remote) as (tx, rx):
+    with double.host_pair(f"t/plan-keep-{uuid.uuid4().hex[:8]}", sender=_remote(double.HostLikeOps, mps=False)) \
+            as (tx, rx):
         for i in range(8):
             p = {"h": torch.randn(64) + i, "ids": torch.arange(kept_bytes // 8) + i,
                  "m": {"flag": torch.tensor(i % 2 == 0), "i": i, "s": "x" * i}}
