@@ -947,6 +947,12 @@ _LAYOUTS: dict[bytes, tuple[bytes, int, int, int, int]] = {}
 _LAYOUTS_MAX = 256
 
 
+def _frame_bytes(header_len: int, data_len: int) -> int:
+    """The size of a frame whose header is ``header_len`` bytes and whose tensor regions
+    span ``data_len`` (the prefix and header padded to ``FRAME_ALIGN``, then the data)."""
+    return ((PREFIX_SIZE + header_len + FRAME_ALIGN - 1) & -FRAME_ALIGN) + data_len
+
+
 def _layout(header: bytes, descs: list[TensorDesc]) -> tuple[bytes, int, int, int, int]:
     header_len = len(header)
     if descs:

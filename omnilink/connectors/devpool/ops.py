@@ -380,9 +380,9 @@ class CudaDeviceOps:
     def copy_in_peer(self, index: int, src: int, items: list[tuple[int, Any]], event: Any, hosted: Any,
                      settled: bool = False) -> None:
         """``copy_in`` of tensors a send plan knows to live on device ``src``, not the
-        pool's device ``index`` (no producer events): peer copies on ``src``'s current
-        stream, the slot's event on the pool device (``_copy_from_peer``), without asking
-        each tensor its device. ``settled``: as ``copy_in_local``'s."""
+        pool's device ``index`` (no producer events): peer copies pulled on the pool
+        device's copy stream (``_copy_from_peer``), without asking each tensor its
+        device. ``settled``: as ``copy_in_local``'s."""
         if hosted is not None:
             self._stage(hosted, event, settled)
         self._copy_from_peer(index, src, items, event, hosted)
@@ -405,14 +405,9 @@ class CudaDeviceOps:
         if (index, src) not in self._peers:
             self._enable_peer(index, src)
         s_src, idle = ops.current_stream_idle(src)
+        after = None if idle else ops.ordering_event(src).record(s_src)
         stream = self._copy_stream(index)
-        if not idle:
-            prev = self._on(index)
-            try:
-                ops.wait(stream, ops.ordering_event(src).record(s_src))
-            finally:
-                ops.restore_device(prev)
-        self._copy_and_record(index, items, event, stream, hosted)
+        self._copy_and_record(index, items, event, stream, hosted, after)
         ops.wait_current(src, ops.ordering_event(index).record(stream))
 
     def _stage(self, hosted: Any, event: Any, settled: bool = False) -> None:
@@ -430,13 +425,15 @@ class CudaDeviceOps:
                 memmove(base + o, t.data_ptr(), n)
 
     def _copy_and_record(self, index: int, items: list[tuple[int, Any]], event: Any, stream: int,
-                         hosted: Any = None) -> None:
+                         hosted: Any = None, after: Any = None) -> None:
         """One ``cudaMemcpyAsync`` per non-empty tensor into the pool on ``stream`` (of
-        device ``index``, made current meanwhile), one for the staged host tensors of
-        ``hosted``, then ``event`` recorded there."""
+        device ``index``, made current meanwhile; after the event ``after``, if any), one
+        for the staged host tensors of ``hosted``, then ``event`` recorded there."""
         ops = self._ops
         prev = self._on(index)
         try:
+            if after is not None:
+                ops.wait(stream, after)
             self._copy_items(items, stream)
             if hosted is not None and hosted[2]:
                 ops.memcpy(hosted[0], hosted[3].data_ptr(), hosted[2], stream)

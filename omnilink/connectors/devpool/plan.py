@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from omnilink.blob import FRAME_ALIGN, PREFIX_SIZE, prepare
+from omnilink.blob import _frame_bytes, prepare
 
 __all__ = ["SendPlan", "compile_plan"]
 
@@ -93,7 +93,7 @@ class SendPlan:
     def size(self, host_bytes: int) -> int:
         """The tensor_blob size of a payload of this plan whose host part's msgpack is
         ``host_bytes`` long (``calibrate``)."""
-        return ((PREFIX_SIZE + self.size_base + host_bytes + FRAME_ALIGN - 1) & -FRAME_ALIGN) + self.data_len
+        return _frame_bytes(self.size_base + host_bytes, self.data_len)
 
 
 class _Unplannable(Exception):

@@ -449,9 +449,7 @@ class PoolSender:
             keep_host = bool(kept[0]) and self._left_across
             if self.lane_wake is not None and self.plans and (not kept[0] or keep_host) and ctx is None \
                     and size is None and (host_to_pool == HOST_TO_POOL_BYTES or not host_items):
-                # A layout the general way sent lately, again: the next ones go by a plan
-                # (whose copy is the local one: only for device tensors on the pool's
-                # device).
+                # A layout the general way sent lately, again: the next ones go by a plan.
                 if entries in tx.seen and not any(p.entries == entries for p in tx.plans) \
                         and (seq >= tx.no_plan[1] or entries != tx.no_plan[0]):
                     plan = None

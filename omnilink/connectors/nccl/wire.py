@@ -373,14 +373,18 @@ def read_bell(
     else:
         header, sizes, frame = hit
     if frame > max_message_bytes:
-        raise CapacityError(
-            f"nccl: doorbell message {seq} announces key {key!r} of {frame} bytes, more than "
-            f"max_message_bytes={max_message_bytes}; nothing was allocated, and the link cannot "
-            "continue (the sender ignored the limit)"
-        )
+        raise _too_large(seq, key, frame, max_message_bytes)
     if env.flags & FLAG_DEFINE:
         cast(dict, templates)[env.tmpl] = RecvTemplate.of(env, header, sizes, frame)
     return Announced(env, header, sizes, frame)
+
+
+def _too_large(seq: int, key: str, frame: int, max_message_bytes: int) -> CapacityError:
+    return CapacityError(
+        f"nccl: doorbell message {seq} announces key {key!r} of {frame} bytes, more than "
+        f"max_message_bytes={max_message_bytes}; nothing was allocated, and the link cannot "
+        "continue (the sender ignored the limit)"
+    )
 
 
 def _read_templated(env: Envelope, templates: dict[int, RecvTemplate] | None, max_message_bytes: int) -> Announced:
@@ -402,11 +406,7 @@ def _read_templated(env: Envelope, templates: dict[int, RecvTemplate] | None, ma
         raise BlobDecodeError(f"nccl: key {key!r}: its tree is not a msgpack map of plain data: {exc}") from None
     frame = t.size(len(env.host))
     if frame > max_message_bytes:
-        raise CapacityError(
-            f"nccl: doorbell message {env.seq} announces key {key!r} of {frame} bytes, more than "
-            f"max_message_bytes={max_message_bytes}; nothing was allocated, and the link cannot "
-            "continue (the sender ignored the limit)"
-        )
+        raise _too_large(env.seq, key, frame, max_message_bytes)
     whole = Envelope(env.seq, key, t.meta, t.plan, env.inline, env.flags, env.region)
     return Announced(whole, t.header, t.sizes, frame, host, t.paths)
 
@@ -1357,7 +1357,7 @@ def _size_of(size_base: int, data_len: int, host_len: int) -> int:
     ``None`` for each tensor) is ``host_len`` bytes: its header differs from the
     template's payload's only there (each tensor a 6-byte reference in the header, a
     1-byte ``None`` in the tree)."""
-    return ((blob.PREFIX_SIZE + size_base + host_len + blob.FRAME_ALIGN - 1) & -blob.FRAME_ALIGN) + data_len
+    return blob._frame_bytes(size_base + host_len, data_len)
 
 
 def _tree_paths(tree: Any, is_tensor: Any) -> tuple[list[tuple[str, ...]], Any] | None:
@@ -1477,7 +1477,7 @@ def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device
     expr = node(payload, "p", ())
     index = device.index if device.type == "cuda" else None
     order = []
-    for i, (p, (_kind, src), d, code) in enumerate(zip(paths, sources, descs, sp.plan)):
+    for p, (_kind, src), code in zip(paths, sources, sp.plan):
         c = tensors[p]
         # The tensor at the path must be the one tensor_blob described there.
         t = payload
@@ -1497,7 +1497,6 @@ def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device
             f"or {c}.requires_grad or {c}.is_neg() or {c}.is_conj(): return None"
         )
         order.append(c)
-        del i, d
     tup = "(" + "".join(f"{c}, " for c in order) + ")"
     lines.append(f"    return {expr}, {tup}")
     ns.update(consts)
@@ -1601,7 +1600,7 @@ class RecvTemplate:
         t.inline_sizes = [len(p) for p in env.inline]
         h = len(_HOST_ENCODE(host))
         t.size_base = len(env.meta) - blob.PREFIX_SIZE - h
-        t.data_len = frame - ((len(env.meta) + blob.FRAME_ALIGN - 1) & -blob.FRAME_ALIGN)
+        t.data_len = frame - blob._frame_bytes(len(env.meta) - blob.PREFIX_SIZE, 0)
         if t.size(h) != frame:  # pragma: no cover - the format changed under the template
             raise BlobDecodeError(f"nccl: key {env.key!r} defines a template whose size does not follow its tree")
         return t

@@ -482,8 +482,9 @@ class ShmConnector(BaseConnector):
     ipc_min_bytes : int, optional
         Sender, ``"auto"``: least CUDA bytes of a payload for device IPC. Default
         ``None``: every size while an MPS server serves the host (device IPC is faster
-        there, on the pool's GPU and across two GPUs), else 16 MiB (below it the host
-        path was faster on one GPU that two processes time-slice, and across two GPUs).
+        there, on the pool's GPU and across two GPUs) or the sender is on another GPU
+        than the pool's, else 16 MiB (below it the host path was faster on one GPU that
+        two processes time-slice).
     ipc_device : str, optional
         Receiver, ``"on"``: the pool's device (default: the current CUDA device).
     pipeline_bytes : int

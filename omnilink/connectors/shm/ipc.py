@@ -244,12 +244,11 @@ class DeviceIpcRoute:
         ``min_bytes`` given, or (``None``) 0 while an MPS server serves this host, else
         ``IPC_MIN_BYTES``. Without MPS, two processes on one GPU take turns on it, and
         a device-IPC message makes both contexts take a turn: below 16 MiB the host path
-        was faster there (across two GPUs too: the sender records the copy's event on
-        the pool's GPU); under MPS device IPC is faster at every size (an H100: 4 KiB
+        was faster there; under MPS device IPC is faster at every size (an H100: 4 KiB
         142 against 253 us one payload at a time; 2x H200, cuda:0 -> cuda:1 by a send
         plan: 4 KiB 94 against 311 us, `serial-gpu-cross-2xh200-mps-plans.json`).
-        Without MPS, a sender whose current GPU is another than the pool's routes every
-        size first all the same (``routes_first``)."""
+        Without MPS, a payload from a sender whose current GPU is another than the
+        pool's goes by device IPC at every size too (``_across``)."""
         if self.min_bytes is not None:
             return self.min_bytes
         if self._mps_on():
