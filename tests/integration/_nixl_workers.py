@@ -79,3 +79,38 @@ def streamer(tls: str, channel: str, size: int, q) -> None:
             if i == 0:
                 q.put(("streaming", 0))
             i += 1
+
+
+def sender_reconnects(tls: str, channel: str, endpoint: str, q, go1, go2) -> None:
+    """Put ``a``; on ``go1`` break this sender's doorbell (as a crashed socket), so that
+    putting ``b`` ends the session (``PeerLostError``; its connections closed); on
+    ``go2`` put ``c``, which connects again. Reports each step, ``("c", "ok")`` or
+    ``("c", the error)`` last."""
+    os.environ["UCX_TLS"] = tls
+    try:
+        import torch
+
+        import omnilink
+
+        with omnilink.connect("nixl", channel=channel, role="sender", endpoint=endpoint, timeout=60.0) as tx:
+            tx.put("a", {"t": torch.arange(4)})
+            q.put(("a", "ok"))
+            go1.wait(60)
+            tx._tx.bell_w.sock.shutdown(2)
+            try:
+                tx.put("b", {"t": torch.arange(5)})
+                q.put(("b", "no PeerLostError"))
+                return
+            except omnilink.PeerLostError:
+                q.put(("b", "lost"))
+            go2.wait(60)
+            try:
+                tx.put("c", {"t": torch.arange(6)})
+            except omnilink.OmnilinkError as exc:
+                q.put(("c", f"{type(exc).__name__}: {exc}"))
+                return
+            q.put(("c", "ok"))
+            time.sleep(60)  # killed by the test (or it times out)
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+        raise

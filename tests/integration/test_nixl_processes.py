@@ -185,3 +185,50 @@ def test_receiver_killed_then_restarted(tls, procs):
         stop2.set()
         p2.join(30)
         assert p2.exitcode == 0
+
+
+def test_a_sender_connecting_again_on_its_lost_connections_descriptor_keeps_its_session(procs):
+    """A sender whose session ended says hello again at once; the receiver's new
+    connection may get the file descriptor of the one just closed (the kernel hands out
+    the lowest free one) while the control socket's monitor still holds that
+    descriptor's "disconnected" event. Handled after the new hello, that event ended the
+    new session: the sender's next put raised ``PeerLostError`` once in a while. Made
+    certain here: the receiver's loop is held while the old connection closes and the
+    hello comes, this thread handles the hello first, and the new connection is given
+    the old one's descriptor (what the kernel does when the race bites)."""
+    import time
+
+    import zmq
+
+    os.environ["UCX_TLS"] = "tcp"
+    channel = f"olnx/again-{os.getpid()}"
+    with omnilink.connect("nixl", channel=channel, role="receiver", endpoint="tcp://127.0.0.1:*",
+                          timeout=60.0) as rx:
+        q, go1, go2 = CTX.Queue(), CTX.Event(), CTX.Event()
+        start_process(procs, workers.sender_reconnects, "tcp", channel, rx.endpoint, q, go1, go2)
+        assert q.get(timeout=60) == ("a", "ok")
+        assert rx.get("a")["t"].tolist() == [0, 1, 2, 3]
+        r = rx._rx
+        (old,) = r.sessions.values()
+        real_hello = r._hello
+
+        class _SameDescriptor:
+            def get(self, option):
+                assert option == zmq.SRCFD
+                return old.fd
+
+        r._hello = lambda ident, msg, frame: real_hello(ident, msg, _SameDescriptor())
+        with r.handling:  # the receiver's loop waits meanwhile
+            go1.set()
+            assert q.get(timeout=60) == ("b", "lost")
+            time.sleep(0.2)  # the receiver's zmq thread sees the old connection close
+            go2.set()
+            end = time.monotonic() + 60
+            while not any(s is not old for s in r.sessions.values()):
+                assert time.monotonic() < end, "the sender never said hello again"
+                if r.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    r._pump(16)
+                else:
+                    time.sleep(0.001)
+        assert q.get(timeout=60) == ("c", "ok")
+        assert rx.get("c")["t"].tolist() == list(range(6))

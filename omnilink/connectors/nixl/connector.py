@@ -737,6 +737,12 @@ class _Receiver:
             self.sock.send_multipart([ident, wire.encode(wire.Refused(
                 text=f"protocol version {msg.version} / routing id do not match this receiver's"))], zmq.NOBLOCK)
             return
+        # Sessions are told apart in the monitor's events by their connection's file
+        # descriptor, which the kernel hands to the next connection once it is closed: a
+        # "disconnected" still queued for that descriptor (zmq queues it before it closes
+        # the descriptor, so before this hello came) belongs to a session before this one
+        # and is handled now, before this session takes the descriptor.
+        self._drain_monitor()
         old = self.sessions.get(ident)
         if old is not None:
             self._lose(old, "said hello again")
