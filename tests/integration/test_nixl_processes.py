@@ -187,6 +187,14 @@ def test_receiver_killed_then_restarted(tls, procs):
         assert p2.exitcode == 0
 
 
+def _fd_target(fd: int) -> str | None:
+    """What this process's descriptor ``fd`` is (``socket:[inode]``), ``None`` if closed."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except FileNotFoundError:
+        return None
+
+
 def test_a_sender_connecting_again_on_its_lost_connections_descriptor_keeps_its_session(procs):
     """A sender whose session ended says hello again at once; the receiver's new
     connection may get the file descriptor of the one just closed (the kernel hands out
@@ -194,8 +202,9 @@ def test_a_sender_connecting_again_on_its_lost_connections_descriptor_keeps_its_
     descriptor's "disconnected" event. Handled after the new hello, that event ended the
     new session: the sender's next put raised ``PeerLostError`` once in a while. Made
     certain here: the receiver's loop is held while the old connection closes and the
-    hello comes, this thread handles the hello first, and the new connection is given
-    the old one's descriptor (what the kernel does when the race bites)."""
+    hello comes (once the old connection's "disconnected" is queued), this thread
+    handles the hello first, and the new connection is given the old one's descriptor
+    (what the kernel does when the race bites)."""
     import time
 
     import zmq
@@ -210,6 +219,8 @@ def test_a_sender_connecting_again_on_its_lost_connections_descriptor_keeps_its_
         assert rx.get("a")["t"].tolist() == [0, 1, 2, 3]
         r = rx._rx
         (old,) = r.sessions.values()
+        old_target = _fd_target(old.fd)
+        assert old_target is not None and old_target.startswith("socket:")
         real_hello = r._hello
 
         class _SameDescriptor:
@@ -221,7 +232,12 @@ def test_a_sender_connecting_again_on_its_lost_connections_descriptor_keeps_its_
         with r.handling:  # the receiver's loop waits meanwhile
             go1.set()
             assert q.get(timeout=60) == ("b", "lost")
-            time.sleep(0.2)  # the receiver's zmq thread sees the old connection close
+            # zmq queues a connection's "disconnected" before it closes its descriptor:
+            # once the descriptor is closed, the event waits in the monitor.
+            end = time.monotonic() + 60
+            while _fd_target(old.fd) == old_target:
+                assert time.monotonic() < end, "the receiver never closed the old connection"
+                time.sleep(0.001)
             go2.set()
             end = time.monotonic() + 60
             while not any(s is not old for s in r.sessions.values()):
