@@ -46,6 +46,7 @@ from typing import Any
 
 import msgspec
 
+from omnilink._treecode import PLAIN_LEAVES
 from omnilink._util import plain_tensor
 from omnilink.connectors.devpool.manifest import ITEMSIZE, dtypes
 
@@ -79,7 +80,7 @@ class BadRecord(ValueError):
 
 #: leaves msgspec encodes as they are and decodes to the same type (an int past 64 bits
 #: makes the encoder raise OverflowError: not plain either)
-_LEAVES = frozenset((str, bool, float, int, type(None)))
+_LEAVES = PLAIN_LEAVES
 
 
 def _plain(x: Any, depth: int, torch: Any, by_dtype: dict[Any, int]) -> Any:

@@ -27,13 +27,11 @@ from typing import Any
 
 import msgspec
 
+from omnilink._treecode import TreeSource, Unmatchable, tuple_expr
 from omnilink.blob import _frame_bytes, prepare
 
 __all__ = ["SendPlan", "compile_plan"]
 
-#: leaves a plan carries in the host part as they are (what the lane's msgpack encodes
-#: and decodes to the same type)
-_LEAVES = frozenset((str, int, float, bool, type(None)))
 #: Most tensors and nodes a plan is compiled for (a larger payload goes the general way).
 MAX_PLAN_TENSORS = 64
 MAX_PLAN_NODES = 256
@@ -96,10 +94,6 @@ class SendPlan:
         return _frame_bytes(self.size_base + host_bytes, self.data_len)
 
 
-class _Unplannable(Exception):
-    pass
-
-
 def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any, Any, int]], total: int,
                  device: int, checks: tuple[str, str], keep_host: bool = False) -> SendPlan | None:
     """The plan of ``payload`` as the general ``send`` laid it out: ``entries`` its
@@ -125,64 +119,32 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
         return None
     dev_check, host_check = checks
     dt_names: dict[Any, str] = {}
-    ns: dict[str, Any] = {"_T": torch.Tensor, "_L": _LEAVES, "_S": torch.strided}
-    lines: list[str] = []
+    src = TreeSource({"_T": torch.Tensor, "_S": torch.strided}, MAX_PLAN_NODES)
+    const = src.const
     tvars: dict[int, str] = {}
-    counter = [0, 0]
     kept = [0, 0]  # host tensors kept in the host part, their bytes
 
-    def var() -> str:
-        counter[0] += 1
-        if counter[0] > MAX_PLAN_NODES:
-            raise _Unplannable
-        return f"v{counter[0]}"
-
-    def const(value: Any) -> str:
-        name = f"c{counter[1]}"
-        counter[1] += 1
-        ns[name] = value
-        return name
-
-    def node(x: Any, name: str, path: tuple[Any, ...], indent: str) -> str:
-        """Checks of the dict ``x`` (held in ``name``), its children's; the expression of
-        its host part."""
-        keys = tuple(x)
-        if not all(type(k) is str for k in keys):
-            raise _Unplannable
-        lines.append(f"{indent}if type({name}) is not dict or tuple({name}) != {const(keys)}: return None")
-        parts = []
-        for k in keys:
-            v = x[k]
-            p = (*path, k)
-            c = var()
-            lines.append(f"{indent}{c} = {name}[{k!r}]")
-            if p in order:
-                if type(v) is not torch.Tensor:
-                    raise _Unplannable
-                tvars[order[p]] = c
-                lines.append(f"{indent}if type({c}) is not _T: return None")
-                parts.append(f"{k!r}: None")
-            elif type(v) in _LEAVES:
-                lines.append(f"{indent}if type({c}) not in _L: return None")
-                parts.append(f"{k!r}: {c}")
-            elif type(v) is dict:
-                parts.append(f"{k!r}: {node(v, c, p, indent)}")
-            elif keep_host and type(v) is torch.Tensor and v.is_cpu and v.layout is torch.strided:
-                # A small host tensor the host part keeps (the lane encodes it).
-                kept[0] += 1
-                kept[1] += v.numel() * v.element_size()
-                if kept[1] > MAX_KEPT_BYTES:
-                    raise _Unplannable
-                lines.append(f"{indent}if type({c}) is not _T or not {c}.is_cpu or {c}.layout is not _S "
-                             f"or {c}.dtype is not {const(v.dtype)} or {c}.shape != {const(v.shape)}: return None")
-                parts.append(f"{k!r}: {c}")
-            else:
-                raise _Unplannable  # a host tensor left in the host part, a list, ...
-        return "{" + ", ".join(parts) + "}"
+    def entry(v: Any, c: str, p: tuple[Any, ...]) -> str | None:
+        if p in order:
+            if type(v) is not torch.Tensor:
+                raise Unmatchable
+            tvars[order[p]] = c
+            src.line(f"if type({c}) is not _T: return None")
+            return "None"
+        if keep_host and type(v) is torch.Tensor and v.is_cpu and v.layout is torch.strided:
+            # A small host tensor the host part keeps (the lane encodes it).
+            kept[0] += 1
+            kept[1] += v.numel() * v.element_size()
+            if kept[1] > MAX_KEPT_BYTES:
+                raise Unmatchable
+            src.line(f"if type({c}) is not _T or not {c}.is_cpu or {c}.layout is not _S "
+                     f"or {c}.dtype is not {const(v.dtype)} or {c}.shape != {const(v.shape)}: return None")
+            return c
+        return None  # a dict or a leaf; anything else (a host tensor left in the host part, a list): unplannable
 
     try:
-        host_expr = node(payload, "p", (), "    ")
-    except _Unplannable:
+        host_expr = src.node(payload, "p", (), entry)
+    except Unmatchable:
         return None
     if len(tvars) != len(entries):
         return None
@@ -199,20 +161,16 @@ def compile_plan(payload: Any, entries: list[list[Any]], chosen: list[tuple[Any,
         sh = const(torch.Size(shape))
         conj = f" or {c}.is_conj()" if dt.is_complex else ""
         if len(e) == 6:  # a small host tensor carried in the block
-            lines.append(f"    if {host_check.format(v=c)} or {c}.dtype is not {dn} or {c}.shape != {sh} "
-                         f"or not {c}.is_contiguous() or {c}.is_neg(){conj}: return None")
+            src.line(f"if {host_check.format(v=c)} or {c}.dtype is not {dn} or {c}.shape != {sh} "
+                     f"or not {c}.is_contiguous() or {c}.is_neg(){conj}: return None")
             host_vars.append(c)
             host_items.append((off, nbytes))
         else:
-            lines.append(f"    if {dev_check.format(v=c, device=device)} or {c}.dtype is not {dn} "
-                         f"or {c}.shape != {sh} or not {c}.is_contiguous() or {c}.is_neg(){conj}: return None")
+            src.line(f"if {dev_check.format(v=c, device=device)} or {c}.dtype is not {dn} "
+                     f"or {c}.shape != {sh} or not {c}.is_contiguous() or {c}.is_neg(){conj}: return None")
             dev_vars.append(c)
             dev_items.append((off, nbytes))
-    tup = lambda vs: "(" + "".join(f"{v}, " for v in vs) + ")"  # noqa: E731
-    lines.append(f"    return {host_expr}, {tup(dev_vars)}, {tup(host_vars)}")
-    source = "def match(p):\n" + "\n".join(lines) + "\n"
-    code_obj = compile(source, "<omnilink send plan>", "exec")
-    exec(code_obj, ns)  # noqa: S102 - our own source, built from keys with repr()
-    plan = SendPlan(ns["match"], entries, dev_items, host_items, total, device)
+    src.line(f"return {host_expr}, {tuple_expr(dev_vars)}, {tuple_expr(host_vars)}")
+    plan = SendPlan(src.compile("<omnilink send plan>"), entries, dev_items, host_items, total, device)
     plan.kept = kept[0]
     return plan

@@ -830,12 +830,11 @@ class NcclConnector(BaseConnector):
         self._bell_authed = False
         self._bell_eof = False  # the doorbell's writer closed its end (the pumper's)
         self._meta_cache: dict[Any, Any] = {}
-        # Templates (``templates``): the sender's, most recently used first, and by id
+        # Templates (``templates``): the sender's, most recently used first, one per id
         # (under _send_lock; ``_tmpl_out`` is replaced, never changed, so that a put may
         # read it unlocked); shapes sent whole lately and shapes compiled once
         # (``_define``); the receiver's by id (the pumper's).
         self._tmpl_out: list[wire.SendTemplate] = []
-        self._tmpl_by_id: dict[int, wire.SendTemplate] = {}
         self._tmpl_seen: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self._tmpl_tried: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self._tmpl_in: dict[int, wire.RecvTemplate] = {}
@@ -1374,7 +1373,7 @@ class NcclConnector(BaseConnector):
             )
         with self._send_lock:
             self._check_send_state(key)
-            if used is not None and self._tmpl_by_id.get(used.tid) is not used:
+            if used is not None and used not in self._tmpl_out:
                 # Its id was given to another shape meanwhile (another thread's put):
                 # this one goes whole.
                 used = None
@@ -1424,12 +1423,12 @@ class NcclConnector(BaseConnector):
                 raise
             self._send_seq = seq + 1
             if defined is not None:
-                # Rung: the receiver has it before any payload sent by it.
+                # Rung: the receiver has it before any payload sent by it (in place of
+                # the one its id had).
                 self._tried(defined.key)
-                self._tmpl_by_id[defined.tid] = defined
-                self._tmpl_out = [defined, *(t for t in self._tmpl_out if t.tid != defined.tid)]
-            elif used is not None and self._tmpl_out[0] is not used:
-                self._tmpl_out = [used, *(t for t in self._tmpl_out if t is not used)]
+                used = defined
+            if used is not None and (not self._tmpl_out or self._tmpl_out[0] is not used):
+                self._tmpl_out = [used, *(t for t in self._tmpl_out if t.tid != used.tid)]
             self._inflight.append((seq, wire_bytes))
             self._inflight_bytes += wire_bytes
             sent = self._sent_keys
@@ -1468,7 +1467,8 @@ class NcclConnector(BaseConnector):
             return None
         if shape in self._tmpl_tried:
             return None
-        free = [i for i in range(wire.MAX_TEMPLATES) if i not in self._tmpl_by_id]
+        taken = {t.tid for t in self._tmpl_out}
+        free = [i for i in range(wire.MAX_TEMPLATES) if i not in taken]
         tid = free[0] if free else self._tmpl_out[-1].tid
         t = wire.compile_template(payload, sp, tid, nccl=self._is_nccl, device=self.device)
         if t is None:
@@ -1476,6 +1476,11 @@ class NcclConnector(BaseConnector):
         else:
             t.key = shape  # tried once it is defined (``_put``)
         return t
+
+    @property
+    def _tmpl_by_id(self) -> dict[int, wire.SendTemplate]:
+        """The sender's templates by id."""
+        return {t.tid: t for t in self._tmpl_out}
 
     def _tried(self, shape: Any) -> None:
         tried = self._tmpl_tried

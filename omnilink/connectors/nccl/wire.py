@@ -73,6 +73,7 @@ import msgspec
 
 from omnilink import blob
 from omnilink._errors import BlobDecodeError, CapacityError, ConfigurationError
+from omnilink._treecode import PLAIN_LEAVES, TreeSource, Unmatchable, tuple_expr
 
 __all__ = [
     "BELL",
@@ -128,9 +129,6 @@ PROTOCOL = 6
 #: Templates a sender may have defined at once on one direction (ids 0 ..
 #: ``MAX_TEMPLATES - 1``; a new definition under an id replaces the old one).
 MAX_TEMPLATES = 8
-#: Leaves a template's tree may hold besides tensors: what msgpack gives back as the
-#: same type.
-_LEAVES = frozenset((str, int, float, bool, type(None)))
 #: Most tensors, and dicts and entries, a template is compiled for.
 MAX_TEMPLATE_TENSORS = 64
 MAX_TEMPLATE_NODES = 512
@@ -1382,7 +1380,7 @@ def _tree_paths(tree: Any, is_tensor: Any) -> tuple[list[tuple[str, ...]], Any] 
                 out[k] = None
             elif type(v) is dict:
                 out[k] = walk(v, p)
-            elif type(v) in _LEAVES:
+            elif type(v) in PLAIN_LEAVES:
                 out[k] = v
             else:
                 raise ValueError
@@ -1442,70 +1440,48 @@ def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device
     descs = prepared._descs
     if len(paths) != len(sources) or any(kind != blob.KIND_TORCH for kind, _ in sources):
         return None
-    ns: dict[str, Any] = {"_T": torch.Tensor, "_L": _LEAVES, "_S": torch.strided}
-    lines: list[str] = []
-    counter = [0]
+    src = TreeSource({"_T": torch.Tensor, "_S": torch.strided})
+    const = src.const
     tensors: dict[tuple[str, ...], str] = {}
-    consts: dict[str, Any] = {}
 
-    def const(value: Any) -> str:
-        name = f"c{len(consts)}"
-        consts[name] = value
-        return name
+    def entry(v: Any, c: str, p: tuple[str, ...]) -> str | None:
+        if type(v) is tensor:
+            tensors[p] = c  # (checked below, in descriptor order)
+            return "None"
+        return None  # a dict or a leaf (``_tree_paths`` let nothing else through)
 
-    def var() -> str:
-        counter[0] += 1
-        return f"v{counter[0]}"
-
-    def node(x: Any, name: str, path: tuple[str, ...]) -> str:
-        lines.append(f"    if type({name}) is not dict or tuple({name}) != {const(tuple(x))}: return None")
-        parts = []
-        for k, v in x.items():
-            p = (*path, k)
-            c = var()
-            lines.append(f"    {c} = {name}[{k!r}]")
-            if type(v) is tensor:
-                tensors[p] = c
-                parts.append(f"{k!r}: None")
-            elif type(v) is dict:
-                parts.append(f"{k!r}: {node(v, c, p)}")
-            else:
-                lines.append(f"    if type({c}) not in _L: return None")
-                parts.append(f"{k!r}: {c}")
-        return "{" + ", ".join(parts) + "}"
-
-    expr = node(payload, "p", ())
+    try:
+        expr = src.node(payload, "p", (), entry)
+    except Unmatchable:  # pragma: no cover - ``_tree_paths`` took the payload
+        return None
     index = device.index if device.type == "cuda" else None
     order = []
-    for p, (_kind, src), code in zip(paths, sources, sp.plan):
+    for p, (_kind, t_src), code in zip(paths, sources, sp.plan):
         c = tensors[p]
         # The tensor at the path must be the one tensor_blob described there.
         t = payload
         for step in p:
             t = t[step]
-        if t is not src or src.requires_grad:
+        if t is not t_src or t_src.requires_grad:
             return None
         if nccl and code in (P2P, PACK):
             where = f"not {c}.is_cuda or {c}.get_device() != {index}"
         elif code == EMPTY:
-            where = f"{c}.device != {const(src.device)}"
+            where = f"{c}.device != {const(t_src.device)}"
         else:
             where = f"not {c}.is_cpu"
-        lines.append(
-            f"    if type({c}) is not _T or {c}.dtype is not {const(src.dtype)} or {c}.shape != "
-            f"{const(src.shape)} or {where} or {c}.layout is not _S or not {c}.is_contiguous() "
+        src.line(
+            f"if type({c}) is not _T or {c}.dtype is not {const(t_src.dtype)} or {c}.shape != "
+            f"{const(t_src.shape)} or {where} or {c}.layout is not _S or not {c}.is_contiguous() "
             f"or {c}.requires_grad or {c}.is_neg() or {c}.is_conj(): return None"
         )
         order.append(c)
-    tup = "(" + "".join(f"{c}, " for c in order) + ")"
-    lines.append(f"    return {expr}, {tup}")
-    ns.update(consts)
-    source = "def match(p):\n" + "\n".join(lines) + "\n"
-    exec(compile(source, "<omnilink nccl template>", "exec"), ns)  # noqa: S102 - our own source, keys by repr()
+    src.line(f"return {expr}, {tuple_expr(order)}")
+    match = src.compile("<omnilink nccl template>")
     t = SendTemplate()
     t.key = None
     t.tid = tid
-    t.match = ns["match"]
+    t.match = match
     t.descs = descs
     t.plan = list(sp.plan)
     t.recipe = _SendRecipe.of(prepared, sp, index) if nccl and index is not None else None
