@@ -42,7 +42,7 @@ Usage::
 
     python benchmarks/bench_nccl.py [--backend nccl|gloo] [--sizes 1MiB,64MiB,256MiB]
         [--rounds 5] [--iters N] [--latency-iters 200] [--json FILE]
-        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile] [--trace] [--templates]
+        [--bell-bytes 0] [--latency-ab OPTION=VALUE] [--profile] [--trace] [--no-templates]
 
 On a CPU-only machine: ``--backend gloo`` (the default is nccl when two GPUs are
 visible, else gloo). A worker that hangs prints every thread's Python stack
@@ -492,8 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                          "processes: the row omnilink-ab")
     ap.add_argument("--profile", action="store_true",
                     help="time the connector's steps in both processes (perf_counter_ns; slows every call)")
-    ap.add_argument("--templates", action="store_true",
-                    help="the connector sends a stream of payloads of one shape by templates (templates=True)")
+    ap.add_argument("--no-templates", dest="templates", action="store_false",
+                    help="the connector sends every payload whole (templates=False; by default a stream of "
+                         "payloads of one shape goes by templates)")
     ap.add_argument("--trace", action="store_true",
                     help="the 4 KiB ping-pong with both processes' omnilink calls on one clock: where a "
                          "one-way trip's time goes (a span recorder around every call distorts it a little)")

@@ -48,7 +48,7 @@ CONNECTOR_STEPS = (
     "_await_credits", "_get", "_take", "_progress", "_pump", "_drain", "_announce", "_post_deferred", "_post_one",
     "_stage_post", "_list_posted", "_post", "_hand_out", "_flush_credits", "_send_credit",
 )
-WIRE_STEPS = ("plan_send", "encode_envelope", "read_bell", "build_views", "decode_tree")
+WIRE_STEPS = ("plan_send", "send_by_template", "encode_envelope", "read_bell", "build_views", "decode_tree")
 LATENCY_BYTES = 4096
 SMALL = 16
 

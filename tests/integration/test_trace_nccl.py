@@ -28,7 +28,9 @@ def test_trace_nccl_gloo_short(tmp_path):
     out = proc.stdout
     for phase in ("pp_nopause", "pp_pause"):
         assert f"== {phase}: one-way p50" in out, out
-    for step in ("rank 0 _put", "rank 0 wire.plan_send", "rank 1 _post_one", "rank 1 wire.read_bell", "rank 1 _get"):
+    # One shape every exchange: after the first two, sent by a template (the default).
+    for step in ("rank 0 _put", "rank 0 wire.send_by_template", "rank 1 _post_one", "rank 1 wire.read_bell",
+                 "rank 1 _get"):
         assert step in out, step
     # The merged timeline: rank 0's put, and rank 1 posting it (on its get's thread, or
     # on the keeper's when the get came late).

@@ -73,8 +73,17 @@ def test_a_stream_of_one_shape_goes_by_a_template_and_arrives_as_sent(store, env
             assert wire.PACK in envelopes[1].plan
 
 
-def test_templates_off_sends_every_payload_whole(store, envelopes):
+def test_templates_are_on_by_default(store, envelopes):
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
+        assert tx.templates is True
+        for i in range(4):
+            tx.put(f"k{i}", _chunk(i), timeout=WAIT)
+            _same(rx.get(f"k{i}", timeout=WAIT), _chunk(i))
+        assert _kinds(envelopes) == ["whole", "define 0", "by 0", "by 0"]
+
+
+def test_templates_off_sends_every_payload_whole(store, envelopes):
+    with _open(store, "sender", templates=False) as tx, _open(store, "receiver") as rx:
         for i in range(4):
             tx.put(f"k{i}", _chunk(i), timeout=WAIT)
             _same(rx.get(f"k{i}", timeout=WAIT), _chunk(i))

@@ -415,7 +415,7 @@ def _check_values(
     header_addr: Any,
     bell_bytes: Any = 0,
     spin_us: Any = 200,
-    templates: Any = False,
+    templates: Any = True,
 ) -> None:
     """The value checks of ``NcclConnector``'s options (its constructor and its
     ``check_options`` both call this): what holds on any machine, opening nothing.
@@ -577,13 +577,13 @@ class NcclConnector(BaseConnector):
         the CPU at every look. The cost is up to the current spin of CPU per ``get``
         that has to wait.
     templates : bool
-        Send a stream of payloads of one shape by a template (default False): once a
+        Send a stream of payloads of one shape by a template (default True): once a
         shape (a dict of ``str`` keys holding tensors, scalars and dicts of the same)
         was sent twice, the second one also defines a template on the receiver, and the
         next ones are checked against it by one compiled function and sent without
         their tensor_blob header (the tree's scalars only); the receiver puts the
         received tensors in that tree. Any other payload is sent whole. Receivers take
-        templated payloads whatever this is set to.
+        templated payloads whatever this is set to. False sends every payload whole.
 
     Raises
     ------
@@ -654,7 +654,7 @@ class NcclConnector(BaseConnector):
         header_addr: str | None = None,
         bell_bytes: int = 0,
         spin_us: int = 200,
-        templates: bool = False,
+        templates: bool = True,
     ) -> None:
         super().__init__(channel=channel, role=role, timeout=timeout)
         _check_values(
