@@ -28,13 +28,16 @@ class TreeSource:
     """The lines of one ``match(p)`` function and the names they use.
 
     ``ns``: the function's globals; ``_L`` (``PLAIN_LEAVES``) is added. ``max_vars``:
-    most local names the function may hold (``Unmatchable`` past it), or ``None``."""
+    most local names the function may hold (``Unmatchable`` past it), or ``None``.
+    ``lists``: a list in the tree is matched by its length and its items (else a list
+    is ``Unmatchable``)."""
 
-    def __init__(self, ns: dict[str, Any], max_vars: int | None = None) -> None:
+    def __init__(self, ns: dict[str, Any], max_vars: int | None = None, *, lists: bool = False) -> None:
         ns["_L"] = PLAIN_LEAVES
         self.ns = ns
         self.lines: list[str] = []
         self.max_vars = max_vars
+        self.lists = lists
         self._vars = 0
         self._consts = 0
 
@@ -61,29 +64,44 @@ class TreeSource:
         """The checks of dict ``x`` (held in local ``name`` at ``path``) and of its
         children, and the expression of its part of the returned tree. ``entry(v, c,
         p)`` handles each value ``v`` (held in ``c``, at ``p``) first: its expression,
-        or ``None`` for the default (a dict: walked; a plain leaf: its type checked and
-        kept; anything else: ``Unmatchable``)."""
+        or ``None`` for the default (a dict, or a list with ``lists``: walked; a plain
+        leaf: its type checked and kept; anything else: ``Unmatchable``)."""
         keys = tuple(x)
         if not all(type(k) is str for k in keys):
             raise Unmatchable
         self.line(f"if type({name}) is not dict or tuple({name}) != {self.const(keys)}: return None")
         parts = []
         for k in keys:
-            v = x[k]
-            p = (*path, k)
             c = self.var()
             self.line(f"{c} = {name}[{k!r}]")
-            expr = entry(v, c, p)
-            if expr is None:
-                if type(v) in PLAIN_LEAVES:
-                    self.line(f"if type({c}) not in _L: return None")
-                    expr = c
-                elif type(v) is dict:
-                    expr = self.node(v, c, p, entry)
-                else:
-                    raise Unmatchable
-            parts.append(f"{k!r}: {expr}")
+            parts.append(f"{k!r}: {self._value(x[k], c, (*path, k), entry)}")
         return "{" + ", ".join(parts) + "}"
+
+    def items(self, x: list[Any], name: str, path: tuple[Any, ...],
+              entry: Callable[[Any, str, tuple[Any, ...]], str | None]) -> str:
+        """``node`` for list ``x`` (``lists`` only): its length and each item checked;
+        an item's path step is its index."""
+        self.line(f"if type({name}) is not list or len({name}) != {len(x)}: return None")
+        parts = []
+        for i, v in enumerate(x):
+            c = self.var()
+            self.line(f"{c} = {name}[{i}]")
+            parts.append(self._value(v, c, (*path, i), entry))
+        return "[" + "".join(f"{e}, " for e in parts) + "]"
+
+    def _value(self, v: Any, c: str, p: tuple[Any, ...],
+               entry: Callable[[Any, str, tuple[Any, ...]], str | None]) -> str:
+        expr = entry(v, c, p)
+        if expr is not None:
+            return expr
+        if type(v) in PLAIN_LEAVES:
+            self.line(f"if type({c}) not in _L: return None")
+            return c
+        if type(v) is dict:
+            return self.node(v, c, p, entry)
+        if type(v) is list and self.lists:
+            return self.items(v, c, p, entry)
+        raise Unmatchable
 
     def compile(self, filename: str) -> Any:
         """The function ``match(p)``."""

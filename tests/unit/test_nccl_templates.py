@@ -73,6 +73,60 @@ def test_a_stream_of_one_shape_goes_by_a_template_and_arrives_as_sent(store, env
             assert wire.PACK in envelopes[1].plan
 
 
+def _listed(i: int) -> dict:
+    """A chunk whose small tensors come in a list (a stage's token ids, positions, ...)
+    and a list of dicts."""
+    g = torch.Generator().manual_seed(100 + i)
+    return {"hidden": torch.randn(4096, generator=g),
+            "small": [torch.randn(64, generator=g) + j for j in range(16)],
+            "steps": [{"ids": torch.arange(4) + i, "done": i % 2 == 0}, {"ids": torch.arange(3) - i, "done": None}],
+            "meta": {"chunk": i, "names": ["a", "b" * (i % 3)]}}
+
+
+def _same_tree(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert type(got) is torch.Tensor and got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert type(got) is dict and list(got) == list(want)
+        for k in want:
+            _same_tree(got[k], want[k])
+    elif isinstance(want, list):
+        assert type(got) is list and len(got) == len(want)
+        for a, b in zip(got, want):
+            _same_tree(a, b)
+    else:
+        assert type(got) is type(want) and got == want
+
+
+@pytest.mark.parametrize("inline_bytes", [1024, 0])
+def test_a_stream_with_lists_of_tensors_goes_by_a_template(store, envelopes, inline_bytes):
+    with _open(store, "sender", inline_bytes=inline_bytes) as tx, _open(store, "receiver") as rx:
+        for i in range(5):
+            tx.put(f"k{i}", _listed(i), timeout=WAIT)
+            _same_tree(rx.get(f"k{i}", timeout=WAIT), _listed(i))
+        assert _kinds(envelopes) == ["whole", "define 0", "by 0", "by 0", "by 0"]
+        # A list of another length, or a tuple for a list: another shape, sent whole.
+        for i, change in enumerate(("shorter", "longer", "tuple")):
+            p = _listed(10 + i)
+            if change == "shorter":
+                p["small"].pop()
+            elif change == "longer":
+                p["steps"][1]["extra"] = 1
+                p["meta"]["names"].append("c")
+            else:
+                p["small"] = tuple(p["small"])
+            tx.put(f"odd{i}", p, timeout=WAIT)
+            got = rx.get(f"odd{i}", timeout=WAIT)
+            if change == "tuple":
+                assert type(got["small"]) is tuple
+                got["small"], p["small"] = list(got["small"]), list(p["small"])
+            _same_tree(got, p)
+            assert _kinds(envelopes)[-1] == "whole", change
+        tx.put("again", _listed(20), timeout=WAIT)
+        _same_tree(rx.get("again", timeout=WAIT), _listed(20))
+        assert _kinds(envelopes)[-1] == "by 0"
+
+
 def test_templates_are_on_by_default(store, envelopes):
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         assert tx.templates is True
@@ -211,19 +265,19 @@ def test_a_definition_whose_put_failed_is_made_again(store, envelopes, monkeypat
 
 
 # ------------------------------------------------------------------ hostile envelopes
-def _defined(store, **kw):
+def _defined(store, make=_chunk, **kw):
     """A sender and a receiver whose direction has template 0 (three payloads sent)."""
     tx = _open(store, "sender", templates=True, inline_bytes=1024, **kw)
     rx = _open(store, "receiver")
     for i in range(3):
-        tx.put(f"k{i}", _chunk(i), timeout=WAIT)
+        tx.put(f"k{i}", make(i), timeout=WAIT)
         rx.get(f"k{i}", timeout=WAIT)
     assert 0 in rx._tmpl_in
     return tx, rx
 
 
-def _templated(tx, **fields):
-    p = _chunk(7)
+def _templated(tx, make=_chunk, **fields):
+    p = make(7)
     sp, host = wire.send_by_template(tx._tmpl_by_id[0], p, device=tx.device, nccl=False, inline_bytes=1024,
                                      max_inline_total=1 << 20, key="x", pack_bytes=tx.pack_bytes, pad=tx._pad,
                                      bell_bytes=0)
@@ -263,25 +317,34 @@ def test_a_hostile_templated_doorbell_fails_the_link_before_allocation(store, mo
         tx.close()
 
 
-def test_a_tree_without_room_for_its_tensors_is_an_error_for_its_key_only(store):
-    tx, rx = _defined(store)
+@pytest.mark.parametrize("where", ["dict", "list", "short list", "list for a dict"])
+def test_a_tree_without_room_for_its_tensors_is_an_error_for_its_key_only(store, where):
+    make = _chunk if where == "dict" else _listed
+    tx, rx = _defined(store, make)
     try:
-        env = _templated(tx)
+        env = _templated(tx, make)
         host = msgspec.msgpack.decode(env.host)
-        host["hidden"] = 3  # no free place for the template's first tensor
+        if where == "dict":
+            host["hidden"] = 3  # no free place for the template's first tensor
+        elif where == "list":
+            host["small"][5] = 0.5
+        elif where == "short list":
+            host["small"] = host["small"][:3]
+        else:
+            host["steps"][1] = [None]
         raw = wire.encode_envelope(wire.Envelope(env.seq, "x", b"", [], env.inline, 0, b"", 0,
                                                  msgspec.msgpack.encode(host)))
         _forge_bell(tx, raw)
         with tx._send_lock:  # its bulk data, as a sender would (the stream stays in step)
             tx._send_seq += 1
-        sp, _ = wire.send_by_template(tx._tmpl_by_id[0], _chunk(7), device=tx.device, nccl=False,
+        sp, _ = wire.send_by_template(tx._tmpl_by_id[0], make(7), device=tx.device, nccl=False,
                                       inline_bytes=1024, max_inline_total=1 << 20, key="x",
                                       pack_bytes=tx.pack_bytes, pad=tx._pad, bell_bytes=0)
         tx._send_gloo(sp.p2p)
         with pytest.raises(BlobDecodeError, match="no free place"):
             rx.get("x", timeout=WAIT)
-        tx.put("after", _chunk(8), timeout=WAIT)  # the link keeps serving
-        _same(rx.get("after", timeout=WAIT), _chunk(8))
+        tx.put("after", make(8), timeout=WAIT)  # the link keeps serving
+        _same_tree(rx.get("after", timeout=WAIT), make(8))
     finally:
         rx.close()  # first: the sender's close then learns at once that nobody will credit
         tx.close()
@@ -291,7 +354,7 @@ def test_a_definition_of_a_shape_no_template_takes_fails_the_link(store):
     with _open(store, "sender") as tx, _open(store, "receiver") as rx:
         tx.wait_connected(WAIT)
         rx.wait_connected(WAIT)
-        p = {"t": torch.arange(2000), "l": [1, 2]}  # a list: no template's shape
+        p = {"t": torch.arange(2000), "l": (1, 2)}  # a tuple: no template's shape
         sp = wire.plan_send(p, device=tx.device, nccl=False, inline_bytes=0, max_inline_total=0, key="k")
         env = wire.Envelope(0, "k", sp.meta, sp.plan, sp.inline, wire.FLAG_DEFINE, b"", 0)
         _forge_bell(tx, wire.encode_envelope(env))
@@ -314,6 +377,8 @@ def test_a_template_compiles_only_the_shapes_it_can_carry():
     assert wire.compile_template(ok, plan(ok), 0, nccl=False, device=dev) is not None
     wide = {"a": torch.arange(3), **{f"k{i}": i for i in range(wire.MAX_TEMPLATE_NODES)}}
     param = {"a": torch.nn.Parameter(torch.ones(3), requires_grad=False)}
-    for bad in (wide, param, {"a": torch.arange(3), "l": [1]}, {"a": torch.arange(3), "t": (1,)}, {"x": 1},
+    lists = {"a": [torch.arange(3), {"b": [1, None, torch.ones(2)]}], "c": [], "d": [[2.5]]}
+    assert wire.compile_template(lists, plan(lists), 0, nccl=False, device=dev) is not None
+    for bad in (wide, param, {"a": torch.arange(3), "l": [b"x"]}, {"a": torch.arange(3), "t": (1,)}, {"x": 1},
                 {"a": torch.arange(3), "n": __import__("numpy").arange(3)}, [torch.arange(3)]):
         assert wire.compile_template(bad, plan(bad), 0, nccl=False, device=dev) is None, bad

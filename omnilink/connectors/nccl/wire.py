@@ -1333,13 +1333,14 @@ def decode_tree(header: blob.BlobHeader, views: list[Any]) -> Any:
 # carries no tensor_blob header and no plan, only ``tmpl``, the INLINE parts and the
 # tree as msgpack with ``None`` in place of each tensor (``host``). The sender checks
 # each payload against the template with one compiled function (``SendTemplate.match``:
-# its dict keys, the type of every leaf, each tensor's type, dtype, shape, device and
+# its dict keys, its lists' lengths, the type of every leaf, each tensor's type, dtype, shape, device and
 # layout) instead of walking it into a tensor_blob, and the receiver builds it by putting
 # the received tensors in the tree it decodes (``payload_of``) instead of decoding a
-# header and a tree of references. What a payload of a template may hold: nested dicts
-# of ``str`` keys whose leaves are tensors (each planned EMPTY, P2P, PACK or INLINE) and
-# plain scalars (``str``, ``int``, ``float``, ``bool``, ``None``); any other payload, or
-# one that differs from every template, is sent whole.
+# header and a tree of references. What a payload of a template may hold: a dict of
+# ``str`` keys, nested dicts of the same and lists (matched by their length), whose
+# leaves are tensors (each planned EMPTY, P2P, PACK or INLINE) and plain scalars
+# (``str``, ``int``, ``float``, ``bool``, ``None``); any other payload (a tuple, bytes,
+# a numpy array in it), or one that differs from every template, is sent whole.
 
 
 def _no_ext(code: int, data: memoryview) -> Any:
@@ -1358,32 +1359,35 @@ def _size_of(size_base: int, data_len: int, host_len: int) -> int:
     return blob._frame_bytes(size_base + host_len, data_len)
 
 
-def _tree_paths(tree: Any, is_tensor: Any) -> tuple[list[tuple[str, ...]], Any] | None:
+def _tree_paths(tree: Any, is_tensor: Any) -> tuple[list[tuple[Any, ...]], Any] | None:
     """The paths of the tensors of ``tree`` in walk order (tensor_blob's: dict order,
-    depth first) and the tree with ``None`` in their place, or ``None`` when ``tree`` is
-    not a template's shape (see above)."""
-    paths: list[tuple[str, ...]] = []
+    list order, depth first; a path step is a dict key or a list index) and the tree
+    with ``None`` in their place, or ``None`` when ``tree`` is not a template's shape
+    (see above)."""
+    paths: list[tuple[Any, ...]] = []
     nodes = [0]
 
-    def walk(x: Any, path: tuple[str, ...]) -> Any:
+    def value(v: Any, p: tuple[Any, ...]) -> Any:
         nodes[0] += 1
         if nodes[0] > MAX_TEMPLATE_NODES:
             raise ValueError
+        if is_tensor(v):
+            paths.append(p)
+            return None
+        if type(v) is dict:
+            return walk(v, p)
+        if type(v) is list:
+            return [value(x, (*p, i)) for i, x in enumerate(v)]
+        if type(v) in PLAIN_LEAVES:
+            return v
+        raise ValueError
+
+    def walk(x: Any, path: tuple[Any, ...]) -> Any:
         out = {}
         for k, v in x.items():
-            nodes[0] += 1
-            if type(k) is not str or nodes[0] > MAX_TEMPLATE_NODES:
+            if type(k) is not str:
                 raise ValueError
-            p = (*path, k)
-            if is_tensor(v):
-                paths.append(p)
-                out[k] = None
-            elif type(v) is dict:
-                out[k] = walk(v, p)
-            elif type(v) in PLAIN_LEAVES:
-                out[k] = v
-            else:
-                raise ValueError
+            out[k] = value(v, (*path, k))
         return out
 
     if type(tree) is not dict:
@@ -1440,15 +1444,15 @@ def compile_template(payload: Any, sp: SendPlan, tid: int, *, nccl: bool, device
     descs = prepared._descs
     if len(paths) != len(sources) or any(kind != blob.KIND_TORCH for kind, _ in sources):
         return None
-    src = TreeSource({"_T": torch.Tensor, "_S": torch.strided})
+    src = TreeSource({"_T": torch.Tensor, "_S": torch.strided}, lists=True)
     const = src.const
-    tensors: dict[tuple[str, ...], str] = {}
+    tensors: dict[tuple[Any, ...], str] = {}
 
-    def entry(v: Any, c: str, p: tuple[str, ...]) -> str | None:
+    def entry(v: Any, c: str, p: tuple[Any, ...]) -> str | None:
         if type(v) is tensor:
             tensors[p] = c  # (checked below, in descriptor order)
             return "None"
-        return None  # a dict or a leaf (``_tree_paths`` let nothing else through)
+        return None  # a dict, a list or a leaf (``_tree_paths`` let nothing else through)
 
     try:
         expr = src.node(payload, "p", (), entry)
@@ -1582,6 +1586,23 @@ class RecvTemplate:
         return t
 
 
+#: ``_child``'s answer for a child that is ``None`` (a tensor's place in a template's tree)
+_HOLE = object()
+
+
+def _child(node: Any, step: Any, missing: Any = None, hole: Any = None) -> Any:
+    """``node[step]`` of a received tree (a dict by key, a list by index), or
+    ``missing`` where it has no such child; a ``None`` child is ``hole``."""
+    t = type(node)
+    if t is dict:
+        v = node.get(step, missing) if type(step) is str else missing
+    elif t is list and type(step) is int and 0 <= step < len(node):
+        v = node[step]
+    else:
+        return missing
+    return hole if v is None else v
+
+
 def payload_of(ann: Announced, views: list[Any]) -> Any:
     """The payload of ``ann`` with ``views`` (one per descriptor) in it: its tensor_blob
     tree, or a templated payload's tree with each view put where its template says.
@@ -1597,9 +1618,9 @@ def payload_of(ann: Announced, views: list[Any]) -> Any:
     for path, v in zip(ann.paths, views):
         node = out
         for step in path[:-1]:
-            node = node.get(step) if type(node) is dict else None
+            node = _child(node, step)
         last = path[-1]
-        if type(node) is not dict or last not in node or node[last] is not None:
+        if _child(node, last, None, _HOLE) is not _HOLE:
             raise BlobDecodeError(
                 f"nccl: key {ann.env.key!r}: its tree has no free place at {list(path)} for a tensor of its template"
             )
