@@ -311,6 +311,52 @@ def test_large_tree_and_packed_small_tensors(gpu_pair):
 
 
 @pytest.mark.multigpu
+def test_small_receive_buffers_are_rows_of_a_slab_that_is_released_with_its_last_row(gpu_pair):
+    """Small receive buffers (here one pack: a 4 KiB tensor and three small ones) are
+    rows of slabs allocated ahead: payloads one after the other are consecutive rows of
+    one slab's memory until it is used up; payloads held while slabs are used up and
+    replaced stay intact (nothing reuses a row still held), a consumer stream's late
+    reads see their own bytes, and the slabs' memory goes back to the allocator once
+    their rows are dropped."""
+    tx, rx = gpu_pair
+    tx.wait_connected(WAIT)
+    rx.wait_connected(WAIT)
+    dev = torch.device("cuda:1")
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    held = []
+    count = 600  # three slabs or more of this pack's rows (1 MiB of ~4.9 KiB rows each)
+    for i in range(count):
+        hidden = torch.full((2048,), float(i % 256), device="cuda:0").to(torch.bfloat16)
+        small = [torch.full((64,), float(i * 10 + j), device="cuda:0") for j in range(3)]
+        tx.put(f"s{i}", {"hidden_states.output": hidden, "small": small, "i": i}, timeout=WAIT)
+        got = rx.get(f"s{i}", timeout=WAIT)
+        assert got["i"] == i
+        held.append((got["hidden_states.output"], got["small"]))
+    slabs = {h.untyped_storage().data_ptr() for h, _ in held}
+    assert len(slabs) >= 3
+    assert rx._slabs and all(s.rows.is_cuda for s in rx._slabs.values())
+    rows = next(iter(rx._slabs.values())).rows
+    stride = rows.stride(0) * rows.element_size()
+    steps = [b.data_ptr() - a.data_ptr() for (a, _), (b, _) in zip(held, held[1:])
+             if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()]
+    assert len(steps) >= count - len(slabs) - 2 and set(steps) == {stride}
+    # A late reader on a side stream of the consumer sees each payload's own bytes.
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        sums = [(h.float().sum(), torch.stack([x.sum() for x in small])) for h, small in held]
+    torch.cuda.synchronize(dev)
+    for i, (total, smalls) in enumerate(sums):
+        assert total.item() == float(i % 256) * 2048, i
+        assert smalls.tolist() == [float(i * 10 + j) * 64 for j in range(3)], i
+    del held, sums, got, total, smalls, rows
+    rx._slabs.clear()  # the open slabs too (as a receiver's close does)
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.memory_allocated(dev) <= base
+
+
+@pytest.mark.multigpu
 def test_get_orders_the_callers_stream_not_the_host(gpu_pair):
     """get returns with the caller's current stream ordered after the payload's bytes:
     work queued on that stream (and on a side stream made to wait for it) sees them, for

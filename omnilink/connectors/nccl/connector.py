@@ -250,6 +250,16 @@ _KEEPER_LOOK_S = 0.002
 BELL_BEFORE_SENDS = True
 #: ``_pumper`` while the keeper thread reads the doorbell.
 _KEEPER = -1
+#: NCCL receive buffers of at most this many bytes (a small tensor, a pack of small
+#: ones) are rows of a slab, one slab per buffer shape, of about ``SLAB_BYTES``: one
+#: allocation, one ``record_stream`` per consumer stream and one free per slab instead
+#: of one each per payload (a receive pool; the caching allocator still owns the
+#: memory). A row keeps its slab alive: a payload held keeps at most ``SLAB_BYTES`` per
+#: such buffer. 0: every buffer allocated on its own.
+SLAB_ITEM_MAX = 64 << 10
+SLAB_BYTES = 1 << 20
+#: Slabs (buffer shapes) a receiver keeps open at once; the oldest is let go past it.
+_SLAB_KINDS = 16
 #: How long a get reading the doorbell waits for more messages before it sends the
 #: credits it owes (see ``_pump``).
 _CREDIT_QUIET_S = 0.001
@@ -364,12 +374,25 @@ class _Waker:
             self.rx.close(0)
 
 
+class _Slab:
+    """Rows of one shape and dtype allocated at once on the receive stream, each the
+    receive buffer of one payload (``SLAB_ITEM_MAX``)."""
+
+    __slots__ = ("rows", "at", "streams")
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+        self.at = 0  # the next row to hand out
+        #: consumer streams (ids) recorded on its memory (``record_stream``)
+        self.streams: set[tuple[int, int, int]] = set()
+
+
 class _Arrived:
     """A payload of the index: its receives are posted (its bytes may still be on the way)."""
 
     __slots__ = (
-        "seq", "key", "nbytes", "frame_bytes", "payload", "device_tensors", "error", "event", "host_wait",
-        "landed", "build",
+        "seq", "key", "nbytes", "frame_bytes", "payload", "device_tensors", "slabs", "error", "event",
+        "host_wait", "landed", "build",
     )
 
     def __init__(self, seq: int, key: str, nbytes: int, frame_bytes: int) -> None:
@@ -379,8 +402,10 @@ class _Arrived:
         self.frame_bytes = frame_bytes
         #: The payload, built as soon as its receives were posted (unless ``build``).
         self.payload: Any = None
-        #: The device buffers the payload's tensors are views of.
+        #: The device buffers the payload's tensors are views of (allocated alone).
         self.device_tensors: list[Any] = []
+        #: The slabs its other device buffers are rows of.
+        self.slabs: list[_Slab] = []
         self.error: BaseException | None = None
         #: NCCL: a CUDA event recorded after its receives (and copies) on the receive
         #: stream; ``get`` orders the caller's stream after it.
@@ -811,6 +836,7 @@ class NcclConnector(BaseConnector):
         self._event_cls: Any = None  # NCCL: omnilink.cuda.runtime.Event
         self._dev_index = -1
         self._streams: dict[tuple[int, int, int], Any] = {}  # torch Stream objects by ids (record_stream)
+        self._slabs: dict[tuple[Any, ...], _Slab] = {}  # NCCL receive buffers' slabs by shape; the pumper's
         # Receiver, the doorbell: read by one thread at a time, the *pumper* (a get, an
         # aget's waiter or the keeper); the fields below are the pumper's own.
         self._pumper: int | None = None  # thread ident, or _KEEPER; under _cond
@@ -1922,6 +1948,15 @@ class NcclConnector(BaseConnector):
         allocs: Any = None
         raw = 0
         if self._is_nccl:
+            if ann.sizes and not env.region and SLAB_ITEM_MAX and max(ann.sizes) <= SLAB_ITEM_MAX:
+                allocs = wire.receive_allocs(header, env.plan)[0]
+                carved = self._carve(ann.sizes, allocs) if allocs is not None and wire.STAGED not in env.plan \
+                    else None
+                if carved is not None:
+                    bufs, item.slabs = carved
+                    raw = self._recv_raw
+                    self._post(self._pgs[self._in], bufs, send=False, stream=raw, sizes=ann.sizes)
+                    return item, bufs, region, works, allocs, raw
             if env.region or ann.sizes:
                 dev = self.device
                 idx = self._dev_index
@@ -1986,6 +2021,56 @@ class NcclConnector(BaseConnector):
             works = self._post(self._pgs[self._in], bufs, send=False)
             item.landed = False
         return item, bufs, region, works, allocs, raw
+
+    def _carve(self, sizes: list[int], allocs: list[Any]) -> tuple[list[Any], list[_Slab]] | None:
+        """The receive buffers of one payload as rows of slabs (``SLAB_ITEM_MAX``): each
+        the tensor it receives (``allocs``: its shape and dtype) or a uint8 row whose
+        width is a multiple of 64 bytes (a pack, at least its size); a new slab is
+        allocated on the receive stream when its shape's is used up. ``None`` when the
+        payload has no bulk buffer to carve."""
+        slabs = self._slabs
+        bufs = []
+        used: list[_Slab] = []
+        for n, a in zip(sizes, allocs):
+            key = (n,) if a is None else (n, a[0], a[1])
+            slab = slabs.get(key)
+            if slab is None or slab.at == slab.rows.shape[0]:
+                slab = self._new_slab(key, n, a)
+            bufs.append(slab.rows.select(0, slab.at))
+            slab.at += 1
+            if slab not in used:
+                used.append(slab)
+        return (bufs, used) if bufs else None
+
+    def _new_slab(self, key: tuple[Any, ...], n: int, alloc: Any) -> _Slab:
+        """A slab for receive buffers of ``n`` bytes (``alloc``: of that shape and
+        dtype, else uint8 rows of ``n`` rounded up to 64), allocated on the receive
+        stream (its device's current stream for the call), replacing ``key``'s."""
+        torch = self._torch
+        rows = max(2, SLAB_BYTES // max(n, 1))
+        idx = self._dev_index
+        C = torch._C
+        ids = self._recv_ids
+        prev = C._cuda_getCurrentStream(idx)
+        cur = C._cuda_getDevice()
+        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+        try:
+            if alloc is None:
+                width = (n + 63) // 64 * 64
+                t = torch.empty((rows, width), dtype=torch.uint8, device=self.device)
+            else:
+                t = torch.empty((rows, *alloc[0]), dtype=alloc[1], device=self.device)
+        finally:
+            C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+            if cur != idx:
+                C._cuda_setDevice(cur)
+        slab = _Slab(t)
+        slabs = self._slabs
+        slabs.pop(key, None)
+        if len(slabs) >= _SLAB_KINDS:
+            slabs.pop(next(iter(slabs)))
+        slabs[key] = slab
+        return slab
 
     def _list_posted(
         self, ann: wire.Announced, item: _Arrived, bufs: list[Any], region: Any, works: list[Any], allocs: Any,
@@ -2208,7 +2293,7 @@ class NcclConnector(BaseConnector):
                 self._ops.wait(self._torch._C._cuda_getCurrentRawStream(self._dev_index), event)
             except CudaError as exc:
                 raise PeerLostError(f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}") from exc
-            if item.device_tensors:
+            if item.device_tensors or item.slabs:
                 stream = self._streams.get(ids)
                 if stream is None:
                     if len(self._streams) >= 64:
@@ -2220,6 +2305,13 @@ class NcclConnector(BaseConnector):
                     # Allocated on the receive stream: keep the allocator from reusing the
                     # memory while the caller's stream may still use it.
                     t.record_stream(stream)
+                for slab in item.slabs:
+                    # A slab's memory goes back once its last row dies: recorded once
+                    # per consumer stream (the allocator waits for that stream's work
+                    # queued up to the free).
+                    if ids not in slab.streams:
+                        slab.rows.record_stream(stream)
+                        slab.streams.add(ids)
         self._count(bytes_got=item.frame_bytes)
         return item.payload
 
@@ -2407,6 +2499,8 @@ class NcclConnector(BaseConnector):
             self._deferred.clear()
             self._pending_bytes = 0
             self._held = 0
+            if not pumping:
+                self._slabs.clear()  # (rows handed out keep their slab's memory)
         self._close_sockets(stuck, pumping)
         self._release_claim()
         if not stuck:

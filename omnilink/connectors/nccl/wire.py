@@ -1206,7 +1206,7 @@ def _fast_views(r: _Recipe, received: list[Any], region: Any, inline: list[Any] 
         views[i] = buf.view(dt).view(shape)
     for code, dt, sizes, picks in r.runs:
         whole = pack if code == PACK else region
-        if whole is None or whole.storage_offset():
+        if whole is None or whole.storage_offset() % blob.FRAME_ALIGN:
             return None
         if code == BELL and _region_is_its_tensor(r, whole):
             views[picks[0][0]] = whole  # the region allocated as its one tensor (``receive_allocs``)
@@ -1310,10 +1310,10 @@ def _slow_views(
 
 
 def _typed(whole: Any, dt: Any) -> Any:
-    """``whole`` (a uint8 buffer whose storage starts at its first byte) as ``dt``: its
-    whole itemsizes (every tensor of the region starts at a multiple of 64 and spans
-    whole items, so it lies inside)."""
-    if whole.storage_offset():
+    """``whole`` (a uint8 buffer that starts at a multiple of 64 bytes of its storage:
+    its own allocation, or a row of a slab) as ``dt``: its whole itemsizes (every tensor
+    of the region starts at a multiple of 64 and spans whole items, so it lies inside)."""
+    if whole.storage_offset() % blob.FRAME_ALIGN:
         raise BlobDecodeError("nccl: a receive buffer does not start its storage")  # pragma: no cover
     n = int(whole.numel())
     usable = n - n % dt.itemsize
