@@ -114,3 +114,23 @@ def test_recipes_are_found_by_descriptor_ids_then_by_their_fields(monkeypatch):
         sp = plan({"a": np.full(8, i, dtype=np.int32), "ids": torch.arange(16) + i})
         assert sp.inline[0] == np.full(8, i, dtype=np.int32).tobytes()
     assert len(wire._SEND_PLANS) == 3
+
+
+def test_a_matched_replay_sends_its_p2p_tensors_themselves():
+    # A template's match checked them (contiguous, no grad, where they belong): NCCL
+    # sends their bytes from the tensors as they are, no byte view; the pack as before.
+    def make(s):
+        return {"h": _bf16(1 << 16, s).view(256, 256), "ids": torch.arange(s, s + 40, dtype=torch.int64),
+                "small": [_bf16(64, s + i) for i in range(3)]}
+
+    prepared, sp = _fresh(make(1))
+    assert wire.P2P in sp.plan and wire.PACK in sp.plan
+    recipe = wire._SendRecipe.of(prepared, sp, 0)
+    payload = make(2)
+    prepared, sp = _fresh(payload)
+    replay = recipe.apply(torch, prepared, PAD, matched=True)
+    assert replay.plan == sp.plan and len(replay.p2p) == len(sp.p2p) == 2
+    assert torch.equal(replay.p2p[0], sp.p2p[0])  # the pack: bytes, as planned afresh
+    assert replay.p2p[1] is payload["h"]
+    assert torch.equal(replay.p2p[1].reshape(-1).view(torch.uint8), sp.p2p[1])
+    assert replay.p2p_bytes == sp.p2p_bytes == sum(int(t.nbytes) for t in replay.p2p)

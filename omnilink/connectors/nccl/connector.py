@@ -260,6 +260,8 @@ SLAB_ITEM_MAX = 64 << 10
 SLAB_BYTES = 1 << 20
 #: Slabs (buffer shapes) a receiver keeps open at once; the oldest is let go past it.
 _SLAB_KINDS = 16
+#: Events of handed-out payloads a receiver keeps to record again.
+_FREE_EVENTS = 64
 #: How long a get reading the doorbell waits for more messages before it sends the
 #: credits it owes (see ``_pump``).
 _CREDIT_QUIET_S = 0.001
@@ -837,6 +839,9 @@ class NcclConnector(BaseConnector):
         self._dev_index = -1
         self._streams: dict[tuple[int, int, int], Any] = {}  # torch Stream objects by ids (record_stream)
         self._slabs: dict[tuple[Any, ...], _Slab] = {}  # NCCL receive buffers' slabs by shape; the pumper's
+        # NCCL: events of payloads handed out, recorded again for later ones (a stream
+        # wait already queued keeps the record it was queued after).
+        self._free_events: list[Any] = []
         # Receiver, the doorbell: read by one thread at a time, the *pumper* (a get, an
         # aget's waiter or the keeper); the fields below are the pumper's own.
         self._pumper: int | None = None  # thread ident, or _KEEPER; under _cond
@@ -2082,7 +2087,8 @@ class NcclConnector(BaseConnector):
         header = ann.header
         seq = env.seq
         if raw:
-            item.event = self._event_cls(self._dev_index).record(raw)
+            free = self._free_events
+            item.event = (free.pop() if free else self._event_cls(self._dev_index)).record(raw)
         # A payload with a view recipe (``allocs``) has no STAGED data: ready at once.
         if allocs is not None or not works or wire.early_ready(header, env.plan, nccl=self._is_nccl):
             try:
@@ -2293,6 +2299,8 @@ class NcclConnector(BaseConnector):
                 self._ops.wait(self._torch._C._cuda_getCurrentRawStream(self._dev_index), event)
             except CudaError as exc:
                 raise PeerLostError(f"nccl: receiving key {key!r} on channel {self.channel!r} failed: {exc}") from exc
+            if len(self._free_events) < _FREE_EVENTS:
+                self._free_events.append(event)
             if item.device_tensors or item.slabs:
                 stream = self._streams.get(ids)
                 if stream is None:

@@ -470,8 +470,9 @@ class SendPlan:
         Size of the region (0 when no BELL descriptor).
     p2p : list[Any]
         The bulk buffers, in order: the pack (if any) then, for each P2P/STAGED
-        descriptor, a flat uint8 tensor to send (on the connector's device). On gloo
-        these are snapshots the caller cannot touch.
+        descriptor, a flat uint8 tensor to send (on the connector's device; on NCCL a
+        payload sent by a template sends its contiguous P2P tensors themselves). On
+        gloo these are snapshots the caller cannot touch.
     nbytes : int
         tensor_blob frame size of the payload (what ``put`` returns).
     """
@@ -480,7 +481,7 @@ class SendPlan:
 
     def __init__(
         self, meta: bytes, plan: list[int], inline: list[bytes], p2p: list[Any], nbytes: int,
-        bell: list[tuple[int, Any, int]] | None = None, region_bytes: int = 0,
+        bell: list[tuple[int, Any, int]] | None = None, region_bytes: int = 0, p2p_bytes: int | None = None,
     ) -> None:
         #: the tensor_blob ``plan_send`` planned it from (``compile_template``)
         self.prepared: Any = None
@@ -491,7 +492,9 @@ class SendPlan:
         self.region_bytes = region_bytes
         self.p2p = p2p
         self.nbytes = nbytes
-        self.p2p_bytes = sum(int(t.numel()) for t in p2p)
+        #: bytes the bulk transfers carry (``p2p`` are uint8 views, or tensors a
+        #: template's match checked, whose byte count the caller gives)
+        self.p2p_bytes = sum(int(t.numel()) for t in p2p) if p2p_bytes is None else p2p_bytes
 
 
 def _align(n: int) -> int:
@@ -627,7 +630,7 @@ class _SendRecipe:
     device, or on the host) and contiguous as needed."""
 
     __slots__ = ("plan", "where", "checked", "inline", "bell", "region_bytes", "pack", "pack_bytes", "singles",
-                 "index", "cat", "pack_device", "pack_idx", "pack_nd")
+                 "index", "cat", "pack_device", "pack_idx", "pack_nd", "p2p_bytes")
 
     @classmethod
     def of(cls, prepared: Any, sp: SendPlan, index: int) -> _SendRecipe | None:
@@ -676,21 +679,26 @@ class _SendRecipe:
         r.singles = [i for i, code in enumerate(plan) if code == P2P]
         skip = set(r.pack_idx) if r.cat else set()
         r.checked = [i for i, w in enumerate(r.where) if w >= 0 and i not in skip]
+        r.p2p_bytes = sp.p2p_bytes  # (a payload of this shape's, whatever its values)
         return r
 
-    def apply(self, torch: Any, prepared: Any, pad: Any) -> SendPlan | None:
+    def apply(self, torch: Any, prepared: Any, pad: Any, *, matched: bool = False) -> SendPlan | None:
         """The plan of ``prepared`` (a payload of this shape), or ``None`` if a tensor is
-        not where it was (``plan_send`` plans afresh and names what is wrong)."""
+        not where it was (``plan_send`` plans afresh and names what is wrong).
+        ``matched``: a template's match checked every tensor already (where it is,
+        contiguous, no grad): each P2P tensor is sent as it is (NCCL moves its bytes),
+        not through a byte view."""
         sources = prepared._sources
-        index = self.index
-        where = self.where
-        for i in self.checked:
-            src = sources[i][1]
-            if where[i] == 1:
-                if not src.is_cuda or src.get_device() != index:
+        if not matched:
+            index = self.index
+            where = self.where
+            for i in self.checked:
+                src = sources[i][1]
+                if where[i] == 1:
+                    if not src.is_cuda or src.get_device() != index:
+                        return None
+                elif not src.is_cpu:
                     return None
-            elif not src.is_cpu:
-                return None
         inline = [_host_bytes(*sources[i]) for i in self.inline]
         if self.bell:
             bell = []
@@ -722,6 +730,10 @@ class _SendRecipe:
                 parts.append(_flat_bytes(sources[i][1], uint8))
                 end = at + n
             p2p.append(torch.cat(parts))
+        if matched:
+            for i in self.singles:
+                p2p.append(sources[i][1])
+            return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes, p2p_bytes=self.p2p_bytes)
         for i in self.singles:
             p2p.append(_flat_bytes(sources[i][1], uint8))
         return SendPlan(prepared.meta, self.plan, inline, p2p, prepared.nbytes)
@@ -1515,7 +1527,7 @@ def send_by_template(
     shim = _Shim(t.descs, [(blob.KIND_TORCH, x) for x in tensors], t.size(len(raw)))
     try:
         if t.recipe is not None:
-            sp = t.recipe.apply(torch, shim, pad)
+            sp = t.recipe.apply(torch, shim, pad, matched=True)
         else:
             sp = _plan_fresh(torch, shim, device=device, nccl=nccl, inline_bytes=inline_bytes,
                              max_inline_total=max_inline_total, key=key, pack_bytes=pack_bytes, pad=pad,
