@@ -458,7 +458,7 @@ BLOCKS = (
           render_nixl),
     Block("nixl-gpu-2xh200-before-direct", ("nixl-gpu-2xh200-before-direct.jsonl",), "python benchmarks/bench_nixl.py --device cuda --sizes 4KiB,1MiB,64MiB,256MiB --rounds 100 --connectors omnilink-nixl,raw-nixl,nccl,peer-copy --json FILE, with omnilink/connectors/nixl at commit 14d9c9d",
           render_nixl),
-    Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --rounds 3 --json FILE, at commit f35a410 (benchmarks/gpu/run_nccl_device.sh)",
+    Block("nccl-2xh200", ("nccl-2xh200.jsonl",), "python benchmarks/bench_nccl.py --backend nccl --rounds 3 --latency-iters 300 --json FILE, at commit bc768ca",
           render_pivot),
 )
 
