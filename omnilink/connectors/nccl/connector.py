@@ -606,10 +606,10 @@ class NcclConnector(BaseConnector):
     templates : bool
         Send a stream of payloads of one shape by a template (default True): once a
         shape (a dict of ``str`` keys holding tensors, scalars, and dicts and lists of
-        the same) was sent twice, the second one also defines a template on the receiver, and the
-        next ones are checked against it by one compiled function and sent without
-        their tensor_blob header (the tree's scalars only); the receiver puts the
-        received tensors in that tree. Any other payload is sent whole. Receivers take
+        the same) was sent twice, the second one also defines a template on the
+        receiver, and the next ones are checked against it by one compiled function
+        and sent without their tensor_blob header (the tree's scalars only); the
+        receiver puts the received tensors in that tree. Any other payload is sent whole. Receivers take
         templated payloads whatever this is set to. False sends every payload whole.
 
     Raises
