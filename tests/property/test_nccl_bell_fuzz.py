@@ -433,20 +433,26 @@ _TEMPLATE_PAYLOAD = {"hidden": torch.arange(40, dtype=torch.float32), "ids": tor
                      "meta": {"finished": False, "chunk": 3, "name": "r"}}
 
 
-def _template_link():
+#: A template's payload with lists: of tensors, of a dict holding one, of scalars.
+_LISTED_PAYLOAD = {"hidden": torch.arange(40, dtype=torch.float32),
+                   "small": [torch.arange(3), torch.ones(2, dtype=torch.bool)],
+                   "steps": [{"ids": torch.arange(4) * 2, "done": True}, 7, [None, "x"]]}
+
+
+def _template_link(payload=_TEMPLATE_PAYLOAD):
     """A receiver's template table holding template 0 (defined by a valid message of
-    ``_TEMPLATE_PAYLOAD``) and the sender's template of it."""
+    ``payload``) and the sender's template of it."""
     dev = torch.device("cpu")
     pad = torch.zeros(64, dtype=torch.uint8)
-    sp = wire.plan_send(_TEMPLATE_PAYLOAD, device=dev, nccl=False, inline_bytes=64, max_inline_total=1 << 20,
+    sp = wire.plan_send(payload, device=dev, nccl=False, inline_bytes=64, max_inline_total=1 << 20,
                         key="d", pack_bytes=256, pad=pad)
-    send = wire.compile_template(_TEMPLATE_PAYLOAD, sp, 0, nccl=False, device=dev)
+    send = wire.compile_template(payload, sp, 0, nccl=False, device=dev)
     assert send is not None
     templates: dict = {}
     raw = wire.encode_envelope(wire.Envelope(0, "d", sp.meta, sp.plan, sp.inline, wire.FLAG_DEFINE, b"", 0))
     wire.read_bell(raw, seq=0, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False,
                    templates=templates)
-    got = wire.send_by_template(send, _TEMPLATE_PAYLOAD, device=dev, nccl=False, inline_bytes=64,
+    got = wire.send_by_template(send, payload, device=dev, nccl=False, inline_bytes=64,
                                 max_inline_total=1 << 20, key="k", pack_bytes=256, pad=pad, bell_bytes=0)
     assert got is not None
     return templates, got
@@ -483,6 +489,79 @@ def test_templated_messages_are_announced_or_named_errors(tmpl, flags, host, inl
     except BlobDecodeError:
         return
     assert out["hidden"].shape == (40,) and out["ids"].shape == (4,)
+
+
+_plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6)
+
+
+def _nodes(tree, path=()):
+    """Every (path, node) of a decoded tree, the root first."""
+    yield path, tree
+    if type(tree) is dict:
+        for k, v in tree.items():
+            yield from _nodes(v, (*path, k))
+    elif type(tree) is list:
+        for i, v in enumerate(tree):
+            yield from _nodes(v, (*path, i))
+
+
+@fuzz(300)
+@given(data=st.data())
+def test_a_mutated_tree_of_a_template_with_lists_is_built_or_named(data):
+    """A templated envelope of a template with lists, whose tree is the valid one with
+    one place changed (a value replaced, a list cut or grown, a key renamed): either
+    every tensor lands where the template puts it, or a named error."""
+    templates, (sp, host) = _template_link(_LISTED_PAYLOAD)
+    tree = msgspec.msgpack.decode(host)
+    places = [p for p, _ in _nodes(tree) if p]
+    path = data.draw(st.sampled_from(places))
+    parent = tree
+    for step in path[:-1]:
+        parent = parent[step]
+    how = data.draw(st.sampled_from(["replace", "cut", "grow", "rename"]))
+    last = path[-1]
+    if how == "replace":
+        parent[last] = data.draw(_plain)
+    elif how == "cut" and type(parent) is list:
+        del parent[last:]
+    elif how == "grow" and type(parent) is list:
+        parent.append(data.draw(_plain))
+    elif how == "rename" and type(parent) is dict:
+        parent[str(last) + "_"] = parent.pop(last)
+    raw = wire.encode_envelope(wire.Envelope(1, "k", b"", [], sp.inline, 0, b"", 0, msgspec.msgpack.encode(tree)))
+    try:
+        ann = wire.read_bell(raw, seq=1, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False,
+                             templates=templates)
+    except (BlobDecodeError, CapacityError):
+        return
+    views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, [t.clone() for t in sp.p2p],
+                             device=torch.device("cpu"))
+    try:
+        out = wire.payload_of(ann, views)
+    except BlobDecodeError:
+        return
+    # Each tensor at its place (the tree's plain values are the sender's to change).
+    assert torch.equal(out["hidden"], _LISTED_PAYLOAD["hidden"])
+    assert torch.equal(out["small"][0], _LISTED_PAYLOAD["small"][0])
+    assert torch.equal(out["small"][1], _LISTED_PAYLOAD["small"][1]) and out["small"][1].dtype == torch.bool
+    assert torch.equal(out["steps"][0]["ids"], _LISTED_PAYLOAD["steps"][0]["ids"])
+
+
+def test_a_templated_payload_with_lists_is_built_as_sent():
+    templates, (sp, host) = _template_link(_LISTED_PAYLOAD)
+    raw = wire.encode_envelope(wire.Envelope(1, "k", b"", [], sp.inline, 0, b"", 0, host))
+    ann = wire.read_bell(raw, seq=1, max_header_bytes=MAX_HEADER, max_message_bytes=MAX_MESSAGE, nccl=False,
+                         templates=templates)
+    assert ann.frame == sp.nbytes == blob.encoded_size(_LISTED_PAYLOAD)
+    assert ann.paths == (("hidden",), ("small", 0), ("small", 1), ("steps", 0, "ids"))
+    views = wire.build_views(ann.header, ann.env.plan, ann.env.inline, [t.clone() for t in sp.p2p],
+                             device=torch.device("cpu"))
+    out = wire.payload_of(ann, views)
+    assert out["steps"][1:] == [7, [None, "x"]] and out["steps"][0]["done"] is True
+    assert torch.equal(out["small"][1], _LISTED_PAYLOAD["small"][1])
 
 
 def test_a_templated_payload_is_sized_and_built_as_sent():
