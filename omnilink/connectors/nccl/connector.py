@@ -380,10 +380,11 @@ class _Slab:
     """Rows of one shape and dtype allocated at once on the receive stream, each the
     receive buffer of one payload (``SLAB_ITEM_MAX``)."""
 
-    __slots__ = ("rows", "at", "streams")
+    __slots__ = ("rows", "size", "at", "streams")
 
-    def __init__(self, rows: Any) -> None:
+    def __init__(self, rows: Any, size: int) -> None:
         self.rows = rows
+        self.size = size  # its rows
         self.at = 0  # the next row to hand out
         #: consumer streams (ids) recorded on its memory (``record_stream``)
         self.streams: set[tuple[int, int, int]] = set()
@@ -1953,34 +1954,24 @@ class NcclConnector(BaseConnector):
         allocs: Any = None
         raw = 0
         if self._is_nccl:
-            if ann.sizes and not env.region and SLAB_ITEM_MAX and max(ann.sizes) <= SLAB_ITEM_MAX:
-                allocs = wire.receive_allocs(header, env.plan)[0]
-                carved = self._carve(ann.sizes, allocs) if allocs is not None and wire.STAGED not in env.plan \
-                    else None
-                if carved is not None:
-                    bufs, item.slabs = carved
+            if env.region or ann.sizes:
+                # Buffers allocated as the tensors they hold where the payload allows
+                # (NCCL moves bytes): no view to build afterwards.
+                allocs, region_alloc = wire.receive_allocs(header, env.plan)
+                if (allocs is not None and ann.sizes and not env.region and SLAB_ITEM_MAX
+                        and max(ann.sizes) <= SLAB_ITEM_MAX and wire.STAGED not in env.plan):
+                    bufs, item.slabs = self._carve(ann.sizes, allocs)
                     raw = self._recv_raw
                     self._post(self._pgs[self._in], bufs, send=False, stream=raw, sizes=ann.sizes)
                     return item, bufs, region, works, allocs, raw
-            if env.region or ann.sizes:
                 dev = self.device
-                idx = self._dev_index
                 # The region (then nothing else goes by NCCL) goes on the region stream,
                 # where only such small copies run (a copy from pageable memory may wait
                 # for its stream); bulk buffers on the receive stream, whose work waits
-                # for the receives. That stream is made current for this device with
-                # torch's internal call (its ``stream`` context manager costs more than
-                # a small payload's copy): the buffers are allocated on it.
+                # for the receives: the buffers are allocated with it current.
                 ids, raw = (self._region_ids, self._region_raw) if env.region else (self._recv_ids, self._recv_raw)
-                C = torch._C
-                prev = C._cuda_getCurrentStream(idx)
-                # Setting a stream makes its device current too: the caller's comes back.
-                cur = C._cuda_getDevice()
-                C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+                saved = self._use_stream(ids)
                 try:
-                    # Buffers allocated as the tensors they hold where the payload allows
-                    # (NCCL moves bytes): no view to build afterwards.
-                    allocs, region_alloc = wire.receive_allocs(header, env.plan)
                     if env.region:
                         # From the doorbell message's own bytes: the copy returns once
                         # CUDA staged them.
@@ -2017,9 +2008,7 @@ class NcclConnector(BaseConnector):
                             bufs = host_bufs
                             item.host_wait = True
                 finally:
-                    C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-                    if cur != idx:
-                        C._cuda_setDevice(cur)
+                    self._restore_stream(saved)
                 item.device_tensors = [region] if region is not None else [b for b in bufs if b.is_cuda]
         elif ann.sizes:
             bufs = [torch.empty(n, dtype=uint8) for n in ann.sizes]
@@ -2027,25 +2016,43 @@ class NcclConnector(BaseConnector):
             item.landed = False
         return item, bufs, region, works, allocs, raw
 
-    def _carve(self, sizes: list[int], allocs: list[Any]) -> tuple[list[Any], list[_Slab]] | None:
+    def _use_stream(self, ids: tuple[int, int, int]) -> tuple[Any, int]:
+        """Make the stream ``ids`` current for the link's device (torch's internal call:
+        its ``stream`` context manager costs more than a small payload's copy), so that
+        what is allocated now is allocated on it; what ``_restore_stream`` needs."""
+        C = self._torch._C
+        prev = C._cuda_getCurrentStream(self._dev_index)
+        # Setting a stream makes its device current too: the caller's comes back.
+        cur = C._cuda_getDevice()
+        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+        return prev, cur
+
+    def _restore_stream(self, saved: tuple[Any, int]) -> None:
+        """The caller's current stream and device back (``_use_stream``)."""
+        C = self._torch._C
+        prev, cur = saved
+        C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+        if cur != self._dev_index:
+            C._cuda_setDevice(cur)
+
+    def _carve(self, sizes: list[int], allocs: list[Any]) -> tuple[list[Any], list[_Slab]]:
         """The receive buffers of one payload as rows of slabs (``SLAB_ITEM_MAX``): each
         the tensor it receives (``allocs``: its shape and dtype) or a uint8 row whose
         width is a multiple of 64 bytes (a pack, at least its size); a new slab is
-        allocated on the receive stream when its shape's is used up. ``None`` when the
-        payload has no bulk buffer to carve."""
+        allocated on the receive stream when its shape's is used up."""
         slabs = self._slabs
         bufs = []
         used: list[_Slab] = []
         for n, a in zip(sizes, allocs):
             key = (n,) if a is None else (n, a[0], a[1])
             slab = slabs.get(key)
-            if slab is None or slab.at == slab.rows.shape[0]:
+            if slab is None or slab.at == slab.size:
                 slab = self._new_slab(key, n, a)
             bufs.append(slab.rows.select(0, slab.at))
             slab.at += 1
             if slab not in used:
                 used.append(slab)
-        return (bufs, used) if bufs else None
+        return bufs, used
 
     def _new_slab(self, key: tuple[Any, ...], n: int, alloc: Any) -> _Slab:
         """A slab for receive buffers of ``n`` bytes (``alloc``: of that shape and
@@ -2053,12 +2060,7 @@ class NcclConnector(BaseConnector):
         stream (its device's current stream for the call), replacing ``key``'s."""
         torch = self._torch
         rows = max(2, SLAB_BYTES // max(n, 1))
-        idx = self._dev_index
-        C = torch._C
-        ids = self._recv_ids
-        prev = C._cuda_getCurrentStream(idx)
-        cur = C._cuda_getDevice()
-        C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+        saved = self._use_stream(self._recv_ids)
         try:
             if alloc is None:
                 width = (n + 63) // 64 * 64
@@ -2066,10 +2068,8 @@ class NcclConnector(BaseConnector):
             else:
                 t = torch.empty((rows, *alloc[0]), dtype=alloc[1], device=self.device)
         finally:
-            C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
-            if cur != idx:
-                C._cuda_setDevice(cur)
-        slab = _Slab(t)
+            self._restore_stream(saved)
+        slab = _Slab(t, rows)
         slabs = self._slabs
         slabs.pop(key, None)
         if len(slabs) >= _SLAB_KINDS:

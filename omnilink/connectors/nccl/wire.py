@@ -1598,21 +1598,19 @@ class RecvTemplate:
         return t
 
 
-#: ``_child``'s answer for a child that is ``None`` (a tensor's place in a template's tree)
-_HOLE = object()
+#: ``_child``'s answer where a received tree has no such child
+_MISSING = object()
 
 
-def _child(node: Any, step: Any, missing: Any = None, hole: Any = None) -> Any:
+def _child(node: Any, step: Any) -> Any:
     """``node[step]`` of a received tree (a dict by key, a list by index), or
-    ``missing`` where it has no such child; a ``None`` child is ``hole``."""
+    ``_MISSING`` where it has no such child (``node`` itself missing included)."""
     t = type(node)
     if t is dict:
-        v = node.get(step, missing) if type(step) is str else missing
-    elif t is list and type(step) is int and 0 <= step < len(node):
-        v = node[step]
-    else:
-        return missing
-    return hole if v is None else v
+        return node.get(step, _MISSING) if type(step) is str else _MISSING
+    if t is list and type(step) is int and 0 <= step < len(node):
+        return node[step]
+    return _MISSING
 
 
 def payload_of(ann: Announced, views: list[Any]) -> Any:
@@ -1632,7 +1630,7 @@ def payload_of(ann: Announced, views: list[Any]) -> Any:
         for step in path[:-1]:
             node = _child(node, step)
         last = path[-1]
-        if _child(node, last, None, _HOLE) is not _HOLE:
+        if _child(node, last) is not None:
             raise BlobDecodeError(
                 f"nccl: key {ann.env.key!r}: its tree has no free place at {list(path)} for a tensor of its template"
             )
