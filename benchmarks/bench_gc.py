@@ -77,7 +77,8 @@ def _connect(backend: str, role: str, channel: str, port: int, device: str | Non
     return omnilink.connect(backend, channel=channel, role=role, timeout=120.0)
 
 
-def _side(role: str, backend: str, channel: str, port: int, n: int, size: int, freeze: bool, q: Any) -> None:
+def _side(role: str, backend: str, channel: str, port: int, n: int, size: int, freeze: bool, q: Any,
+          done: Any) -> None:
     import gc
 
     import torch
@@ -124,15 +125,20 @@ def _side(role: str, backend: str, channel: str, port: int, n: int, size: int, f
     except BaseException as exc:  # reported to the parent
         q.put(("error", role, f"{type(exc).__name__}: {exc}"))
     finally:
+        if role == "sender":
+            # A sender that closes before its receiver attached takes its payloads with
+            # it: it closes once the parent has the receiver's report.
+            done.wait(600)
         conn.close()
 
 
 def run(backend: str, n: int, size: int, freeze: bool) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    done = ctx.Event()
     channel = f"bench-gc-{os.getpid()}-{backend}-{int(freeze)}"
     (port,) = free_ports(1)
-    procs = [ctx.Process(target=_side, args=(role, backend, channel, port, n, size, freeze, q), daemon=True)
+    procs = [ctx.Process(target=_side, args=(role, backend, channel, port, n, size, freeze, q, done), daemon=True)
              for role in ("receiver", "sender")]
     for p in procs:
         p.start()
@@ -144,6 +150,7 @@ def run(backend: str, n: int, size: int, freeze: bool) -> dict[str, dict[str, An
                 raise RuntimeError(f"bench_gc {backend}: {role}: {body}")
             out[role] = body
     finally:
+        done.set()
         for p in procs:
             p.join(30)
             if p.is_alive():
